@@ -1,0 +1,36 @@
+"""ds4: DeepSeek V4 (Flash) from GGUF files, with exact speculative decoding.
+
+The engine is written in Rust (``ds4._ds4``); this package is its Python surface.
+"""
+
+from __future__ import annotations
+
+from . import gguf, quant
+from ._ds4 import __version__
+from .errors import ContextOverflowError, Ds4Error, GGUFError, UnsupportedModelError
+from .gguf import GGUFFile, TensorInfo
+from .convert import convert, convert_tokenizer
+from .model import Model, Session, Snapshot
+from .sampling import Sampling
+from .tokenizer import StreamDecoder, Tokenizer, render_chat
+
+__all__ = [
+    "ContextOverflowError",
+    "Ds4Error",
+    "GGUFError",
+    "GGUFFile",
+    "Model",
+    "Sampling",
+    "Session",
+    "Snapshot",
+    "StreamDecoder",
+    "TensorInfo",
+    "Tokenizer",
+    "UnsupportedModelError",
+    "__version__",
+    "convert",
+    "convert_tokenizer",
+    "gguf",
+    "quant",
+    "render_chat",
+]

@@ -1,0 +1,83 @@
+"""``ds4 bench``: prefill and decode speed of a model on this machine.
+
+Prefill is timed as one evaluation of a ``prompt``-token prompt. Decode is timed token by
+token after a prefill, feeding back the argmax; each figure is the median over ``runs``
+runs (after one warm-up run). Decode bandwidth counts the weight bytes one token reads (every
+non-expert matrix, the active experts, the head; ``Model.decode_weight_bytes``).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from .model import Model
+
+__all__ = ["BenchResult", "bench"]
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    model: str
+    prompt_tokens: int
+    decode_tokens: int
+    runs: int
+    prefill_tok_s: float
+    decode_tok_s: float
+    decode_weight_bytes: int
+    decode_gb_s: float
+    threads: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.model}\n"
+            f"  prefill  {self.prompt_tokens:5d} tokens  {self.prefill_tok_s:10.1f} tok/s\n"
+            f"  decode   {self.decode_tokens:5d} tokens  {self.decode_tok_s:10.2f} tok/s  "
+            f"{self.decode_weight_bytes / 1e6:,.1f} MB of weights/token  {self.decode_gb_s:6.2f} GB/s\n"
+            f"  (median of {self.runs} runs, {self.threads} threads)"
+        )
+
+
+def bench(path: str | os.PathLike[str], *, prompt: int = 128, decode: int = 32, runs: int = 3,
+          seed: int = 0) -> BenchResult:
+    """Measures prefill and decode tokens/s of the model at ``path``."""
+    if prompt < 1 or decode < 1 or runs < 1:
+        raise ValueError("prompt, decode and runs must be at least 1")
+    model = Model.load(path)
+    vocab = model.vocab_size
+    rng = np.random.default_rng(seed)
+    tokens = [int(t) for t in rng.integers(0, vocab, size=prompt)]
+    ctx = prompt + decode + 1
+
+    prefill: list[float] = []
+    decode_times: list[float] = []
+    for run in range(runs + 1):  # run 0 warms caches and page-ins, and is not counted
+        s = model.session(ctx)
+        t0 = time.perf_counter()
+        logits = s.eval(tokens, logits="last")
+        t1 = time.perf_counter()
+        tok = int(np.argmax(logits[0]))
+        per_token = []
+        for _ in range(decode):
+            a = time.perf_counter()
+            tok = int(np.argmax(s.eval([tok])[0]))
+            per_token.append(time.perf_counter() - a)
+        if run:
+            prefill.append(t1 - t0)
+            decode_times.append(statistics.median(per_token))
+    pre_s = statistics.median(prefill)
+    dec_s = statistics.median(decode_times)
+    nbytes = model.decode_weight_bytes()
+    return BenchResult(
+        model=os.fspath(path), prompt_tokens=prompt, decode_tokens=decode, runs=runs,
+        prefill_tok_s=prompt / pre_s, decode_tok_s=1.0 / dec_s, decode_weight_bytes=nbytes,
+        decode_gb_s=nbytes / dec_s / 1e9, threads=os.cpu_count() or 1,
+    )

@@ -1,0 +1,208 @@
+//! The forward pass: embedding, the layers, the output head.
+//!
+//! A batch of `n` tokens is evaluated as `n` consecutive decode steps. Everything that does
+//! not touch the decode state (projections, norms, hyper-connections, MoE) runs batched;
+//! the state updates and attention run row by row in position order, each row seeing
+//! exactly the state a single-token decode would see. Every per-row value is computed by
+//! the same code with the same reduction order whatever `n` is, so a row's logits and state
+//! updates are bitwise independent of the batch it came in.
+
+use crate::backend::cpu::{matmul, matmul_new, rms_norm_plain, rms_norm_rows};
+use crate::model::attention::{attend, raw_range, visible_compressed};
+use crate::model::config::AttentionKind;
+use crate::model::{hyper, indexer, moe, Model};
+use crate::state::{CompressorState, State};
+use crate::Result;
+
+/// Which rows of a batch need logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    All,
+    Last,
+    None,
+}
+
+impl Model {
+    /// Runs `tokens` through the model from `state`, advancing it, and returns the logits of
+    /// the rows `which` asks for (`rows * vocab` floats). Callers check the context and the
+    /// token ids first; this never fails half-way on valid input.
+    pub(crate) fn forward(&self, state: &mut State, tokens: &[u32], which: Logits) -> Result<Vec<f32>> {
+        let cfg = &self.config;
+        let raw = self.file.raw();
+        let (d, hc) = (cfg.hidden, cfg.hc_mult);
+        let n = tokens.len();
+        let pos0 = state.pos;
+
+        // Embedding, copied into every stream.
+        let mut x = vec![0f32; n * hc * d];
+        let mut e = vec![0f32; d];
+        for (r, &t) in tokens.iter().enumerate() {
+            crate::quant::dequantize(self.weights.embed.ty, self.weights.embed.row(raw, t as usize), &mut e)?;
+            for s in 0..hc {
+                x[(r * hc + s) * d..(r * hc + s + 1) * d].copy_from_slice(&e);
+            }
+        }
+
+        for (li, (lw, spec)) in self.weights.layers.iter().zip(&cfg.layers).enumerate() {
+            // ---- attention sublayer
+            let (mut h, mixes) = hyper::pre(raw, &lw.hc_attn, &x, cfg)?;
+            rms_norm_rows(&mut h, &lw.attn_norm, cfg.rms_eps);
+            let attn = self.attention(li, state, pos0, &h)?;
+            hyper::post(&mut x, &attn, &mixes, hc, d);
+
+            // ---- MoE sublayer
+            let (mut h, mixes) = hyper::pre(raw, &lw.hc_ffn, &x, cfg)?;
+            rms_norm_rows(&mut h, &lw.ffn_norm, cfg.rms_eps);
+            let f = moe::forward(raw, cfg, spec, lw, &h, tokens)?;
+            hyper::post(&mut x, &f, &mixes, hc, d);
+        }
+        state.pos += n;
+        state.tokens.extend_from_slice(tokens);
+
+        let rows = match which {
+            Logits::All => 0..n,
+            Logits::Last => n.saturating_sub(1)..n,
+            Logits::None => return Ok(Vec::new()),
+        };
+        let xs = &x[rows.start * hc * d..rows.end * hc * d];
+        let mut y = hyper::head(raw, &self.weights.hc_head, xs, hc, d, cfg.rms_eps, cfg.hc_eps)?;
+        rms_norm_rows(&mut y, &self.weights.output_norm, cfg.rms_eps);
+        matmul_new(raw, &self.weights.output, &y)
+    }
+
+    /// The attention sublayer of layer `li` for the rows of `h` (already normalized), at
+    /// positions `pos0..`: updates the layer's state and returns `n * hidden` outputs.
+    fn attention(&self, li: usize, state: &mut State, pos0: usize, h: &[f32]) -> Result<Vec<f32>> {
+        let cfg = &self.config;
+        let raw = self.file.raw();
+        let lw = &self.weights.layers[li];
+        let spec = &cfg.layers[li];
+        let rope = &self.ropes[li];
+        let (nh, hd) = (cfg.n_heads, cfg.head_dim);
+        let n = h.len() / cfg.hidden;
+
+        let mut cq = matmul_new(raw, &lw.q_a, h)?;
+        rms_norm_rows(&mut cq, &lw.q_a_norm, cfg.rms_eps);
+        let mut q = matmul_new(raw, &lw.q_b, &cq)?;
+        for (r, qr) in q.chunks_mut(nh * hd).enumerate() {
+            for head in qr.chunks_mut(hd) {
+                rms_norm_plain(head, cfg.rms_eps);
+                rope.apply(head, pos0 + r, false);
+            }
+        }
+        let mut kv = matmul_new(raw, &lw.kv, h)?;
+        rms_norm_rows(&mut kv, &lw.kv_norm, cfg.rms_eps);
+        let precision = state.precision;
+        for (r, k) in kv.chunks_mut(hd).enumerate() {
+            rope.apply(k, pos0 + r, false);
+            precision.round_kv(k, cfg.rope_dim);
+        }
+
+        // Compressor and indexer projections (state-free, batched).
+        let comp = match &lw.compressor {
+            Some(cw) => Some((matmul_new(raw, &cw.kv, h)?, matmul_new(raw, &cw.gate, h)?)),
+            None => None,
+        };
+        let idx = match &lw.indexer {
+            Some(iw) => {
+                let id = cfg.index_head_dim;
+                let mut iq = matmul_new(raw, &iw.q_b, &cq)?;
+                for (r, qr) in iq.chunks_mut(cfg.index_heads * id).enumerate() {
+                    rope.apply_heads(qr, id, pos0 + r, false);
+                    precision.round_index(qr, id);
+                }
+                let mut g = matmul_new(raw, &iw.proj, h)?;
+                let gs = 1.0 / (cfg.index_heads as f32).sqrt();
+                g.iter_mut().for_each(|v| *v *= gs);
+                let ckv = matmul_new(raw, &iw.compressor.kv, h)?;
+                let cg = matmul_new(raw, &iw.compressor.gate, h)?;
+                Some((iq, g, ckv, cg))
+            }
+            None => None,
+        };
+
+        // Row by row: update the state with this token, then attend.
+        let ls = &mut state.layers[li];
+        let mut o = vec![0f32; n * nh * hd];
+        for r in 0..n {
+            let pos = pos0 + r;
+            ls.push_raw(pos, &kv[r * hd..(r + 1) * hd]);
+            if let (Some((ckv, cg)), Some(cw), Some(cs)) = (&comp, &lw.compressor, ls.compressor.as_mut()) {
+                compress_step(cs, pos, ckv, cg, &cw.ape, &cw.norm, r, cfg.rms_eps, rope, |row| {
+                    precision.round_kv(row, cfg.rope_dim)
+                });
+            }
+            if let (Some((_, _, ckv, cg)), Some(iw), Some(is)) = (&idx, &lw.indexer, ls.indexer.as_mut()) {
+                let id = cfg.index_head_dim;
+                compress_step(is, pos, ckv, cg, &iw.compressor.ape, &iw.compressor.norm, r, cfg.rms_eps, rope, |row| {
+                    precision.round_index(row, id)
+                });
+            }
+
+            let mut keys: Vec<&[f32]> = raw_range(pos, ls.window).map(|p| ls.raw(p)).collect();
+            if let Some(cs) = &ls.compressor {
+                let n_vis = visible_compressed(pos, spec.ratio).min(cs.rows.len());
+                match (spec.kind, &idx, &ls.indexer) {
+                    (AttentionKind::Csa, Some((iq, g, _, _)), Some(is)) => {
+                        let id = cfg.index_head_dim;
+                        let ih = cfg.index_heads;
+                        let sel = indexer::select(
+                            &iq[r * ih * id..(r + 1) * ih * id],
+                            &g[r * ih..(r + 1) * ih],
+                            &is.rows,
+                            n_vis.min(is.rows.len()),
+                            cfg.index_topk,
+                        );
+                        keys.extend(sel.into_iter().map(|w| cs.rows.row(w)));
+                    }
+                    _ => keys.extend((0..n_vis).map(|w| cs.rows.row(w))),
+                }
+            }
+            let orow = &mut o[r * nh * hd..(r + 1) * nh * hd];
+            attend(&q[r * nh * hd..(r + 1) * nh * hd], &keys, &lw.sinks, hd, orow);
+            rope.apply_heads(orow, hd, pos, true);
+        }
+
+        // Grouped low-rank output projection: group g's heads through rows g*R.. of o_a.
+        let (groups, rank) = (cfg.o_groups, cfg.o_lora_rank);
+        let gin = nh * hd / groups;
+        let mut u = vec![0f32; n * groups * rank];
+        for g in 0..groups {
+            let wg = crate::model::weights::Mat { n_out: rank, start: lw.o_a.start + g * rank * lw.o_a.row_bytes, ..lw.o_a };
+            let xg: Vec<f32> = (0..n).flat_map(|r| o[r * nh * hd + g * gin..r * nh * hd + (g + 1) * gin].iter().copied()).collect();
+            let mut yg = vec![0f32; n * rank];
+            matmul(raw, &wg, &xg, &mut yg)?;
+            for r in 0..n {
+                u[r * groups * rank + g * rank..r * groups * rank + (g + 1) * rank].copy_from_slice(&yg[r * rank..(r + 1) * rank]);
+            }
+        }
+        matmul_new(raw, &lw.o_b, &u)
+    }
+}
+
+/// Feeds row `r` of a compressor's projections to its state; an emitted row is normalized,
+/// rotated at its window's first position, rounded to the storage precision and appended.
+#[allow(clippy::too_many_arguments)]
+fn compress_step(
+    cs: &mut CompressorState,
+    pos: usize,
+    kv: &[f32],
+    gate: &[f32],
+    ape: &[f32],
+    norm: &[f32],
+    r: usize,
+    eps: f32,
+    rope: &crate::model::rope::Rope,
+    round: impl Fn(&mut [f32]),
+) {
+    let pw = cs.proj_width();
+    let slot = pos % cs.ratio;
+    let score: Vec<f32> = gate[r * pw..(r + 1) * pw].iter().zip(&ape[slot * pw..(slot + 1) * pw]).map(|(g, a)| g + a).collect();
+    let mut row = vec![0f32; cs.width];
+    if cs.push(pos, &kv[r * pw..(r + 1) * pw], &score, &mut row) {
+        crate::backend::cpu::rms_norm(&mut row, norm, eps);
+        rope.apply(&mut row, pos + 1 - cs.ratio, false);
+        round(&mut row);
+        cs.rows.push(&row);
+    }
+}

@@ -1,0 +1,85 @@
+//! The DeepSeek V4 model: configuration, weights bound from a GGUF file, and the CPU
+//! forward pass (one file per block kind).
+
+pub mod attention;
+pub mod config;
+pub mod forward;
+pub mod hyper;
+pub mod indexer;
+pub mod moe;
+pub mod rope;
+pub mod weights;
+
+use std::path::Path;
+use std::sync::Arc;
+
+pub use config::{AttentionKind, LayerSpec, ModelConfig};
+pub use forward::Logits;
+
+use crate::gguf::GgufFile;
+use crate::Result;
+use rope::Rope;
+use weights::Weights;
+
+/// A loaded model: the memory-mapped file, its configuration and bound weights.
+pub struct Model {
+    pub(crate) file: Arc<GgufFile>,
+    pub config: ModelConfig,
+    pub weights: Weights,
+    /// Each layer's rotary table: plain on sliding layers, YaRN on compressed ones.
+    pub(crate) ropes: Vec<Rope>,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model").field("config", &self.config).finish_non_exhaustive()
+    }
+}
+
+impl Model {
+    /// Opens, validates and binds a `deepseek4` GGUF file.
+    pub fn load(path: impl AsRef<Path>) -> Result<Self> {
+        Self::from_gguf(Arc::new(GgufFile::open(path)?))
+    }
+
+    pub fn from_gguf(file: Arc<GgufFile>) -> Result<Self> {
+        let config = ModelConfig::from_gguf(&file)?;
+        let weights = Weights::bind(&file, &config)?;
+        let plain = Rope::plain(config.rope_base, config.rope_dim);
+        let compressed = match &config.yarn {
+            Some(y) => Rope::yarn(config.compress_rope_base, config.rope_dim, y),
+            None => Rope::plain(config.compress_rope_base, config.rope_dim),
+        };
+        let ropes = config
+            .layers
+            .iter()
+            .map(|l| if l.kind == AttentionKind::Sliding { plain.clone() } else { compressed.clone() })
+            .collect();
+        Ok(Model { file, config, weights, ropes })
+    }
+
+    /// The GGUF file the model was loaded from.
+    pub fn file(&self) -> &GgufFile {
+        &self.file
+    }
+
+    /// Bytes of weights read to decode one token: every non-expert matrix, the experts
+    /// actually used (`n_experts_used` of each layer), one embedding row and the head.
+    pub fn decode_weight_bytes(&self) -> u64 {
+        let w = &self.weights;
+        let k = self.config.n_experts_used;
+        let mut total = w.output.nbytes() + w.embed.row_bytes + w.hc_head.proj.nbytes();
+        for l in &w.layers {
+            let mats = [&l.hc_attn.proj, &l.hc_ffn.proj, &l.q_a, &l.q_b, &l.kv, &l.o_a, &l.o_b, &l.router_proj, &l.gate_sh, &l.up_sh, &l.down_sh];
+            total += mats.iter().map(|m| m.nbytes()).sum::<usize>();
+            if let Some(c) = &l.compressor {
+                total += c.kv.nbytes() + c.gate.nbytes();
+            }
+            if let Some(i) = &l.indexer {
+                total += i.q_b.nbytes() + i.proj.nbytes() + i.compressor.kv.nbytes() + i.compressor.gate.nbytes();
+            }
+            total += k * (l.gate_exps.first.nbytes() + l.up_exps.first.nbytes() + l.down_exps.first.nbytes());
+        }
+        total as u64
+    }
+}

@@ -1,0 +1,318 @@
+//! Logits → the filtered, renormalized sampling distribution, in the order documented on
+//! [the module](super). Everything is computed in f64, in a fixed order of operations, so
+//! the result is a pure function of the logits and the parameters (no threads, no
+//! reassociation) and a straightforward reimplementation reproduces it.
+
+use std::cmp::Ordering;
+
+use super::{Distribution, SamplingParams};
+use crate::{Error, Result};
+
+/// The greedy token: the index of the largest logit, the lowest index on ties. Rejects what
+/// has no distribution: an empty vector, a NaN or +inf logit, or no finite logit at all
+/// (-inf entries are allowed: they are masked tokens). Returns the index and the maximum.
+pub(crate) fn argmax(logits: &[f32]) -> Result<(usize, f32)> {
+    if logits.is_empty() {
+        return Err(Error::invalid("cannot sample from an empty logits vector"));
+    }
+    if logits.len() > u32::MAX as usize {
+        return Err(Error::invalid(format!("{} logits is more than 2^32 - 1 token ids", logits.len())));
+    }
+    let mut best = 0usize;
+    let mut max = f32::NEG_INFINITY;
+    for (i, &l) in logits.iter().enumerate() {
+        if l.is_nan() || l == f32::INFINITY {
+            return Err(Error::invalid(format!("logit {i} is {l}: logits must be finite or -inf")));
+        }
+        if l > max {
+            max = l;
+            best = i;
+        }
+    }
+    if max == f32::NEG_INFINITY {
+        return Err(Error::invalid("every logit is -inf: no token can be sampled"));
+    }
+    Ok((best, max))
+}
+
+/// Sum in the order given, left to right (spelled out: the order is part of the contract).
+fn sum_in_order(e: &[f64], ids: &[u32]) -> f64 {
+    let mut z = 0.0f64;
+    for &i in ids {
+        z += e[i as usize];
+    }
+    z
+}
+
+/// The filters' total order: weight descending, then id ascending.
+fn by_weight_desc(e: &[f64]) -> impl Fn(&u32, &u32) -> Ordering + '_ {
+    move |&a, &b| e[b as usize].total_cmp(&e[a as usize]).then(a.cmp(&b))
+}
+
+/// Top-p: reorders `cand` so that its first `n` entries are, in order, the `n` heaviest, and
+/// returns the smallest `n` whose running sum (left to right in that order) is `>= threshold`
+/// (all of `cand` if rounding keeps the sum below it). Sorts lazily, a growing chunk at a
+/// time, since the nucleus is usually a tiny part of a 129k vocabulary; the result is the
+/// same as a full sort's because the order is total.
+fn nucleus(cand: &mut [u32], e: &[f64], threshold: f64) -> usize {
+    let cmp = by_weight_desc(e);
+    let n = cand.len();
+    let (mut done, mut chunk, mut acc) = (0usize, 64usize, 0.0f64);
+    while done < n {
+        let end = (done + chunk).min(n);
+        let rest = &mut cand[done..];
+        if end < n {
+            rest.select_nth_unstable_by(end - done - 1, &cmp);
+        }
+        rest[..end - done].sort_unstable_by(&cmp);
+        for j in done..end {
+            acc += e[cand[j] as usize];
+            if acc >= threshold {
+                return j + 1;
+            }
+        }
+        done = end;
+        chunk = chunk.saturating_mul(4);
+    }
+    n
+}
+
+/// The distribution the sampler draws from: see the module documentation for the exact
+/// definition. Greedy parameters (temperature 0) give the point mass on [`argmax`].
+pub fn distribution(logits: &[f32], params: &SamplingParams) -> Result<Distribution> {
+    params.validate()?;
+    let (best, max) = argmax(logits)?;
+    if params.temperature == 0.0 {
+        return Ok(Distribution::point_mass(best as u32));
+    }
+    // 1. Weights relative to the maximum: e_i = exp((l_i - l_max) / T), so e_max = 1 exactly,
+    //    nothing overflows, and -inf logits get weight 0.
+    let (max, t) = (f64::from(max), f64::from(params.temperature));
+    let e: Vec<f64> = logits.iter().map(|&l| ((f64::from(l) - max) / t).exp()).collect();
+    // Candidates in id order; zero-weight tokens (masked or underflowed) are never candidates.
+    let mut cand: Vec<u32> = (0..logits.len() as u32).filter(|&i| e[i as usize] > 0.0).collect();
+
+    // 2. Top-k.
+    let k = params.top_k;
+    if k > 0 && k < cand.len() {
+        cand.select_nth_unstable_by(k - 1, by_weight_desc(&e));
+        cand.truncate(k);
+        cand.sort_unstable();
+    }
+
+    // 3. Top-p over what top-k kept, renormalized.
+    if params.top_p < 1.0 {
+        let threshold = f64::from(params.top_p) * sum_in_order(&e, &cand);
+        let n = nucleus(&mut cand, &e, threshold);
+        cand.truncate(n);
+        cand.sort_unstable();
+    }
+
+    // 4. Min-p: p_i >= min_p * p_max  <=>  e_i >= min_p (e_max = 1, and the ratio does not
+    //    depend on any renormalization).
+    if params.min_p > 0.0 {
+        let m = f64::from(params.min_p);
+        cand.retain(|&i| e[i as usize] >= m);
+    }
+
+    // 5. Renormalize.
+    let z = sum_in_order(&e, &cand);
+    let probs = cand.iter().map(|&i| e[i as usize] / z).collect();
+    Ok(Distribution { ids: cand, probs })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(temperature: f32, top_k: usize, top_p: f32, min_p: f32) -> SamplingParams {
+        SamplingParams { temperature, top_k, top_p, min_p, seed: 0 }
+    }
+
+    fn ids(logits: &[f32], p: SamplingParams) -> Vec<u32> {
+        distribution(logits, &p).unwrap().ids().to_vec()
+    }
+
+    fn assert_normalized(d: &Distribution) {
+        let total: f64 = d.probs().iter().sum();
+        assert!((total - 1.0).abs() < 1e-12, "total {total}");
+        assert!(d.probs().iter().all(|&p| p > 0.0 && p <= 1.0));
+        assert!(d.ids().windows(2).all(|w| w[0] < w[1]), "ids sorted and unique");
+    }
+
+    #[test]
+    fn argmax_ties_go_to_the_lowest_id() {
+        assert_eq!(argmax(&[1.0, 3.0, 2.0, 3.0]).unwrap(), (1, 3.0));
+        assert_eq!(argmax(&[f32::NEG_INFINITY, -5.0, -5.0]).unwrap(), (1, -5.0));
+        assert_eq!(argmax(&[0.0]).unwrap(), (0, 0.0));
+    }
+
+    #[test]
+    fn logits_without_a_distribution_are_rejected() {
+        for bad in [&[][..], &[1.0, f32::NAN], &[f32::INFINITY, 0.0], &[f32::NEG_INFINITY; 3]] {
+            let err = distribution(bad, &SamplingParams::default()).unwrap_err();
+            assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+        }
+        let msg = distribution(&[0.0, f32::NAN], &SamplingParams::default()).unwrap_err().to_string();
+        assert!(msg.contains("logit 1 is NaN"), "{msg}");
+    }
+
+    #[test]
+    fn greedy_is_a_point_mass_on_the_lowest_argmax() {
+        let d = distribution(&[0.5, 2.0, -1.0, 2.0], &SamplingParams::greedy()).unwrap();
+        assert_eq!(d.ids(), [1]);
+        assert_eq!(d.probs(), [1.0]);
+    }
+
+    #[test]
+    fn plain_softmax_matches_the_formula() {
+        let logits = [1.0f32, 2.0, 3.0, f32::NEG_INFINITY];
+        let d = distribution(&logits, &params(1.0, 0, 1.0, 0.0)).unwrap();
+        assert_eq!(d.ids(), [0, 1, 2], "-inf is never a candidate");
+        let z: f64 = (1..=3).map(|x| (x as f64).exp()).sum();
+        for (&id, &p) in d.ids().iter().zip(d.probs()) {
+            let want = ((id + 1) as f64).exp() / z;
+            assert!((p - want).abs() < 1e-15, "{id}: {p} vs {want}");
+        }
+        assert_normalized(&d);
+        // Temperature 2 flattens: p ∝ exp(l / 2).
+        let d = distribution(&logits, &params(2.0, 0, 1.0, 0.0)).unwrap();
+        let z: f64 = (1..=3).map(|x| (x as f64 / 2.0).exp()).sum();
+        assert!((d.prob(2) - 1.5f64.exp() / z).abs() < 1e-15);
+    }
+
+    #[test]
+    fn top_k_keeps_the_k_heaviest_ties_to_lower_ids() {
+        let logits = [1.0f32, 5.0, 3.0, 5.0, 3.0, 0.0];
+        assert_eq!(ids(&logits, params(1.0, 1, 1.0, 0.0)), [1]);
+        assert_eq!(ids(&logits, params(1.0, 2, 1.0, 0.0)), [1, 3]);
+        assert_eq!(ids(&logits, params(1.0, 3, 1.0, 0.0)), [1, 2, 3], "tie between 2 and 4 goes to 2");
+        assert_eq!(ids(&logits, params(1.0, 4, 1.0, 0.0)), [1, 2, 3, 4]);
+        assert_eq!(ids(&logits, params(1.0, 6, 1.0, 0.0)), [0, 1, 2, 3, 4, 5]);
+        assert_eq!(ids(&logits, params(1.0, 100, 1.0, 0.0)), [0, 1, 2, 3, 4, 5]);
+        let d = distribution(&logits, &params(1.0, 3, 1.0, 0.0)).unwrap();
+        assert_normalized(&d);
+        let (a, b) = (5f64.exp(), 3f64.exp());
+        assert!((d.prob(2) - b / (2.0 * a + b)).abs() < 1e-15);
+    }
+
+    #[test]
+    fn top_p_keeps_the_smallest_nucleus() {
+        // Probabilities about 0.5, 0.25, 0.125, 0.125 (the f32 logits round them slightly, so
+        // no threshold below sits on a boundary).
+        let logits = [0.125f32.ln(), 0.5f32.ln(), 0.125f32.ln(), 0.25f32.ln()];
+        let p = |top_p| ids(&logits, params(1.0, 0, top_p, 0.0));
+        assert_eq!(p(0.3), [1]);
+        assert_eq!(p(0.6), [1, 3]);
+        assert_eq!(p(0.8), [0, 1, 3], "the tie at 0.125 goes to the lower id");
+        assert_eq!(p(0.95), [0, 1, 2, 3]);
+        assert_eq!(p(1.0), [0, 1, 2, 3]);
+        let d = distribution(&logits, &params(1.0, 0, 0.8, 0.0)).unwrap();
+        assert_normalized(&d);
+        assert!((d.prob(1) - 0.5 / 0.875).abs() < 1e-6);
+        assert_eq!(d.prob(2), 0.0);
+        // Exact boundaries (equal logits: every probability is exactly 1/4): cumulative >= p.
+        let flat = [0.0f32; 4];
+        assert_eq!(ids(&flat, params(1.0, 0, 0.25, 0.0)), [0]);
+        assert_eq!(ids(&flat, params(1.0, 0, 0.5, 0.0)), [0, 1]);
+        assert_eq!(ids(&flat, params(1.0, 0, 0.75, 0.0)), [0, 1, 2]);
+    }
+
+    #[test]
+    fn top_p_applies_to_the_top_k_renormalized_distribution() {
+        // After top-2 the kept probabilities are 2/3 and 1/3: top_p 0.6 keeps one token,
+        // whereas over the full distribution 0.5 < 0.6 would need two.
+        let logits = [0.5f32.ln(), 0.25f32.ln(), 0.125f32.ln(), 0.125f32.ln()];
+        assert_eq!(ids(&logits, params(1.0, 2, 0.6, 0.0)), [0]);
+        assert_eq!(ids(&logits, params(1.0, 0, 0.6, 0.0)), [0, 1]);
+    }
+
+    #[test]
+    fn min_p_drops_tokens_below_a_fraction_of_the_best() {
+        let logits = [0.5f32.ln(), 0.25f32.ln(), 0.125f32.ln(), 0.0625f32.ln(), 0.0625f32.ln()];
+        let m = |min_p| ids(&logits, params(1.0, 0, 1.0, min_p));
+        assert_eq!(m(0.6), [0]);
+        assert_eq!(m(0.51), [0]);
+        assert_eq!(m(0.49), [0, 1]);
+        assert_eq!(m(0.2), [0, 1, 2]);
+        assert_eq!(m(0.1), [0, 1, 2, 3, 4]);
+        // min-p commutes with top-k (a ratio to the max is unchanged by renormalization).
+        assert_eq!(ids(&logits, params(1.0, 2, 1.0, 0.2)), [0, 1]);
+        assert_eq!(ids(&logits, params(1.0, 0, 0.7, 0.2)), [0, 1]);
+    }
+
+    #[test]
+    fn temperature_changes_the_filtered_sets() {
+        // Logits 0 and -1: at T=1 the ratio is e^-1 ≈ 0.37, at T=4 it is e^-0.25 ≈ 0.78.
+        let logits = [0.0f32, -1.0];
+        assert_eq!(ids(&logits, params(1.0, 0, 1.0, 0.5)), [0]);
+        assert_eq!(ids(&logits, params(4.0, 0, 1.0, 0.5)), [0, 1]);
+        assert_eq!(ids(&logits, params(1.0, 0, 0.7, 0.0)), [0]);
+        assert_eq!(ids(&logits, params(4.0, 0, 0.7, 0.0)), [0, 1]);
+    }
+
+    #[test]
+    fn extreme_temperatures_and_logits_stay_finite() {
+        let logits = [3.0e38f32, -3.0e38, 0.0, 1.0];
+        let d = distribution(&logits, &params(1e-30, 0, 1.0, 0.0)).unwrap();
+        assert_eq!(d.ids(), [0]);
+        let d = distribution(&logits, &params(1e38, 0, 1.0, 0.0)).unwrap();
+        assert_normalized(&d);
+        assert_eq!(d.len(), 4);
+        // Weights that underflow to 0 drop out of the support.
+        let d = distribution(&[0.0, -1000.0, -1.0], &params(1.0, 0, 1.0, 0.0)).unwrap();
+        assert_eq!(d.ids(), [0, 2]);
+    }
+
+    #[test]
+    fn nucleus_is_the_same_as_a_full_sort_on_a_large_vocabulary() {
+        // A vocabulary large enough to go through several lazy chunks, with many ties.
+        let n = 5000u32;
+        let logits: Vec<f32> = (0..n).map(|i| ((i * 7919) % 613) as f32 / 50.0).collect();
+        for top_p in [0.01f32, 0.3, 0.9, 0.999, 0.999_999] {
+            let got = ids(&logits, params(1.3, 0, top_p, 0.0));
+            // Reference: full sort, then the running sum.
+            let t = 1.3f32 as f64;
+            let max = logits.iter().cloned().fold(f32::MIN, f32::max) as f64;
+            let e: Vec<f64> = logits.iter().map(|&l| ((l as f64 - max) / t).exp()).collect();
+            let mut order: Vec<u32> = (0..n).collect();
+            order.sort_by(by_weight_desc(&e));
+            let all: Vec<u32> = (0..n).collect();
+            let threshold = top_p as f64 * sum_in_order(&e, &all);
+            let mut acc = 0.0;
+            let mut keep = n as usize;
+            for (j, &i) in order.iter().enumerate() {
+                acc += e[i as usize];
+                if acc >= threshold {
+                    keep = j + 1;
+                    break;
+                }
+            }
+            let mut want = order[..keep].to_vec();
+            want.sort_unstable();
+            assert_eq!(got, want, "top_p {top_p}");
+        }
+    }
+
+    #[test]
+    fn distributions_sum_to_one() {
+        let mut rng = super::super::Rng::seed_from_u64(3);
+        for round in 0..200 {
+            let n = 1 + (rng.next_u64() % 300) as usize;
+            let logits: Vec<f32> = (0..n).map(|_| (rng.next_f64() * 20.0 - 10.0) as f32).collect();
+            let p = params(
+                [0.1f32, 0.7, 1.0, 2.5][round % 4],
+                [0usize, 1, 5, 50][(round / 4) % 4],
+                [1.0f32, 0.95, 0.5, 0.1][(round / 16) % 4],
+                [0.0f32, 0.05, 0.3][(round / 64) % 3],
+            );
+            let d = distribution(&logits, &p).unwrap();
+            assert_normalized(&d);
+            let best = argmax(&logits).unwrap().0 as u32;
+            assert!(d.ids().contains(&best), "the argmax survives every filter");
+            if p.top_k > 0 {
+                assert!(d.len() <= p.top_k);
+            }
+        }
+    }
+}

@@ -1,0 +1,126 @@
+//! A session: one sequence being decoded, with its state.
+
+use std::sync::Arc;
+
+use crate::model::{Logits, Model};
+use crate::state::{KvPrecision, State};
+use crate::{Error, Result};
+
+/// A saved session state; [`Session::restore`] brings the session back to it bit for bit.
+#[derive(Clone, Debug)]
+pub struct Snapshot {
+    state: State,
+}
+
+impl Snapshot {
+    /// The position (tokens processed) at which it was taken.
+    pub fn position(&self) -> usize {
+        self.state.pos
+    }
+}
+
+/// A decoding session over a shared model.
+pub struct Session {
+    model: Arc<Model>,
+    ctx: usize,
+    state: State,
+}
+
+impl Session {
+    /// A fresh session holding at most `ctx` tokens, with attention state stored at
+    /// `precision`.
+    pub fn new(model: Arc<Model>, ctx: usize, precision: KvPrecision) -> Result<Self> {
+        if ctx == 0 {
+            return Err(Error::invalid("the context size must be at least 1"));
+        }
+        if ctx > model.config.context_length {
+            return Err(Error::invalid(format!(
+                "a context of {ctx} exceeds the model's maximum of {}",
+                model.config.context_length
+            )));
+        }
+        let id = model.config.index_head_dim;
+        if precision == KvPrecision::Fp8 && id != 0 && (!id.is_power_of_two() || id % 32 != 0) {
+            return Err(Error::invalid(format!(
+                "fp8 state needs an indexer head dim that is a power of two and a multiple of 32, not {id}"
+            )));
+        }
+        let state = State::new(&model.config, precision);
+        Ok(Session { model, ctx, state })
+    }
+
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    /// Tokens processed so far.
+    pub fn position(&self) -> usize {
+        self.state.pos
+    }
+
+    /// The context size.
+    pub fn context(&self) -> usize {
+        self.ctx
+    }
+
+    /// The token ids processed so far.
+    pub fn tokens(&self) -> &[u32] {
+        &self.state.tokens
+    }
+
+    /// Checks that `tokens` can be evaluated without changing anything.
+    pub fn check(&self, tokens: &[u32]) -> Result<()> {
+        let vocab = self.model.config.vocab;
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::invalid(format!("token id {t} is outside the vocabulary of {vocab}")));
+        }
+        let needed = self.state.pos + tokens.len();
+        if needed > self.ctx {
+            return Err(Error::ContextOverflow { needed, capacity: self.ctx });
+        }
+        Ok(())
+    }
+
+    /// Evaluates `tokens` (advancing the session) and returns the logits of the requested
+    /// rows, `rows * vocab` floats. On error nothing changes.
+    pub fn eval(&mut self, tokens: &[u32], which: Logits) -> Result<Vec<f32>> {
+        self.check(tokens)?;
+        if tokens.is_empty() {
+            return Ok(Vec::new());
+        }
+        // Work on a copy so that an error half-way leaves the session as it was; the copy
+        // shares the compressed rows, so it costs the bounded state only.
+        let mut next = self.state.clone();
+        let logits = self.model.forward(&mut next, tokens, which)?;
+        self.state = next;
+        Ok(logits)
+    }
+
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot { state: self.state.clone() }
+    }
+
+    /// Returns to a snapshot taken on a session of the same model.
+    pub fn restore(&mut self, snap: &Snapshot) -> Result<()> {
+        if snap.state.layers.len() != self.state.layers.len() || snap.state.pos > self.ctx {
+            return Err(Error::invalid("the snapshot does not belong to this session's model and context"));
+        }
+        self.state = snap.state.clone();
+        Ok(())
+    }
+
+    /// Back to the empty context.
+    pub fn reset(&mut self) {
+        self.state = State::new(&self.model.config, self.state.precision);
+    }
+
+    /// The storage precision of the attention state.
+    pub fn precision(&self) -> KvPrecision {
+        self.state.precision
+    }
+
+    /// Bytes held by the decode state.
+    pub fn state_bytes(&self) -> usize {
+        self.state.nbytes()
+    }
+}

@@ -1,0 +1,135 @@
+//! Per-layer decode state: the raw window ring, the compressors' frontiers and the rows they
+//! have emitted.
+
+use super::rows::RowStore;
+
+/// The streaming state of one compressor (main or indexer) of one layer.
+///
+/// Each token's projection holds `series * width` features (`series` is 2 for CSA, whose
+/// first half `Ca` belongs to the next window and second half `Cb` to the token's own
+/// window; 1 for HCA). `cur_*` hold the projections of the window being filled, slot
+/// `pos % ratio`, with the position bias already added to the scores; `prev_*` hold the
+/// `Ca` halves of the last complete window (scores −∞ before the first window closes).
+#[derive(Clone, Debug)]
+pub struct CompressorState {
+    pub width: usize,
+    pub ratio: usize,
+    pub overlap: bool,
+    pub cur_kv: Vec<f32>,
+    pub cur_score: Vec<f32>,
+    pub prev_kv: Vec<f32>,
+    pub prev_score: Vec<f32>,
+    /// Emitted rows (after norm and rope).
+    pub rows: RowStore,
+}
+
+impl CompressorState {
+    pub fn new(width: usize, ratio: usize, overlap: bool) -> Self {
+        let series = if overlap { 2 } else { 1 };
+        let prev = if overlap { ratio * width } else { 0 };
+        CompressorState {
+            width,
+            ratio,
+            overlap,
+            cur_kv: vec![0.0; ratio * series * width],
+            cur_score: vec![f32::NEG_INFINITY; ratio * series * width],
+            prev_kv: vec![0.0; prev],
+            prev_score: vec![f32::NEG_INFINITY; prev],
+            rows: RowStore::new(width),
+        }
+    }
+
+    /// Features per token projection.
+    pub fn proj_width(&self) -> usize {
+        self.cur_kv.len() / self.ratio
+    }
+
+    /// Stores the projection of the token at `pos` (`score` already includes the position
+    /// bias). If this token closes a window, pools it into `out` and returns true.
+    pub fn push(&mut self, pos: usize, kv: &[f32], score: &[f32], out: &mut [f32]) -> bool {
+        let pw = self.proj_width();
+        let slot = pos % self.ratio;
+        self.cur_kv[slot * pw..(slot + 1) * pw].copy_from_slice(kv);
+        self.cur_score[slot * pw..(slot + 1) * pw].copy_from_slice(score);
+        if (pos + 1) % self.ratio != 0 {
+            return false;
+        }
+        let (w, r) = (self.width, self.ratio);
+        // Candidates per feature, in the reference's order: the previous window's Ca slots
+        // (overlap only), then this window's slots (its Cb half when overlapping).
+        let own = if self.overlap { w } else { 0 };
+        let mut logits = Vec::with_capacity(2 * r);
+        for f in 0..w {
+            logits.clear();
+            if self.overlap {
+                logits.extend((0..r).map(|j| self.prev_score[j * w + f]));
+            }
+            logits.extend((0..r).map(|j| self.cur_score[j * pw + own + f]));
+            let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut denom = 0f32;
+            for l in logits.iter_mut() {
+                *l = (*l - m).exp();
+                denom += *l;
+            }
+            let mut acc = 0f32;
+            let mut k = 0;
+            if self.overlap {
+                for j in 0..r {
+                    acc += self.prev_kv[j * w + f] * (logits[k] / denom);
+                    k += 1;
+                }
+            }
+            for j in 0..r {
+                acc += self.cur_kv[j * pw + own + f] * (logits[k] / denom);
+                k += 1;
+            }
+            out[f] = acc;
+        }
+        if self.overlap {
+            for j in 0..r {
+                self.prev_kv[j * w..(j + 1) * w].copy_from_slice(&self.cur_kv[j * pw..j * pw + w]);
+                self.prev_score[j * w..(j + 1) * w].copy_from_slice(&self.cur_score[j * pw..j * pw + w]);
+            }
+        }
+        true
+    }
+
+    pub fn nbytes(&self) -> usize {
+        4 * (self.cur_kv.len() + self.cur_score.len() + self.prev_kv.len() + self.prev_score.len()) + self.rows.nbytes()
+    }
+}
+
+/// The state of one layer.
+#[derive(Clone, Debug)]
+pub struct LayerState {
+    /// Raw window ring: `window` rows of `head_dim`, slot `pos % window`.
+    pub ring: Vec<f32>,
+    pub window: usize,
+    pub head_dim: usize,
+    pub compressor: Option<CompressorState>,
+    pub indexer: Option<CompressorState>,
+}
+
+impl LayerState {
+    pub fn new(window: usize, head_dim: usize, compressor: Option<CompressorState>, indexer: Option<CompressorState>) -> Self {
+        LayerState { ring: vec![0.0; window * head_dim], window, head_dim, compressor, indexer }
+    }
+
+    pub fn push_raw(&mut self, pos: usize, kv: &[f32]) {
+        let s = (pos % self.window) * self.head_dim;
+        self.ring[s..s + self.head_dim].copy_from_slice(kv);
+    }
+
+    /// The raw row of position `pos` (which must be within the window of the newest one).
+    #[inline]
+    pub fn raw(&self, pos: usize) -> &[f32] {
+        let s = (pos % self.window) * self.head_dim;
+        &self.ring[s..s + self.head_dim]
+    }
+
+    pub fn nbytes(&self) -> usize {
+        self.ring.len() * 4
+            + self.compressor.as_ref().map_or(0, CompressorState::nbytes)
+            + self.indexer.as_ref().map_or(0, CompressorState::nbytes)
+    }
+}

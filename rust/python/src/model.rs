@@ -1,0 +1,181 @@
+//! `Model`, `Session` and `Snapshot`.
+
+use std::sync::{Arc, Mutex};
+
+use ds4::model::AttentionKind;
+use ds4::{Logits, Model, Session, Snapshot};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyDict};
+
+use crate::IntoPy;
+
+/// A loaded DeepSeek V4 model (native part of `ds4.Model`).
+#[pyclass(name = "Model", module = "ds4._ds4", frozen)]
+pub struct PyModel {
+    inner: Arc<Model>,
+}
+
+#[pymethods]
+impl PyModel {
+    #[new]
+    fn new(py: Python<'_>, path: std::path::PathBuf) -> PyResult<Self> {
+        let m = py.detach(|| Model::load(&path)).into_py_result()?;
+        Ok(PyModel { inner: Arc::new(m) })
+    }
+
+    /// The configuration read from the file's metadata, as a dict.
+    fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = &self.inner.config;
+        let d = PyDict::new(py);
+        d.set_item("vocab_size", c.vocab)?;
+        d.set_item("hidden_size", c.hidden)?;
+        d.set_item("num_layers", c.n_layers())?;
+        d.set_item("num_heads", c.n_heads)?;
+        d.set_item("head_dim", c.head_dim)?;
+        d.set_item("rope_dim", c.rope_dim)?;
+        d.set_item("q_lora_rank", c.q_lora_rank)?;
+        d.set_item("o_groups", c.o_groups)?;
+        d.set_item("o_lora_rank", c.o_lora_rank)?;
+        d.set_item("sliding_window", c.window)?;
+        d.set_item("index_heads", c.index_heads)?;
+        d.set_item("index_head_dim", c.index_head_dim)?;
+        d.set_item("index_topk", c.index_topk)?;
+        d.set_item("num_experts", c.n_experts)?;
+        d.set_item("num_experts_per_token", c.n_experts_used)?;
+        d.set_item("expert_ff", c.expert_ff)?;
+        d.set_item("hc_mult", c.hc_mult)?;
+        d.set_item("context_length", c.context_length)?;
+        d.set_item("bos_id", c.bos)?;
+        d.set_item("eos_id", c.eos)?;
+        let kinds: Vec<&str> = c
+            .layers
+            .iter()
+            .map(|l| match l.kind {
+                AttentionKind::Sliding => "sliding",
+                AttentionKind::Csa => "csa",
+                AttentionKind::Hca => "hca",
+            })
+            .collect();
+        d.set_item("layer_kinds", kinds)?;
+        d.set_item("compress_ratios", c.layers.iter().map(|l| l.ratio).collect::<Vec<_>>())?;
+        d.set_item("hash_layers", c.layers.iter().filter(|l| l.hash_routed).count())?;
+        Ok(d)
+    }
+
+    /// Weight bytes read to decode one token.
+    fn decode_weight_bytes(&self) -> u64 {
+        self.inner.decode_weight_bytes()
+    }
+
+    /// A new session holding at most `ctx` tokens; `kv` is the attention state's storage
+    /// precision: "f32", "f16" or "fp8".
+    #[pyo3(signature = (ctx, kv = "f32"))]
+    fn session(&self, ctx: usize, kv: &str) -> PyResult<PySession> {
+        let precision = ds4::state::KvPrecision::from_name(kv)
+            .ok_or_else(|| PyValueError::new_err(format!("kv must be 'f32', 'f16' or 'fp8', got {kv:?}")))?;
+        let s = Session::new(Arc::clone(&self.inner), ctx, precision).into_py_result()?;
+        Ok(PySession { inner: Mutex::new(s) })
+    }
+}
+
+/// A saved session state.
+#[pyclass(name = "Snapshot", module = "ds4._ds4", frozen)]
+pub struct PySnapshot {
+    inner: Snapshot,
+}
+
+#[pymethods]
+impl PySnapshot {
+    /// Tokens processed when the snapshot was taken.
+    #[getter]
+    fn position(&self) -> usize {
+        self.inner.position()
+    }
+}
+
+/// A decoding session (native part of `ds4.Session`).
+#[pyclass(name = "Session", module = "ds4._ds4", frozen)]
+pub struct PySession {
+    // A Mutex rather than PyO3's borrow flag: eval releases the GIL, and a second thread
+    // calling into the same session must wait, not fail.
+    inner: Mutex<Session>,
+}
+
+impl PySession {
+    fn with<T>(&self, f: impl FnOnce(&mut Session) -> PyResult<T>) -> PyResult<T> {
+        let mut s = self.inner.lock().map_err(|_| PyRuntimeError::new_err("the session was poisoned by a panic"))?;
+        f(&mut s)
+    }
+}
+
+#[pymethods]
+impl PySession {
+    /// Evaluates `tokens` and returns float32 logits (a bytearray) of the rows asked for:
+    /// `which` is "all", "last" or "none".
+    #[pyo3(signature = (tokens, which = "all"))]
+    fn eval<'py>(&self, py: Python<'py>, tokens: Vec<u32>, which: &str) -> PyResult<Bound<'py, PyByteArray>> {
+        let which = match which {
+            "all" => Logits::All,
+            "last" => Logits::Last,
+            "none" => Logits::None,
+            _ => return Err(PyValueError::new_err(format!("logits must be 'all', 'last' or 'none', got {which:?}"))),
+        };
+        let out = py.detach(|| {
+            let mut s = self.inner.lock().map_err(|_| ds4::Error::InvalidArgument("the session was poisoned".into()))?;
+            s.eval(&tokens, which)
+        });
+        let out = out.into_py_result()?;
+        PyByteArray::new_with(py, out.len() * 4, |buf| {
+            for (dst, v) in buf.chunks_exact_mut(4).zip(&out) {
+                dst.copy_from_slice(&v.to_le_bytes());
+            }
+            Ok(())
+        })
+    }
+
+    /// Tokens processed so far.
+    #[getter]
+    fn position(&self) -> PyResult<usize> {
+        self.with(|s| Ok(s.position()))
+    }
+
+    /// The context size.
+    #[getter]
+    fn context(&self) -> PyResult<usize> {
+        self.with(|s| Ok(s.context()))
+    }
+
+    /// The token ids processed so far.
+    #[getter]
+    fn tokens(&self) -> PyResult<Vec<u32>> {
+        self.with(|s| Ok(s.tokens().to_vec()))
+    }
+
+    /// Bytes held by the decode state.
+    fn state_bytes(&self) -> PyResult<usize> {
+        self.with(|s| Ok(s.state_bytes()))
+    }
+
+    fn snapshot(&self) -> PyResult<PySnapshot> {
+        self.with(|s| Ok(PySnapshot { inner: s.snapshot() }))
+    }
+
+    fn restore(&self, snapshot: &PySnapshot) -> PyResult<()> {
+        self.with(|s| s.restore(&snapshot.inner).into_py_result())
+    }
+
+    fn reset(&self) -> PyResult<()> {
+        self.with(|s| {
+            s.reset();
+            Ok(())
+        })
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyModel>()?;
+    m.add_class::<PySession>()?;
+    m.add_class::<PySnapshot>()?;
+    Ok(())
+}
