@@ -11,9 +11,7 @@
 use std::hint::black_box;
 use std::time::Duration;
 
-use criterion::{
-    criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput,
-};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput};
 use ds4::quant::{self, GgmlType, Kernel};
 
 const COLS: usize = 4096;
@@ -105,18 +103,14 @@ fn matrix(ty: GgmlType, rng: &mut Rng) -> (Vec<u8>, usize) {
 }
 
 fn configure(c: &mut Criterion) -> Criterion {
-    std::mem::take(c)
-        .sample_size(10)
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(1))
+    std::mem::take(c).sample_size(10).warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(1))
 }
 
 fn bench_memcpy(c: &mut Criterion) {
     let src = vec![1u8; MATRIX_BYTES];
     let mut dst = vec![0u8; MATRIX_BYTES];
     let mut g = c.benchmark_group("memcpy");
-    g.throughput(Throughput::Bytes(MATRIX_BYTES as u64))
-        .sampling_mode(SamplingMode::Flat);
+    g.throughput(Throughput::Bytes(MATRIX_BYTES as u64)).sampling_mode(SamplingMode::Flat);
     g.bench_function("64MiB", |b| {
         b.iter(|| {
             dst.copy_from_slice(black_box(&src));
@@ -128,17 +122,14 @@ fn bench_memcpy(c: &mut Criterion) {
 
 fn bench_formats(c: &mut Criterion) {
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-    let x: Vec<f32> = (0..COLS)
-        .map(|_| ((rng.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0)
-        .collect();
+    let x: Vec<f32> = (0..COLS).map(|_| ((rng.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).collect();
     let mut out = vec![0f32; COLS];
     for ty in FORMATS {
         let (m, row) = matrix(ty, &mut rng);
         let bytes = m.len() as u64;
 
         let mut g = c.benchmark_group("dequantize");
-        g.throughput(Throughput::Bytes(bytes))
-            .sampling_mode(SamplingMode::Flat);
+        g.throughput(Throughput::Bytes(bytes)).sampling_mode(SamplingMode::Flat);
         g.bench_function(ty.name(), |b| {
             b.iter(|| {
                 for r in m.chunks_exact(row) {
@@ -150,8 +141,7 @@ fn bench_formats(c: &mut Criterion) {
         g.finish();
 
         let mut g = c.benchmark_group(format!("dot/{}", ty.name()));
-        g.throughput(Throughput::Bytes(bytes))
-            .sampling_mode(SamplingMode::Flat);
+        g.throughput(Throughput::Bytes(bytes)).sampling_mode(SamplingMode::Flat);
         let mut kernels = vec![(Kernel::Scalar, "scalar")];
         if Kernel::simd_available() {
             kernels.push((Kernel::Simd, "simd"));

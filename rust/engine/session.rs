@@ -40,7 +40,7 @@ impl Session {
             )));
         }
         let id = model.config.index_head_dim;
-        if precision == KvPrecision::Fp8 && id != 0 && (!id.is_power_of_two() || id % 32 != 0) {
+        if precision == KvPrecision::Fp8 && id != 0 && (!id.is_power_of_two() || !id.is_multiple_of(32)) {
             return Err(Error::invalid(format!(
                 "fp8 state needs an indexer head dim that is a power of two and a multiple of 32, not {id}"
             )));

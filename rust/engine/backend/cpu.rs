@@ -1,7 +1,7 @@
 //! CPU kernels of the forward pass.
 //!
 //! Row invariance: every output element of [`matmul`] is exactly one call of the fused
-//! [`quant::dot`] of a weight row with one input row, so its value does not depend on how
+//! [`RowDot::dot`] of a weight row with one input row, so its value does not depend on how
 //! many rows share the batch or how the work is split across threads. Every other kernel
 //! here works on one row at a time. This is what lets a speculative verify pass commit its
 //! rows as if they had been decoded one by one.
@@ -9,44 +9,76 @@
 use rayon::prelude::*;
 
 use crate::model::weights::Mat;
-use crate::quant;
+use crate::quant::RowDot;
 use crate::Result;
 
-/// Below this many multiply-adds a matmul runs on the calling thread.
-const PARALLEL_MIN_WORK: usize = 1 << 18;
+/// Below this many multiply-adds a product runs on the calling thread.
+pub const PARALLEL_MIN_WORK: usize = 1 << 16;
+/// Weight bytes per parallel task: enough to amortize scheduling, small enough to balance.
+const TASK_BYTES: usize = 1 << 15;
+
+/// One matrix product of a batch: `y[r, o] = w[o] · x[r]` for the `x.len() / w.n_in` rows.
+pub struct Job<'a> {
+    pub w: &'a Mat,
+    pub x: &'a [f32],
+    pub y: &'a mut [f32],
+}
 
 /// `y[r, o] = W[o] · x[r]` for the `n = x.len() / w.n_in` rows of `x`.
 pub fn matmul(raw: &[u8], w: &Mat, x: &[f32], y: &mut [f32]) -> Result<()> {
-    let n = x.len() / w.n_in;
-    debug_assert_eq!(x.len(), n * w.n_in);
-    debug_assert_eq!(y.len(), n * w.n_out);
-    let one_row = |o: usize, out: &mut [f32]| -> Result<()> {
-        let row = w.row(raw, o);
-        for (r, v) in out.iter_mut().enumerate() {
-            *v = quant::dot(w.ty, row, &x[r * w.n_in..(r + 1) * w.n_in])?;
+    matmul_many(raw, &mut [Job { w, x, y }])
+}
+
+/// Runs independent products in one parallel region: a decode step has dozens of small
+/// products, and waking the worker threads once per product would cost more than the
+/// products themselves. The output rows of all jobs are cut into tasks of about
+/// [`TASK_BYTES`] of weights; each weight row is read once for all batch rows.
+pub fn matmul_many(raw: &[u8], jobs: &mut [Job<'_>]) -> Result<()> {
+    let mut work = 0usize;
+    let mut specs = Vec::with_capacity(jobs.len());
+    for j in jobs.iter() {
+        let n = j.x.len() / j.w.n_in;
+        if j.x.len() != n * j.w.n_in || j.y.len() != n * j.w.n_out {
+            return Err(crate::Error::invalid("matmul: input or output of the wrong size"));
         }
-        Ok(())
+        work += n * j.w.n_out * j.w.n_in;
+        specs.push((j.w, j.x, n, RowDot::best(j.w.ty, j.w.n_in)?));
+    }
+    // Weight-row-major results: for a single row that is y itself, else a scratch buffer
+    // transposed into y afterwards.
+    let mut scratch: Vec<Vec<f32>> =
+        specs.iter().map(|&(w, _, n, _)| if n == 1 { Vec::new() } else { vec![0f32; n * w.n_out] }).collect();
+    let mut tasks: Vec<(usize, usize, &mut [f32])> = Vec::new();
+    for (i, (job, buf)) in jobs.iter_mut().zip(scratch.iter_mut()).enumerate() {
+        let (w, _, n, _) = specs[i];
+        let out: &mut [f32] = if n == 1 { &mut *job.y } else { buf };
+        let rows = (TASK_BYTES / w.row_bytes.max(1) / n).max(1);
+        for (c, chunk) in out.chunks_mut(rows * n).enumerate() {
+            tasks.push((i, c * rows, chunk));
+        }
+    }
+    let run = |(i, first, out): &mut (usize, usize, &mut [f32])| {
+        let (w, x, n, dot) = &specs[*i];
+        for (k, o) in out.chunks_mut(*n).enumerate() {
+            let row = w.row(raw, *first + k);
+            for (r, v) in o.iter_mut().enumerate() {
+                *v = dot.dot(row, &x[r * w.n_in..(r + 1) * w.n_in]);
+            }
+        }
     };
-    if n == 1 {
-        // y is already in output-row order.
-        if w.n_out * w.n_in < PARALLEL_MIN_WORK {
-            return y.iter_mut().enumerate().try_for_each(|(o, v)| one_row(o, std::slice::from_mut(v)));
-        }
-        return y.par_chunks_mut(64).enumerate().try_for_each(|(c, out)| {
-            out.iter_mut().enumerate().try_for_each(|(i, v)| one_row(c * 64 + i, std::slice::from_mut(v)))
-        });
-    }
-    // Weight-row-major scratch (each weight row is read once for all batch rows), then
-    // transposed into y.
-    let mut t = vec![0f32; n * w.n_out];
-    if n * w.n_out * w.n_in < PARALLEL_MIN_WORK {
-        t.chunks_mut(n).enumerate().try_for_each(|(o, out)| one_row(o, out))?;
+    if work < PARALLEL_MIN_WORK {
+        tasks.iter_mut().for_each(run);
     } else {
-        t.par_chunks_mut(n).enumerate().try_for_each(|(o, out)| one_row(o, out))?;
+        tasks.par_iter_mut().for_each(run);
     }
-    for o in 0..w.n_out {
-        for r in 0..n {
-            y[r * w.n_out + o] = t[o * n + r];
+    drop(tasks);
+    for (job, (buf, &(w, _, n, _))) in jobs.iter_mut().zip(scratch.iter().zip(&specs)) {
+        if n > 1 {
+            for o in 0..w.n_out {
+                for r in 0..n {
+                    job.y[r * w.n_out + o] = buf[o * n + r];
+                }
+            }
         }
     }
     Ok(())
@@ -57,6 +89,15 @@ pub fn matmul_new(raw: &[u8], w: &Mat, x: &[f32]) -> Result<Vec<f32>> {
     let mut y = vec![0f32; x.len() / w.n_in * w.n_out];
     matmul(raw, w, x, &mut y)?;
     Ok(y)
+}
+
+/// Several products at once into new outputs (see [`matmul_many`]).
+pub fn matmul_many_new(raw: &[u8], specs: &[(&Mat, &[f32])]) -> Result<Vec<Vec<f32>>> {
+    let mut outs: Vec<Vec<f32>> = specs.iter().map(|(w, x)| vec![0f32; x.len() / w.n_in * w.n_out]).collect();
+    let mut jobs: Vec<Job<'_>> = specs.iter().zip(outs.iter_mut()).map(|(&(w, x), y)| Job { w, x, y }).collect();
+    matmul_many(raw, &mut jobs)?;
+    drop(jobs);
+    Ok(outs)
 }
 
 /// `1 / sqrt(mean(x²) + eps)`, the mean accumulated in f64.

@@ -34,7 +34,9 @@ pub enum GgufError {
     DuplicateTensor(String),
     #[error("tensor {name:?}: data offset {offset} is not a multiple of the alignment {alignment}")]
     Misaligned { name: String, offset: u64, alignment: u64 },
-    #[error("tensor {name:?}: data [{start}, {end}) lies outside the data section of {data_len} bytes (file truncated?)")]
+    #[error(
+        "tensor {name:?}: data [{start}, {end}) lies outside the data section of {data_len} bytes (file truncated?)"
+    )]
     OutOfBounds { name: String, start: u64, end: u64, data_len: u64 },
     #[error("no tensor named {0:?}")]
     MissingTensor(String),

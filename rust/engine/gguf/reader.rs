@@ -15,6 +15,8 @@ pub const GGUF_MAGIC: [u8; 4] = *b"GGUF";
 pub const DEFAULT_ALIGNMENT: u64 = 32;
 /// Most dimensions a tensor may have (ggml's limit).
 pub const MAX_DIMS: usize = 4;
+/// Most elements a tensor's shape may describe (zero dims counted as 1).
+pub const MAX_ELEMENTS: u64 = 1 << 60;
 /// Deepest nesting of arrays inside a metadata value. Real files nest at most once; the
 /// limit keeps recursion bounded on hostile input.
 const MAX_ARRAY_DEPTH: usize = 8;
@@ -364,7 +366,8 @@ fn parse_header(buf: &[u8]) -> Result<Header, GgufError> {
     for i in 0..n_kv {
         let key = c.string(&|| format!("key of metadata entry {i}"))?;
         let type_id = c.u32(&|| format!("value type of metadata key {key:?}"))?;
-        let ty = ValueType::from_id(type_id).ok_or_else(|| GgufError::UnknownValueType { key: key.clone(), type_id })?;
+        let ty =
+            ValueType::from_id(type_id).ok_or_else(|| GgufError::UnknownValueType { key: key.clone(), type_id })?;
         let value = c.value(ty, &key, 0)?;
         if seen_keys.insert(key.clone(), ()).is_some() {
             return Err(GgufError::DuplicateKey(key));
@@ -398,12 +401,12 @@ fn parse_header(buf: &[u8]) -> Result<Header, GgufError> {
         let ggml_type =
             GgmlType::from_id(type_id).ok_or_else(|| GgufError::UnknownTensorType { name: name.clone(), type_id })?;
         let bad_shape = |reason: String| GgufError::BadShape { name: name.clone(), dims: dims.clone(), reason };
-        // Every dimension must fit the element count's range, zero-sized dims counted as 1:
-        // an empty tensor with absurd other dims is as malformed as a huge one (and no array
-        // library can represent its shape).
+        // The shape, zero-sized dims counted as 1, must stay below 2^60 elements so that
+        // 8-byte elements still fit a signed 64-bit byte count: an empty tensor with absurd
+        // other dims is as malformed as a huge one, and no array library can represent it.
         dims.iter()
             .try_fold(1u64, |acc, &d| acc.checked_mul(d.max(1)))
-            .filter(|&n| n <= i64::MAX as u64)
+            .filter(|&n| n <= MAX_ELEMENTS)
             .ok_or_else(|| bad_shape("element count overflows".into()))?;
         let n_elements: u64 = dims.iter().product();
         let row_len = dims.first().copied().unwrap_or(1);

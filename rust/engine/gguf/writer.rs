@@ -35,7 +35,13 @@ impl Default for GgufWriter {
 
 impl GgufWriter {
     pub fn new() -> Self {
-        GgufWriter { alignment: DEFAULT_ALIGNMENT, metadata: Vec::new(), tensors: Vec::new(), data_size: 0, next_tensor: 0 }
+        GgufWriter {
+            alignment: DEFAULT_ALIGNMENT,
+            metadata: Vec::new(),
+            tensors: Vec::new(),
+            data_size: 0,
+            next_tensor: 0,
+        }
     }
 
     /// Adds a metadata entry. `general.alignment` (a u32 power of two) also sets the
@@ -65,7 +71,8 @@ impl GgufWriter {
         if dims.len() > MAX_DIMS {
             return Err(Error::invalid(format!("tensor {name:?}: more than {MAX_DIMS} dimensions")));
         }
-        let n: u64 = dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).ok_or_else(|| Error::invalid("shape overflows"))?;
+        let n: u64 =
+            dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).ok_or_else(|| Error::invalid("shape overflows"))?;
         let row = dims.first().copied().unwrap_or(1);
         let row_bytes = ggml_type.row_bytes(row).ok_or_else(|| {
             Error::invalid(format!("tensor {name:?}: row of {row} is not a whole number of {ggml_type} blocks"))
@@ -266,7 +273,10 @@ mod tests {
         // A tensor count that cannot fit in the file.
         let mut b = sample();
         b[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
-        assert!(matches!(GgufFile::from_bytes(b).unwrap_err(), Error::Gguf(GgufError::Overflow { .. } | GgufError::Truncated { .. })));
+        assert!(matches!(
+            GgufFile::from_bytes(b).unwrap_err(),
+            Error::Gguf(GgufError::Overflow { .. } | GgufError::Truncated { .. })
+        ));
         // Duplicate key and duplicate tensor names.
         let dup = build(vec![("k", Value::U8(1))], &[]);
         let mut w = dup.clone();
@@ -320,6 +330,9 @@ mod tests {
         assert!(matches!(GgufFile::from_bytes(b).unwrap_err(), Error::Gguf(GgufError::OutOfBounds { .. })));
         let mut b = out.clone();
         b[dims_at + 8..dims_at + 12].copy_from_slice(&4u32.to_le_bytes());
-        assert!(matches!(GgufFile::from_bytes(b).unwrap_err(), Error::Gguf(GgufError::UnknownTensorType { type_id: 4, .. })));
+        assert!(matches!(
+            GgufFile::from_bytes(b).unwrap_err(),
+            Error::Gguf(GgufError::UnknownTensorType { type_id: 4, .. })
+        ));
     }
 }

@@ -121,7 +121,9 @@ impl Meta<'_> {
         items
             .iter()
             .take(n)
-            .map(|x| x.as_f64().map(|f| f as f32).ok_or_else(|| Error::model(format!("{ARCH}.{key} holds a non-float"))))
+            .map(|x| {
+                x.as_f64().map(|f| f as f32).ok_or_else(|| Error::model(format!("{ARCH}.{key} holds a non-float")))
+            })
             .collect::<Result<Vec<_>>>()
             .map(Some)
     }
@@ -132,7 +134,9 @@ impl ModelConfig {
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
         match file.architecture() {
             Some(ARCH) => {}
-            Some(other) => return Err(Error::model(format!("architecture {other:?} is not supported (expected {ARCH:?})"))),
+            Some(other) => {
+                return Err(Error::model(format!("architecture {other:?} is not supported (expected {ARCH:?})")))
+            }
             None => return Err(Error::model("GGUF metadata lacks general.architecture")),
         }
         let m = Meta(file);
@@ -156,7 +160,9 @@ impl ModelConfig {
                 .tensor("token_embd.weight")
                 .and_then(|t| t.dims.get(1).copied())
                 .and_then(|v| usize::try_from(v).ok())
-                .ok_or_else(|| Error::model("cannot tell the vocabulary size: no vocab_size key and no token_embd.weight"))?,
+                .ok_or_else(|| {
+                    Error::model("cannot tell the vocabulary size: no vocab_size key and no token_embd.weight")
+                })?,
         };
 
         let ratios_v = m.req("attention.compress_ratios")?;
@@ -213,9 +219,7 @@ impl ModelConfig {
         if m.usize_or("expert_group_count", 0)? > 1 {
             return Err(Error::model("grouped expert routing is not part of V4"));
         }
-        let token_id = |key: &str| {
-            file.get(key).and_then(Value::as_u64).and_then(|v| u32::try_from(v).ok())
-        };
+        let token_id = |key: &str| file.get(key).and_then(Value::as_u64).and_then(|v| u32::try_from(v).ok());
 
         let cfg = ModelConfig {
             vocab,
@@ -257,10 +261,10 @@ impl ModelConfig {
         if self.hidden == 0 || self.n_heads == 0 || self.head_dim == 0 || self.vocab == 0 {
             return bad("hidden size, heads, head dim and vocabulary must be non-zero".into());
         }
-        if self.rope_dim > self.head_dim || self.rope_dim % 2 != 0 {
+        if self.rope_dim > self.head_dim || !self.rope_dim.is_multiple_of(2) {
             return bad(format!("rope dim {} must be even and at most the head dim {}", self.rope_dim, self.head_dim));
         }
-        if self.o_groups == 0 || self.n_heads % self.o_groups != 0 {
+        if self.o_groups == 0 || !self.n_heads.is_multiple_of(self.o_groups) {
             return bad(format!("{} heads do not split into {} output groups", self.n_heads, self.o_groups));
         }
         if self.window == 0 {

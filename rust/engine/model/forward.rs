@@ -7,9 +7,10 @@
 //! the same code with the same reduction order whatever `n` is, so a row's logits and state
 //! updates are bitwise independent of the batch it came in.
 
-use crate::backend::cpu::{matmul, matmul_new, rms_norm_plain, rms_norm_rows};
+use crate::backend::cpu::{matmul_many_new, matmul_new, rms_norm_plain, rms_norm_rows};
 use crate::model::attention::{attend, raw_range, visible_compressed};
 use crate::model::config::AttentionKind;
+use crate::model::weights::Mat;
 use crate::model::{hyper, indexer, moe, Model};
 use crate::state::{CompressorState, State};
 use crate::Result;
@@ -81,44 +82,52 @@ impl Model {
         let (nh, hd) = (cfg.n_heads, cfg.head_dim);
         let n = h.len() / cfg.hidden;
 
-        let mut cq = matmul_new(raw, &lw.q_a, h)?;
+        // Every projection of h, then every projection of c_q, each in one parallel region.
+        let mut specs: Vec<(&Mat, &[f32])> = vec![(&lw.q_a, h), (&lw.kv, h)];
+        if let Some(cw) = &lw.compressor {
+            specs.extend([(&cw.kv, h), (&cw.gate, h)]);
+        }
+        if let Some(iw) = &lw.indexer {
+            specs.extend([(&iw.proj, h), (&iw.compressor.kv, h), (&iw.compressor.gate, h)]);
+        }
+        let mut outs = matmul_many_new(raw, &specs)?.into_iter();
+        let mut next = || outs.next().expect("one output per product");
+        let (mut cq, mut kv) = (next(), next());
+        let comp = lw.compressor.as_ref().map(|_| (next(), next()));
+        let idx_h = lw.indexer.as_ref().map(|_| (next(), next(), next()));
         rms_norm_rows(&mut cq, &lw.q_a_norm, cfg.rms_eps);
-        let mut q = matmul_new(raw, &lw.q_b, &cq)?;
+        let mut specs: Vec<(&Mat, &[f32])> = vec![(&lw.q_b, &cq)];
+        if let Some(iw) = &lw.indexer {
+            specs.push((&iw.q_b, &cq));
+        }
+        let mut outs = matmul_many_new(raw, &specs)?.into_iter();
+        let mut q = outs.next().expect("q");
+        let iq = outs.next();
+
         for (r, qr) in q.chunks_mut(nh * hd).enumerate() {
             for head in qr.chunks_mut(hd) {
                 rms_norm_plain(head, cfg.rms_eps);
                 rope.apply(head, pos0 + r, false);
             }
         }
-        let mut kv = matmul_new(raw, &lw.kv, h)?;
         rms_norm_rows(&mut kv, &lw.kv_norm, cfg.rms_eps);
         let precision = state.precision;
         for (r, k) in kv.chunks_mut(hd).enumerate() {
             rope.apply(k, pos0 + r, false);
             precision.round_kv(k, cfg.rope_dim);
         }
-
-        // Compressor and indexer projections (state-free, batched).
-        let comp = match &lw.compressor {
-            Some(cw) => Some((matmul_new(raw, &cw.kv, h)?, matmul_new(raw, &cw.gate, h)?)),
-            None => None,
-        };
-        let idx = match &lw.indexer {
-            Some(iw) => {
+        let idx = match (iq, idx_h) {
+            (Some(mut iq), Some((mut g, ckv, cg))) => {
                 let id = cfg.index_head_dim;
-                let mut iq = matmul_new(raw, &iw.q_b, &cq)?;
                 for (r, qr) in iq.chunks_mut(cfg.index_heads * id).enumerate() {
                     rope.apply_heads(qr, id, pos0 + r, false);
                     precision.round_index(qr, id);
                 }
-                let mut g = matmul_new(raw, &iw.proj, h)?;
                 let gs = 1.0 / (cfg.index_heads as f32).sqrt();
                 g.iter_mut().for_each(|v| *v *= gs);
-                let ckv = matmul_new(raw, &iw.compressor.kv, h)?;
-                let cg = matmul_new(raw, &iw.compressor.gate, h)?;
                 Some((iq, g, ckv, cg))
             }
-            None => None,
+            _ => None,
         };
 
         // Row by row: update the state with this token, then attend.
@@ -166,14 +175,21 @@ impl Model {
         // Grouped low-rank output projection: group g's heads through rows g*R.. of o_a.
         let (groups, rank) = (cfg.o_groups, cfg.o_lora_rank);
         let gin = nh * hd / groups;
+        let mats: Vec<Mat> = (0..groups)
+            .map(|g| Mat { n_out: rank, start: lw.o_a.start + g * rank * lw.o_a.row_bytes, ..lw.o_a })
+            .collect();
+        let xs: Vec<Vec<f32>> = (0..groups)
+            .map(|g| {
+                (0..n).flat_map(|r| o[r * nh * hd + g * gin..r * nh * hd + (g + 1) * gin].iter().copied()).collect()
+            })
+            .collect();
+        let specs: Vec<(&Mat, &[f32])> = mats.iter().zip(&xs).map(|(m, x)| (m, x.as_slice())).collect();
+        let ys = matmul_many_new(raw, &specs)?;
         let mut u = vec![0f32; n * groups * rank];
-        for g in 0..groups {
-            let wg = crate::model::weights::Mat { n_out: rank, start: lw.o_a.start + g * rank * lw.o_a.row_bytes, ..lw.o_a };
-            let xg: Vec<f32> = (0..n).flat_map(|r| o[r * nh * hd + g * gin..r * nh * hd + (g + 1) * gin].iter().copied()).collect();
-            let mut yg = vec![0f32; n * rank];
-            matmul(raw, &wg, &xg, &mut yg)?;
+        for (g, yg) in ys.iter().enumerate() {
             for r in 0..n {
-                u[r * groups * rank + g * rank..r * groups * rank + (g + 1) * rank].copy_from_slice(&yg[r * rank..(r + 1) * rank]);
+                u[r * groups * rank + g * rank..r * groups * rank + (g + 1) * rank]
+                    .copy_from_slice(&yg[r * rank..(r + 1) * rank]);
             }
         }
         matmul_new(raw, &lw.o_b, &u)
@@ -197,7 +213,8 @@ fn compress_step(
 ) {
     let pw = cs.proj_width();
     let slot = pos % cs.ratio;
-    let score: Vec<f32> = gate[r * pw..(r + 1) * pw].iter().zip(&ape[slot * pw..(slot + 1) * pw]).map(|(g, a)| g + a).collect();
+    let score: Vec<f32> =
+        gate[r * pw..(r + 1) * pw].iter().zip(&ape[slot * pw..(slot + 1) * pw]).map(|(g, a)| g + a).collect();
     let mut row = vec![0f32; cs.width];
     if cs.push(pos, &kv[r * pw..(r + 1) * pw], &score, &mut row) {
         crate::backend::cpu::rms_norm(&mut row, norm, eps);

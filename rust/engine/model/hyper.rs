@@ -110,7 +110,15 @@ pub fn post(x: &mut [f32], f: &[f32], mixes: &[Mix], hc: usize, d: usize) {
 }
 
 /// The output head's collapse: sigmoid weights, no Sinkhorn, no post step.
-pub fn head(raw: &[u8], w: &HyperWeights, x: &[f32], hc: usize, d: usize, rms_eps: f32, hc_eps: f32) -> Result<Vec<f32>> {
+pub fn head(
+    raw: &[u8],
+    w: &HyperWeights,
+    x: &[f32],
+    hc: usize,
+    d: usize,
+    rms_eps: f32,
+    hc_eps: f32,
+) -> Result<Vec<f32>> {
     let n = x.len() / (hc * d);
     let logits = mix_logits(raw, w, x, rms_eps)?;
     let mut y = vec![0f32; n * d];
@@ -141,7 +149,8 @@ mod tests {
             let col: f32 = (0..4).map(|r| c[r * 4 + i]).sum();
             assert!((row - 1.0).abs() < 1e-3 && (col - 1.0).abs() < 1e-5, "{row} {col}");
         }
-        let asym = (0..4).flat_map(|i| (0..4).map(move |j| (i, j))).any(|(i, j)| (c[i * 4 + j] - c[j * 4 + i]).abs() > 1e-3);
+        let asym =
+            (0..4).flat_map(|i| (0..4).map(move |j| (i, j))).any(|(i, j)| (c[i * 4 + j] - c[j * 4 + i]).abs() > 1e-3);
         assert!(asym);
     }
 }

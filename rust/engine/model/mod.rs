@@ -70,7 +70,19 @@ impl Model {
         let k = self.config.n_experts_used;
         let mut total = w.output.nbytes() + w.embed.row_bytes + w.hc_head.proj.nbytes();
         for l in &w.layers {
-            let mats = [&l.hc_attn.proj, &l.hc_ffn.proj, &l.q_a, &l.q_b, &l.kv, &l.o_a, &l.o_b, &l.router_proj, &l.gate_sh, &l.up_sh, &l.down_sh];
+            let mats = [
+                &l.hc_attn.proj,
+                &l.hc_ffn.proj,
+                &l.q_a,
+                &l.q_b,
+                &l.kv,
+                &l.o_a,
+                &l.o_b,
+                &l.router_proj,
+                &l.gate_sh,
+                &l.up_sh,
+                &l.down_sh,
+            ];
             total += mats.iter().map(|m| m.nbytes()).sum::<usize>();
             if let Some(c) = &l.compressor {
                 total += c.kv.nbytes() + c.gate.nbytes();

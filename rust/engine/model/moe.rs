@@ -1,7 +1,7 @@
 //! The mixture-of-experts sublayer: sqrt-softplus router (hash-routed on the first layers),
 //! clamped SwiGLU experts and a shared expert.
 
-use crate::backend::cpu::{matmul_new, silu, softplus};
+use crate::backend::cpu::{matmul_many_new, matmul_new, silu, softplus};
 use crate::model::config::{LayerSpec, ModelConfig};
 use crate::model::weights::{LayerWeights, Mat, Router};
 use crate::Result;
@@ -11,7 +11,9 @@ pub fn route(cfg: &ModelConfig, w: &LayerWeights, logits: &[f32], token: u32) ->
     let k = cfg.n_experts_used;
     let scores: Vec<f32> = logits.iter().map(|&z| softplus(z).sqrt()).collect();
     let mut chosen: Vec<usize> = match &w.router {
-        Router::Hash { table } => table[token as usize * k..(token as usize + 1) * k].iter().map(|&e| e as usize).collect(),
+        Router::Hash { table } => {
+            table[token as usize * k..(token as usize + 1) * k].iter().map(|&e| e as usize).collect()
+        }
         Router::Learned { bias } => {
             let biased: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
             let mut idx: Vec<usize> = (0..scores.len()).collect();
@@ -35,16 +37,20 @@ pub fn route(cfg: &ModelConfig, w: &LayerWeights, logits: &[f32], token: u32) ->
     (chosen, weights)
 }
 
-/// `down(silu(min(gate x, c)) * clamp(up x, ±c))` for the rows of `x`.
-fn swiglu(raw: &[u8], gate: &Mat, up: &Mat, down: &Mat, x: &[f32], clamp: f32) -> Result<Vec<f32>> {
-    let g = matmul_new(raw, gate, x)?;
-    let u = matmul_new(raw, up, x)?;
-    let a: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| silu(g.min(clamp)) * u.clamp(-clamp, clamp)).collect();
-    matmul_new(raw, down, &a)
+/// `silu(min(g, c)) * clamp(u, ±c)`.
+fn swiglu(g: &[f32], u: &[f32], clamp: f32) -> Vec<f32> {
+    g.iter().zip(u).map(|(&g, &u)| silu(g.min(clamp)) * u.clamp(-clamp, clamp)).collect()
 }
 
 /// The MoE output for the rows of `h` (`n * hidden`), `tokens` being each row's input token.
-pub fn forward(raw: &[u8], cfg: &ModelConfig, spec: &LayerSpec, w: &LayerWeights, h: &[f32], tokens: &[u32]) -> Result<Vec<f32>> {
+pub fn forward(
+    raw: &[u8],
+    cfg: &ModelConfig,
+    spec: &LayerSpec,
+    w: &LayerWeights,
+    h: &[f32],
+    tokens: &[u32],
+) -> Result<Vec<f32>> {
     let d = cfg.hidden;
     let n = tokens.len();
     let logits = matmul_new(raw, &w.router_proj, h)?;
@@ -52,20 +58,41 @@ pub fn forward(raw: &[u8], cfg: &ModelConfig, spec: &LayerSpec, w: &LayerWeights
         (0..n).map(|r| route(cfg, w, &logits[r * cfg.n_experts..(r + 1) * cfg.n_experts], tokens[r])).collect();
 
     // Group the rows by expert so each expert's weights are read once per batch; every
-    // row's result is still its own dot products, whatever the grouping.
-    let mut per_row: Vec<Vec<(usize, Vec<f32>)>> = vec![Vec::new(); n];
+    // row's result is still its own dot products, whatever the grouping. All gate/up
+    // products (and then all down products) of the layer run in one parallel region.
+    let mut used: Vec<(usize, Vec<usize>, Vec<f32>)> = Vec::new();
     for e in 0..cfg.n_experts {
         let rows: Vec<usize> = (0..n).filter(|&r| routes[r].0.contains(&e)).collect();
-        if rows.is_empty() {
-            continue;
-        }
-        let x: Vec<f32> = rows.iter().flat_map(|&r| h[r * d..(r + 1) * d].iter().copied()).collect();
-        let y = swiglu(raw, &w.gate_exps.get(e), &w.up_exps.get(e), &w.down_exps.get(e), &x, spec.clamp_routed)?;
-        for (i, &r) in rows.iter().enumerate() {
-            per_row[r].push((e, y[i * d..(i + 1) * d].to_vec()));
+        if !rows.is_empty() {
+            let x = rows.iter().flat_map(|&r| h[r * d..(r + 1) * d].iter().copied()).collect();
+            used.push((e, rows, x));
         }
     }
-    let shared = swiglu(raw, &w.gate_sh, &w.up_sh, &w.down_sh, h, spec.clamp_shared)?;
+    let gates: Vec<Mat> = used.iter().map(|(e, _, _)| w.gate_exps.get(*e)).collect();
+    let ups: Vec<Mat> = used.iter().map(|(e, _, _)| w.up_exps.get(*e)).collect();
+    let downs: Vec<Mat> = used.iter().map(|(e, _, _)| w.down_exps.get(*e)).collect();
+    let mut specs: Vec<(&Mat, &[f32])> = vec![(&w.gate_sh, h), (&w.up_sh, h)];
+    for (i, (_, _, x)) in used.iter().enumerate() {
+        specs.extend([(&gates[i], x.as_slice()), (&ups[i], x.as_slice())]);
+    }
+    let gu = matmul_many_new(raw, &specs)?;
+    let acts: Vec<Vec<f32>> = gu
+        .chunks(2)
+        .enumerate()
+        .map(|(i, p)| swiglu(&p[0], &p[1], if i == 0 { spec.clamp_shared } else { spec.clamp_routed }))
+        .collect();
+    let mut specs: Vec<(&Mat, &[f32])> = vec![(&w.down_sh, acts[0].as_slice())];
+    for (i, m) in downs.iter().enumerate() {
+        specs.push((m, acts[i + 1].as_slice()));
+    }
+    let downs_out = matmul_many_new(raw, &specs)?;
+    let shared = &downs_out[0];
+    let mut per_row: Vec<Vec<(usize, &[f32])>> = vec![Vec::new(); n];
+    for (i, (e, rows, _)) in used.iter().enumerate() {
+        for (k, &r) in rows.iter().enumerate() {
+            per_row[r].push((*e, &downs_out[i + 1][k * d..(k + 1) * d]));
+        }
+    }
     let mut out = vec![0f32; n * d];
     for r in 0..n {
         let (experts, weights) = &routes[r];
@@ -74,7 +101,7 @@ pub fn forward(raw: &[u8], cfg: &ModelConfig, spec: &LayerSpec, w: &LayerWeights
         for (e, y) in &per_row[r] {
             // (A hash table may name an expert twice: its weights add up.)
             let wk: f32 = experts.iter().zip(weights).filter(|(x, _)| *x == e).map(|(_, w)| w).sum();
-            for (v, &u) in o.iter_mut().zip(y) {
+            for (v, &u) in o.iter_mut().zip(y.iter()) {
                 *v += u * wk;
             }
         }

@@ -145,7 +145,10 @@ impl Binder<'_> {
     fn mat_of(&self, name: &str, dims: &[usize]) -> Result<Mat> {
         let t = self.info(name, dims)?;
         if !t.ggml_type.is_supported() {
-            return Err(Error::model(format!("tensor {name:?} has type {}, which ds4 cannot compute with", t.ggml_type)));
+            return Err(Error::model(format!(
+                "tensor {name:?} has type {}, which ds4 cannot compute with",
+                t.ggml_type
+            )));
         }
         Ok(Mat {
             ty: t.ggml_type,
@@ -163,7 +166,10 @@ impl Binder<'_> {
     fn vec(&self, name: &str, dims: &[usize]) -> Result<Vec<f32>> {
         let t = self.info(name, dims)?;
         if !t.ggml_type.is_supported() {
-            return Err(Error::model(format!("tensor {name:?} has type {}, which ds4 cannot compute with", t.ggml_type)));
+            return Err(Error::model(format!(
+                "tensor {name:?} has type {}, which ds4 cannot compute with",
+                t.ggml_type
+            )));
         }
         self.file.dequantize(name)
     }
@@ -176,7 +182,14 @@ impl Binder<'_> {
         })
     }
 
-    fn compressor(&self, prefix: &str, hidden: usize, width: usize, ratio: usize, norm_dim: usize) -> Result<CompressorWeights> {
+    fn compressor(
+        &self,
+        prefix: &str,
+        hidden: usize,
+        width: usize,
+        ratio: usize,
+        norm_dim: usize,
+    ) -> Result<CompressorWeights> {
         Ok(CompressorWeights {
             kv: self.mat(&format!("{prefix}_kv.weight"), hidden, width)?,
             gate: self.mat(&format!("{prefix}_gate.weight"), hidden, width)?,
@@ -189,8 +202,12 @@ impl Binder<'_> {
         let t = self.info(name, &[k, vocab])?;
         let bytes = self.file.bytes_of(t);
         let ids: Vec<i64> = match t.ggml_type {
-            GgmlType::I32 => bytes.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64).collect(),
-            GgmlType::I64 => bytes.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))).collect(),
+            GgmlType::I32 => {
+                bytes.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64).collect()
+            }
+            GgmlType::I64 => {
+                bytes.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))).collect()
+            }
             other => return Err(Error::model(format!("tensor {name:?} has type {other}, expected I32"))),
         };
         ids.into_iter()
@@ -216,13 +233,19 @@ impl Weights {
             let hd = cfg.head_dim;
             let (compressor, indexer) = match spec.kind {
                 AttentionKind::Sliding => (None, None),
-                AttentionKind::Hca => (Some(b.compressor(&format!("{p}.attn_compressor"), d, hd, spec.ratio, hd)?), None),
+                AttentionKind::Hca => {
+                    (Some(b.compressor(&format!("{p}.attn_compressor"), d, hd, spec.ratio, hd)?), None)
+                }
                 AttentionKind::Csa => {
                     let id = cfg.index_head_dim;
                     (
                         Some(b.compressor(&format!("{p}.attn_compressor"), d, 2 * hd, spec.ratio, hd)?),
                         Some(IndexerWeights {
-                            q_b: b.mat(&format!("{p}.indexer.attn_q_b.weight"), cfg.q_lora_rank, cfg.index_heads * id)?,
+                            q_b: b.mat(
+                                &format!("{p}.indexer.attn_q_b.weight"),
+                                cfg.q_lora_rank,
+                                cfg.index_heads * id,
+                            )?,
                             proj: b.mat(&format!("{p}.indexer.proj.weight"), d, cfg.index_heads)?,
                             compressor: b.compressor(&format!("{p}.indexer_compressor"), d, 2 * id, spec.ratio, id)?,
                         }),
@@ -231,7 +254,9 @@ impl Weights {
             };
             let e = cfg.n_experts;
             let router = if spec.hash_routed {
-                Router::Hash { table: b.hash_table(&format!("{p}.ffn_gate_tid2eid.weight"), cfg.n_experts_used, cfg.vocab, e)? }
+                Router::Hash {
+                    table: b.hash_table(&format!("{p}.ffn_gate_tid2eid.weight"), cfg.n_experts_used, cfg.vocab, e)?,
+                }
             } else {
                 Router::Learned { bias: b.vec(&format!("{p}.exp_probs_b.bias"), &[e])? }
             };
@@ -246,7 +271,11 @@ impl Weights {
                 kv: b.mat(&format!("{p}.attn_kv.weight"), d, hd)?,
                 kv_norm: b.vec(&format!("{p}.attn_kv_a_norm.weight"), &[hd])?,
                 sinks: b.vec(&format!("{p}.attn_sinks.weight"), &[cfg.n_heads])?,
-                o_a: b.mat(&format!("{p}.attn_output_a.weight"), cfg.n_heads * hd / cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)?,
+                o_a: b.mat(
+                    &format!("{p}.attn_output_a.weight"),
+                    cfg.n_heads * hd / cfg.o_groups,
+                    cfg.o_groups * cfg.o_lora_rank,
+                )?,
                 o_b: b.mat(&format!("{p}.attn_output_b.weight"), cfg.o_groups * cfg.o_lora_rank, d)?,
                 compressor,
                 indexer,

@@ -57,11 +57,7 @@ pub(crate) fn f32_to_f16(x: f32) -> u16 {
     let q = mant >> shift;
     let rem = mant & ((1 << shift) - 1);
     let half = 1 << (shift - 1);
-    let q = if rem > half || (rem == half && q & 1 == 1) {
-        q + 1
-    } else {
-        q
-    };
+    let q = if rem > half || (rem == half && q & 1 == 1) { q + 1 } else { q };
     sign | q as u16
 }
 
@@ -247,12 +243,8 @@ mod avx2 {
             }
             while i + 8 <= n {
                 let end = (i + 256).min(n);
-                let (mut a0, mut a1, mut a2, mut a3) = (
-                    _mm256_setzero_ps(),
-                    _mm256_setzero_ps(),
-                    _mm256_setzero_ps(),
-                    _mm256_setzero_ps(),
-                );
+                let (mut a0, mut a1, mut a2, mut a3) =
+                    (_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps());
                 // SAFETY (of the loads below): every group read lies below `end <= n`, so
                 // its elements of `src` and `x` are in bounds.
                 while i + 32 <= end {
@@ -282,22 +274,16 @@ mod avx2 {
     /// AVX2, FMA and F16C available.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_f32(src: &[u8], x: &[f32]) -> f32 {
-        dense_dot!(src, x, 4, |p| _mm256_loadu_ps(p.cast()), |s| {
-            f32::from_le_bytes([s[0], s[1], s[2], s[3]])
-        })
+        dense_dot!(src, x, 4, |p| _mm256_loadu_ps(p.cast()), |s| { f32::from_le_bytes([s[0], s[1], s[2], s[3]]) })
     }
 
     /// # Safety
     /// AVX2, FMA and F16C available.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_f16(src: &[u8], x: &[f32]) -> f32 {
-        dense_dot!(
-            src,
-            x,
-            2,
-            |p| _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
-            |s| { super::f16_to_f32(u16::from_le_bytes([s[0], s[1]])) }
-        )
+        dense_dot!(src, x, 2, |p| _mm256_cvtph_ps(_mm_loadu_si128(p.cast())), |s| {
+            super::f16_to_f32(u16::from_le_bytes([s[0], s[1]]))
+        })
     }
 
     /// # Safety
@@ -308,9 +294,7 @@ mod avx2 {
             src,
             x,
             2,
-            |p| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
-                _mm_loadu_si128(p.cast())
-            ))),
+            |p| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())))),
             |s| super::bf16_to_f32(u16::from_le_bytes([s[0], s[1]]))
         )
     }
@@ -480,11 +464,7 @@ mod tests {
         for h in 0..=u16::MAX {
             let f = f16_to_f32(h);
             if (h & 0x7fff) <= 0x7c00 {
-                assert_eq!(
-                    f.to_bits(),
-                    half::f16::from_bits(h).to_f32().to_bits(),
-                    "{h:#x}"
-                );
+                assert_eq!(f.to_bits(), half::f16::from_bits(h).to_f32().to_bits(), "{h:#x}");
             }
             assert_eq!(f32_to_f16(f), h, "{h:#x}");
         }
@@ -552,15 +532,9 @@ mod tests {
             let w = rng.f32s(n);
             let f32b: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
             check_dots(GgmlType::F32, &f32b, &x);
-            let f16b: Vec<u8> = w
-                .iter()
-                .flat_map(|&v| f32_to_f16(v).to_le_bytes())
-                .collect();
+            let f16b: Vec<u8> = w.iter().flat_map(|&v| f32_to_f16(v).to_le_bytes()).collect();
             check_dots(GgmlType::F16, &f16b, &x);
-            let bf16b: Vec<u8> = w
-                .iter()
-                .flat_map(|&v| f32_to_bf16(v).to_le_bytes())
-                .collect();
+            let bf16b: Vec<u8> = w.iter().flat_map(|&v| f32_to_bf16(v).to_le_bytes()).collect();
             check_dots(GgmlType::BF16, &bf16b, &x);
         }
     }

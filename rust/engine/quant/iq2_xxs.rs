@@ -26,10 +26,7 @@ unsafe impl ByteBlock for BlockIQ2XXS {}
 
 #[inline(always)]
 fn words(g: &[u8]) -> (u32, u32) {
-    (
-        u32::from_le_bytes([g[0], g[1], g[2], g[3]]),
-        u32::from_le_bytes([g[4], g[5], g[6], g[7]]),
-    )
+    (u32::from_le_bytes([g[0], g[1], g[2], g[3]]), u32::from_le_bytes([g[4], g[5], g[6], g[7]]))
 }
 
 pub(crate) struct IQ2XXS;
@@ -44,10 +41,7 @@ impl BlockFormat for IQ2XXS {
     /// `IQ2XXS_GRID_F32` / `IQ2XXS_SIGN_MASKS`, expansions of the integer tables.
     #[inline(always)]
     fn dequantize_blocks(src: &[u8], dst: &mut [f32]) {
-        for (b, out) in as_blocks::<BlockIQ2XXS>(src)
-            .iter()
-            .zip(dst.chunks_exact_mut(256))
-        {
+        for (b, out) in as_blocks::<BlockIQ2XXS>(src).iter().zip(dst.chunks_exact_mut(256)) {
             let d = f16_to_f32(u16::from_le_bytes(b.d));
             for (g, out) in b.qs.chunks_exact(8).zip(out.chunks_exact_mut(32)) {
                 let (aux0, aux1) = words(g);
@@ -108,20 +102,9 @@ mod avx2 {
                 _mm256_xor_ps(g, m)
             };
             let s0 = _mm256_mul_ps(w((aux0 << 5) & 0x1fe0, (aux1 << 5) & 0xfe0), load_ps(x));
-            let s1 = _mm256_mul_ps(
-                w((aux0 >> 3) & 0x1fe0, (aux1 >> 2) & 0xfe0),
-                load_ps(x.add(8)),
-            );
-            let s0 = _mm256_fmadd_ps(
-                w((aux0 >> 11) & 0x1fe0, (aux1 >> 9) & 0xfe0),
-                load_ps(x.add(16)),
-                s0,
-            );
-            let s1 = _mm256_fmadd_ps(
-                w((aux0 >> 19) & 0x1fe0, (aux1 >> 16) & 0xfe0),
-                load_ps(x.add(24)),
-                s1,
-            );
+            let s1 = _mm256_mul_ps(w((aux0 >> 3) & 0x1fe0, (aux1 >> 2) & 0xfe0), load_ps(x.add(8)));
+            let s0 = _mm256_fmadd_ps(w((aux0 >> 11) & 0x1fe0, (aux1 >> 9) & 0xfe0), load_ps(x.add(16)), s0);
+            let s1 = _mm256_fmadd_ps(w((aux0 >> 19) & 0x1fe0, (aux1 >> 16) & 0xfe0), load_ps(x.add(24)), s1);
             let db = _mm256_set1_ps(d * (0.5 + (aux1 >> 28) as f32) * 0.25);
             (_mm256_add_ps(s0, s1), db)
         }

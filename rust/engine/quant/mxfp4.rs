@@ -25,11 +25,7 @@ unsafe impl ByteBlock for BlockMXFP4 {}
 /// (e = 255 gives 2^127).
 #[inline(always)]
 pub(crate) fn e8m0_to_fp32_half(e: u8) -> f32 {
-    let bits = if e < 2 {
-        0x0020_0000u32 << e
-    } else {
-        ((e as u32) - 1) << 23
-    };
+    let bits = if e < 2 { 0x0020_0000u32 << e } else { ((e as u32) - 1) << 23 };
     f32::from_bits(bits)
 }
 
@@ -43,10 +39,7 @@ impl BlockFormat for MXFP4 {
     /// gguf-py: `d * kvalues[q].astype(float32)`.
     #[inline(always)]
     fn dequantize_blocks(src: &[u8], dst: &mut [f32]) {
-        for (b, out) in as_blocks::<BlockMXFP4>(src)
-            .iter()
-            .zip(dst.chunks_exact_mut(32))
-        {
+        for (b, out) in as_blocks::<BlockMXFP4>(src).iter().zip(dst.chunks_exact_mut(32)) {
             let d = e8m0_to_fp32_half(b.e);
             let (lo, hi) = out.split_at_mut(16);
             for ((&q, l), h) in b.qs.iter().zip(lo).zip(hi) {
@@ -131,10 +124,7 @@ mod avx2 {
                 a[0] = _mm256_fmadd_ps(s, _mm256_set1_ps(e8m0_to_fp32_half(e)), a[0]);
                 i += 1;
             }
-            acc64.add(_mm256_add_ps(
-                _mm256_add_ps(a[0], a[1]),
-                _mm256_add_ps(a[2], a[3]),
-            ));
+            acc64.add(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
         }
         acc64.total() as f32
     }
@@ -168,9 +158,7 @@ mod tests {
         }
         let mut out = [0f32; 32];
         dequantize(GgmlType::MXFP4, &b, &mut out).unwrap();
-        let kv = [
-            0., 1., 2., 3., 4., 6., 8., 12., 0., -1., -2., -3., -4., -6., -8., -12.,
-        ];
+        let kv = [0., 1., 2., 3., 4., 6., 8., 12., 0., -1., -2., -3., -4., -6., -8., -12.];
         for j in 0..16 {
             assert_eq!(out[j], 2.0 * kv[j]);
             assert_eq!(out[j + 16], 2.0 * kv[15 - j]);

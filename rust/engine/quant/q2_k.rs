@@ -32,10 +32,7 @@ fn run<const SHIFT: u32>(d: f32, dmin: f32, sa: u8, sb: u8, q: &[u8], out: &mut 
     for (part, sc) in [sa, sb].into_iter().enumerate() {
         let dl = d * (sc & 0x0f) as f32;
         let ml = dmin * (sc >> 4) as f32;
-        for (o, &q) in out[16 * part..16 * part + 16]
-            .iter_mut()
-            .zip(&q[16 * part..16 * part + 16])
-        {
+        for (o, &q) in out[16 * part..16 * part + 16].iter_mut().zip(&q[16 * part..16 * part + 16]) {
             *o = dl * ((q >> SHIFT) & 3) as f32 - ml;
         }
     }
@@ -51,17 +48,10 @@ impl BlockFormat for Q2K {
     /// gguf-py: `dl = d * (sc & 0xF)`, `ml = dmin * (sc >> 4)` (float32), `x = dl * q - ml`.
     #[inline(always)]
     fn dequantize_blocks(src: &[u8], dst: &mut [f32]) {
-        for (b, out) in as_blocks::<BlockQ2K>(src)
-            .iter()
-            .zip(dst.chunks_exact_mut(256))
-        {
+        for (b, out) in as_blocks::<BlockQ2K>(src).iter().zip(dst.chunks_exact_mut(256)) {
             let d = f16_to_f32(u16::from_le_bytes(b.d));
             let dmin = f16_to_f32(u16::from_le_bytes(b.dmin));
-            for (h, (q, out)) in
-                b.qs.chunks_exact(32)
-                    .zip(out.chunks_exact_mut(128))
-                    .enumerate()
-            {
+            for (h, (q, out)) in b.qs.chunks_exact(32).zip(out.chunks_exact_mut(128)).enumerate() {
                 let (o0, rest) = out.split_at_mut(32);
                 let (o1, rest) = rest.split_at_mut(32);
                 let (o2, o3) = rest.split_at_mut(32);
@@ -129,12 +119,8 @@ pub(super) mod avx2 {
                     _mm256_storeu_ps(nml.as_mut_ptr().add(8 * h), nmlv);
                 }
             }
-            let (mut a0, mut a1, mut a2, mut a3) = (
-                _mm256_setzero_ps(),
-                _mm256_setzero_ps(),
-                _mm256_setzero_ps(),
-                _mm256_setzero_ps(),
-            );
+            let (mut a0, mut a1, mut a2, mut a3) =
+                (_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps());
             for h in 0..2 {
                 // SAFETY: quant bytes 16 + 32h .. 16 + 32h + 32 of the 84 are in bounds.
                 let q = unsafe { _mm256_loadu_si256(b.as_ptr().add(16 + 32 * h).cast()) };
@@ -161,21 +147,9 @@ pub(super) mod avx2 {
                         let xp = unsafe { xb.as_ptr().add(128 * h + 32 * $s) };
                         unsafe {
                             a0 = _mm256_fmadd_ps(_mm256_fmadd_ps(e0, dla, nmla), load_ps(xp), a0);
-                            a1 = _mm256_fmadd_ps(
-                                _mm256_fmadd_ps(e1, dla, nmla),
-                                load_ps(xp.add(8)),
-                                a1,
-                            );
-                            a2 = _mm256_fmadd_ps(
-                                _mm256_fmadd_ps(e2, dlb, nmlb),
-                                load_ps(xp.add(16)),
-                                a2,
-                            );
-                            a3 = _mm256_fmadd_ps(
-                                _mm256_fmadd_ps(e3, dlb, nmlb),
-                                load_ps(xp.add(24)),
-                                a3,
-                            );
+                            a1 = _mm256_fmadd_ps(_mm256_fmadd_ps(e1, dla, nmla), load_ps(xp.add(8)), a1);
+                            a2 = _mm256_fmadd_ps(_mm256_fmadd_ps(e2, dlb, nmlb), load_ps(xp.add(16)), a2);
+                            a3 = _mm256_fmadd_ps(_mm256_fmadd_ps(e3, dlb, nmlb), load_ps(xp.add(24)), a3);
                         }
                     }};
                 }
@@ -228,16 +202,11 @@ pub(super) mod avx512 {
             let g: [i32; 16] = [0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15];
             _mm512_loadu_si512(g.as_ptr().cast())
         };
-        let tbytes = _mm512_broadcast_i32x4(_mm_setr_epi8(
-            0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
-        ));
+        let tbytes = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
         // Scale bytes in table order: shift s, row c -> sub-block 8*(c/2) + 2*s + c%2.
         let sc_order = _mm_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
-        let qval = _mm512_setr_ps(
-            0., 0., 0., 0., 1., 1., 1., 1., 2., 2., 2., 2., 3., 3., 3., 3.,
-        );
-        let keep = [0x0303_0303, 0x0c0c_0c0c, 0x3030_3030, 0xc0c0_c0c0u32 as i32]
-            .map(|m| _mm512_set1_epi32(m));
+        let qval = _mm512_setr_ps(0., 0., 0., 0., 1., 1., 1., 1., 2., 2., 2., 2., 3., 3., 3., 3.);
+        let keep = [0x0303_0303, 0x0c0c_0c0c, 0x3030_3030, 0xc0c0_c0c0u32 as i32].map(|m| _mm512_set1_epi32(m));
         let planted = [plant(0), plant(1), plant(2), plant(3)].map(|m| _mm512_set1_epi32(m));
         let nib = _mm512_set1_epi32(0x0f);
         let mut acc64 = Acc64x16::new();
@@ -286,10 +255,7 @@ pub(super) mod avx512 {
             }
             // Into f64 every 4 blocks (each f32 lane then sums 16 products).
             if i % 4 == 3 || i + 1 == nb {
-                acc64.add(_mm512_add_ps(
-                    _mm512_add_ps(acc[0], acc[1]),
-                    _mm512_add_ps(acc[2], acc[3]),
-                ));
+                acc64.add(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
                 acc = [_mm512_setzero_ps(); 4];
             }
         }
@@ -340,13 +306,7 @@ mod tests {
             let x = rng.f32s(nb * 256);
             check_dots(GgmlType::Q2_K, &src, &x);
             #[cfg(target_arch = "x86_64")]
-            check_kernels(
-                GgmlType::Q2_K,
-                &src,
-                &x,
-                super::avx2::dot,
-                super::avx512::dot,
-            );
+            check_kernels(GgmlType::Q2_K, &src, &x, super::avx2::dot, super::avx512::dot);
         }
     }
 }

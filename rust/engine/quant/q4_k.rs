@@ -53,21 +53,12 @@ unsafe fn scales_mins_x86(hdr: *const u8) -> std::arch::x86_64::__m128i {
     let s2 = _mm_srli_epi16::<2>(h); // bits 6-7 of each byte at 4-5 (masked below)
     let s4 = _mm_and_si128(_mm_srli_epi16::<4>(h), _mm_set1_epi8(0x0f));
     let p = _mm_and_si128(
-        _mm_shuffle_epi8(
-            h,
-            _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, Z, Z, Z, Z),
-        ),
+        _mm_shuffle_epi8(h, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, Z, Z, Z, Z)),
         _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0),
     );
-    let q = _mm_shuffle_epi8(
-        s4,
-        _mm_setr_epi8(Z, Z, Z, Z, Z, Z, Z, Z, Z, Z, Z, Z, 12, 13, 14, 15),
-    );
+    let q = _mm_shuffle_epi8(s4, _mm_setr_epi8(Z, Z, Z, Z, Z, Z, Z, Z, Z, Z, Z, Z, 12, 13, 14, 15));
     let r = _mm_and_si128(
-        _mm_shuffle_epi8(
-            s2,
-            _mm_setr_epi8(Z, Z, Z, Z, 4, 5, 6, 7, Z, Z, Z, Z, 8, 9, 10, 11),
-        ),
+        _mm_shuffle_epi8(s2, _mm_setr_epi8(Z, Z, Z, Z, 4, 5, 6, 7, Z, Z, Z, Z, 8, 9, 10, 11)),
         _mm_set1_epi8(0x30),
     );
     _mm_or_si128(_mm_or_si128(p, q), r)
@@ -83,18 +74,11 @@ impl BlockFormat for Q4K {
     /// gguf-py: `dl = d * sc`, `ml = dmin * m` (float32), `x = dl * q - ml`.
     #[inline(always)]
     fn dequantize_blocks(src: &[u8], dst: &mut [f32]) {
-        for (b, out) in as_blocks::<BlockQ4K>(src)
-            .iter()
-            .zip(dst.chunks_exact_mut(256))
-        {
+        for (b, out) in as_blocks::<BlockQ4K>(src).iter().zip(dst.chunks_exact_mut(256)) {
             let d = f16_to_f32(u16::from_le_bytes(b.d));
             let dmin = f16_to_f32(u16::from_le_bytes(b.dmin));
             let (sc, m) = scales_mins(&b.scales);
-            for (j, (q, out)) in
-                b.qs.chunks_exact(32)
-                    .zip(out.chunks_exact_mut(64))
-                    .enumerate()
-            {
+            for (j, (q, out)) in b.qs.chunks_exact(32).zip(out.chunks_exact_mut(64)).enumerate() {
                 let (lo, hi) = out.split_at_mut(32);
                 let (dl0, ml0) = (d * sc[2 * j] as f32, dmin * m[2 * j] as f32);
                 let (dl1, ml1) = (d * sc[2 * j + 1] as f32, dmin * m[2 * j + 1] as f32);
@@ -135,21 +119,12 @@ pub(super) mod avx2 {
     /// SIMD features; `q..q+8` readable.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn weights(
-        q: *const u8,
-        dl0: __m256,
-        nml0: __m256,
-        dl1: __m256,
-        nml1: __m256,
-    ) -> (__m256, __m256) {
+    unsafe fn weights(q: *const u8, dl0: __m256, nml0: __m256, dl1: __m256, nml1: __m256) -> (__m256, __m256) {
         // SAFETY: the caller guarantees the range.
         let z = unsafe { _mm256_cvtepu8_epi32(load8(q)) };
         let lo = _mm256_cvtepi32_ps(_mm256_and_si256(z, _mm256_set1_epi32(0x0f)));
         let hi = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(z));
-        (
-            _mm256_fmadd_ps(lo, dl0, nml0),
-            _mm256_fmadd_ps(hi, dl1, nml1),
-        )
+        (_mm256_fmadd_ps(lo, dl0, nml0), _mm256_fmadd_ps(hi, dl1, nml1))
     }
 
     /// # Safety
@@ -173,22 +148,14 @@ pub(super) mod avx2 {
                 let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scm));
                 let m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(scm)));
                 _mm256_storeu_ps(dm.as_mut_ptr(), _mm256_mul_ps(_mm256_set1_ps(d), sc));
-                _mm256_storeu_ps(
-                    dm.as_mut_ptr().add(8),
-                    _mm256_mul_ps(_mm256_set1_ps(-dmin), m),
-                );
+                _mm256_storeu_ps(dm.as_mut_ptr().add(8), _mm256_mul_ps(_mm256_set1_ps(-dmin), m));
             }
             let mut acc = [_mm256_setzero_ps(); 8];
             for j in 0..4 {
                 // SAFETY: 2j + 9 < 16.
                 let (dl0, nml0, dl1, nml1) = unsafe {
                     let p = dm.as_ptr().add(2 * j);
-                    (
-                        broadcast_load(p),
-                        broadcast_load(p.add(8)),
-                        broadcast_load(p.add(1)),
-                        broadcast_load(p.add(9)),
-                    )
+                    (broadcast_load(p), broadcast_load(p.add(8)), broadcast_load(p.add(1)), broadcast_load(p.add(9)))
                 };
                 for c in 0..4 {
                     // SAFETY: j, c < 4: quant bytes 16 + 32j + 8c .. +8 of the 144, and x
@@ -224,9 +191,7 @@ pub(super) mod avx512 {
     pub(in super::super) unsafe fn dot(src: &[u8], x: &[f32]) -> f32 {
         let nb = (src.len() / 144).min(x.len() / 256);
         let (sp, xp) = (src.as_ptr(), x.as_ptr());
-        let iota = _mm512_setr_ps(
-            0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.,
-        );
+        let iota = _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.);
         let mut acc64 = Acc64x16::new();
         let mut acc = [_mm512_setzero_ps(); 4];
         for i in 0..nb {
@@ -244,12 +209,9 @@ pub(super) mod avx512 {
                 for j in 0..4 {
                     let p = dm.as_ptr().add(2 * j);
                     let t0 = _mm512_fmadd_ps(iota, broadcast_load(p), broadcast_load(p.add(8)));
-                    let t1 =
-                        _mm512_fmadd_ps(iota, broadcast_load(p.add(1)), broadcast_load(p.add(9)));
+                    let t1 = _mm512_fmadd_ps(iota, broadcast_load(p.add(1)), broadcast_load(p.add(9)));
                     for c in 0..2 {
-                        let z = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-                            b.add(16 + 32 * j + 16 * c).cast(),
-                        ));
+                        let z = _mm512_cvtepu8_epi32(_mm_loadu_si128(b.add(16 + 32 * j + 16 * c).cast()));
                         let xj = xb.add(64 * j + 16 * c);
                         let wl = _mm512_permutexvar_ps(z, t0);
                         acc[c] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xj), acc[c]);
@@ -260,10 +222,7 @@ pub(super) mod avx512 {
             }
             // Into f64 every 2 blocks (each f32 lane then sums 8 products).
             if i % 2 == 1 || i + 1 == nb {
-                acc64.add(_mm512_add_ps(
-                    _mm512_add_ps(acc[0], acc[1]),
-                    _mm512_add_ps(acc[2], acc[3]),
-                ));
+                acc64.add(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
                 acc = [_mm512_setzero_ps(); 4];
             }
         }
@@ -331,14 +290,8 @@ mod tests {
                 let byte = 32 * j + l;
                 let lo = (byte % 16) as f32;
                 let hi = ((byte + 3) % 16) as f32;
-                assert_eq!(
-                    out[64 * j + l],
-                    sc[2 * j] as f32 * lo - 0.5 * m[2 * j] as f32
-                );
-                assert_eq!(
-                    out[64 * j + 32 + l],
-                    sc[2 * j + 1] as f32 * hi - 0.5 * m[2 * j + 1] as f32
-                );
+                assert_eq!(out[64 * j + l], sc[2 * j] as f32 * lo - 0.5 * m[2 * j] as f32);
+                assert_eq!(out[64 * j + 32 + l], sc[2 * j + 1] as f32 * hi - 0.5 * m[2 * j + 1] as f32);
             }
         }
     }
@@ -351,13 +304,7 @@ mod tests {
             let x = rng.f32s(nb * 256);
             check_dots(GgmlType::Q4_K, &src, &x);
             #[cfg(target_arch = "x86_64")]
-            check_kernels(
-                GgmlType::Q4_K,
-                &src,
-                &x,
-                super::avx2::dot,
-                super::avx512::dot,
-            );
+            check_kernels(GgmlType::Q4_K, &src, &x, super::avx2::dot, super::avx512::dot);
         }
     }
 }

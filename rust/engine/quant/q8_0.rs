@@ -26,10 +26,7 @@ impl BlockFormat for Q8_0 {
     /// gguf-py: `x.view(int8).astype(float32) * d.view(float16).astype(float32)`.
     #[inline(always)]
     fn dequantize_blocks(src: &[u8], dst: &mut [f32]) {
-        for (b, out) in as_blocks::<BlockQ8_0>(src)
-            .iter()
-            .zip(dst.chunks_exact_mut(32))
-        {
+        for (b, out) in as_blocks::<BlockQ8_0>(src).iter().zip(dst.chunks_exact_mut(32)) {
             let d = f16_to_f32(u16::from_le_bytes(b.d));
             for (o, &q) in out.iter_mut().zip(&b.qs) {
                 *o = q as f32 * d;
@@ -143,10 +140,7 @@ mod avx2 {
                 a[0] = _mm256_fmadd_ps(s, d, a[0]);
                 i += 1;
             }
-            acc64.add(_mm256_add_ps(
-                _mm256_add_ps(a[0], a[1]),
-                _mm256_add_ps(a[2], a[3]),
-            ));
+            acc64.add(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
         }
         acc64.total() as f32
     }
@@ -180,10 +174,7 @@ mod tests {
         let mut q = vec![0u8; 34];
         quantize_q8_0(&x, &mut q).unwrap();
         // amax = 4: d = 4/127, q = round(x * (1/d)).
-        assert_eq!(
-            u16::from_le_bytes([q[0], q[1]]),
-            super::f32_to_f16(4.0 / 127.0)
-        );
+        assert_eq!(u16::from_le_bytes([q[0], q[1]]), super::f32_to_f16(4.0 / 127.0));
         assert_eq!(q[2] as i8, -127);
         assert_eq!(q[18] as i8, 0);
         assert_eq!(q[33] as i8, 119); // 3.75 * 31.75 = 119.06

@@ -42,9 +42,7 @@ pub(crate) fn avx512() -> bool {
 
 #[cfg(target_arch = "x86_64")]
 fn detect_avx512() -> bool {
-    available()
-        && std::arch::is_x86_feature_detected!("avx512f")
-        && std::arch::is_x86_feature_detected!("avx512bw")
+    available() && std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw")
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -94,10 +92,7 @@ pub(crate) mod x86 {
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c")]
         pub(crate) unsafe fn new() -> Self {
-            Acc64 {
-                lo: _mm256_setzero_pd(),
-                hi: _mm256_setzero_pd(),
-            }
+            Acc64 { lo: _mm256_setzero_pd(), hi: _mm256_setzero_pd() }
         }
 
         /// Adds the 8 lanes of `v` (as f64) to the accumulator.
@@ -263,10 +258,7 @@ pub(crate) mod x86_512 {
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
         pub(crate) unsafe fn new() -> Self {
-            Acc64x16 {
-                lo: _mm512_setzero_pd(),
-                hi: _mm512_setzero_pd(),
-            }
+            Acc64x16 { lo: _mm512_setzero_pd(), hi: _mm512_setzero_pd() }
         }
 
         /// Adds the 16 lanes of `v` (as f64) to the accumulator.
@@ -283,10 +275,7 @@ pub(crate) mod x86_512 {
         #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
         pub(crate) unsafe fn total(&self) -> f64 {
             let s = _mm512_add_pd(self.lo, self.hi);
-            hsum_pd(_mm256_add_pd(
-                _mm512_castpd512_pd256(s),
-                _mm512_extractf64x4_pd::<1>(s),
-            ))
+            hsum_pd(_mm256_add_pd(_mm512_castpd512_pd256(s), _mm512_extractf64x4_pd::<1>(s)))
         }
     }
 }

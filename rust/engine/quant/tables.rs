@@ -101,11 +101,7 @@ pub const KVALUES_MXFP4: [i8; 16] = {
         let e = (i >> 1) & 3;
         let m = (i & 1) as i8;
         // Doubled E2M1: subnormal (e = 0) is m; normal is 2^e * (1 + m/2).
-        let mag = if e == 0 {
-            m
-        } else {
-            (1i8 << e) + m * (1i8 << (e - 1))
-        };
+        let mag = if e == 0 { m } else { (1i8 << e) + m * (1i8 << (e - 1)) };
         t[i] = if i & 8 != 0 { -mag } else { mag };
         i += 1;
     }
@@ -221,12 +217,8 @@ mod tests {
     #[test]
     fn ksigns_match_ggml() {
         // The first and last 16 entries of ggml's ksigns_iq2xs.
-        let head = [
-            0u8, 129, 130, 3, 132, 5, 6, 135, 136, 9, 10, 139, 12, 141, 142, 15,
-        ];
-        let tail = [
-            240u8, 113, 114, 243, 116, 245, 246, 119, 120, 249, 250, 123, 252, 125, 126, 255,
-        ];
+        let head = [0u8, 129, 130, 3, 132, 5, 6, 135, 136, 9, 10, 139, 12, 141, 142, 15];
+        let tail = [240u8, 113, 114, 243, 116, 245, 246, 119, 120, 249, 250, 123, 252, 125, 126, 255];
         assert_eq!(KSIGNS_IQ2XS[..16], head);
         assert_eq!(KSIGNS_IQ2XS[112..], tail);
         for &s in &KSIGNS_IQ2XS {
@@ -236,28 +228,19 @@ mod tests {
 
     #[test]
     fn kvalues_mxfp4() {
-        assert_eq!(
-            KVALUES_MXFP4,
-            [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
-        );
+        assert_eq!(KVALUES_MXFP4, [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]);
     }
 
     #[test]
     fn f32_tables_follow_the_integer_tables() {
         for i in 0..256 {
             for k in 0..8 {
-                assert_eq!(
-                    IQ2XXS_GRID_F32.0[i][k],
-                    ((IQ2XXS_GRID[i] >> (8 * k)) & 0xff) as f32
-                );
+                assert_eq!(IQ2XXS_GRID_F32.0[i][k], ((IQ2XXS_GRID[i] >> (8 * k)) & 0xff) as f32);
             }
         }
         for i in 0..128 {
             for k in 0..8 {
-                assert_eq!(
-                    IQ2XXS_SIGN_MASKS.0[i][k] != 0,
-                    KSIGNS_IQ2XS[i] >> k & 1 == 1
-                );
+                assert_eq!(IQ2XXS_SIGN_MASKS.0[i][k] != 0, KSIGNS_IQ2XS[i] >> k & 1 == 1);
             }
         }
     }

@@ -51,7 +51,7 @@ impl CompressorState {
         let slot = pos % self.ratio;
         self.cur_kv[slot * pw..(slot + 1) * pw].copy_from_slice(kv);
         self.cur_score[slot * pw..(slot + 1) * pw].copy_from_slice(score);
-        if (pos + 1) % self.ratio != 0 {
+        if !(pos + 1).is_multiple_of(self.ratio) {
             return false;
         }
         let (w, r) = (self.width, self.ratio);
@@ -111,7 +111,12 @@ pub struct LayerState {
 }
 
 impl LayerState {
-    pub fn new(window: usize, head_dim: usize, compressor: Option<CompressorState>, indexer: Option<CompressorState>) -> Self {
+    pub fn new(
+        window: usize,
+        head_dim: usize,
+        compressor: Option<CompressorState>,
+        indexer: Option<CompressorState>,
+    ) -> Self {
         LayerState { ring: vec![0.0; window * head_dim], window, head_dim, compressor, indexer }
     }
 

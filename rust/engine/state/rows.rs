@@ -42,7 +42,7 @@ impl RowStore {
 
     pub fn push(&mut self, row: &[f32]) {
         debug_assert_eq!(row.len(), self.width);
-        if self.len % CHUNK_ROWS == 0 {
+        if self.len.is_multiple_of(CHUNK_ROWS) {
             self.chunks.push(Arc::new(Vec::with_capacity(CHUNK_ROWS * self.width)));
         }
         let last = self.chunks.last_mut().expect("a chunk was just ensured");

@@ -138,7 +138,10 @@ impl Bpe {
     /// `vocab` maps byte-level token strings to ids; `merges` are the (left, right) pairs in
     /// rank order. A later duplicate of a pair replaces the earlier one (as in `tokenizers`).
     /// Errors with the index of the first merge whose parts or result are not in the vocabulary.
-    pub(crate) fn new<'a>(vocab: &FxMap<&str, u32>, merges: impl IntoIterator<Item = (&'a str, &'a str)>) -> Result<Self, (usize, String)> {
+    pub(crate) fn new<'a>(
+        vocab: &FxMap<&str, u32>,
+        merges: impl IntoIterator<Item = (&'a str, &'a str)>,
+    ) -> Result<Self, (usize, String)> {
         let bl = byte_to_char();
         let mut byte_ids = [NONE; 256];
         let mut buf = [0u8; 4];

@@ -41,7 +41,9 @@ impl FromStr for Role {
             "system" => Ok(Role::System),
             "user" => Ok(Role::User),
             "assistant" => Ok(Role::Assistant),
-            _ => Err(Error::invalid(format!("unknown chat role {s:?} (expected \"system\", \"user\" or \"assistant\")"))),
+            _ => {
+                Err(Error::invalid(format!("unknown chat role {s:?} (expected \"system\", \"user\" or \"assistant\")")))
+            }
         }
     }
 }

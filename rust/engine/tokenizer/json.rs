@@ -54,7 +54,10 @@ fn pre_tokenizer(v: Option<&J>) -> Result<PreTokenizer> {
             Ok(PreTokenizer::Gpt2)
         }
         Some("Sequence") => {
-            let parts = v.get("pretokenizers").and_then(J::as_array).ok_or_else(|| err(KEY, "Sequence without pretokenizers"))?;
+            let parts = v
+                .get("pretokenizers")
+                .and_then(J::as_array)
+                .ok_or_else(|| err(KEY, "Sequence without pretokenizers"))?;
             if parts.len() != DEEPSEEK_SPLITS.len() + 1 {
                 return Err(err(KEY, "only the DeepSeek V3/V4 Split sequence and ByteLevel are supported"));
             }
@@ -68,7 +71,11 @@ fn pre_tokenizer(v: Option<&J>) -> Result<PreTokenizer> {
                     return Err(err(&key, "not the DeepSeek V3/V4 Split (only that sequence is supported)"));
                 }
             }
-            byte_level(&parts[DEEPSEEK_SPLITS.len()], &format!("{KEY}.pretokenizers[{}]", DEEPSEEK_SPLITS.len()), false)?;
+            byte_level(
+                &parts[DEEPSEEK_SPLITS.len()],
+                &format!("{KEY}.pretokenizers[{}]", DEEPSEEK_SPLITS.len()),
+                false,
+            )?;
             Ok(PreTokenizer::DeepSeek)
         }
         other => Err(err(KEY, format!("{other:?} is not supported"))),
@@ -83,7 +90,8 @@ fn token_content(v: Option<&J>) -> Option<&str> {
 }
 
 pub(super) fn parts_from_json(text: &str, config: Option<&str>) -> Result<Parts> {
-    let root: J = serde_json::from_str(text).map_err(|e| Error::model(format!("tokenizer.json: not valid JSON: {e}")))?;
+    let root: J =
+        serde_json::from_str(text).map_err(|e| Error::model(format!("tokenizer.json: not valid JSON: {e}")))?;
     let model = root.get("model").ok_or_else(|| err("model", "missing"))?;
     if model.get("type").and_then(J::as_str).is_some_and(|t| t != "BPE") {
         return Err(err("model.type", "only BPE is supported"));
@@ -97,7 +105,8 @@ pub(super) fn parts_from_json(text: &str, config: Option<&str>) -> Result<Parts>
         return Err(err("model.byte_fallback", "true is not supported"));
     }
     if !is_null_or(root.get("normalizer"), |n| {
-        n.get("type").and_then(J::as_str) == Some("Sequence") && n.get("normalizers").and_then(J::as_array).is_some_and(|a| a.is_empty())
+        n.get("type").and_then(J::as_str) == Some("Sequence")
+            && n.get("normalizers").and_then(J::as_array).is_some_and(|a| a.is_empty())
     }) {
         return Err(err("normalizer", "only none (or an empty Sequence) is supported"));
     }
@@ -108,16 +117,24 @@ pub(super) fn parts_from_json(text: &str, config: Option<&str>) -> Result<Parts>
         }
     }
 
-    let vocab = model.get("vocab").and_then(J::as_object).ok_or_else(|| err("model.vocab", "missing or not an object"))?;
+    let vocab =
+        model.get("vocab").and_then(J::as_object).ok_or_else(|| err("model.vocab", "missing or not an object"))?;
     let mut entries: Vec<(u32, &str)> = Vec::with_capacity(vocab.len());
     for (s, id) in vocab {
-        let id = id.as_u64().and_then(|i| u32::try_from(i).ok()).ok_or_else(|| err("model.vocab", format!("{s:?}: bad id {id}")))?;
+        let id = id
+            .as_u64()
+            .and_then(|i| u32::try_from(i).ok())
+            .ok_or_else(|| err("model.vocab", format!("{s:?}: bad id {id}")))?;
         entries.push((id, s));
     }
     let mut added = Vec::new();
     for (i, a) in root.get("added_tokens").and_then(J::as_array).map(Vec::as_slice).unwrap_or(&[]).iter().enumerate() {
         let key = format!("added_tokens[{i}]");
-        let id = a.get("id").and_then(J::as_u64).and_then(|i| u32::try_from(i).ok()).ok_or_else(|| err(&key, "bad or missing id"))?;
+        let id = a
+            .get("id")
+            .and_then(J::as_u64)
+            .and_then(|i| u32::try_from(i).ok())
+            .ok_or_else(|| err(&key, "bad or missing id"))?;
         let content = a.get("content").and_then(J::as_str).ok_or_else(|| err(&key, "missing content"))?;
         for k in ["lstrip", "rstrip", "single_word"] {
             if flag(a, k) {
@@ -138,7 +155,13 @@ pub(super) fn parts_from_json(text: &str, config: Option<&str>) -> Result<Parts>
         tokens[id as usize] = Some(s.to_string());
     }
     let mut merges = Vec::new();
-    for (i, m) in model.get("merges").and_then(J::as_array).ok_or_else(|| err("model.merges", "missing or not a list"))?.iter().enumerate() {
+    for (i, m) in model
+        .get("merges")
+        .and_then(J::as_array)
+        .ok_or_else(|| err("model.merges", "missing or not a list"))?
+        .iter()
+        .enumerate()
+    {
         let pair = match m {
             J::String(s) => s.split_once(' ').filter(|(a, b)| !a.is_empty() && !b.is_empty() && !b.contains(' ')),
             J::Array(p) if p.len() == 2 => p[0].as_str().zip(p[1].as_str()),
@@ -156,11 +179,18 @@ pub(super) fn parts_from_json(text: &str, config: Option<&str>) -> Result<Parts>
     }
 
     let config: Option<J> = match config {
-        Some(c) => Some(serde_json::from_str(c).map_err(|e| Error::model(format!("tokenizer_config.json: not valid JSON: {e}")))?),
+        Some(c) => Some(
+            serde_json::from_str(c).map_err(|e| Error::model(format!("tokenizer_config.json: not valid JSON: {e}")))?,
+        ),
         None => None,
     };
     let lookup = |s: &str| -> Option<u32> {
-        added.iter().rev().find(|a| a.content == s).map(|a| a.id).or_else(|| tokens.iter().position(|t| t.as_deref() == Some(s)).map(|i| i as u32))
+        added
+            .iter()
+            .rev()
+            .find(|a| a.content == s)
+            .map(|a| a.id)
+            .or_else(|| tokens.iter().position(|t| t.as_deref() == Some(s)).map(|i| i as u32))
     };
     let special = |key: &str, fallback: &str| -> Option<u32> {
         match config.as_ref().and_then(|c| token_content(c.get(key))) {

@@ -168,7 +168,11 @@ impl Tokenizer {
         }
         let first_pass = Matcher::new(p.added.iter().filter(|a| !a.normalized));
         let second_pass = Matcher::new(p.added.iter().filter(|a| a.normalized));
-        let bytes = p.tokens.iter().map(|t| t.as_deref().map(bpe::token_bytes).unwrap_or_default().into_boxed_slice()).collect();
+        let bytes = p
+            .tokens
+            .iter()
+            .map(|t| t.as_deref().map(bpe::token_bytes).unwrap_or_default().into_boxed_slice())
+            .collect();
         let whole_words = p.ignore_merges.then(|| {
             let added: std::collections::HashSet<u32> = p.added.iter().map(|a| a.id).collect();
             p.tokens
@@ -340,7 +344,8 @@ struct Matcher {
 
 impl Matcher {
     fn new<'a>(tokens: impl Iterator<Item = &'a AddedToken>) -> Self {
-        let mut m = Matcher { edges: vec![Vec::new()], token: vec![NO_TOKEN], first: vec![false; 256].into_boxed_slice() };
+        let mut m =
+            Matcher { edges: vec![Vec::new()], token: vec![NO_TOKEN], first: vec![false; 256].into_boxed_slice() };
         for t in tokens {
             let Some(&b0) = t.content.as_bytes().first() else { continue };
             m.first[b0 as usize] = true;
@@ -499,7 +504,11 @@ fn gguf_err(key: &str, msg: impl std::fmt::Display) -> Error {
 fn gguf_strings<'a>(file: &'a GgufFile, key: &str) -> Result<Vec<&'a str>> {
     let v = file.get(key).ok_or_else(|| gguf_err(key, "missing"))?;
     let items = v.as_array().ok_or_else(|| gguf_err(key, "not an array"))?;
-    items.iter().enumerate().map(|(i, x)| x.as_str().ok_or_else(|| gguf_err(key, format!("element {i} is not a string")))).collect()
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, x)| x.as_str().ok_or_else(|| gguf_err(key, format!("element {i} is not a string"))))
+        .collect()
 }
 
 fn gguf_token_id(file: &GgufFile, key: &str, n: usize) -> Result<Option<u32>> {
@@ -522,7 +531,9 @@ fn parts_from_gguf(file: &GgufFile) -> Result<Parts> {
     match file.get(MODEL).map(|v| v.as_str()) {
         None => return Err(gguf_err(MODEL, "missing: the file has no tokenizer")),
         Some(Some("gpt2")) => {}
-        Some(Some(m)) => return Err(gguf_err(MODEL, format!("{m:?} is not supported (only \"gpt2\", byte-level BPE)"))),
+        Some(Some(m)) => {
+            return Err(gguf_err(MODEL, format!("{m:?} is not supported (only \"gpt2\", byte-level BPE)")))
+        }
         Some(None) => return Err(gguf_err(MODEL, "not a string")),
     }
     let pre = match file.get(PRE).map(|v| v.as_str()) {
@@ -541,7 +552,11 @@ fn parts_from_gguf(file: &GgufFile) -> Result<Parts> {
             if items.len() != n {
                 return Err(gguf_err(TYPES, format!("{} entries for {n} tokens", items.len())));
             }
-            items.iter().enumerate().map(|(i, x)| x.as_i64().ok_or_else(|| gguf_err(TYPES, format!("element {i} is not an integer")))).collect::<Result<_>>()?
+            items
+                .iter()
+                .enumerate()
+                .map(|(i, x)| x.as_i64().ok_or_else(|| gguf_err(TYPES, format!("element {i} is not an integer"))))
+                .collect::<Result<_>>()?
         }
     };
     let merges = gguf_strings(file, MERGES)?

@@ -75,7 +75,9 @@ fn classes() -> &'static [u8] {
     static TABLE: OnceLock<Box<[u8]>> = OnceLock::new();
     TABLE.get_or_init(|| {
         let mut t = vec![0u8; 0x11_0000].into_boxed_slice();
-        for (pattern, bit) in [(r"\p{L}", L), (r"\p{M}", M), (r"\p{N}", N), (r"\p{P}", P), (r"\p{S}", S), (r"\p{White_Space}", W)] {
+        for (pattern, bit) in
+            [(r"\p{L}", L), (r"\p{M}", M), (r"\p{N}", N), (r"\p{P}", P), (r"\p{S}", S), (r"\p{White_Space}", W)]
+        {
             for (lo, hi) in unicode_ranges(pattern) {
                 for c in lo..=hi {
                     t[c as usize] |= bit;

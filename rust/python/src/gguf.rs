@@ -131,9 +131,11 @@ impl PyGgufFile {
 
     /// Tensor `name` dequantized to little-endian float32 values, in a new bytearray.
     fn dequantize<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyByteArray>> {
-        let info = self.inner.tensor(name).cloned().ok_or_else(|| {
-            crate::errors::to_pyerr(ds4::gguf::GgufError::MissingTensor(name.to_string()).into())
-        })?;
+        let info = self
+            .inner
+            .tensor(name)
+            .cloned()
+            .ok_or_else(|| crate::errors::to_pyerr(ds4::gguf::GgufError::MissingTensor(name.to_string()).into()))?;
         let file = Arc::clone(&self.inner);
         crate::quant::fill_f32_bytearray(py, info.n_elements, move |dst| file.dequantize_into(&info, dst))
     }

@@ -122,7 +122,8 @@ impl PySession {
             _ => return Err(PyValueError::new_err(format!("logits must be 'all', 'last' or 'none', got {which:?}"))),
         };
         let out = py.detach(|| {
-            let mut s = self.inner.lock().map_err(|_| ds4::Error::InvalidArgument("the session was poisoned".into()))?;
+            let mut s =
+                self.inner.lock().map_err(|_| ds4::Error::InvalidArgument("the session was poisoned".into()))?;
             s.eval(&tokens, which)
         });
         let out = out.into_py_result()?;

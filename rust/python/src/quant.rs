@@ -23,15 +23,18 @@ fn kernel(name: &str) -> PyResult<Kernel> {
 }
 
 fn f32s(bytes: &[u8], what: &str) -> PyResult<Vec<f32>> {
-    if bytes.len() % 4 != 0 {
+    if !bytes.len().is_multiple_of(4) {
         return Err(PyValueError::new_err(format!("{what}: {} bytes is not a whole number of float32", bytes.len())));
     }
     Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
 }
 
 fn u16s(bytes: &[u8], what: &str) -> PyResult<Vec<u16>> {
-    if bytes.len() % 2 != 0 {
-        return Err(PyValueError::new_err(format!("{what}: {} bytes is not a whole number of 16-bit values", bytes.len())));
+    if !bytes.len().is_multiple_of(2) {
+        return Err(PyValueError::new_err(format!(
+            "{what}: {} bytes is not a whole number of 16-bit values",
+            bytes.len()
+        )));
     }
     Ok(bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect())
 }
@@ -58,8 +61,11 @@ pub(crate) fn fill_f32_bytearray<'py>(
 fn dequantize<'py>(py: Python<'py>, r#type: &str, data: &[u8]) -> PyResult<Bound<'py, PyByteArray>> {
     let ty = ggml_type(r#type)?;
     let (bb, be) = (ty.block_bytes(), ty.block_elems());
-    if data.len() % bb != 0 {
-        return Err(PyValueError::new_err(format!("{} bytes is not a whole number of {ty} blocks ({bb} bytes)", data.len())));
+    if !data.len().is_multiple_of(bb) {
+        return Err(PyValueError::new_err(format!(
+            "{} bytes is not a whole number of {ty} blocks ({bb} bytes)",
+            data.len()
+        )));
     }
     let n = (data.len() / bb * be) as u64;
     fill_f32_bytearray(py, n, |dst| quant::dequantize(ty, data, dst))
@@ -93,7 +99,11 @@ fn quantize_q8_0<'py>(py: Python<'py>, x: &[u8]) -> PyResult<Bound<'py, PyBytes>
     Ok(PyBytes::new(py, &out))
 }
 
-fn to_half<'py>(py: Python<'py>, x: &[u8], f: fn(&[f32], &mut [u16]) -> ds4::Result<()>) -> PyResult<Bound<'py, PyBytes>> {
+fn to_half<'py>(
+    py: Python<'py>,
+    x: &[u8],
+    f: fn(&[f32], &mut [u16]) -> ds4::Result<()>,
+) -> PyResult<Bound<'py, PyBytes>> {
     let x = f32s(x, "x")?;
     let mut out = vec![0u16; x.len()];
     f(&x, &mut out).into_py_result()?;
@@ -101,7 +111,11 @@ fn to_half<'py>(py: Python<'py>, x: &[u8], f: fn(&[f32], &mut [u16]) -> ds4::Res
     Ok(PyBytes::new(py, &bytes))
 }
 
-fn from_half<'py>(py: Python<'py>, x: &[u8], f: fn(&[u16], &mut [f32]) -> ds4::Result<()>) -> PyResult<Bound<'py, PyByteArray>> {
+fn from_half<'py>(
+    py: Python<'py>,
+    x: &[u8],
+    f: fn(&[u16], &mut [f32]) -> ds4::Result<()>,
+) -> PyResult<Bound<'py, PyByteArray>> {
     let x = u16s(x, "x")?;
     fill_f32_bytearray(py, x.len() as u64, |dst| f(&x, dst))
 }

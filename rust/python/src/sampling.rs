@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use crate::IntoPy;
 
 fn logits_f32(bytes: &[u8]) -> PyResult<Vec<f32>> {
-    if bytes.len() % 4 != 0 {
+    if !bytes.len().is_multiple_of(4) {
         return Err(PyValueError::new_err(format!("logits: {} bytes is not a whole number of float32", bytes.len())));
     }
     Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())

@@ -140,7 +140,11 @@ impl PyStreamDecoder {
 /// The DeepSeek V4 prompt of `messages`: (role, content, reasoning or None) triples.
 #[pyfunction]
 #[pyo3(signature = (messages, thinking = false, add_generation_prompt = true))]
-fn render_chat(messages: Vec<(String, String, Option<String>)>, thinking: bool, add_generation_prompt: bool) -> PyResult<String> {
+fn render_chat(
+    messages: Vec<(String, String, Option<String>)>,
+    thinking: bool,
+    add_generation_prompt: bool,
+) -> PyResult<String> {
     let msgs = messages
         .into_iter()
         .map(|(role, content, reasoning_content)| {
