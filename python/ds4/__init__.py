@@ -10,19 +10,22 @@ from ._ds4 import __version__
 from .errors import ContextOverflowError, Ds4Error, GGUFError, UnsupportedModelError
 from .gguf import GGUFFile, TensorInfo
 from .convert import convert, convert_tokenizer
-from .model import Model, Session, Snapshot
+from .model import Chunk, Generation, Model, Session, Snapshot, Stream
 from .sampling import Sampling
 from .tokenizer import StreamDecoder, Tokenizer, render_chat
 
 __all__ = [
+    "Chunk",
     "ContextOverflowError",
     "Ds4Error",
     "GGUFError",
     "GGUFFile",
+    "Generation",
     "Model",
     "Sampling",
     "Session",
     "Snapshot",
+    "Stream",
     "StreamDecoder",
     "TensorInfo",
     "Tokenizer",

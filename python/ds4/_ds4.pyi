@@ -11,6 +11,7 @@ __all__ = [
     "Sampler",
     "Session",
     "Snapshot",
+    "Stream",
     "StreamDecoder",
     "TensorInfo",
     "Tokenizer",
@@ -124,6 +125,8 @@ class Model:
         """The configuration read from the file's metadata, as a dict."""
     def decode_weight_bytes(self) -> int:
         """Weight bytes read to decode one token."""
+    def tokenizer(self) -> Tokenizer | None:
+        """The tokenizer stored in the model file, or None if it has none."""
     def session(self, ctx: int, kv: str = "f32") -> Session:
         """A new session holding at most ``ctx`` tokens; ``kv`` is the attention state's
         storage precision: "f32", "f16" or "fp8"."""
@@ -157,6 +160,23 @@ class Session:
     def snapshot(self) -> Snapshot: ...
     def restore(self, snapshot: Snapshot) -> None: ...
     def reset(self) -> None: ...
+    def start(self, prompt: list[int], max_tokens: int, temperature: float, top_k: int, top_p: float,
+              min_p: float, seed: int, stop: list[str], stop_tokens: list[int]) -> Stream:
+        """Evaluates ``prompt`` and returns a stream of generated chunks (see ``ds4.Session.stream``)."""
+
+@final
+class Stream:
+    """A generation in progress: iterate for ``(text, tokens)`` chunks."""
+
+    def __iter__(self) -> Stream: ...
+    def __next__(self) -> tuple[str, list[int]]:
+        """The next chunk, computed with the GIL released; Ctrl+C is honoured between tokens."""
+    @property
+    def finish_reason(self) -> str | None:
+        """"eos", "stop" or "length" once finished, else None."""
+    @property
+    def timings(self) -> tuple[int, float, int, float]:
+        """(prompt tokens, prefill seconds, generated tokens, decode seconds)."""
 
 @final
 class StreamDecoder:

@@ -8,8 +8,11 @@ from collections import defaultdict
 from typing import Any, Sequence
 
 from . import __version__
-from .errors import Ds4Error
+from .errors import Ds4Error, UnsupportedModelError
 from .gguf import GGUFFile
+from .model import Generation, Model, Session
+from .sampling import Sampling
+from .tokenizer import render_chat
 
 
 def _human(n: float) -> str:
@@ -94,6 +97,109 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sampling(args: argparse.Namespace) -> Sampling:
+    return Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                    seed=args.seed)
+
+
+def _load(path: str) -> Model:
+    model = Model.load(path)
+    if model.tokenizer is None:
+        raise UnsupportedModelError(f"{path} has no tokenizer metadata: generation needs one")
+    return model
+
+
+def _continue(session: Session, ids: list[int]) -> list[int]:
+    """The part of ``ids`` the session still has to evaluate: reuses the session's tokens
+    when they are a prefix of ``ids`` (minus the last one, which must be evaluated for its
+    logits), else starts over."""
+    held = session.tokens
+    if len(held) < len(ids) and ids[: len(held)] == held:
+        return ids[len(held):]
+    session.reset()
+    return ids
+
+
+def _run(session: Session, prompt: str | list[int], args: argparse.Namespace) -> Generation:
+    stream = session.stream(prompt, max_tokens=args.max_tokens, sampling=_sampling(args), stop=args.stop)
+    for chunk in stream:
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+    return stream.generation()
+
+
+def _stats(g: Generation) -> str:
+    return (f"[{g.finish_reason}; prompt {g.prompt_tokens} tokens at {g.prefill_tokens_per_second:.1f} tok/s, "
+            f"generated {len(g.tokens)} at {g.decode_tokens_per_second:.1f} tok/s]")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    text = args.prompt if args.prompt is not None else sys.stdin.read()
+    model = _load(args.model)
+    if args.chat:
+        text = render_chat([{"role": "user", "content": text}], thinking=args.think)
+    session = model.session(args.ctx)
+    g = _run(session, text, args)
+    sys.stdout.write("\n")
+    if not args.quiet:
+        print(_stats(g), file=sys.stderr)
+    return 0
+
+
+CHAT_HELP = "commands: /reset (new conversation), /think (toggle thinking), /exit"
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    model = _load(args.model)
+    tok = model.tokenizer
+    assert tok is not None
+    session = model.session(args.ctx)
+    messages: list[dict[str, str]] = []
+    thinking = args.think
+    print(f"ds4 chat ({'thinking' if thinking else 'no thinking'}); {CHAT_HELP}", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        cmd = line.strip()
+        if cmd in ("/exit", "/quit"):
+            return 0
+        if cmd == "/reset":
+            messages.clear()
+            session.reset()
+            print("(new conversation)", file=sys.stderr)
+            continue
+        if cmd == "/think":
+            thinking = not thinking
+            print(f"(thinking {'on' if thinking else 'off'})", file=sys.stderr)
+            continue
+        if not cmd:
+            continue
+        messages.append({"role": "user", "content": line})
+        ids = tok.encode(render_chat(messages, thinking=thinking), allow_special=True)
+        g = _run(session, _continue(session, ids), args)
+        print(file=sys.stdout)
+        if not args.quiet:
+            print(_stats(g), file=sys.stderr)
+        messages.append({"role": "assistant", "content": g.text})
+
+
+def _add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("model", help="path to a deepseek4 .gguf file (with tokenizer metadata)")
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate (default {max_tokens})")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (1 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * p_max (0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ctx", type=int, default=4096, help="context size in tokens (default 4096)")
+    p.add_argument("--think", action="store_true", help="thinking mode in the chat template")
+    p.add_argument("-q", "--quiet", action="store_true", help="no statistics on stderr")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ds4", description="DeepSeek V4 from GGUF files.")
     p.add_argument("--version", action="version", version=f"ds4 {__version__}")
@@ -118,6 +224,14 @@ def build_parser() -> argparse.ArgumentParser:
     rnd.add_argument("--seed", type=int, default=0)
     rnd.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     rnd.set_defaults(func=cmd_random)
+    gen = sub.add_parser("generate", help="generate text from a prompt (argument or stdin), streaming")
+    _add_sampling(gen, 256)
+    gen.add_argument("prompt", nargs="?", help="the prompt (default: read stdin)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn of the chat template")
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="interactive multi-turn chat (" + CHAT_HELP + ")")
+    _add_sampling(chat, 1024)
+    chat.set_defaults(func=cmd_chat)
     b = sub.add_parser("bench", help="measure prefill and decode speed of a model")
     b.add_argument("model", help="path to a deepseek4 .gguf file")
     b.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
@@ -132,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (Ds4Error, OSError) as e:
+    except (Ds4Error, OSError, ValueError) as e:
         print(f"ds4: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -10,17 +10,85 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from . import _ds4
+from .sampling import Sampling
 
-__all__ = ["Model", "Session", "Snapshot"]
+__all__ = ["Chunk", "Generation", "Model", "Session", "Snapshot", "Stream"]
 
 Snapshot = _ds4.Snapshot
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of a generation: the text it released (possibly empty while a stop string
+    might be starting, or a multi-byte character is incomplete) and its token ids."""
+
+    text: str
+    tokens: list[int]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A finished generation."""
+
+    text: str
+    tokens: list[int]
+    #: "eos" (end-of-sequence sampled), "stop" (a stop string appeared; it is not in
+    #: ``text``) or "length" (``max_tokens`` reached or the context is full).
+    finish_reason: str
+    prompt_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else float("inf")
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return len(self.tokens) / self.decode_seconds if self.decode_seconds > 0 else float("inf")
+
+
+class Stream(Iterator[Chunk]):
+    """Chunks of a generation as they are produced (the GIL is released while each token is
+    computed, and Ctrl+C is honoured between tokens). After the last chunk,
+    :attr:`finish_reason` is set and :meth:`generation` summarises the run."""
+
+    def __init__(self, native: _ds4.Stream) -> None:
+        self._native = native
+        self._text: list[str] = []
+        self._tokens: list[int] = []
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> Chunk:
+        item = next(self._native)
+        chunk = Chunk(item[0], list(item[1]))
+        self._text.append(chunk.text)
+        self._tokens.extend(chunk.tokens)
+        return chunk
+
+    @property
+    def finish_reason(self) -> str | None:
+        """None while running, then "eos", "stop" or "length"."""
+        return self._native.finish_reason
+
+    def generation(self) -> Generation:
+        """Runs the stream to its end and returns the whole generation."""
+        for _ in self:
+            pass
+        prompt, prefill_s, _, decode_s = self._native.timings
+        reason = self.finish_reason
+        assert reason is not None
+        return Generation("".join(self._text), list(self._tokens), reason, prompt, prefill_s, decode_s)
 
 
 class Model:
@@ -35,6 +103,8 @@ class Model:
         self._native = native
         self.path = path
         self._config: dict[str, Any] | None = None
+        self.tokenizer: _ds4.Tokenizer | None = native.tokenizer()
+        """The tokenizer stored in the model file (None if it has none)."""
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Model:
@@ -63,7 +133,8 @@ class Model:
         ``kv`` is how the attention state is stored: "f32" (exact, the default), "f16"
         (rounded to half precision) or "fp8" (the official model's FP8 KV rows and FP4
         indexer keys, simulated)."""
-        return Session(self._native.session(ctx, kv), self.vocab_size)
+        return Session(self._native.session(ctx, kv), self.vocab_size, self.tokenizer,
+                       self.config.get("eos_id"))
 
     def __repr__(self) -> str:
         c = self.config
@@ -74,9 +145,12 @@ class Model:
 class Session:
     """One sequence being decoded: its position, tokens and decode state."""
 
-    def __init__(self, native: _ds4.Session, vocab_size: int) -> None:
+    def __init__(self, native: _ds4.Session, vocab_size: int, tokenizer: _ds4.Tokenizer | None = None,
+                 eos_id: int | None = None) -> None:
         self._native = native
         self._vocab = vocab_size
+        self._tokenizer = tokenizer
+        self._eos = {t for t in (eos_id, tokenizer.eos_id if tokenizer else None) if t is not None}
 
     def eval(self, tokens: Sequence[int] | npt.ArrayLike,
              logits: Literal["all", "last", "none"] = "all") -> npt.NDArray[np.float32]:
@@ -121,6 +195,51 @@ class Session:
     def reset(self) -> None:
         """Back to an empty context."""
         self._native.reset()
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self._tokenizer is None:
+                raise ValueError("this model file has no tokenizer: pass token ids")
+            ids = self._tokenizer.encode(prompt, allow_special=True)
+            bos = self._tokenizer.bos_id
+            # A fresh context starts with BOS, as the model was trained.
+            if self.position == 0 and bos is not None and (not ids or ids[0] != bos):
+                ids.insert(0, bos)
+            return ids
+        ids = [int(t) for t in prompt]
+        if any(t < 0 for t in ids):
+            raise ValueError("token ids must be non-negative")
+        return ids
+
+    def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 256, sampling: Sampling | None = None,
+               stop: str | Sequence[str] = (), ignore_eos: bool = False) -> Stream:
+        """Evaluates ``prompt`` after what the session holds, then yields :class:`Chunk` s as
+        tokens are sampled.
+
+        ``prompt`` is text (encoded with special tokens allowed; BOS is added at the start
+        of a fresh context) or token ids. ``sampling`` defaults to greedy decoding. The
+        session owns the random stream: it is seeded from ``sampling.seed`` the first time
+        that seed is used and continues, never reseeded, while later calls use the same
+        seed; :meth:`snapshot` / :meth:`restore` save and rewind it. Generation stops at an
+        end-of-sequence token, at any of the ``stop`` strings (matched across token
+        boundaries and left out of the text), after ``max_tokens`` tokens, or when the
+        context is full; ``ignore_eos`` generates through end-of-sequence tokens. The token
+        that ends it is not evaluated, so the session holds the prompt and every generated
+        token but the last."""
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        stops = [stop] if isinstance(stop, str) else list(stop)
+        s = Sampling.greedy() if sampling is None else sampling
+        assert s.seed is not None
+        native = self._native.start(self._prompt_ids(prompt), max_tokens, float(s.temperature), int(s.top_k),
+                                    float(s.top_p), float(s.min_p), int(s.seed), stops, [] if ignore_eos else sorted(self._eos))
+        return Stream(native)
+
+    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 256, sampling: Sampling | None = None,
+                 stop: str | Sequence[str] = (), ignore_eos: bool = False) -> Generation:
+        """Like :meth:`stream`, run to the end: the text, tokens, finish reason and timings."""
+        return self.stream(prompt, max_tokens=max_tokens, sampling=sampling, stop=stop,
+                           ignore_eos=ignore_eos).generation()
 
     def __repr__(self) -> str:
         return f"Session(position={self.position}, context={self.context})"

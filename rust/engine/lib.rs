@@ -13,6 +13,7 @@
 
 pub mod backend;
 pub mod error;
+pub mod generate;
 pub mod gguf;
 pub mod model;
 pub mod quant;

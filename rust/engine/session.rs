@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use crate::model::{Logits, Model};
+use crate::sampling::{Sampler, SamplingParams};
 use crate::state::{KvPrecision, State};
 use crate::{Error, Result};
 
@@ -10,6 +11,7 @@ use crate::{Error, Result};
 #[derive(Clone, Debug)]
 pub struct Snapshot {
     state: State,
+    sampler: Option<Sampler>,
 }
 
 impl Snapshot {
@@ -24,6 +26,11 @@ pub struct Session {
     model: Arc<Model>,
     ctx: usize,
     state: State,
+    /// The session's sampler and its random stream. It is created from the first sampling
+    /// parameters used and keeps its stream across calls: a later call with the same seed
+    /// continues the stream (it is never reseeded per call); a call naming another seed
+    /// starts that seed's stream.
+    sampler: Option<Sampler>,
 }
 
 impl Session {
@@ -46,7 +53,7 @@ impl Session {
             )));
         }
         let state = State::new(&model.config, precision);
-        Ok(Session { model, ctx, state })
+        Ok(Session { model, ctx, state, sampler: None })
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -96,8 +103,31 @@ impl Session {
         Ok(logits)
     }
 
+    /// Sets the sampling parameters for the next [`Session::sample`] calls (see the field
+    /// doc of the session's sampler for when the random stream is kept).
+    pub fn use_sampling(&mut self, params: &SamplingParams) -> Result<()> {
+        let mut next = Sampler::new(*params)?;
+        if let Some(old) = &self.sampler {
+            if old.params().seed == params.seed {
+                next.set_state(old.state())?;
+            }
+        }
+        self.sampler = Some(next);
+        Ok(())
+    }
+
+    /// Samples one token from `logits` with the session's sampler (greedy if none was set).
+    pub fn sample(&mut self, logits: &[f32]) -> Result<u32> {
+        let sampler = match &mut self.sampler {
+            Some(s) => s,
+            None => self.sampler.insert(Sampler::new(SamplingParams::greedy())?),
+        };
+        sampler.sample(logits)
+    }
+
+    /// Saves the decode state and the sampler's random stream.
     pub fn snapshot(&self) -> Snapshot {
-        Snapshot { state: self.state.clone() }
+        Snapshot { state: self.state.clone(), sampler: self.sampler.clone() }
     }
 
     /// Returns to a snapshot taken on a session of the same model.
@@ -106,10 +136,11 @@ impl Session {
             return Err(Error::invalid("the snapshot does not belong to this session's model and context"));
         }
         self.state = snap.state.clone();
+        self.sampler = snap.sampler.clone();
         Ok(())
     }
 
-    /// Back to the empty context.
+    /// Back to the empty context (the sampler's stream is kept).
     pub fn reset(&mut self) {
         self.state = State::new(&self.model.config, self.state.precision);
     }

@@ -2,7 +2,10 @@
 
 use std::sync::{Arc, Mutex};
 
+use ds4::generate::{GenerateOptions, Generation};
 use ds4::model::AttentionKind;
+use ds4::sampling::SamplingParams;
+use ds4::tokenizer::Tokenizer;
 use ds4::{Logits, Model, Session, Snapshot};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -14,14 +17,30 @@ use crate::IntoPy;
 #[pyclass(name = "Model", module = "ds4._ds4", frozen)]
 pub struct PyModel {
     inner: Arc<Model>,
+    /// The tokenizer in the same file's metadata, if it has one.
+    tokenizer: Option<Arc<Tokenizer>>,
 }
 
 #[pymethods]
 impl PyModel {
     #[new]
     fn new(py: Python<'_>, path: std::path::PathBuf) -> PyResult<Self> {
-        let m = py.detach(|| Model::load(&path)).into_py_result()?;
-        Ok(PyModel { inner: Arc::new(m) })
+        let (m, tok) = py
+            .detach(|| -> ds4::Result<_> {
+                let m = Model::load(&path)?;
+                let tok = match m.file().get("tokenizer.ggml.model") {
+                    Some(_) => Some(Arc::new(Tokenizer::from_gguf(m.file())?)),
+                    None => None,
+                };
+                Ok((m, tok))
+            })
+            .into_py_result()?;
+        Ok(PyModel { inner: Arc::new(m), tokenizer: tok })
+    }
+
+    /// The tokenizer stored in the model file, or None if it has none.
+    fn tokenizer(&self) -> Option<crate::tokenizer::PyTokenizer> {
+        self.tokenizer.as_ref().map(|t| crate::tokenizer::PyTokenizer { inner: Arc::clone(t) })
     }
 
     /// The configuration read from the file's metadata, as a dict.
@@ -75,7 +94,7 @@ impl PyModel {
         let precision = ds4::state::KvPrecision::from_name(kv)
             .ok_or_else(|| PyValueError::new_err(format!("kv must be 'f32', 'f16' or 'fp8', got {kv:?}")))?;
         let s = Session::new(Arc::clone(&self.inner), ctx, precision).into_py_result()?;
-        Ok(PySession { inner: Mutex::new(s) })
+        Ok(PySession { inner: Mutex::new(s), tokenizer: self.tokenizer.clone() })
     }
 }
 
@@ -100,6 +119,7 @@ pub struct PySession {
     // A Mutex rather than PyO3's borrow flag: eval releases the GIL, and a second thread
     // calling into the same session must wait, not fail.
     inner: Mutex<Session>,
+    tokenizer: Option<Arc<Tokenizer>>,
 }
 
 impl PySession {
@@ -172,11 +192,90 @@ impl PySession {
             Ok(())
         })
     }
+
+    /// Evaluates `prompt` and returns a stream of generated chunks (see `ds4.Session.stream`).
+    #[pyo3(signature = (prompt, max_tokens, temperature, top_k, top_p, min_p, seed, stop, stop_tokens))]
+    #[allow(clippy::too_many_arguments)]
+    fn start(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        prompt: Vec<u32>,
+        max_tokens: usize,
+        temperature: f32,
+        top_k: usize,
+        top_p: f32,
+        min_p: f32,
+        seed: u64,
+        stop: Vec<String>,
+        stop_tokens: Vec<u32>,
+    ) -> PyResult<PyStream> {
+        let this = slf.get();
+        let tokenizer = this
+            .tokenizer
+            .clone()
+            .ok_or_else(|| PyValueError::new_err("this model file has no tokenizer: generation needs one"))?;
+        let opts = GenerateOptions {
+            max_tokens,
+            sampling: SamplingParams { temperature, top_k, top_p, min_p, seed },
+            stop,
+            stop_tokens,
+        };
+        let gen = py
+            .detach(|| {
+                let mut s =
+                    this.inner.lock().map_err(|_| ds4::Error::InvalidArgument("the session was poisoned".into()))?;
+                Generation::start(&mut s, tokenizer, &prompt, opts)
+            })
+            .into_py_result()?;
+        Ok(PyStream { session: slf.clone().unbind(), gen: Mutex::new(gen) })
+    }
+}
+
+/// A generation in progress: iterate for `(text, tokens)` chunks.
+#[pyclass(name = "Stream", module = "ds4._ds4", frozen)]
+pub struct PyStream {
+    session: Py<PySession>,
+    gen: Mutex<Generation>,
+}
+
+#[pymethods]
+impl PyStream {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    /// The next chunk, computed with the GIL released; Ctrl+C is honoured between tokens.
+    fn __next__(&self, py: Python<'_>) -> PyResult<Option<(String, Vec<u32>)>> {
+        py.check_signals()?;
+        let session = self.session.get();
+        let out = py.detach(|| {
+            let mut g = self.gen.lock().map_err(|_| ds4::Error::InvalidArgument("the stream was poisoned".into()))?;
+            let mut s =
+                session.inner.lock().map_err(|_| ds4::Error::InvalidArgument("the session was poisoned".into()))?;
+            g.step(&mut s)
+        });
+        Ok(out.into_py_result()?.map(|c| (c.text, c.tokens)))
+    }
+
+    /// "eos", "stop" or "length" once finished, else None.
+    #[getter]
+    fn finish_reason(&self) -> PyResult<Option<&'static str>> {
+        let g = self.gen.lock().map_err(|_| PyRuntimeError::new_err("the stream was poisoned"))?;
+        Ok(g.finish_reason().map(|f| f.as_str()))
+    }
+
+    /// (prompt tokens, prefill seconds, generated tokens, decode seconds).
+    #[getter]
+    fn timings(&self) -> PyResult<(usize, f64, usize, f64)> {
+        let g = self.gen.lock().map_err(|_| PyRuntimeError::new_err("the stream was poisoned"))?;
+        Ok((g.prompt_tokens, g.prefill_seconds, g.tokens().len(), g.decode_seconds))
+    }
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyModel>()?;
     m.add_class::<PySession>()?;
     m.add_class::<PySnapshot>()?;
+    m.add_class::<PyStream>()?;
     Ok(())
 }

@@ -16,7 +16,7 @@ const DETACH_BYTES: usize = 4096;
 /// A byte-level BPE tokenizer (DeepSeek V4), read from GGUF metadata or a `tokenizer.json`.
 #[pyclass(name = "Tokenizer", module = "ds4._ds4", frozen)]
 pub struct PyTokenizer {
-    inner: Arc<Tokenizer>,
+    pub(crate) inner: Arc<Tokenizer>,
 }
 
 #[pymethods]
