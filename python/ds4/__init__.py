@@ -11,6 +11,7 @@ from .errors import ContextOverflowError, Ds4Error, GGUFError, UnsupportedModelE
 from .gguf import GGUFFile, TensorInfo
 from .convert import convert, convert_tokenizer
 from .model import Chunk, Generation, Model, Session, Snapshot, Stream
+from .speculative import SpecStats, Speculative
 from .sampling import Sampling
 from .tokenizer import StreamDecoder, Tokenizer, render_chat
 
@@ -25,6 +26,8 @@ __all__ = [
     "Sampling",
     "Session",
     "Snapshot",
+    "SpecStats",
+    "Speculative",
     "Stream",
     "StreamDecoder",
     "TensorInfo",

@@ -1,7 +1,7 @@
 """Native part of ds4 (Rust, PyO3). Hand-written stub, checked by ``mypy.stubtest``."""
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, final
 
 __all__ = [
@@ -161,8 +161,15 @@ class Session:
     def restore(self, snapshot: Snapshot) -> None: ...
     def reset(self) -> None: ...
     def start(self, prompt: list[int], max_tokens: int, temperature: float, top_k: int, top_p: float,
-              min_p: float, seed: int, stop: list[str], stop_tokens: list[int]) -> Stream:
-        """Evaluates ``prompt`` and returns a stream of generated chunks (see ``ds4.Session.stream``)."""
+              min_p: float, seed: int, stop: list[str], stop_tokens: list[int],
+              spec: tuple[str, Callable[[list[int]], Sequence[int]] | None, int, bool, int, int] | None = None
+              ) -> Stream:
+        """Evaluates ``prompt`` and returns a stream of generated chunks (see ``ds4.Session.stream``).
+        ``spec`` is None or (method, callable or None, max_draft, adaptive, min_ngram, max_ngram)
+        with method "ngram" or "callable"."""
+    def digest(self) -> int:
+        """A digest of the whole decode state and the random stream (equal digests: equal
+        states, bit for bit)."""
 
 @final
 class Stream:
@@ -174,6 +181,10 @@ class Stream:
     @property
     def finish_reason(self) -> str | None:
         """"eos", "stop" or "length" once finished, else None."""
+    @property
+    def stats(self) -> tuple[int, int, int, list[int], int]:
+        """Speculation counters: (num_drafts, num_draft_tokens, num_accepted_tokens,
+        accepted_per_pos, num_plain_steps)."""
     @property
     def timings(self) -> tuple[int, float, int, float]:
         """(prompt tokens, prefill seconds, generated tokens, decode seconds)."""

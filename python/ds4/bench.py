@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from .model import Model
+from .speculative import SpecStats, Speculative
 
 __all__ = ["BenchResult", "bench"]
 
@@ -32,6 +33,9 @@ class BenchResult:
     decode_weight_bytes: int
     decode_gb_s: float
     threads: int
+    #: With ``speculative``: decode tokens/s of greedy generation with speculation, and its stats.
+    spec_tok_s: float | None = None
+    spec_stats: SpecStats | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -43,18 +47,26 @@ class BenchResult:
             f"  decode   {self.decode_tokens:5d} tokens  {self.decode_tok_s:10.2f} tok/s  "
             f"{self.decode_weight_bytes / 1e6:,.1f} MB of weights/token  {self.decode_gb_s:6.2f} GB/s\n"
             f"  (median of {self.runs} runs, {self.threads} threads)"
-        )
+        ) + ("" if self.spec_stats is None or self.spec_tok_s is None else (
+            f"\n  speculative decode {self.spec_tok_s:10.2f} tok/s  (x{self.spec_tok_s * 1.0 / self.decode_tok_s:.2f}); "
+            f"acceptance {self.spec_stats.acceptance_rate:.1%}, {self.spec_stats.mean_accepted_length:.2f} tokens/cycle, "
+            f"{self.spec_stats.num_drafts} cycles, {self.spec_stats.num_plain_steps} plain steps"))
 
 
 def bench(path: str | os.PathLike[str], *, prompt: int = 128, decode: int = 32, runs: int = 3,
-          seed: int = 0) -> BenchResult:
-    """Measures prefill and decode tokens/s of the model at ``path``."""
+          seed: int = 0, speculative: Speculative | None = None, repetitive: bool = False) -> BenchResult:
+    """Measures prefill and decode tokens/s of the model at ``path``; with ``speculative``,
+    also greedy decode with speculation (same prompt and length). ``repetitive`` uses a
+    prompt that repeats a 16-token motif (where n-gram drafting has something to find)."""
     if prompt < 1 or decode < 1 or runs < 1:
         raise ValueError("prompt, decode and runs must be at least 1")
     model = Model.load(path)
     vocab = model.vocab_size
     rng = np.random.default_rng(seed)
     tokens = [int(t) for t in rng.integers(0, vocab, size=prompt)]
+    if repetitive:
+        motif = tokens[:16]
+        tokens = (motif * (prompt // 16 + 1))[:prompt]
     ctx = prompt + decode + 1
 
     prefill: list[float] = []
@@ -73,11 +85,20 @@ def bench(path: str | os.PathLike[str], *, prompt: int = 128, decode: int = 32, 
         if run:
             prefill.append(t1 - t0)
             decode_times.append(statistics.median(per_token))
+    spec_rate = spec_stats = None
+    if speculative is not None:
+        rates = []
+        for run in range(runs + 1):
+            g = model.session(ctx).generate(tokens, max_tokens=decode, ignore_eos=True, speculative=speculative)
+            if run:
+                rates.append(g.decode_tokens_per_second)
+                spec_stats = g.stats
+        spec_rate = statistics.median(rates)
     pre_s = statistics.median(prefill)
     dec_s = statistics.median(decode_times)
     nbytes = model.decode_weight_bytes()
     return BenchResult(
         model=os.fspath(path), prompt_tokens=prompt, decode_tokens=decode, runs=runs,
         prefill_tok_s=prompt / pre_s, decode_tok_s=1.0 / dec_s, decode_weight_bytes=nbytes,
-        decode_gb_s=nbytes / dec_s / 1e9, threads=os.cpu_count() or 1,
+        decode_gb_s=nbytes / dec_s / 1e9, threads=os.cpu_count() or 1, spec_tok_s=spec_rate, spec_stats=spec_stats,
     )

@@ -12,6 +12,7 @@ from .errors import Ds4Error, UnsupportedModelError
 from .gguf import GGUFFile
 from .model import Generation, Model, Session
 from .sampling import Sampling
+from .speculative import Speculative
 from .tokenizer import render_chat
 
 
@@ -92,7 +93,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from .bench import bench
 
-    result = bench(args.model, prompt=args.prompt, decode=args.decode, runs=args.runs)
+    spec = None if args.spec is None else Speculative(args.spec, max_draft=args.block, adaptive=not args.fixed_block)
+    result = bench(args.model, prompt=args.prompt, decode=args.decode, runs=args.runs, speculative=spec,
+                   repetitive=args.repetitive)
     print(json.dumps(result.as_dict()) if args.json else result)
     return 0
 
@@ -120,17 +123,31 @@ def _continue(session: Session, ids: list[int]) -> list[int]:
     return ids
 
 
+def _speculative(args: argparse.Namespace) -> Speculative | None:
+    if args.spec is None:
+        return None
+    return Speculative(args.spec, max_draft=args.block, adaptive=not args.fixed_block)
+
+
 def _run(session: Session, prompt: str | list[int], args: argparse.Namespace) -> Generation:
-    stream = session.stream(prompt, max_tokens=args.max_tokens, sampling=_sampling(args), stop=args.stop)
+    stream = session.stream(prompt, max_tokens=args.max_tokens, sampling=_sampling(args), stop=args.stop,
+                            speculative=_speculative(args))
     for chunk in stream:
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
     return stream.generation()
 
 
-def _stats(g: Generation) -> str:
-    return (f"[{g.finish_reason}; prompt {g.prompt_tokens} tokens at {g.prefill_tokens_per_second:.1f} tok/s, "
+def _stats(g: Generation, spec: bool = False) -> str:
+    line = (f"[{g.finish_reason}; prompt {g.prompt_tokens} tokens at {g.prefill_tokens_per_second:.1f} tok/s, "
             f"generated {len(g.tokens)} at {g.decode_tokens_per_second:.1f} tok/s]")
+    if spec:
+        st = g.stats
+        line += (f"\n[speculative: {st.num_drafts} verify cycles, {st.num_draft_tokens} drafted, "
+                 f"{st.num_accepted_tokens} accepted ({st.acceptance_rate:.1%}), "
+                 f"{st.mean_accepted_length:.2f} tokens/cycle, {st.num_plain_steps} plain steps, "
+                 f"accepted per position {st.accepted_per_pos}]")
+    return line
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -142,7 +159,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     g = _run(session, text, args)
     sys.stdout.write("\n")
     if not args.quiet:
-        print(_stats(g), file=sys.stderr)
+        print(_stats(g, args.stats), file=sys.stderr)
     return 0
 
 
@@ -182,7 +199,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         g = _run(session, _continue(session, ids), args)
         print(file=sys.stdout)
         if not args.quiet:
-            print(_stats(g), file=sys.stderr)
+            print(_stats(g, args.stats), file=sys.stderr)
         messages.append({"role": "assistant", "content": g.text})
 
 
@@ -198,6 +215,10 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--ctx", type=int, default=4096, help="context size in tokens (default 4096)")
     p.add_argument("--think", action="store_true", help="thinking mode in the chat template")
     p.add_argument("-q", "--quiet", action="store_true", help="no statistics on stderr")
+    p.add_argument("--spec", choices=["ngram"], default=None, help="speculative decoding with this drafter")
+    p.add_argument("--block", type=int, default=5, help="most draft tokens verified per cycle (default 5)")
+    p.add_argument("--fixed-block", action="store_true", help="always verify what the drafter offers (no scheduler)")
+    p.add_argument("--stats", action="store_true", help="print speculation statistics on stderr")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -238,6 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--decode", type=int, default=32, help="decoded tokens per run (default 32)")
     b.add_argument("--runs", type=int, default=3, help="timed runs; the median is reported (default 3)")
     b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.add_argument("--spec", choices=["ngram"], default=None, help="also measure decoding with this drafter")
+    b.add_argument("--block", type=int, default=5, help="most draft tokens per cycle (default 5)")
+    b.add_argument("--fixed-block", action="store_true", help="no scheduler: verify what the drafter offers")
+    b.add_argument("--repetitive", action="store_true", help="a prompt repeating a 16-token motif")
     b.set_defaults(func=cmd_bench)
     return p
 

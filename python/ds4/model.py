@@ -19,6 +19,7 @@ import numpy.typing as npt
 
 from . import _ds4
 from .sampling import Sampling
+from .speculative import SpecStats, Speculative
 
 __all__ = ["Chunk", "Generation", "Model", "Session", "Snapshot", "Stream"]
 
@@ -46,6 +47,8 @@ class Generation:
     prompt_tokens: int
     prefill_seconds: float
     decode_seconds: float
+    #: Speculation counters (all zero without speculation).
+    stats: SpecStats
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -88,7 +91,9 @@ class Stream(Iterator[Chunk]):
         prompt, prefill_s, _, decode_s = self._native.timings
         reason = self.finish_reason
         assert reason is not None
-        return Generation("".join(self._text), list(self._tokens), reason, prompt, prefill_s, decode_s)
+        drafts, draft_tokens, accepted, per_pos, plain = self._native.stats
+        stats = SpecStats(drafts, draft_tokens, accepted, list(per_pos), plain)
+        return Generation("".join(self._text), list(self._tokens), reason, prompt, prefill_s, decode_s, stats)
 
 
 class Model:
@@ -212,7 +217,8 @@ class Session:
         return ids
 
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 256, sampling: Sampling | None = None,
-               stop: str | Sequence[str] = (), ignore_eos: bool = False) -> Stream:
+               stop: str | Sequence[str] = (), ignore_eos: bool = False,
+               speculative: Speculative | None = None) -> Stream:
         """Evaluates ``prompt`` after what the session holds, then yields :class:`Chunk` s as
         tokens are sampled.
 
@@ -225,21 +231,31 @@ class Session:
         boundaries and left out of the text), after ``max_tokens`` tokens, or when the
         context is full; ``ignore_eos`` generates through end-of-sequence tokens. The token
         that ends it is not evaluated, so the session holds the prompt and every generated
-        token but the last."""
+        token but the last. ``speculative`` drafts tokens and verifies them in batches; the
+        output is the same (token for token at temperature 0, in distribution above)."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         stops = [stop] if isinstance(stop, str) else list(stop)
         s = Sampling.greedy() if sampling is None else sampling
         assert s.seed is not None
         native = self._native.start(self._prompt_ids(prompt), max_tokens, float(s.temperature), int(s.top_k),
-                                    float(s.top_p), float(s.min_p), int(s.seed), stops, [] if ignore_eos else sorted(self._eos))
+                                    float(s.top_p), float(s.min_p), int(s.seed), stops, [] if ignore_eos else sorted(self._eos),
+                                    None if speculative is None else speculative._native())
         return Stream(native)
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 256, sampling: Sampling | None = None,
-                 stop: str | Sequence[str] = (), ignore_eos: bool = False) -> Generation:
-        """Like :meth:`stream`, run to the end: the text, tokens, finish reason and timings."""
-        return self.stream(prompt, max_tokens=max_tokens, sampling=sampling, stop=stop,
-                           ignore_eos=ignore_eos).generation()
+                 stop: str | Sequence[str] = (), ignore_eos: bool = False,
+                 speculative: Speculative | None = None) -> Generation:
+        """Like :meth:`stream`, run to the end: the text, tokens, finish reason, timings and
+        speculation stats."""
+        return self.stream(prompt, max_tokens=max_tokens, sampling=sampling, stop=stop, ignore_eos=ignore_eos,
+                           speculative=speculative).generation()
+
+    def digest(self) -> int:
+        """A digest of the whole decode state and random stream: equal digests mean the
+        states are equal bit for bit (used to check that speculation leaves exactly the
+        state plain decoding would)."""
+        return self._native.digest()
 
     def __repr__(self) -> str:
         return f"Session(position={self.position}, context={self.context})"

@@ -17,6 +17,8 @@ use std::time::Instant;
 use crate::model::Logits;
 use crate::sampling::SamplingParams;
 use crate::session::Session;
+use crate::spec::schedule::Scheduler;
+use crate::spec::{Drafter, SpecStats};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use crate::{Error, Result};
 
@@ -52,11 +54,17 @@ pub struct GenerateOptions {
     pub stop_tokens: Vec<u32>,
 }
 
-/// New text and the token that produced it.
+/// New text and the tokens that produced it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Chunk {
     pub text: String,
     pub tokens: Vec<u32>,
+}
+
+/// Speculative decoding settings of a request.
+pub struct Speculation {
+    pub drafter: Box<dyn Drafter>,
+    pub scheduler: Scheduler,
 }
 
 /// One request in progress.
@@ -65,9 +73,16 @@ pub struct Generation {
     decoder: StreamDecoder,
     /// Decoded text not yet released (it may be the start of a stop string).
     held: String,
+    /// Logits of the session's last evaluated token (when no token is pending).
     logits: Vec<f32>,
+    /// A token already chosen by the target but not evaluated yet (speculative cycles end
+    /// with one: the correction or the bonus).
+    pending: Option<u32>,
     tokens: Vec<u32>,
     finish: Option<FinishReason>,
+    spec: Option<Speculation>,
+    failed: bool,
+    pub stats: SpecStats,
     pub prompt_tokens: usize,
     pub prefill_seconds: f64,
     pub decode_seconds: f64,
@@ -81,6 +96,7 @@ impl Generation {
         tokenizer: Arc<Tokenizer>,
         prompt: &[u32],
         opts: GenerateOptions,
+        mut spec: Option<Speculation>,
     ) -> Result<Self> {
         opts.sampling.validate()?;
         if opts.stop.iter().any(String::is_empty) {
@@ -102,50 +118,152 @@ impl Generation {
         let t0 = Instant::now();
         let logits = session.eval(prompt, Logits::Last)?;
         session.use_sampling(&opts.sampling)?;
+        if let Some(sp) = spec.as_mut() {
+            sp.drafter.rewind(session.tokens());
+        }
         Ok(Generation {
             opts,
             decoder: StreamDecoder::new(tokenizer),
             held: String::new(),
             logits,
+            pending: None,
             tokens: Vec::new(),
             finish: None,
+            spec,
+            failed: false,
+            stats: SpecStats::default(),
             prompt_tokens: prompt.len(),
             prefill_seconds: t0.elapsed().as_secs_f64(),
             decode_seconds: 0.0,
         })
     }
 
-    /// Samples the next token and returns the text it releases, or `None` once finished.
-    pub fn step(&mut self, session: &mut Session) -> Result<Option<Chunk>> {
-        if self.finish.is_some() {
-            return Ok(None);
-        }
-        let t0 = Instant::now();
-        let token = session.sample(&self.logits)?;
+    /// Adds a token the target chose to the output; true if it ends the generation.
+    fn emit(&mut self, token: u32, session: &Session, chunk: &mut Chunk) -> Result<bool> {
         self.tokens.push(token);
-        let mut chunk = Chunk { text: String::new(), tokens: vec![token] };
+        chunk.tokens.push(token);
         if self.opts.stop_tokens.contains(&token) {
             self.finish = Some(FinishReason::Eos);
         } else {
             self.held.push_str(&self.decoder.feed(&[token])?);
             if let Some(at) = self.opts.stop.iter().filter_map(|s| self.held.find(s.as_str())).min() {
                 self.held.truncate(at);
-                chunk.text = std::mem::take(&mut self.held);
+                chunk.text += &std::mem::take(&mut self.held);
                 self.finish = Some(FinishReason::Stop);
-            } else if self.tokens.len() >= self.opts.max_tokens || session.position() + 1 > session.context() {
+                return Ok(true);
+            }
+            // The token must be evaluated before the next one can follow it.
+            if self.tokens.len() >= self.opts.max_tokens || session.position() + 1 > session.context() {
                 self.finish = Some(FinishReason::Length);
             } else {
                 let keep = self.held.len() - held_back(&self.held, &self.opts.stop);
-                chunk.text = self.held.drain(..keep).collect();
-                self.logits = session.eval(&[token], Logits::Last)?;
+                chunk.text.extend(self.held.drain(..keep));
+                return Ok(false);
             }
         }
-        if matches!(self.finish, Some(FinishReason::Eos | FinishReason::Length)) {
-            // Release what was held back for stop strings, and any bytes the decoder kept.
-            chunk.text = std::mem::take(&mut self.held) + &self.decoder.flush();
+        // Release what was held back for stop strings, and any bytes the decoder kept.
+        chunk.text += &std::mem::take(&mut self.held);
+        chunk.text += &self.decoder.flush();
+        Ok(true)
+    }
+
+    /// Runs one step (one token, or one speculative cycle) and returns what it released,
+    /// or `None` once finished. If a speculative cycle fails, the session is put back as it
+    /// was before the cycle and the generation cannot continue.
+    pub fn step(&mut self, session: &mut Session) -> Result<Option<Chunk>> {
+        if self.failed {
+            return Err(Error::invalid("this generation failed earlier and cannot continue"));
+        }
+        if self.finish.is_some() {
+            return Ok(None);
+        }
+        let t0 = Instant::now();
+        let mut chunk = Chunk { text: String::new(), tokens: Vec::new() };
+        let a = match self.pending.take() {
+            Some(t) => t,
+            None => session.sample(&self.logits)?,
+        };
+        if !self.emit(a, session, &mut chunk)? {
+            // Room left for drafts: the budget after `a`, and context after evaluating `a`.
+            let room = (self.opts.max_tokens - self.tokens.len())
+                .min(session.context() - session.position() - 1)
+                .min(crate::spec::MAX_DRAFT);
+            match self.spec.is_some() && room > 0 {
+                false => {
+                    let t = Instant::now();
+                    self.logits = session.eval(&[a], Logits::Last)?;
+                    if let Some(sp) = self.spec.as_mut() {
+                        sp.scheduler.record_cost(1, t.elapsed().as_secs_f64());
+                        sp.drafter.observe(&[a]);
+                        self.stats.record(0, 0);
+                    }
+                }
+                true => {
+                    let rng = session.sampler_mut()?.state();
+                    if let Err(e) = self.cycle(session, a, room, &mut chunk) {
+                        self.failed = true;
+                        session.sampler_mut()?.set_state(rng)?;
+                        return Err(e);
+                    }
+                }
+            }
         }
         self.decode_seconds += t0.elapsed().as_secs_f64();
         Ok(Some(chunk))
+    }
+
+    /// One speculative cycle after the pending token `a` (already emitted).
+    fn cycle(&mut self, session: &mut Session, a: u32, room: usize, chunk: &mut Chunk) -> Result<()> {
+        let sp = self.spec.as_mut().expect("speculation is on");
+        let mut history = session.tokens().to_vec();
+        history.push(a);
+        let mut draft = sp.drafter.propose(&history, room)?;
+        let l = sp.scheduler.block(draft.tokens.len().min(room));
+        draft.tokens.truncate(l);
+        if let Some(q) = draft.dists.as_mut() {
+            q.truncate(l);
+        }
+        if l == 0 {
+            let t = Instant::now();
+            self.logits = session.eval(&[a], Logits::Last)?;
+            sp.scheduler.record_cost(1, t.elapsed().as_secs_f64());
+            sp.drafter.observe(&[a]);
+            self.stats.record(0, 0);
+            return Ok(());
+        }
+        let mut batch = Vec::with_capacity(l + 1);
+        batch.push(a);
+        batch.extend_from_slice(&draft.tokens);
+        let t = Instant::now();
+        let (rows, log) = session.verify(&batch)?;
+        sp.scheduler.record_cost(l + 1, t.elapsed().as_secs_f64());
+        let vocab = session.model().config.vocab;
+        let verdict = match crate::spec::accept::verify(session.sampler_mut()?, &rows, vocab, &draft) {
+            Ok(v) => v,
+            Err(e) => {
+                session.keep(log, 0)?;
+                return Err(e);
+            }
+        };
+        let k = verdict.accepted;
+        sp.scheduler.record_outcome(l, k);
+        self.stats.record(l, k);
+        // Emit the accepted drafts; one of them may end the generation, and a finishing
+        // token is not kept in the session (as in plain decoding).
+        let mut kept = k + 1;
+        for (j, &d) in draft.tokens[..k].iter().enumerate() {
+            if self.emit(d, session, chunk)? {
+                kept = j + 1;
+                break;
+            }
+        }
+        session.keep(log, kept)?;
+        let sp = self.spec.as_mut().expect("speculation is on");
+        sp.drafter.observe(&batch[..kept]);
+        if self.finish.is_none() {
+            self.pending = Some(verdict.next);
+        }
+        Ok(())
     }
 
     pub fn finish_reason(&self) -> Option<FinishReason> {

@@ -19,6 +19,7 @@ pub mod model;
 pub mod quant;
 pub mod sampling;
 pub mod session;
+pub mod spec;
 pub mod state;
 pub mod tokenizer;
 

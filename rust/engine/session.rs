@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use crate::model::{Logits, Model};
 use crate::sampling::{Sampler, SamplingParams};
-use crate::state::{KvPrecision, State};
+use crate::state::{BatchLog, KvPrecision, State};
 use crate::{Error, Result};
 
 /// A saved session state; [`Session::restore`] brings the session back to it bit for bit.
@@ -98,9 +98,35 @@ impl Session {
         // Work on a copy so that an error half-way leaves the session as it was; the copy
         // shares the compressed rows, so it costs the bounded state only.
         let mut next = self.state.clone();
-        let logits = self.model.forward(&mut next, tokens, which)?;
+        let logits = self.model.forward(&mut next, tokens, which, None)?;
         self.state = next;
         Ok(logits)
+    }
+
+    /// Evaluates `tokens` like [`Session::eval`] with every row's logits, keeping what is
+    /// needed to cut the state back to any prefix of them with [`Session::keep`].
+    pub fn verify(&mut self, tokens: &[u32]) -> Result<(Vec<f32>, BatchLog)> {
+        self.check(tokens)?;
+        if tokens.is_empty() {
+            return Err(Error::invalid("verify needs at least one token"));
+        }
+        let mut next = self.state.clone();
+        let mut log = BatchLog::new(next.pos, tokens.len(), next.layers.len());
+        let logits = self.model.forward(&mut next, tokens, Logits::All, Some(&mut log))?;
+        self.state = next;
+        Ok((logits, log))
+    }
+
+    /// Keeps the first `keep` rows of the batch just verified: afterwards the session is bit
+    /// for bit as if only those tokens had been evaluated.
+    pub fn keep(&mut self, log: BatchLog, keep: usize) -> Result<()> {
+        self.state.keep_prefix(log, keep)
+    }
+
+    /// A digest of the whole decode state and the sampler's stream position (tests).
+    pub fn digest(&self) -> u64 {
+        let rng = self.sampler.as_ref().map_or([0; 4], Sampler::state);
+        rng.iter().fold(self.state.digest(), |h, &x| (h ^ x).wrapping_mul(0x100000001b3))
     }
 
     /// Sets the sampling parameters for the next [`Session::sample`] calls (see the field
@@ -118,11 +144,15 @@ impl Session {
 
     /// Samples one token from `logits` with the session's sampler (greedy if none was set).
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32> {
-        let sampler = match &mut self.sampler {
-            Some(s) => s,
-            None => self.sampler.insert(Sampler::new(SamplingParams::greedy())?),
-        };
-        sampler.sample(logits)
+        self.sampler_mut()?.sample(logits)
+    }
+
+    /// The session's sampler (greedy if none was set).
+    pub fn sampler_mut(&mut self) -> Result<&mut Sampler> {
+        if self.sampler.is_none() {
+            self.sampler = Some(Sampler::new(SamplingParams::greedy())?);
+        }
+        Ok(self.sampler.as_mut().expect("set just above"))
     }
 
     /// Saves the decode state and the sampler's random stream.

@@ -12,7 +12,7 @@ use crate::model::attention::{attend, raw_range, visible_compressed};
 use crate::model::config::AttentionKind;
 use crate::model::weights::Mat;
 use crate::model::{hyper, indexer, moe, Model};
-use crate::state::{CompressorState, State};
+use crate::state::{BatchLog, CompressorState, State};
 use crate::Result;
 
 /// Which rows of a batch need logits.
@@ -27,7 +27,13 @@ impl Model {
     /// Runs `tokens` through the model from `state`, advancing it, and returns the logits of
     /// the rows `which` asks for (`rows * vocab` floats). Callers check the context and the
     /// token ids first; this never fails half-way on valid input.
-    pub(crate) fn forward(&self, state: &mut State, tokens: &[u32], which: Logits) -> Result<Vec<f32>> {
+    pub(crate) fn forward(
+        &self,
+        state: &mut State,
+        tokens: &[u32],
+        which: Logits,
+        mut log: Option<&mut BatchLog>,
+    ) -> Result<Vec<f32>> {
         let cfg = &self.config;
         let raw = self.file.raw();
         let (d, hc) = (cfg.hidden, cfg.hc_mult);
@@ -48,7 +54,7 @@ impl Model {
             // ---- attention sublayer
             let (mut h, mixes) = hyper::pre(raw, &lw.hc_attn, &x, cfg)?;
             rms_norm_rows(&mut h, &lw.attn_norm, cfg.rms_eps);
-            let attn = self.attention(li, state, pos0, &h)?;
+            let attn = self.attention(li, state, pos0, &h, log.as_deref_mut())?;
             hyper::post(&mut x, &attn, &mixes, hc, d);
 
             // ---- MoE sublayer
@@ -73,7 +79,14 @@ impl Model {
 
     /// The attention sublayer of layer `li` for the rows of `h` (already normalized), at
     /// positions `pos0..`: updates the layer's state and returns `n * hidden` outputs.
-    fn attention(&self, li: usize, state: &mut State, pos0: usize, h: &[f32]) -> Result<Vec<f32>> {
+    fn attention(
+        &self,
+        li: usize,
+        state: &mut State,
+        pos0: usize,
+        h: &[f32],
+        mut log: Option<&mut BatchLog>,
+    ) -> Result<Vec<f32>> {
         let cfg = &self.config;
         let raw = self.file.raw();
         let lw = &self.weights.layers[li];
@@ -135,6 +148,9 @@ impl Model {
         let mut o = vec![0f32; n * nh * hd];
         for r in 0..n {
             let pos = pos0 + r;
+            if let Some(log) = log.as_deref_mut() {
+                log.before_row(li, pos, ls);
+            }
             ls.push_raw(pos, &kv[r * hd..(r + 1) * hd]);
             if let (Some((ckv, cg)), Some(cw), Some(cs)) = (&comp, &lw.compressor, ls.compressor.as_mut()) {
                 compress_step(cs, pos, ckv, cg, &cw.ape, &cw.norm, r, cfg.rms_eps, rope, |row| {

@@ -102,9 +102,12 @@ impl CompressorState {
 /// The state of one layer.
 #[derive(Clone, Debug)]
 pub struct LayerState {
-    /// Raw window ring: `window` rows of `head_dim`, slot `pos % window`.
+    /// Raw window ring: `slots` rows of `head_dim`, slot `pos % slots`. It has
+    /// [`crate::spec::MAX_DRAFT`] + 1 slots more than the window, so the rows of a rejected
+    /// speculative block never overwrite a row that a committed position still attends to.
     pub ring: Vec<f32>,
     pub window: usize,
+    pub slots: usize,
     pub head_dim: usize,
     pub compressor: Option<CompressorState>,
     pub indexer: Option<CompressorState>,
@@ -117,19 +120,26 @@ impl LayerState {
         compressor: Option<CompressorState>,
         indexer: Option<CompressorState>,
     ) -> Self {
-        LayerState { ring: vec![0.0; window * head_dim], window, head_dim, compressor, indexer }
+        let slots = window + crate::spec::MAX_DRAFT + 1;
+        LayerState { ring: vec![0.0; slots * head_dim], window, slots, head_dim, compressor, indexer }
     }
 
     pub fn push_raw(&mut self, pos: usize, kv: &[f32]) {
-        let s = (pos % self.window) * self.head_dim;
+        let s = (pos % self.slots) * self.head_dim;
         self.ring[s..s + self.head_dim].copy_from_slice(kv);
     }
 
     /// The raw row of position `pos` (which must be within the window of the newest one).
     #[inline]
     pub fn raw(&self, pos: usize) -> &[f32] {
-        let s = (pos % self.window) * self.head_dim;
+        let s = (pos % self.slots) * self.head_dim;
         &self.ring[s..s + self.head_dim]
+    }
+
+    /// The ring slot that position `pos` writes.
+    pub fn raw_slot_mut(&mut self, pos: usize) -> &mut [f32] {
+        let s = (pos % self.slots) * self.head_dim;
+        &mut self.ring[s..s + self.head_dim]
     }
 
     pub fn nbytes(&self) -> usize {

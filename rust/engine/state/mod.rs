@@ -54,3 +54,83 @@ impl State {
         self.layers.iter().map(LayerState::nbytes).sum::<usize>() + self.tokens.len() * 4
     }
 }
+
+/// What one batch evaluation overwrote, kept so that the state can be cut back to the state
+/// after any prefix of the batch (speculative commit). For each layer: each row's ring slot
+/// as it was before the row wrote it, and the compressors' frontiers before each row.
+#[derive(Debug)]
+pub struct BatchLog {
+    pub(crate) pos0: usize,
+    pub(crate) n: usize,
+    pub(crate) layers: Vec<LayerLog>,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct LayerLog {
+    pub(crate) ring_before: Vec<f32>,
+    pub(crate) frontiers: Vec<(Option<CompressorState>, Option<CompressorState>)>,
+}
+
+impl BatchLog {
+    pub(crate) fn new(pos0: usize, n: usize, n_layers: usize) -> Self {
+        BatchLog { pos0, n, layers: (0..n_layers).map(|_| LayerLog::default()).collect() }
+    }
+
+    /// Records, before row `pos` of layer `layer` writes anything, what it will overwrite.
+    pub(crate) fn before_row(&mut self, layer: usize, pos: usize, ls: &LayerState) {
+        let l = &mut self.layers[layer];
+        l.ring_before.extend_from_slice(ls.raw(pos));
+        l.frontiers.push((ls.compressor.clone(), ls.indexer.clone()));
+    }
+}
+
+impl State {
+    /// Cuts the state back to right after the first `keep` rows of the batch that `log`
+    /// recorded (which must be the last batch evaluated): bit for bit the state of having
+    /// evaluated only those rows.
+    pub fn keep_prefix(&mut self, log: BatchLog, keep: usize) -> crate::Result<()> {
+        if self.pos != log.pos0 + log.n || keep > log.n || log.layers.len() != self.layers.len() {
+            return Err(crate::Error::invalid("keep_prefix: the log is not of the last batch"));
+        }
+        if keep == log.n {
+            return Ok(());
+        }
+        for (ls, ll) in self.layers.iter_mut().zip(log.layers) {
+            let hd = ls.head_dim;
+            for r in keep..log.n {
+                ls.raw_slot_mut(log.pos0 + r).copy_from_slice(&ll.ring_before[r * hd..(r + 1) * hd]);
+            }
+            let (comp, index) = ll.frontiers.into_iter().nth(keep).expect("one frontier per row");
+            ls.compressor = comp;
+            ls.indexer = index;
+        }
+        self.pos = log.pos0 + keep;
+        self.tokens.truncate(self.pos);
+        Ok(())
+    }
+
+    /// A digest of every value of the state (position, tokens, raw rings, frontiers, emitted
+    /// rows), for tests that compare states bit for bit.
+    pub fn digest(&self) -> u64 {
+        // FNV-1a over the bit patterns.
+        let mut h: u64 = 0xcbf29ce484222325;
+        let mut eat = |x: u64| {
+            for b in x.to_le_bytes() {
+                h = (h ^ u64::from(b)).wrapping_mul(0x100000001b3);
+            }
+        };
+        eat(self.pos as u64);
+        self.tokens.iter().for_each(|&t| eat(u64::from(t)));
+        for l in &self.layers {
+            l.ring.iter().for_each(|v| eat(u64::from(v.to_bits())));
+            for c in [&l.compressor, &l.indexer].into_iter().flatten() {
+                for v in [&c.cur_kv, &c.cur_score, &c.prev_kv, &c.prev_score] {
+                    v.iter().for_each(|x| eat(u64::from(x.to_bits())));
+                }
+                eat(c.rows.len() as u64);
+                c.rows.iter_values().for_each(|x| eat(u64::from(x.to_bits())));
+            }
+        }
+        h
+    }
+}

@@ -53,6 +53,24 @@ impl RowStore {
         self.len += 1;
     }
 
+    /// Drops the rows from `len` on (no-op if there are fewer).
+    pub fn truncate(&mut self, len: usize) {
+        if len >= self.len {
+            return;
+        }
+        self.chunks.truncate(len.div_ceil(CHUNK_ROWS));
+        if !len.is_multiple_of(CHUNK_ROWS) {
+            let last = self.chunks.last_mut().expect("a partial chunk remains");
+            Arc::make_mut(last).truncate((len % CHUNK_ROWS) * self.width);
+        }
+        self.len = len;
+    }
+
+    /// Every row's values, in order (for digests and tests).
+    pub fn iter_values(&self) -> impl Iterator<Item = f32> + '_ {
+        (0..self.len).flat_map(move |i| self.row(i).iter().copied())
+    }
+
     /// Bytes of row data.
     pub fn nbytes(&self) -> usize {
         self.len * self.width * 4
@@ -80,5 +98,25 @@ mod tests {
         assert_eq!(a.row(70), &[70.0; 3]);
         assert_eq!(a.row(199), &[199.0; 3]);
         assert_eq!(b.row(69), &[69.0; 3]);
+    }
+
+    #[test]
+    fn truncate_then_push() {
+        let mut a = RowStore::new(2);
+        for i in 0..130 {
+            a.push(&[i as f32; 2]);
+        }
+        let snap = a.clone();
+        for cut in [129, 128, 64, 63, 1, 0] {
+            let mut b = snap.clone();
+            b.truncate(cut);
+            assert_eq!(b.len(), cut);
+            b.push(&[-1.0; 2]);
+            assert_eq!(b.row(cut), &[-1.0; 2]);
+            if cut > 0 {
+                assert_eq!(b.row(cut - 1), &[(cut - 1) as f32; 2]);
+            }
+        }
+        assert_eq!(snap.row(129), &[129.0; 2]);
     }
 }

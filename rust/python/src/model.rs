@@ -2,9 +2,12 @@
 
 use std::sync::{Arc, Mutex};
 
-use ds4::generate::{GenerateOptions, Generation};
+use ds4::generate::{GenerateOptions, Generation, Speculation};
 use ds4::model::AttentionKind;
 use ds4::sampling::SamplingParams;
+use ds4::spec::ngram::NgramDrafter;
+use ds4::spec::schedule::{Policy, Scheduler};
+use ds4::spec::{Draft, Drafter};
 use ds4::tokenizer::Tokenizer;
 use ds4::{Logits, Model, Session, Snapshot};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -98,6 +101,10 @@ impl PyModel {
     }
 }
 
+/// Speculation settings from Python: (method, callable or None, max_draft, adaptive,
+/// min_ngram, max_ngram).
+type SpecArgs = (String, Option<Py<PyAny>>, usize, bool, usize, usize);
+
 /// A saved session state.
 #[pyclass(name = "Snapshot", module = "ds4._ds4", frozen)]
 pub struct PySnapshot {
@@ -173,6 +180,12 @@ impl PySession {
         self.with(|s| Ok(s.tokens().to_vec()))
     }
 
+    /// A digest of the whole decode state and the random stream (equal digests: equal
+    /// states, bit for bit).
+    fn digest(&self) -> PyResult<u64> {
+        self.with(|s| Ok(s.digest()))
+    }
+
     /// Bytes held by the decode state.
     fn state_bytes(&self) -> PyResult<usize> {
         self.with(|s| Ok(s.state_bytes()))
@@ -194,7 +207,9 @@ impl PySession {
     }
 
     /// Evaluates `prompt` and returns a stream of generated chunks (see `ds4.Session.stream`).
-    #[pyo3(signature = (prompt, max_tokens, temperature, top_k, top_p, min_p, seed, stop, stop_tokens))]
+    /// `spec` is None or (method, callable or None, max_draft, adaptive, min_ngram, max_ngram)
+    /// with method "ngram" or "callable".
+    #[pyo3(signature = (prompt, max_tokens, temperature, top_k, top_p, min_p, seed, stop, stop_tokens, spec = None))]
     #[allow(clippy::too_many_arguments)]
     fn start(
         slf: &Bound<'_, Self>,
@@ -208,6 +223,7 @@ impl PySession {
         seed: u64,
         stop: Vec<String>,
         stop_tokens: Vec<u32>,
+        spec: Option<SpecArgs>,
     ) -> PyResult<PyStream> {
         let this = slf.get();
         let tokenizer = this
@@ -220,14 +236,30 @@ impl PySession {
             stop,
             stop_tokens,
         };
-        let gen = py
-            .detach(|| {
-                let mut s =
-                    this.inner.lock().map_err(|_| ds4::Error::InvalidArgument("the session was poisoned".into()))?;
-                Generation::start(&mut s, tokenizer, &prompt, opts)
-            })
-            .into_py_result()?;
-        Ok(PyStream { session: slf.clone().unbind(), gen: Mutex::new(gen) })
+        let mut error_slot = None;
+        let speculation = match spec {
+            None => None,
+            Some((method, callable, max_draft, adaptive, min_ngram, max_ngram)) => {
+                let drafter: Box<dyn Drafter> = match (method.as_str(), callable) {
+                    ("ngram", _) => Box::new(NgramDrafter::new(min_ngram, max_ngram).into_py_result()?),
+                    ("callable", Some(f)) => {
+                        let d = PyDrafter { f, error: Arc::new(Mutex::new(None)) };
+                        error_slot = Some(Arc::clone(&d.error));
+                        Box::new(d)
+                    }
+                    (m, _) => return Err(PyValueError::new_err(format!("unknown speculative method {m:?}"))),
+                };
+                let policy = if adaptive { Policy::Adaptive { max: max_draft } } else { Policy::Fixed(max_draft) };
+                Some(Speculation { drafter, scheduler: Scheduler::new(policy).into_py_result()? })
+            }
+        };
+        let gen = py.detach(|| {
+            let mut s =
+                this.inner.lock().map_err(|_| ds4::Error::InvalidArgument("the session was poisoned".into()))?;
+            Generation::start(&mut s, tokenizer, &prompt, opts, speculation)
+        });
+        let gen = gen.into_py_result()?;
+        Ok(PyStream { session: slf.clone().unbind(), gen: Mutex::new(gen), drafter_error: error_slot })
     }
 }
 
@@ -236,6 +268,44 @@ impl PySession {
 pub struct PyStream {
     session: Py<PySession>,
     gen: Mutex<Generation>,
+    /// Where a Python drafter leaves the exception it raised, to re-raise it as is.
+    drafter_error: Option<Arc<Mutex<Option<PyErr>>>>,
+}
+
+/// A drafter implemented by a Python callable `f(history: list[int]) -> list[int]`.
+struct PyDrafter {
+    f: Py<PyAny>,
+    error: Arc<Mutex<Option<PyErr>>>,
+}
+
+impl Drafter for PyDrafter {
+    fn name(&self) -> &str {
+        "python"
+    }
+
+    fn propose(&mut self, history: &[u32], max: usize) -> ds4::Result<Draft> {
+        let out = Python::attach(|py| -> PyResult<Vec<i64>> { self.f.bind(py).call1((history.to_vec(),))?.extract() });
+        match out {
+            Ok(ids) => {
+                let mut tokens = Vec::with_capacity(ids.len().min(max));
+                for id in ids.into_iter().take(max) {
+                    let t = u32::try_from(id).map_err(|_| {
+                        ds4::Error::InvalidArgument(format!(
+                            "the drafter proposed token id {id}, which is not a token id"
+                        ))
+                    })?;
+                    tokens.push(t);
+                }
+                Ok(Draft::point(tokens))
+            }
+            Err(e) => {
+                if let Ok(mut slot) = self.error.lock() {
+                    *slot = Some(e);
+                }
+                Err(ds4::Error::InvalidArgument("the Python drafter raised an exception".into()))
+            }
+        }
+    }
 }
 
 #[pymethods]
@@ -254,6 +324,12 @@ impl PyStream {
                 session.inner.lock().map_err(|_| ds4::Error::InvalidArgument("the session was poisoned".into()))?;
             g.step(&mut s)
         });
+        if out.is_err() {
+            // A Python drafter's own exception is re-raised as it was.
+            if let Some(e) = self.drafter_error.as_ref().and_then(|slot| slot.lock().ok().and_then(|mut s| s.take())) {
+                return Err(e);
+            }
+        }
         Ok(out.into_py_result()?.map(|c| (c.text, c.tokens)))
     }
 
@@ -262,6 +338,15 @@ impl PyStream {
     fn finish_reason(&self) -> PyResult<Option<&'static str>> {
         let g = self.gen.lock().map_err(|_| PyRuntimeError::new_err("the stream was poisoned"))?;
         Ok(g.finish_reason().map(|f| f.as_str()))
+    }
+
+    /// Speculation counters: (num_drafts, num_draft_tokens, num_accepted_tokens,
+    /// accepted_per_pos, num_plain_steps).
+    #[getter]
+    fn stats(&self) -> PyResult<(u64, u64, u64, Vec<u64>, u64)> {
+        let g = self.gen.lock().map_err(|_| PyRuntimeError::new_err("the stream was poisoned"))?;
+        let s = &g.stats;
+        Ok((s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.accepted_per_pos.clone(), s.num_plain_steps))
     }
 
     /// (prompt tokens, prefill seconds, generated tokens, decode seconds).
