@@ -127,6 +127,48 @@ mod tests {
         assert!(verify(&mut s, &r, 8, &Draft::point(vec![3])).is_err());
     }
 
+    /// Sampled drafts with their q: min(1, p/q) acceptance and the (p - q)+ residual give
+    /// the target's marginal for the first token and, given it, for the second.
+    #[test]
+    fn sampled_draft_marginals() {
+        let vocab = 5;
+        let l0: Vec<f32> = vec![0.3, 1.0, -0.5, 0.8, 0.0];
+        let l1: Vec<f32> = vec![1.2, -1.0, 0.4, 0.1, 0.9];
+        let l2: Vec<f32> = vec![0.0; 5];
+        let rows: Vec<f32> = [l0.clone(), l1.clone(), l2].concat();
+        let q_logits: Vec<f32> = vec![0.9, 0.2, 0.6, -0.3, 0.1];
+        let mut s = sampler(1.0, 7);
+        let p0 = s.distribution(&l0).unwrap();
+        let p1 = s.distribution(&l1).unwrap();
+        let q = s.distribution(&q_logits).unwrap();
+        let mut drafting = sampler(1.0, 99);
+        let n = 60000;
+        let mut first = [0usize; 5];
+        let mut second = [0usize; 5];
+        let mut n_second = 0;
+        for _ in 0..n {
+            // Both drafts sampled from q, as exactness requires.
+            let d1 = drafting.sample_from(&q);
+            let d2 = drafting.sample_from(&q);
+            let draft = Draft { tokens: vec![d1, d2], dists: Some(vec![q.clone(), q.clone()]) };
+            let v = verify(&mut s, &rows, vocab, &draft).unwrap();
+            let emitted: Vec<u32> = draft.tokens[..v.accepted].iter().copied().chain([v.next]).collect();
+            first[emitted[0] as usize] += 1;
+            // The second token's law given the first is only p1 when the first was d1 from
+            // row 0 (rows are fixed here, not conditioned): count it when d1 was accepted.
+            if v.accepted >= 1 {
+                n_second += 1;
+                second[emitted[1] as usize] += 1;
+            }
+        }
+        for id in 0..5u32 {
+            let f = first[id as usize] as f64 / n as f64;
+            assert!((f - p0.prob(id)).abs() < 0.01, "first {id}: {f} vs {}", p0.prob(id));
+            let f2 = second[id as usize] as f64 / n_second as f64;
+            assert!((f2 - p1.prob(id)).abs() < 0.015, "second {id}: {f2} vs {}", p1.prob(id));
+        }
+    }
+
     /// Exact distribution of the first emitted token by enumeration-free Monte Carlo is
     /// tested from Python; here: the point-mass rule's marginal over many seeds.
     #[test]
