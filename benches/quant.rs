@@ -4,7 +4,11 @@
 //! - `dequantize/<FMT>`: a ~64 MiB matrix of 4096-element rows, dequantized row by row into
 //!   one (L1-resident) f32 buffer.
 //! - `dot/<FMT>/<scalar|simd>`: the fused dot of every row of that matrix with one x of 4096
-//!   f32 (so the weights stream from memory as in batch-1 decode).
+//!   f32 (so the weights stream from memory as in batch-1 decode; from a large L3 cache,
+//!   where it holds 64 MiB).
+//! - `dot_dram/<FMT>/simd` (Q8_0 and F16, the formats of the decode's largest matrices): the
+//!   same over a 1 GiB matrix, which no cache holds, so the weights stream from DRAM. The
+//!   matrix is only generated when the benchmark is selected.
 //!
 //! Run with `cargo bench --bench quant`; the whole run takes a few minutes.
 
@@ -16,6 +20,7 @@ use ds4::quant::{self, GgmlType, Kernel};
 
 const COLS: usize = 4096;
 const MATRIX_BYTES: usize = 64 << 20;
+const DRAM_MATRIX_BYTES: usize = 1 << 30;
 
 const FORMATS: [GgmlType; 8] = [
     GgmlType::F32,
@@ -53,8 +58,13 @@ fn scale_f16(rng: &mut Rng) -> [u8; 2] {
 
 /// A matrix of random but valid rows: random quant bytes, finite scales.
 fn matrix(ty: GgmlType, rng: &mut Rng) -> (Vec<u8>, usize) {
+    matrix_of(ty, rng, MATRIX_BYTES)
+}
+
+/// [`matrix`] of about `bytes` bytes.
+fn matrix_of(ty: GgmlType, rng: &mut Rng, bytes: usize) -> (Vec<u8>, usize) {
     let row = ty.row_bytes(COLS as u64).unwrap() as usize;
-    let rows = MATRIX_BYTES / row;
+    let rows = bytes / row;
     let mut m = vec![0u8; rows * row];
     rng.fill(&mut m);
     let bb = ty.block_bytes();
@@ -161,10 +171,36 @@ fn bench_formats(c: &mut Criterion) {
     }
 }
 
+fn bench_dram(c: &mut Criterion) {
+    let mut rng = Rng(0x51_7cc1_b727_220a);
+    let x: Vec<f32> = (0..COLS).map(|_| ((rng.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0).collect();
+    if !Kernel::simd_available() {
+        return;
+    }
+    for ty in [GgmlType::Q8_0, GgmlType::F16] {
+        let row = ty.row_bytes(COLS as u64).unwrap() as usize;
+        let mut g = c.benchmark_group(format!("dot_dram/{}", ty.name()));
+        g.throughput(Throughput::Bytes((DRAM_MATRIX_BYTES / row * row) as u64)).sampling_mode(SamplingMode::Flat);
+        let mut m: Option<Vec<u8>> = None;
+        g.bench_function("simd", |b| {
+            let m = m.get_or_insert_with(|| matrix_of(ty, &mut rng, DRAM_MATRIX_BYTES).0);
+            b.iter(|| {
+                let mut s = 0f32;
+                for r in m.chunks_exact(row) {
+                    s += quant::dot_with(ty, black_box(r), &x, Kernel::Simd).unwrap();
+                }
+                black_box(s)
+            })
+        });
+        g.finish();
+    }
+}
+
 fn benches(c: &mut Criterion) {
     let mut c = configure(c);
     bench_memcpy(&mut c);
     bench_formats(&mut c);
+    bench_dram(&mut c);
 }
 
 criterion_group!(quant_benches, benches);

@@ -183,6 +183,11 @@ impl BlockFormat for F16 {
 
     unsafe fn dot_simd(src: &[u8], x: &[f32]) -> f32 {
         #[cfg(target_arch = "x86_64")]
+        if super::simd::avx512() {
+            // SAFETY: AVX-512 F/BW detected (and the AVX2 set, which it implies here).
+            return unsafe { avx512::dot_f16(src, x) };
+        }
+        #[cfg(target_arch = "x86_64")]
         // SAFETY: the caller guarantees the SIMD features.
         return unsafe { avx2::dot_f16(src, x) };
         #[cfg(not(target_arch = "x86_64"))]
@@ -225,7 +230,8 @@ mod avx2 {
 
     /// Dot of `n = min(src.len() / $esz, x.len())` elements, `$load(p)` giving 8 weights
     /// from byte pointer `p`: 4 accumulators, flushed to f64 every 256 elements; the < 8
-    /// trailing elements are added in f64 by `$scalar`.
+    /// trailing elements are added in f64 by `$scalar`. Prefetches the weights ahead
+    /// ([`prefetch`]).
     macro_rules! dense_dot {
         ($src:expr, $x:expr, $esz:expr, |$p:ident| $load:expr, |$s:ident| $scalar:expr) => {{
             let src: &[u8] = $src;
@@ -248,6 +254,11 @@ mod avx2 {
                 // SAFETY (of the loads below): every group read lies below `end <= n`, so
                 // its elements of `src` and `x` are in bounds.
                 while i + 32 <= end {
+                    let p = sp.add(i * $esz);
+                    for c in (0..32 * $esz).step_by(64) {
+                        prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_L1 + c));
+                        prefetch::<_MM_HINT_T1>(p.wrapping_add(PREFETCH_L2 + c));
+                    }
                     a0 = _mm256_fmadd_ps(load!(i), load_ps(xp.add(i)), a0);
                     a1 = _mm256_fmadd_ps(load!(i + 8), load_ps(xp.add(i + 8)), a1);
                     a2 = _mm256_fmadd_ps(load!(i + 16), load_ps(xp.add(i + 16)), a2);
@@ -395,6 +406,54 @@ mod avx2 {
     }
 }
 
+/// The AVX-512 F16 kernel: [`avx2::dot_f16`] on 16 lanes (flushed to f64 every 512
+/// elements; the < 16 trailing elements in f64), prefetching the weights ahead.
+#[cfg(target_arch = "x86_64")]
+#[clippy::msrv = "1.89"]
+mod avx512 {
+    use super::super::simd::x86::{prefetch, PREFETCH_L1, PREFETCH_L2};
+    use super::super::simd::x86_512::Acc64x16;
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// AVX-512 F/BW, AVX2, FMA and F16C available.
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    pub(super) unsafe fn dot_f16(src: &[u8], x: &[f32]) -> f32 {
+        let n = (src.len() / 2).min(x.len());
+        let (sp, xp) = (src.as_ptr(), x.as_ptr());
+        // SAFETY (of every call): elements j..j+16 are below n, so in bounds of src and x.
+        let w = |j: usize| unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(sp.add(2 * j).cast())) };
+        let xv = |j: usize| unsafe { _mm512_loadu_ps(xp.add(j)) };
+        let mut acc64 = Acc64x16::new();
+        let mut i = 0;
+        while i + 16 <= n {
+            let end = (i + 512).min(n);
+            let mut a = [_mm512_setzero_ps(); 4];
+            while i + 64 <= end {
+                let p = sp.wrapping_add(2 * i);
+                for c in [0, 64] {
+                    prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_L1 + c));
+                    prefetch::<_MM_HINT_T1>(p.wrapping_add(PREFETCH_L2 + c));
+                }
+                for (k, ak) in a.iter_mut().enumerate() {
+                    *ak = _mm512_fmadd_ps(w(i + 16 * k), xv(i + 16 * k), *ak);
+                }
+                i += 64;
+            }
+            while i + 16 <= end {
+                a[0] = _mm512_fmadd_ps(w(i), xv(i), a[0]);
+                i += 16;
+            }
+            acc64.add(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+        }
+        let mut tail = 0f64;
+        for (s, &xi) in src[2 * i..2 * n].chunks_exact(2).zip(&x[i..n]) {
+            tail += super::f16_to_f32(u16::from_le_bytes([s[0], s[1]])) as f64 * xi as f64;
+        }
+        (acc64.total() + tail) as f32
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::testutil::*;
@@ -534,6 +593,8 @@ mod tests {
             check_dots(GgmlType::F32, &f32b, &x);
             let f16b: Vec<u8> = w.iter().flat_map(|&v| f32_to_f16(v).to_le_bytes()).collect();
             check_dots(GgmlType::F16, &f16b, &x);
+            #[cfg(target_arch = "x86_64")]
+            check_kernels(GgmlType::F16, &f16b, &x, super::avx2::dot_f16, super::avx512::dot_f16);
             let bf16b: Vec<u8> = w.iter().flat_map(|&v| f32_to_bf16(v).to_le_bytes()).collect();
             check_dots(GgmlType::BF16, &bf16b, &x);
         }
@@ -554,6 +615,8 @@ mod tests {
             buf[off..off + 400].copy_from_slice(&b);
             check_dots(GgmlType::F32, &buf[off..off + 400], &x);
             check_dots(GgmlType::F16, &buf[off..off + 200], &x[..100]);
+            #[cfg(target_arch = "x86_64")]
+            check_kernels(GgmlType::F16, &buf[off..off + 200], &x[..100], super::avx2::dot_f16, super::avx512::dot_f16);
         }
     }
 }

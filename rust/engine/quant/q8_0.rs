@@ -40,6 +40,11 @@ impl BlockFormat for Q8_0 {
 
     unsafe fn dot_simd(src: &[u8], x: &[f32]) -> f32 {
         #[cfg(target_arch = "x86_64")]
+        if super::simd::avx512() {
+            // SAFETY: AVX-512 F/BW detected (and the AVX2 set, which it implies here).
+            return unsafe { avx512::dot(src, x) };
+        }
+        #[cfg(target_arch = "x86_64")]
         // SAFETY: the caller guarantees the SIMD features.
         return unsafe { avx2::dot(src, x) };
         #[cfg(not(target_arch = "x86_64"))]
@@ -74,9 +79,50 @@ pub(crate) fn quantize(src: &[f32], dst: &mut [u8]) {
     }
 }
 
+/// The SIMD kernels, which stream the weights from memory at batch 1, work on groups of 8
+/// blocks (272 bytes): the 8 scales are converted together and read back as broadcast loads,
+/// 4 accumulators take the blocks in turn, and each group is flushed into f64 (so each f32
+/// lane sums at most 2 blocks' products). Leftover blocks (fewer than 8) go into one more
+/// accumulator, flushed once. Each group prefetches the weights 1 KiB ahead into L1 and
+/// 8 KiB ahead into L2 (see [`super::simd::x86::prefetch`]), past the end of the row: the
+/// next rows of a matrix follow it.
+#[cfg(target_arch = "x86_64")]
+mod group {
+    use super::super::simd::x86::{prefetch, PREFETCH_L1, PREFETCH_L2};
+    use std::arch::x86_64::*;
+
+    /// Blocks per group.
+    pub(super) const BLOCKS: usize = 8;
+
+    /// Prefetches the group that starts `PREFETCH_L1` and `PREFETCH_L2` bytes after `g` (5
+    /// lines each: a group spans up to 5 lines).
+    #[inline(always)]
+    pub(super) fn prefetch_ahead(g: *const u8) {
+        for c in 0..5 {
+            prefetch::<_MM_HINT_T0>(g.wrapping_add(PREFETCH_L1 + 64 * c));
+            prefetch::<_MM_HINT_T1>(g.wrapping_add(PREFETCH_L2 + 64 * c));
+        }
+    }
+
+    /// The scales of the 8 blocks at `g`, as f32: exact, as the scalar conversion (F16C
+    /// differs from it only in NaN payloads, and a NaN scale makes the dot NaN either way).
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C available; the 8 blocks at `g` (272 bytes) readable.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn scales(g: *const u8) -> __m256 {
+        // SAFETY: block k's scale is bytes 34k..34k+2 of the group (readable: caller);
+        // unaligned reads.
+        let d = |k: usize| unsafe { g.add(34 * k).cast::<i16>().read_unaligned() };
+        _mm256_cvtph_ps(_mm_setr_epi16(d(0), d(1), d(2), d(3), d(4), d(5), d(6), d(7)))
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::super::simd::x86::*;
+    use super::group;
     use std::arch::x86_64::*;
 
     /// Sum over one block of `q * x` (unscaled), as 8 lanes: two chains of two.
@@ -100,18 +146,6 @@ mod avx2 {
         }
     }
 
-    /// The block's scale, broadcast.
-    ///
-    /// # Safety
-    /// SIMD features; `b..b+2` readable.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn scale(b: *const u8) -> __m256 {
-        // SAFETY: the caller guarantees two readable bytes.
-        let h = unsafe { u16::from_le_bytes([*b, *b.add(1)]) };
-        _mm256_set1_ps(f16_to_f32(h))
-    }
-
     /// # Safety
     /// SIMD features available.
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -119,28 +153,103 @@ mod avx2 {
         let nb = (src.len() / 34).min(x.len() / 32);
         let (sp, xp) = (src.as_ptr(), x.as_ptr());
         let mut acc64 = Acc64::new();
+        let mut ds = [0f32; group::BLOCKS];
         let mut i = 0;
-        // Groups of up to 8 blocks (256 weights) into 4 accumulators, then into f64.
-        while i < nb {
-            let end = (i + 8).min(nb);
-            let mut a = [_mm256_setzero_ps(); 4];
-            while i + 4 <= end {
-                for (k, ak) in a.iter_mut().enumerate() {
-                    let (b, xb) = (sp.add(34 * (i + k)), xp.add(32 * (i + k)));
-                    // SAFETY: i + k < nb: the block and its 32 x values are in bounds.
-                    let (s, d) = unsafe { (block_qx(b, xb), scale(b)) };
-                    *ak = _mm256_fmadd_ps(s, d, *ak);
+        while i + group::BLOCKS <= nb {
+            // SAFETY: i + 8 <= nb: the group's 8 blocks and their 256 x values are in bounds;
+            // `ds` holds 8 floats.
+            unsafe {
+                let (g, xg) = (sp.add(34 * i), xp.add(32 * i));
+                group::prefetch_ahead(g);
+                _mm256_storeu_ps(ds.as_mut_ptr(), group::scales(g));
+                let mut a = [_mm256_setzero_ps(); 4];
+                for k in 0..group::BLOCKS {
+                    let s = block_qx(g.add(34 * k), xg.add(32 * k));
+                    a[k % 4] = _mm256_fmadd_ps(s, broadcast_load(ds.as_ptr().add(k)), a[k % 4]);
                 }
-                i += 4;
+                acc64.add(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
             }
-            while i < end {
-                let (b, xb) = (sp.add(34 * i), xp.add(32 * i));
+            i += group::BLOCKS;
+        }
+        if i < nb {
+            let mut a = _mm256_setzero_ps();
+            while i < nb {
                 // SAFETY: i < nb: the block and its 32 x values are in bounds.
-                let (s, d) = unsafe { (block_qx(b, xb), scale(b)) };
-                a[0] = _mm256_fmadd_ps(s, d, a[0]);
+                unsafe {
+                    let b = sp.add(34 * i);
+                    let d = _mm256_set1_ps(f16_to_f32(b.cast::<u16>().read_unaligned()));
+                    a = _mm256_fmadd_ps(block_qx(b, xp.add(32 * i)), d, a);
+                }
                 i += 1;
             }
-            acc64.add(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+            acc64.add(a);
+        }
+        acc64.total() as f32
+    }
+}
+
+/// The AVX-512 kernel: [`avx2`] on 16 lanes, a block being two vectors (`vpmovsxbd` of 16
+/// quant bytes each). Memory-bound when the weights stream from DRAM.
+#[cfg(target_arch = "x86_64")]
+#[clippy::msrv = "1.89"]
+pub(super) mod avx512 {
+    use super::super::simd::x86::f16_to_f32;
+    use super::super::simd::x86_512::{broadcast_load, Acc64x16};
+    use super::group;
+    use std::arch::x86_64::*;
+
+    /// Sum over one block of `q * x` (unscaled), as 16 lanes.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW and the AVX2 set; `b..b+34` and `xb..xb+32` readable.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn block_qx(b: *const u8, xb: *const f32) -> __m512 {
+        // SAFETY: the caller guarantees the block and x ranges are readable; unaligned loads.
+        unsafe {
+            let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b.add(2).cast())));
+            let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b.add(18).cast())));
+            _mm512_fmadd_ps(q1, _mm512_loadu_ps(xb.add(16)), _mm512_mul_ps(q0, _mm512_loadu_ps(xb)))
+        }
+    }
+
+    /// # Safety
+    /// AVX-512 F/BW, AVX2, FMA and F16C available.
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    pub(in super::super) unsafe fn dot(src: &[u8], x: &[f32]) -> f32 {
+        let nb = (src.len() / 34).min(x.len() / 32);
+        let (sp, xp) = (src.as_ptr(), x.as_ptr());
+        let mut acc64 = Acc64x16::new();
+        let mut ds = [0f32; group::BLOCKS];
+        let mut i = 0;
+        while i + group::BLOCKS <= nb {
+            // SAFETY: i + 8 <= nb: the group's 8 blocks and their 256 x values are in bounds;
+            // `ds` holds 8 floats.
+            unsafe {
+                let (g, xg) = (sp.add(34 * i), xp.add(32 * i));
+                group::prefetch_ahead(g);
+                _mm256_storeu_ps(ds.as_mut_ptr(), group::scales(g));
+                let mut a = [_mm512_setzero_ps(); 4];
+                for k in 0..group::BLOCKS {
+                    let s = block_qx(g.add(34 * k), xg.add(32 * k));
+                    a[k % 4] = _mm512_fmadd_ps(s, broadcast_load(ds.as_ptr().add(k)), a[k % 4]);
+                }
+                acc64.add(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+            }
+            i += group::BLOCKS;
+        }
+        if i < nb {
+            let mut a = _mm512_setzero_ps();
+            while i < nb {
+                // SAFETY: i < nb: the block and its 32 x values are in bounds.
+                unsafe {
+                    let b = sp.add(34 * i);
+                    let d = _mm512_set1_ps(f16_to_f32(b.cast::<u16>().read_unaligned()));
+                    a = _mm512_fmadd_ps(block_qx(b, xp.add(32 * i)), d, a);
+                }
+                i += 1;
+            }
+            acc64.add(a);
         }
         acc64.total() as f32
     }
@@ -228,6 +337,8 @@ mod tests {
             let src = random_blocks(&mut rng, GgmlType::Q8_0, nb, &[0]);
             let x = rng.f32s(nb * 32);
             check_dots(GgmlType::Q8_0, &src, &x);
+            #[cfg(target_arch = "x86_64")]
+            check_kernels(GgmlType::Q8_0, &src, &x, super::avx2::dot, super::avx512::dot);
         }
     }
 }
