@@ -188,28 +188,31 @@ impl Generation {
             let room = (self.opts.max_tokens - self.tokens.len())
                 .min(session.context() - session.position() - 1)
                 .min(crate::spec::MAX_DRAFT);
-            match self.spec.is_some() && room > 0 {
-                false => {
-                    let t = Instant::now();
-                    self.logits = session.eval(&[a], Logits::Last)?;
-                    if let Some(sp) = self.spec.as_mut() {
-                        sp.scheduler.record_cost(1, t.elapsed().as_secs_f64());
-                        sp.drafter.observe(&[a]);
-                        self.stats.record(0, 0);
-                    }
-                }
-                true => {
-                    let rng = session.sampler_mut()?.state();
-                    if let Err(e) = self.cycle(session, a, room, &mut chunk) {
-                        self.failed = true;
-                        session.sampler_mut()?.set_state(rng)?;
-                        return Err(e);
-                    }
+            if self.spec.is_none() || room == 0 {
+                self.plain_step(session, a)?;
+            } else {
+                let rng = session.sampler_mut()?.state();
+                if let Err(e) = self.cycle(session, a, room, &mut chunk) {
+                    self.failed = true;
+                    session.sampler_mut()?.set_state(rng)?;
+                    return Err(e);
                 }
             }
         }
         self.decode_seconds += t0.elapsed().as_secs_f64();
         Ok(Some(chunk))
+    }
+
+    /// Evaluates the pending token `a` alone (and tells the scheduler and drafter, if any).
+    fn plain_step(&mut self, session: &mut Session, a: u32) -> Result<()> {
+        let t = Instant::now();
+        self.logits = session.eval(&[a], Logits::Last)?;
+        if let Some(sp) = self.spec.as_mut() {
+            sp.scheduler.record_cost(1, t.elapsed().as_secs_f64());
+            sp.drafter.observe(&[a]);
+            self.stats.record(0, 0);
+        }
+        Ok(())
     }
 
     /// One speculative cycle after the pending token `a` (already emitted).
@@ -224,12 +227,7 @@ impl Generation {
             q.truncate(l);
         }
         if l == 0 {
-            let t = Instant::now();
-            self.logits = session.eval(&[a], Logits::Last)?;
-            sp.scheduler.record_cost(1, t.elapsed().as_secs_f64());
-            sp.drafter.observe(&[a]);
-            self.stats.record(0, 0);
-            return Ok(());
+            return self.plain_step(session, a);
         }
         let mut batch = Vec::with_capacity(l + 1);
         batch.push(a);
@@ -252,9 +250,17 @@ impl Generation {
         // token is not kept in the session (as in plain decoding).
         let mut kept = k + 1;
         for (j, &d) in draft.tokens[..k].iter().enumerate() {
-            if self.emit(d, session, chunk)? {
-                kept = j + 1;
-                break;
+            match self.emit(d, session, chunk) {
+                Ok(false) => {}
+                Ok(true) => {
+                    kept = j + 1;
+                    break;
+                }
+                Err(e) => {
+                    // Put the session back as it was before the cycle.
+                    session.keep(log, 0)?;
+                    return Err(e);
+                }
             }
         }
         session.keep(log, kept)?;

@@ -153,13 +153,7 @@ impl PySession {
                 self.inner.lock().map_err(|_| ds4::Error::InvalidArgument("the session was poisoned".into()))?;
             s.eval(&tokens, which)
         });
-        let out = out.into_py_result()?;
-        PyByteArray::new_with(py, out.len() * 4, |buf| {
-            for (dst, v) in buf.chunks_exact_mut(4).zip(&out) {
-                dst.copy_from_slice(&v.to_le_bytes());
-            }
-            Ok(())
-        })
+        crate::quant::f32_bytearray(py, &out.into_py_result()?)
     }
 
     /// Tokens processed so far.

@@ -48,8 +48,13 @@ pub(crate) fn fill_f32_bytearray<'py>(
     let n = usize::try_from(n).map_err(|_| PyValueError::new_err("too many elements"))?;
     let mut out = vec![0f32; n];
     py.detach(|| f(&mut out)).into_py_result()?;
-    PyByteArray::new_with(py, n * 4, |buf| {
-        for (dst, v) in buf.chunks_exact_mut(4).zip(&out) {
+    f32_bytearray(py, &out)
+}
+
+/// The values as a new bytearray of little-endian float32.
+pub(crate) fn f32_bytearray<'py>(py: Python<'py>, values: &[f32]) -> PyResult<Bound<'py, PyByteArray>> {
+    PyByteArray::new_with(py, values.len() * 4, |buf| {
+        for (dst, v) in buf.chunks_exact_mut(4).zip(values) {
             dst.copy_from_slice(&v.to_le_bytes());
         }
         Ok(())
