@@ -7,7 +7,7 @@
 //! the same code with the same reduction order whatever `n` is, so a row's logits and state
 //! updates are bitwise independent of the batch it came in.
 
-use crate::backend::cpu::{matmul_many_new, matmul_new, rms_norm_plain, rms_norm_rows};
+use crate::backend::cpu::{rms_norm_plain, rms_norm_rows};
 use crate::model::attention::{attend, raw_range, visible_compressed};
 use crate::model::config::AttentionKind;
 use crate::model::weights::Mat;
@@ -36,6 +36,7 @@ impl Model {
     ) -> Result<Vec<f32>> {
         let cfg = &self.config;
         let raw = self.file.raw();
+        let ops = self.ops();
         let (d, hc) = (cfg.hidden, cfg.hc_mult);
         let n = tokens.len();
         let pos0 = state.pos;
@@ -52,15 +53,15 @@ impl Model {
 
         for (li, (lw, spec)) in self.weights.layers.iter().zip(&cfg.layers).enumerate() {
             // ---- attention sublayer
-            let (mut h, mixes) = hyper::pre(raw, &lw.hc_attn, &x, cfg)?;
+            let (mut h, mixes) = hyper::pre(ops, &lw.hc_attn, &x, cfg)?;
             rms_norm_rows(&mut h, &lw.attn_norm, cfg.rms_eps);
             let attn = self.attention(li, state, pos0, &h, log.as_deref_mut())?;
             hyper::post(&mut x, &attn, &mixes, hc, d);
 
             // ---- MoE sublayer
-            let (mut h, mixes) = hyper::pre(raw, &lw.hc_ffn, &x, cfg)?;
+            let (mut h, mixes) = hyper::pre(ops, &lw.hc_ffn, &x, cfg)?;
             rms_norm_rows(&mut h, &lw.ffn_norm, cfg.rms_eps);
-            let f = moe::forward(raw, cfg, spec, lw, &h, tokens)?;
+            let f = moe::forward(ops, cfg, spec, lw, &h, tokens)?;
             hyper::post(&mut x, &f, &mixes, hc, d);
         }
         state.pos += n;
@@ -72,9 +73,9 @@ impl Model {
             Logits::None => return Ok(Vec::new()),
         };
         let xs = &x[rows.start * hc * d..rows.end * hc * d];
-        let mut y = hyper::head(raw, &self.weights.hc_head, xs, hc, d, cfg.rms_eps, cfg.hc_eps)?;
+        let mut y = hyper::head(ops, &self.weights.hc_head, xs, hc, d, cfg.rms_eps, cfg.hc_eps)?;
         rms_norm_rows(&mut y, &self.weights.output_norm, cfg.rms_eps);
-        matmul_new(raw, &self.weights.output, &y)
+        ops.matmul(&self.weights.output, &y)
     }
 
     /// The attention sublayer of layer `li` for the rows of `h` (already normalized), at
@@ -88,7 +89,7 @@ impl Model {
         mut log: Option<&mut BatchLog>,
     ) -> Result<Vec<f32>> {
         let cfg = &self.config;
-        let raw = self.file.raw();
+        let ops = self.ops();
         let lw = &self.weights.layers[li];
         let spec = &cfg.layers[li];
         let rope = &self.ropes[li];
@@ -103,7 +104,7 @@ impl Model {
         if let Some(iw) = &lw.indexer {
             specs.extend([(&iw.proj, h), (&iw.compressor.kv, h), (&iw.compressor.gate, h)]);
         }
-        let mut outs = matmul_many_new(raw, &specs)?.into_iter();
+        let mut outs = ops.matmul_many(&specs)?.into_iter();
         let mut next = || outs.next().expect("one output per product");
         let (mut cq, mut kv) = (next(), next());
         let comp = lw.compressor.as_ref().map(|_| (next(), next()));
@@ -113,7 +114,7 @@ impl Model {
         if let Some(iw) = &lw.indexer {
             specs.push((&iw.q_b, &cq));
         }
-        let mut outs = matmul_many_new(raw, &specs)?.into_iter();
+        let mut outs = ops.matmul_many(&specs)?.into_iter();
         let mut q = outs.next().expect("q");
         let iq = outs.next();
 
@@ -200,7 +201,7 @@ impl Model {
             })
             .collect();
         let specs: Vec<(&Mat, &[f32])> = mats.iter().zip(&xs).map(|(m, x)| (m, x.as_slice())).collect();
-        let ys = matmul_many_new(raw, &specs)?;
+        let ys = ops.matmul_many(&specs)?;
         let mut u = vec![0f32; n * groups * rank];
         for (g, yg) in ys.iter().enumerate() {
             for r in 0..n {
@@ -208,7 +209,7 @@ impl Model {
                     .copy_from_slice(&yg[r * rank..(r + 1) * rank]);
             }
         }
-        matmul_new(raw, &lw.o_b, &u)
+        ops.matmul(&lw.o_b, &u)
     }
 }
 

@@ -3,7 +3,8 @@
 //! expansion ("post") plus a doubly-stochastic mixing of the old streams ("comb",
 //! projected with Sinkhorn).
 
-use crate::backend::cpu::{matmul_new, rms_norm_plain, sigmoid};
+use crate::backend::cpu::{rms_norm_plain, sigmoid};
+use crate::backend::Ops;
 use crate::model::config::ModelConfig;
 use crate::model::weights::HyperWeights;
 use crate::Result;
@@ -18,21 +19,21 @@ pub struct Mix {
 
 /// The mixing logits for each row of `x` (`n` rows of `hc * d` streams): the projection of
 /// the RMS-normalized flattened streams.
-fn mix_logits(raw: &[u8], w: &HyperWeights, x: &[f32], eps: f32) -> Result<Vec<f32>> {
+fn mix_logits(ops: Ops<'_>, w: &HyperWeights, x: &[f32], eps: f32) -> Result<Vec<f32>> {
     let width = w.proj.n_in;
     let mut flat = x.to_vec();
     for row in flat.chunks_mut(width) {
         rms_norm_plain(row, eps);
     }
-    matmul_new(raw, &w.proj, &flat)
+    ops.matmul(&w.proj, &flat)
 }
 
 /// Collapses the streams of each row for the sublayer input (`y`, `n * d`) and returns the
 /// per-row mixes for [`post`].
-pub fn pre(raw: &[u8], w: &HyperWeights, x: &[f32], cfg: &ModelConfig) -> Result<(Vec<f32>, Vec<Mix>)> {
+pub fn pre(ops: Ops<'_>, w: &HyperWeights, x: &[f32], cfg: &ModelConfig) -> Result<(Vec<f32>, Vec<Mix>)> {
     let (hc, d, hc_eps) = (cfg.hc_mult, cfg.hidden, cfg.hc_eps);
     let n = x.len() / (hc * d);
-    let logits = mix_logits(raw, w, x, cfg.rms_eps)?;
+    let logits = mix_logits(ops, w, x, cfg.rms_eps)?;
     let n_mix = w.proj.n_out;
     let mut y = vec![0f32; n * d];
     let mut mixes = Vec::with_capacity(n);
@@ -111,7 +112,7 @@ pub fn post(x: &mut [f32], f: &[f32], mixes: &[Mix], hc: usize, d: usize) {
 
 /// The output head's collapse: sigmoid weights, no Sinkhorn, no post step.
 pub fn head(
-    raw: &[u8],
+    ops: Ops<'_>,
     w: &HyperWeights,
     x: &[f32],
     hc: usize,
@@ -120,7 +121,7 @@ pub fn head(
     hc_eps: f32,
 ) -> Result<Vec<f32>> {
     let n = x.len() / (hc * d);
-    let logits = mix_logits(raw, w, x, rms_eps)?;
+    let logits = mix_logits(ops, w, x, rms_eps)?;
     let mut y = vec![0f32; n * d];
     for r in 0..n {
         let pre: Vec<f32> = (0..hc).map(|s| sigmoid(logits[r * hc + s] * w.scale[0] + w.base[s]) + hc_eps).collect();

@@ -16,6 +16,7 @@ use std::sync::Arc;
 pub use config::{AttentionKind, LayerSpec, ModelConfig};
 pub use forward::Logits;
 
+use crate::backend::{Backend, Cpu, Ops};
 use crate::gguf::GgufFile;
 use crate::Result;
 use rope::Rope;
@@ -28,6 +29,8 @@ pub struct Model {
     pub weights: Weights,
     /// Each layer's rotary table: plain on sliding layers, YaRN on compressed ones.
     pub(crate) ropes: Vec<Rope>,
+    /// What computes the matrix products.
+    pub(crate) backend: Arc<dyn Backend>,
 }
 
 impl std::fmt::Debug for Model {
@@ -55,7 +58,22 @@ impl Model {
             .iter()
             .map(|l| if l.kind == AttentionKind::Sliding { plain.clone() } else { compressed.clone() })
             .collect();
-        Ok(Model { file, config, weights, ropes })
+        Ok(Model { file, config, weights, ropes, backend: Arc::new(Cpu) })
+    }
+
+    /// Computes the products with `backend` from now on (the CPU is the default).
+    pub fn set_backend(&mut self, backend: Arc<dyn Backend>) {
+        self.backend = backend;
+    }
+
+    /// The backend computing the products.
+    pub fn backend(&self) -> &dyn Backend {
+        &*self.backend
+    }
+
+    /// The trunk's weights and backend.
+    pub(crate) fn ops(&self) -> Ops<'_> {
+        Ops { raw: self.file.raw(), backend: &*self.backend }
     }
 
     /// The GGUF file the model was loaded from.

@@ -1,7 +1,8 @@
 //! The mixture-of-experts sublayer: sqrt-softplus router (hash-routed on the first layers),
 //! clamped SwiGLU experts and a shared expert.
 
-use crate::backend::cpu::{matmul_many_new, matmul_new, silu, softplus};
+use crate::backend::cpu::{silu, softplus};
+use crate::backend::Ops;
 use crate::model::config::{LayerSpec, ModelConfig};
 use crate::model::weights::{LayerWeights, Mat, Router};
 use crate::Result;
@@ -44,7 +45,7 @@ fn swiglu(g: &[f32], u: &[f32], clamp: f32) -> Vec<f32> {
 
 /// The MoE output for the rows of `h` (`n * hidden`), `tokens` being each row's input token.
 pub fn forward(
-    raw: &[u8],
+    ops: Ops<'_>,
     cfg: &ModelConfig,
     spec: &LayerSpec,
     w: &LayerWeights,
@@ -53,7 +54,7 @@ pub fn forward(
 ) -> Result<Vec<f32>> {
     let d = cfg.hidden;
     let n = tokens.len();
-    let logits = matmul_new(raw, &w.router_proj, h)?;
+    let logits = ops.matmul(&w.router_proj, h)?;
     let routes: Vec<(Vec<usize>, Vec<f32>)> =
         (0..n).map(|r| route(cfg, w, &logits[r * cfg.n_experts..(r + 1) * cfg.n_experts], tokens[r])).collect();
 
@@ -75,7 +76,7 @@ pub fn forward(
     for (i, (_, _, x)) in used.iter().enumerate() {
         specs.extend([(&gates[i], x.as_slice()), (&ups[i], x.as_slice())]);
     }
-    let gu = matmul_many_new(raw, &specs)?;
+    let gu = ops.matmul_many(&specs)?;
     let acts: Vec<Vec<f32>> = gu
         .chunks(2)
         .enumerate()
@@ -85,7 +86,7 @@ pub fn forward(
     for (i, m) in downs.iter().enumerate() {
         specs.push((m, acts[i + 1].as_slice()));
     }
-    let downs_out = matmul_many_new(raw, &specs)?;
+    let downs_out = ops.matmul_many(&specs)?;
     let shared = &downs_out[0];
     let mut per_row: Vec<Vec<(usize, &[f32])>> = vec![Vec::new(); n];
     for (i, (e, rows, _)) in used.iter().enumerate() {
