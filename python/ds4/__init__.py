@@ -7,7 +7,15 @@ from __future__ import annotations
 
 from . import gguf, quant
 from ._ds4 import __version__
-from .errors import ContextOverflowError, Ds4Error, GGUFError, UnsupportedModelError
+from .errors import (
+    BackendError,
+    BackendUnavailable,
+    ContextOverflowError,
+    DraftMismatchError,
+    Ds4Error,
+    GGUFError,
+    UnsupportedModelError,
+)
 from .gguf import GGUFFile, TensorInfo
 from .convert import convert, convert_tokenizer
 from .model import Chunk, Generation, Model, Session, Snapshot, Stream
@@ -16,8 +24,11 @@ from .sampling import Sampling
 from .tokenizer import StreamDecoder, Tokenizer, render_chat
 
 __all__ = [
+    "BackendError",
+    "BackendUnavailable",
     "Chunk",
     "ContextOverflowError",
+    "DraftMismatchError",
     "Ds4Error",
     "GGUFError",
     "GGUFFile",

@@ -7,7 +7,15 @@ the built-in ``FileNotFoundError``.
 
 from __future__ import annotations
 
-__all__ = ["ContextOverflowError", "Ds4Error", "GGUFError", "UnsupportedModelError"]
+__all__ = [
+    "BackendError",
+    "BackendUnavailable",
+    "ContextOverflowError",
+    "DraftMismatchError",
+    "Ds4Error",
+    "GGUFError",
+    "UnsupportedModelError",
+]
 
 
 class Ds4Error(Exception):
@@ -25,3 +33,16 @@ class UnsupportedModelError(Ds4Error, ValueError):
 
 class ContextOverflowError(Ds4Error, ValueError):
     """More tokens than the session's context holds. Nothing was evaluated."""
+
+
+class DraftMismatchError(Ds4Error, ValueError):
+    """A drafter (MTP or DSpark support weights) that does not fit the target model: the
+    message names what differs (vocabulary, hidden size, target layers, noise token...)."""
+
+
+class BackendUnavailable(Ds4Error, RuntimeError):
+    """The requested compute backend cannot run here: no GPU, no driver, or not built in."""
+
+
+class BackendError(Ds4Error, RuntimeError):
+    """A compute backend failed while running (a driver or kernel error)."""

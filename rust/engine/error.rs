@@ -28,6 +28,16 @@ pub enum Error {
     /// More tokens than the session's context holds.
     #[error("context overflow: {needed} tokens do not fit in a context of {capacity}")]
     ContextOverflow { needed: usize, capacity: usize },
+    /// A drafter (MTP or DSpark weights) that does not fit the target model: the message
+    /// names what differs.
+    #[error("{0}")]
+    DraftMismatch(String),
+    /// The requested compute backend cannot run here (no GPU, no driver, not built in).
+    #[error("{0}")]
+    BackendUnavailable(String),
+    /// A compute backend failed while running (a driver or kernel error).
+    #[error("{0}")]
+    Backend(String),
     /// A caller passed arguments that cannot be honoured (wrong lengths, bad names, ...).
     #[error("{0}")]
     InvalidArgument(String),
@@ -39,6 +49,10 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 impl Error {
     pub(crate) fn invalid(msg: impl Into<String>) -> Self {
         Error::InvalidArgument(msg.into())
+    }
+
+    pub(crate) fn mismatch(msg: impl Into<String>) -> Self {
+        Error::DraftMismatch(msg.into())
     }
 
     pub(crate) fn model(msg: impl Into<String>) -> Self {

@@ -27,6 +27,9 @@ fn raise(py: Python<'_>, cell: &'static PyOnceLock<Py<PyType>>, name: &str, msg:
 static GGUF_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static UNSUPPORTED_MODEL: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static CONTEXT_OVERFLOW: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static DRAFT_MISMATCH: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static BACKEND_UNAVAILABLE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static BACKEND_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
 /// Converts an engine error into the matching Python exception.
 pub(crate) fn to_pyerr(e: Error) -> PyErr {
@@ -43,6 +46,9 @@ pub(crate) fn to_pyerr(e: Error) -> PyErr {
         e @ Error::UnsupportedType { .. } => raise(py, &UNSUPPORTED_MODEL, "UnsupportedModelError", e.to_string()),
         Error::UnsupportedModel(msg) => raise(py, &UNSUPPORTED_MODEL, "UnsupportedModelError", msg),
         e @ Error::ContextOverflow { .. } => raise(py, &CONTEXT_OVERFLOW, "ContextOverflowError", e.to_string()),
+        Error::DraftMismatch(msg) => raise(py, &DRAFT_MISMATCH, "DraftMismatchError", msg),
+        Error::BackendUnavailable(msg) => raise(py, &BACKEND_UNAVAILABLE, "BackendUnavailable", msg),
+        Error::Backend(msg) => raise(py, &BACKEND_ERROR, "BackendError", msg),
         Error::InvalidArgument(msg) => PyValueError::new_err(msg),
     })
 }
