@@ -17,8 +17,8 @@ from .errors import (
     UnsupportedModelError,
 )
 from .gguf import GGUFFile, TensorInfo
-from .convert import convert, convert_tokenizer
-from .model import Chunk, Generation, Model, Session, Snapshot, Stream
+from .convert import convert, convert_draft, convert_tokenizer
+from .model import Chunk, Generation, Model, Proposal, Session, Snapshot, Stream
 from .speculative import SpecStats, Speculative
 from .sampling import Sampling
 from .tokenizer import StreamDecoder, Tokenizer, render_chat
@@ -34,6 +34,7 @@ __all__ = [
     "GGUFFile",
     "Generation",
     "Model",
+    "Proposal",
     "Sampling",
     "Session",
     "Snapshot",
@@ -46,6 +47,7 @@ __all__ = [
     "UnsupportedModelError",
     "__version__",
     "convert",
+    "convert_draft",
     "convert_tokenizer",
     "gguf",
     "quant",

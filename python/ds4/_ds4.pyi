@@ -120,7 +120,12 @@ def ggml_types() -> list[tuple[str, int, int, int, bool]]:
 class Model:
     """A loaded DeepSeek V4 model (native part of ``ds4.Model``)."""
 
-    def __new__(cls, path: str) -> Model: ...
+    def __new__(cls, path: str, draft: str | None = None, mtp_pairing: str = "deepseek") -> Model: ...
+    @property
+    def draft_method(self) -> str | None:
+        """The drafter's method ("mtp" or "dspark"), or None."""
+    def draft_config(self) -> dict[str, Any] | None:
+        """The drafter's settings as a dict, or None."""
     def config(self) -> dict[str, Any]:
         """The configuration read from the file's metadata, as a dict."""
     def decode_weight_bytes(self) -> int:
@@ -160,13 +165,17 @@ class Session:
     def snapshot(self) -> Snapshot: ...
     def restore(self, snapshot: Snapshot) -> None: ...
     def reset(self) -> None: ...
+    def propose(self, anchor: int | None = None, k: int | None = None
+                ) -> tuple[list[int], bytearray, list[float] | None, bytearray | None, bytearray | None]:
+        """What the model's drafter proposes from the committed state (nothing changes):
+        (tokens, logits, confidence, base_logits, hidden), the float arrays as bytearrays."""
     def start(self, prompt: list[int], max_tokens: int, temperature: float, top_k: int, top_p: float,
               min_p: float, seed: int, stop: list[str], stop_tokens: list[int],
               spec: tuple[str, Callable[[list[int]], Sequence[int]] | None, int, bool, int, int] | None = None
               ) -> Stream:
         """Evaluates ``prompt`` and returns a stream of generated chunks (see ``ds4.Session.stream``).
         ``spec`` is None or (method, callable or None, max_draft, adaptive, min_ngram, max_ngram)
-        with method "ngram" or "callable"."""
+        with method "ngram", "callable", "mtp" or "dspark"."""
     def digest(self) -> int:
         """A digest of the whole decode state and the random stream (equal digests: equal
         states, bit for bit)."""

@@ -54,13 +54,15 @@ class BenchResult:
 
 
 def bench(path: str | os.PathLike[str], *, prompt: int = 128, decode: int = 32, runs: int = 3,
-          seed: int = 0, speculative: Speculative | None = None, repetitive: bool = False) -> BenchResult:
+          seed: int = 0, speculative: Speculative | None = None, repetitive: bool = False,
+          draft: str | os.PathLike[str] | None = None) -> BenchResult:
     """Measures prefill and decode tokens/s of the model at ``path``; with ``speculative``,
     also greedy decode with speculation (same prompt and length). ``repetitive`` uses a
-    prompt that repeats a 16-token motif (where n-gram drafting has something to find)."""
+    prompt that repeats a 16-token motif (where n-gram drafting has something to find).
+    ``draft`` is a drafter support file (for ``Speculative("mtp" | "dspark")``)."""
     if prompt < 1 or decode < 1 or runs < 1:
         raise ValueError("prompt, decode and runs must be at least 1")
-    model = Model.load(path)
+    model = Model.load(path, draft=draft)
     vocab = model.vocab_size
     rng = np.random.default_rng(seed)
     tokens = [int(t) for t in rng.integers(0, vocab, size=prompt)]

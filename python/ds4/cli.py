@@ -73,9 +73,12 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .convert import convert
+    from .convert import convert, convert_draft
 
-    out = convert(args.hf_dir, args.out, dtype=args.dtype, progress=not args.quiet)
+    if args.draft_of is not None:
+        out = convert_draft(args.hf_dir, args.out, target=args.draft_of, dtype=args.dtype, progress=not args.quiet)
+    else:
+        out = convert(args.hf_dir, args.out, dtype=args.dtype, progress=not args.quiet)
     print(out)
     return 0
 
@@ -95,7 +98,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     spec = None if args.spec is None else Speculative(args.spec, max_draft=args.block, adaptive=not args.fixed_block)
     result = bench(args.model, prompt=args.prompt, decode=args.decode, runs=args.runs, speculative=spec,
-                   repetitive=args.repetitive)
+                   repetitive=args.repetitive, draft=args.draft)
     print(json.dumps(result.as_dict()) if args.json else result)
     return 0
 
@@ -105,8 +108,8 @@ def _sampling(args: argparse.Namespace) -> Sampling:
                     seed=args.seed)
 
 
-def _load(path: str) -> Model:
-    model = Model.load(path)
+def _load(path: str, draft: str | None = None) -> Model:
+    model = Model.load(path, draft=draft)
     if model.tokenizer is None:
         raise UnsupportedModelError(f"{path} has no tokenizer metadata: generation needs one")
     return model
@@ -152,7 +155,7 @@ def _stats(g: Generation, spec: bool = False) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     text = args.prompt if args.prompt is not None else sys.stdin.read()
-    model = _load(args.model)
+    model = _load(args.model, args.draft)
     if args.chat:
         text = render_chat([{"role": "user", "content": text}], thinking=args.think)
     session = model.session(args.ctx)
@@ -167,7 +170,7 @@ CHAT_HELP = "commands: /reset (new conversation), /think (toggle thinking), /exi
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    model = _load(args.model)
+    model = _load(args.model, args.draft)
     tok = model.tokenizer
     assert tok is not None
     session = model.session(args.ctx)
@@ -215,7 +218,9 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--ctx", type=int, default=4096, help="context size in tokens (default 4096)")
     p.add_argument("--think", action="store_true", help="thinking mode in the chat template")
     p.add_argument("-q", "--quiet", action="store_true", help="no statistics on stderr")
-    p.add_argument("--spec", choices=["ngram"], default=None, help="speculative decoding with this drafter")
+    p.add_argument("--spec", choices=["ngram", "mtp", "dspark"], default=None,
+                   help="speculative decoding with this drafter (mtp/dspark: the model's, see --draft)")
+    p.add_argument("--draft", default=None, help="drafter support GGUF (MTP or DSpark) for --spec mtp|dspark")
     p.add_argument("--block", type=int, default=5, help="most draft tokens verified per cycle (default 5)")
     p.add_argument("--fixed-block", action="store_true", help="always verify what the drafter offers (no scheduler)")
     p.add_argument("--stats", action="store_true", help="print speculation statistics on stderr")
@@ -235,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("out", help="output .gguf path")
     conv.add_argument("--dtype", choices=["f32", "f16", "bf16", "q8_0"], default="f32",
                       help="output tensor types (default f32; see ds4.convert)")
+    conv.add_argument("--draft-of", metavar="TARGET_HF_DIR", default=None,
+                      help="hf_dir holds drafter weights (MTP or DSpark) of this target: write a support file")
     conv.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     conv.set_defaults(func=cmd_convert)
     rnd = sub.add_parser("random", help="write a random-weight model of a preset shape (tests, benchmarks)")
@@ -259,7 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--decode", type=int, default=32, help="decoded tokens per run (default 32)")
     b.add_argument("--runs", type=int, default=3, help="timed runs; the median is reported (default 3)")
     b.add_argument("--json", action="store_true", help="print one JSON object")
-    b.add_argument("--spec", choices=["ngram"], default=None, help="also measure decoding with this drafter")
+    b.add_argument("--spec", choices=["ngram", "mtp", "dspark"], default=None,
+                   help="also measure decoding with this drafter")
+    b.add_argument("--draft", default=None, help="drafter support GGUF for --spec mtp|dspark")
     b.add_argument("--block", type=int, default=5, help="most draft tokens per cycle (default 5)")
     b.add_argument("--fixed-block", action="store_true", help="no scheduler: verify what the drafter offers")
     b.add_argument("--repetitive", action="store_true", help="a prompt repeating a 16-token motif")

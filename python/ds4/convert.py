@@ -81,7 +81,9 @@ __all__ = [
     "ModelConfig",
     "TensorSpec",
     "convert",
+    "convert_draft",
     "convert_tokenizer",
+    "dspark_plan",
     "model_metadata",
     "size_label",
     "tensor_plan",
@@ -471,6 +473,57 @@ def _layer_specs(cfg: ModelConfig, gp: str, sp: str, ratio: int, kind: str, hash
     return S
 
 
+def _mtp_specs(cfg: ModelConfig, k: int) -> list[TensorSpec]:
+    """The tensors of MTP block ``k`` (``mtp.K.*``)."""
+    D, n_hc = cfg.hidden_size, cfg.hc_mult
+    gp = sp = f"mtp.{k}."
+    plan = [
+        TensorSpec(gp + "e_proj.weight", (D, D), "proj", (sp + "e_proj.weight",)),
+        TensorSpec(gp + "h_proj.weight", (D, D), "proj", (sp + "h_proj.weight",)),
+        TensorSpec(gp + "enorm.weight", (D,), "vector", (sp + "enorm.weight",)),
+        TensorSpec(gp + "hnorm.weight", (D,), "vector", (sp + "hnorm.weight",)),
+    ]
+    plan += _layer_specs(cfg, gp, sp, 0, SLIDING, False)
+    plan += _head_specs(cfg, gp, sp)
+    return plan
+
+
+def _head_specs(cfg: ModelConfig, gp: str, sp: str) -> list[TensorSpec]:
+    """A drafter's own HC head and final norm."""
+    D, n_hc = cfg.hidden_size, cfg.hc_mult
+    return [
+        TensorSpec(gp + "hc_head_fn.weight", (n_hc * D, n_hc), "hc_fn", (sp + "hc_head_fn",)),
+        TensorSpec(gp + "hc_head_base.weight", (n_hc,), "vector", (sp + "hc_head_base",)),
+        TensorSpec(gp + "hc_head_scale.weight", (1,), "vector", (sp + "hc_head_scale",)),
+        TensorSpec(gp + "norm.weight", (D,), "vector", (sp + "norm.weight",)),
+    ]
+
+
+def dspark_plan(config: ModelConfig | Mapping[str, Any], n_stages: int, n_target_layers: int,
+                markov_rank: int, confidence: bool = True) -> list[TensorSpec]:
+    """The tensors of a DSpark support file (ds4's layout): ``n_stages`` window-only blocks
+    ``mtp.S.*``, ``main_proj``/``main_norm`` on stage 0, and on the last stage the HC head,
+    final norm, Markov head (rank ``markov_rank``, none if 0) and confidence head."""
+    cfg = _as_config(config)
+    D, V = cfg.hidden_size, cfg.vocab_size
+    plan = [
+        TensorSpec("mtp.0.main_proj.weight", (n_target_layers * D, D), "proj", ("mtp.0.main_proj.weight",)),
+        TensorSpec("mtp.0.main_norm.weight", (D,), "vector", ("mtp.0.main_norm.weight",)),
+    ]
+    for s in range(n_stages):
+        plan += _layer_specs(cfg, f"mtp.{s}.", f"mtp.{s}.", 0, SLIDING, False)
+    last = f"mtp.{n_stages - 1}."
+    plan += _head_specs(cfg, last, last)
+    if markov_rank:
+        for w in ("markov_w1", "markov_w2"):
+            name = f"{last}markov_head.{w}.weight"
+            plan.append(TensorSpec(name, (markov_rank, V), "embed", (name,)))
+    if confidence:
+        name = f"{last}confidence_head.proj.weight"
+        plan.append(TensorSpec(name, (D + markov_rank, 1), "router", (name,)))
+    return plan
+
+
 def tensor_plan(config: ModelConfig | Mapping[str, Any], mtp_layers: int = 0) -> list[TensorSpec]:
     """Every tensor a ``deepseek4`` GGUF of ``config`` holds, in file order: ``token_embd``, the
     blocks ``blk.N.*``, the output head, then ``mtp_layers`` MTP blocks ``mtp.K.*``."""
@@ -488,20 +541,7 @@ def tensor_plan(config: ModelConfig | Mapping[str, Any], mtp_layers: int = 0) ->
         TensorSpec("output.weight", (D, V), "proj", ("head.weight",)),
     ]
     for k in range(mtp_layers):
-        gp, sp = f"mtp.{k}.", f"mtp.{k}."
-        plan += [
-            TensorSpec(gp + "e_proj.weight", (D, D), "proj", (sp + "e_proj.weight",)),
-            TensorSpec(gp + "h_proj.weight", (D, D), "proj", (sp + "h_proj.weight",)),
-            TensorSpec(gp + "enorm.weight", (D,), "vector", (sp + "enorm.weight",)),
-            TensorSpec(gp + "hnorm.weight", (D,), "vector", (sp + "hnorm.weight",)),
-        ]
-        plan += _layer_specs(cfg, gp, sp, 0, SLIDING, False)
-        plan += [
-            TensorSpec(gp + "hc_head_fn.weight", (n_hc * D, n_hc), "hc_fn", (sp + "hc_head_fn",)),
-            TensorSpec(gp + "hc_head_base.weight", (n_hc,), "vector", (sp + "hc_head_base",)),
-            TensorSpec(gp + "hc_head_scale.weight", (1,), "vector", (sp + "hc_head_scale",)),
-            TensorSpec(gp + "norm.weight", (D,), "vector", (sp + "norm.weight",)),
-        ]
+        plan += _mtp_specs(cfg, k)
     return plan
 
 
@@ -1032,16 +1072,75 @@ def convert(hf_dir: str | os.PathLike[str], out_path: str | os.PathLike[str], *,
                            desc="ds4 convert")
 
 
+def _draft_setting(d: Mapping[str, Any], key: str) -> Any:
+    for k in (key, "dspark_" + key):
+        if k in d:
+            return d[k]
+    raise UnsupportedModelError(f"the drafter's config.json lacks {key!r} (or 'dspark_{key}')")
+
+
+def convert_draft(draft_dir: str | os.PathLike[str], out_path: str | os.PathLike[str], *,
+                  target: str | os.PathLike[str], dtype: str = "f32", progress: bool = True) -> Path:
+    """Converts drafter weights (a directory of safetensors holding only ``mtp.*`` tensors, and
+    a ``config.json``) to a ds4 support GGUF for ``ds4.Model.load(..., draft=out_path)``.
+
+    ``target`` is the target's Hugging Face directory (its ``config.json`` gives the shapes).
+    The kind is told from the tensors: ``mtp.0.main_proj`` makes a DSpark file (architecture
+    ``deepseek4-dspark``, ``dspark.*`` metadata from the drafter's config: ``block_size``,
+    ``markov_rank``, ``noise_token_id``, ``target_layer_ids``, also spelled ``dspark_*``),
+    ``mtp.0.e_proj`` an MTP file (``deepseek4-mtp``). Tensors are named as in ds4's support
+    files (``mtp.S.<gguf per-layer name>``)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+    root, troot = Path(draft_dir), Path(target)
+    for d in (root, troot):
+        if not (d / "config.json").is_file():
+            raise FileNotFoundError(f"no config.json in {d}")
+    cfg = _parse_config(_read_json(troot / "config.json"))
+    dcfg = _read_json(root / "config.json")
+    with Checkpoint(root) as ckpt:
+        src = _Source(ckpt)
+        metadata: Metadata = [("general.type", "model", "string"), ("general.name", _model_name(root), "string")]
+        if "mtp.0.main_proj.weight" in src:
+            arch = "deepseek4-dspark"
+            n_stages = 0
+            while f"mtp.{n_stages}.attn_norm.weight" in src:
+                n_stages += 1
+            layers = [int(x) for x in _draft_setting(dcfg, "target_layer_ids")]
+            rank = int(_draft_setting(dcfg, "markov_rank"))
+            plan = dspark_plan(cfg, n_stages, len(layers), rank,
+                               confidence=f"mtp.{n_stages - 1}.confidence_head.proj.weight" in src)
+            metadata += [
+                ("dspark.block_size", int(_draft_setting(dcfg, "block_size")), "u32"),
+                ("dspark.markov_rank", rank, "u32"),
+                ("dspark.noise_token_id", int(_draft_setting(dcfg, "noise_token_id")), "u32"),
+                ("dspark.target_layer_ids", layers, "array[u32]"),
+                ("dspark.stage_count", n_stages, "u32"),
+                ("dspark.vocab_size", cfg.vocab_size, "u32"),
+            ]
+        elif "mtp.0.e_proj.weight" in src:
+            arch = "deepseek4-mtp"
+            plan = _mtp_specs(cfg, 0)
+            metadata += [("mtp.vocab_size", cfg.vocab_size, "u32")]
+        else:
+            raise UnsupportedModelError(f"{root} holds neither MTP (mtp.0.e_proj) nor DSpark (mtp.0.main_proj) weights")
+        _check_sources(plan, src, cfg)
+        types = [tensor_type(s, dtype) for s in plan]
+        return write_model(out_path, plan, types, metadata,
+                           lambda spec, t, bar: _tensor_chunks(spec, t, src, cfg, bar), progress,
+                           desc="ds4 convert", arch=arch)
+
+
 def write_model(out_path: str | os.PathLike[str], plan: Sequence[TensorSpec], types: Sequence[str],
                 metadata: Metadata,
                 chunks: Callable[[TensorSpec, str, Progress], Iterable[npt.NDArray[Any] | bytes]],
-                progress: bool = True, desc: str = "ds4") -> Path:
+                progress: bool = True, desc: str = "ds4", arch: str = ARCH) -> Path:
     """Writes a ``deepseek4`` GGUF of ``plan`` (with ``types``) and ``metadata``, taking each
     tensor's data from ``chunks(spec, type, progress_bar)``, one tensor at a time. The file is
     written as ``out_path + ".part"`` and renamed when complete."""
     out = Path(out_path)
     part = out.with_name(out.name + ".part")
-    w = GGUFWriter(part, arch=ARCH)
+    w = GGUFWriter(part, arch=arch)
     try:
         for key, value, vt in metadata:
             w.add(key, value, vt)

@@ -21,7 +21,7 @@ from . import _ds4
 from .sampling import Sampling
 from .speculative import SpecStats, Speculative
 
-__all__ = ["Chunk", "Generation", "Model", "Session", "Snapshot", "Stream"]
+__all__ = ["Chunk", "Generation", "Model", "Proposal", "Session", "Snapshot", "Stream"]
 
 Snapshot = _ds4.Snapshot
 
@@ -96,6 +96,23 @@ class Stream(Iterator[Chunk]):
         return Generation("".join(self._text), list(self._tokens), reason, prompt, prefill_s, decode_s, stats)
 
 
+@dataclass(frozen=True)
+class Proposal:
+    """What a model drafter proposes (see :meth:`Session.propose`)."""
+
+    #: Proposed tokens; the first follows the anchor.
+    tokens: list[int]
+    #: float32 ``[len(tokens), vocab]``: the logits each token was chosen from (after the
+    #: Markov bias for DSpark).
+    logits: npt.NDArray[np.float32]
+    #: DSpark's confidence logit per token (sigmoid: predicted acceptance), else None.
+    confidence: npt.NDArray[np.float32] | None = None
+    #: DSpark: the logits before the Markov bias.
+    base_logits: npt.NDArray[np.float32] | None = None
+    #: DSpark: the unnormalized hidden row of each token (the HC head's output).
+    hidden: npt.NDArray[np.float32] | None = None
+
+
 class Model:
     """A DeepSeek V4 model loaded from a GGUF file (memory-mapped; weights are not copied).
 
@@ -112,10 +129,30 @@ class Model:
         """The tokenizer stored in the model file (None if it has none)."""
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> Model:
-        """Opens and validates ``path`` and binds every tensor."""
+    def load(cls, path: str | os.PathLike[str], *, draft: str | os.PathLike[str] | None = None,
+             mtp_pairing: Literal["deepseek", "ds4"] = "deepseek") -> Model:
+        """Opens and validates ``path`` and binds every tensor.
+
+        ``draft`` is a drafter support file: MTP (``mtp.0.*``) or DSpark (``dspark.*`` metadata,
+        ``mtp.S.*`` tensors), as written by :func:`ds4.convert_draft` or ds4. Without it, an MTP
+        block stored in the model file itself (ds4's ``mtp.0.*`` or llama.cpp's
+        ``blk.N.nextn.*``) is used. A drafter that does not fit the model raises
+        :class:`ds4.DraftMismatchError` naming what differs. ``mtp_pairing`` picks which
+        trunk state the MTP block pairs with a token: "deepseek" (``h_t`` with ``x_{t+1}``, as
+        trained) or "ds4" (``h_t`` with ``x_t``, upstream ds4's)."""
         p = os.fspath(path)
-        return cls(_ds4.Model(p), p)
+        d = None if draft is None else os.fspath(draft)
+        return cls(_ds4.Model(p, d, mtp_pairing), p)
+
+    @property
+    def draft_method(self) -> str | None:
+        """The drafter this model carries: "mtp", "dspark" or None."""
+        return self._native.draft_method
+
+    @property
+    def draft_config(self) -> dict[str, Any] | None:
+        """The drafter's settings (method, layout or block size, Markov rank, ...) or None."""
+        return self._native.draft_config()
 
     @property
     def config(self) -> dict[str, Any]:
@@ -200,6 +237,27 @@ class Session:
     def reset(self) -> None:
         """Back to an empty context."""
         self._native.reset()
+
+    def propose(self, *, anchor: int | None = None, k: int | None = None) -> Proposal:
+        """What the model's drafter would propose from the committed state; nothing changes.
+
+        ``anchor`` is the token that follows the committed prefix (default: the target's
+        greedy next token, from the logits of the last :meth:`eval`). ``k`` bounds the tokens
+        (default: DSpark's block size, one MTP step; at most 16)."""
+        if anchor is not None and anchor < 0:
+            raise ValueError("anchor must be a token id")
+        if k is not None and k < 0:
+            raise ValueError("k must be non-negative")
+        tokens, logits, conf, base, hidden = self._native.propose(anchor, k)
+        n = len(tokens)
+
+        def rows(b: bytearray | None, width: int) -> npt.NDArray[np.float32] | None:
+            return None if b is None else np.frombuffer(b, dtype="<f4").reshape(n, width)
+
+        hid = None if hidden is None else np.frombuffer(hidden, dtype="<f4").reshape(n, -1)
+        return Proposal(tokens, np.frombuffer(logits, dtype="<f4").reshape(n, self._vocab),
+                        None if conf is None else np.asarray(conf, dtype=np.float32),
+                        rows(base, self._vocab), hid)
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -26,23 +26,27 @@ class Speculative:
     """How to speculate.
 
     ``method`` is ``"ngram"`` (prompt lookup: propose what followed the latest earlier
-    occurrence of the longest matching n-gram, ``min_ngram``..``max_ngram`` tokens) or a
-    callable ``fn(history) -> list[int]``. ``max_draft`` bounds the tokens verified per cycle
+    occurrence of the longest matching n-gram, ``min_ngram``..``max_ngram`` tokens),
+    ``"mtp"`` or ``"dspark"`` (the model's trained drafter: load it with
+    ``ds4.Model.load(path, draft=...)``, or an MTP block in the model file), or a callable
+    ``fn(history) -> list[int]``. MTP drafts up to ``max_draft`` tokens autoregressively;
+    DSpark proposes its block at once, and its confidence head tells the adaptive scheduler
+    how far each proposal is likely to survive. ``max_draft`` bounds the tokens verified per cycle
     (1..16). ``adaptive`` lets a scheduler choose the block size from the measured cost of
     verifying and the recent acceptance, falling back to plain decoding when drafts keep
     failing; with ``adaptive=False`` every cycle verifies what the drafter offers, up to
     ``max_draft``.
     """
 
-    method: Union[Literal["ngram"], DrafterFn] = "ngram"
+    method: Union[Literal["ngram", "mtp", "dspark"], DrafterFn] = "ngram"
     max_draft: int = 5
     adaptive: bool = True
     min_ngram: int = 2
     max_ngram: int = 4
 
     def __post_init__(self) -> None:
-        if not (callable(self.method) or self.method == "ngram"):
-            raise ValueError(f"method must be 'ngram' or a callable, got {self.method!r}")
+        if not (callable(self.method) or self.method in ("ngram", "mtp", "dspark")):
+            raise ValueError(f"method must be 'ngram', 'mtp', 'dspark' or a callable, got {self.method!r}")
         if not 1 <= self.max_draft <= 16:
             raise ValueError(f"max_draft must be in 1..16, got {self.max_draft}")
         if not 1 <= self.min_ngram <= self.max_ngram:

@@ -220,8 +220,8 @@ impl Generation {
         let sp = self.spec.as_mut().expect("speculation is on");
         let mut history = session.tokens().to_vec();
         history.push(a);
-        let mut draft = sp.drafter.propose(&history, room)?;
-        let l = sp.scheduler.block(draft.tokens.len().min(room));
+        let mut draft = sp.drafter.propose_in(session, &history, a, room)?;
+        let l = sp.scheduler.block_with(draft.tokens.len().min(room), draft.survival.as_deref());
         draft.tokens.truncate(l);
         if let Some(q) = draft.dists.as_mut() {
             q.truncate(l);

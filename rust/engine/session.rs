@@ -2,7 +2,8 @@
 
 use std::sync::Arc;
 
-use crate::model::{Logits, Model};
+use crate::model::draft::DraftKind;
+use crate::model::{DraftModel, Logits, Model, Proposal};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::state::{BatchLog, KvPrecision, State};
 use crate::{Error, Result};
@@ -12,6 +13,7 @@ use crate::{Error, Result};
 pub struct Snapshot {
     state: State,
     sampler: Option<Sampler>,
+    last_logits: Option<Arc<[f32]>>,
 }
 
 impl Snapshot {
@@ -31,6 +33,9 @@ pub struct Session {
     /// continues the stream (it is never reseeded per call); a call naming another seed
     /// starts that seed's stream.
     sampler: Option<Sampler>,
+    /// The logits of the last evaluated position, when the last call computed them (the
+    /// default anchor of [`Session::propose`]).
+    last_logits: Option<Arc<[f32]>>,
 }
 
 impl Session {
@@ -52,8 +57,9 @@ impl Session {
                 "fp8 state needs an indexer head dim that is a power of two and a multiple of 32, not {id}"
             )));
         }
-        let state = State::new(&model.config, precision);
-        Ok(Session { model, ctx, state, sampler: None })
+        let mut state = State::new(&model.config, precision);
+        state.draft = model.draft.as_ref().map(|dm| dm.new_state(&model));
+        Ok(Session { model, ctx, state, sampler: None, last_logits: None })
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -100,6 +106,8 @@ impl Session {
         let mut next = self.state.clone();
         let logits = self.model.forward(&mut next, tokens, which, None)?;
         self.state = next;
+        let v = self.model.config.vocab;
+        self.last_logits = (which != Logits::None).then(|| Arc::from(&logits[logits.len() - v..]));
         Ok(logits)
     }
 
@@ -114,6 +122,7 @@ impl Session {
         let mut log = BatchLog::new(next.pos, tokens.len(), next.layers.len());
         let logits = self.model.forward(&mut next, tokens, Logits::All, Some(&mut log))?;
         self.state = next;
+        self.last_logits = None;
         Ok((logits, log))
     }
 
@@ -157,7 +166,7 @@ impl Session {
 
     /// Saves the decode state and the sampler's random stream.
     pub fn snapshot(&self) -> Snapshot {
-        Snapshot { state: self.state.clone(), sampler: self.sampler.clone() }
+        Snapshot { state: self.state.clone(), sampler: self.sampler.clone(), last_logits: self.last_logits.clone() }
     }
 
     /// Returns to a snapshot taken on a session of the same model.
@@ -165,14 +174,57 @@ impl Session {
         if snap.state.layers.len() != self.state.layers.len() || snap.state.pos > self.ctx {
             return Err(Error::invalid("the snapshot does not belong to this session's model and context"));
         }
+        if snap.state.draft.is_some() != self.state.draft.is_some() {
+            return Err(Error::invalid("the snapshot does not belong to this session's model and context"));
+        }
         self.state = snap.state.clone();
         self.sampler = snap.sampler.clone();
+        self.last_logits = snap.last_logits.clone();
         Ok(())
     }
 
     /// Back to the empty context (the sampler's stream is kept).
     pub fn reset(&mut self) {
-        self.state = State::new(&self.model.config, self.state.precision);
+        let mut state = State::new(&self.model.config, self.state.precision);
+        state.draft = self.model.draft.as_ref().map(|dm| dm.new_state(&self.model));
+        self.state = state;
+        self.last_logits = None;
+    }
+
+    /// What the model's drafter proposes to follow the committed tokens and `anchor` (by
+    /// default the target's greedy next token, from the last evaluated logits), at most `k`
+    /// tokens (by default the drafter's block: DSpark's block size, one MTP step). Changes
+    /// nothing.
+    pub fn propose(&self, anchor: Option<u32>, k: Option<usize>) -> Result<Proposal> {
+        let dm = self
+            .model
+            .draft
+            .as_ref()
+            .ok_or_else(|| Error::invalid("this model has no drafter (load one with draft=...)"))?;
+        let anchor = match anchor {
+            Some(a) => a,
+            None => match &self.last_logits {
+                Some(l) => crate::model::drafting::argmax(l),
+                None => {
+                    return Err(Error::invalid(
+                        "the session has no logits of its last position to take the anchor from: pass anchor",
+                    ))
+                }
+            },
+        };
+        let k = k.unwrap_or(match &dm.kind {
+            DraftKind::DSpark(w) => w.block_size,
+            DraftKind::Mtp(_) => 1,
+        });
+        if k > crate::spec::MAX_DRAFT {
+            return Err(Error::invalid(format!("k = {k} exceeds the most a cycle drafts, {}", crate::spec::MAX_DRAFT)));
+        }
+        self.model.propose(&self.state, anchor, k)
+    }
+
+    /// The method of the model's drafter ("mtp", "dspark"), if it has one.
+    pub fn draft_method(&self) -> Option<&'static str> {
+        self.model.draft.as_ref().map(DraftModel::method)
     }
 
     /// The storage precision of the attention state.

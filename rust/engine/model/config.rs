@@ -68,6 +68,8 @@ pub struct ModelConfig {
     pub sinkhorn_iters: usize,
     pub hc_eps: f32,
     pub context_length: usize,
+    /// MTP blocks stored after the trunk as `blk.N.*` (llama.cpp's layout; 0 otherwise).
+    pub nextn_layers: usize,
     pub bos: Option<u32>,
     pub eos: Option<u32>,
     pub layers: Vec<LayerSpec>,
@@ -140,7 +142,14 @@ impl ModelConfig {
             None => return Err(Error::model("GGUF metadata lacks general.architecture")),
         }
         let m = Meta(file);
-        let n_layers = m.usize("block_count")?;
+        // llama.cpp counts its in-file MTP blocks (`blk.{trunk}.*`, after the trunk) in
+        // block_count; the trunk is the rest.
+        let blocks = m.usize("block_count")?;
+        let nextn_layers = m.usize_or("nextn_predict_layers", 0)?;
+        if nextn_layers >= blocks {
+            return Err(Error::model(format!("{nextn_layers} MTP blocks of {blocks} leave no trunk layers")));
+        }
+        let n_layers = blocks - nextn_layers;
         let hidden = m.usize("embedding_length")?;
         let n_heads = m.usize("attention.head_count")?;
         let head_dim = m.usize("attention.key_length")?;
@@ -248,6 +257,7 @@ impl ModelConfig {
             sinkhorn_iters: m.usize("hyper_connection.sinkhorn_iterations")?,
             hc_eps: m.f32_or("hyper_connection.epsilon", 1e-6)?,
             context_length: m.usize_or("context_length", 1 << 20)?,
+            nextn_layers,
             bos: token_id("tokenizer.ggml.bos_token_id"),
             eos: token_id("tokenizer.ggml.eos_token_id"),
             layers,

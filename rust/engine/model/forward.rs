@@ -8,9 +8,11 @@
 //! updates are bitwise independent of the batch it came in.
 
 use crate::backend::cpu::{rms_norm_plain, rms_norm_rows};
+use crate::backend::Ops;
 use crate::model::attention::{attend, raw_range, visible_compressed};
 use crate::model::config::AttentionKind;
-use crate::model::weights::Mat;
+use crate::model::draft::DraftKind;
+use crate::model::weights::{LayerWeights, Mat};
 use crate::model::{hyper, indexer, moe, Model};
 use crate::state::{BatchLog, CompressorState, State};
 use crate::Result;
@@ -51,6 +53,13 @@ impl Model {
             }
         }
 
+        // DSpark reads the outputs of some target layers, HC streams averaged.
+        let capture: &[usize] = match self.draft.as_ref().map(|dm| &dm.kind) {
+            Some(DraftKind::DSpark(w)) if state.draft.is_some() => &w.target_layers,
+            _ => &[],
+        };
+        let mut captured = vec![0f32; n * capture.len() * d];
+
         for (li, (lw, spec)) in self.weights.layers.iter().zip(&cfg.layers).enumerate() {
             // ---- attention sublayer
             let (mut h, mixes) = hyper::pre(ops, &lw.hc_attn, &x, cfg)?;
@@ -63,7 +72,21 @@ impl Model {
             rms_norm_rows(&mut h, &lw.ffn_norm, cfg.rms_eps);
             let f = moe::forward(ops, cfg, spec, lw, &h, tokens)?;
             hyper::post(&mut x, &f, &mixes, hc, d);
+
+            if let Some(j) = capture.iter().position(|&c| c == li) {
+                let k = capture.len();
+                for r in 0..n {
+                    let out = &mut captured[(r * k + j) * d..(r * k + j + 1) * d];
+                    for s in 0..hc {
+                        for (o, v) in out.iter_mut().zip(&x[(r * hc + s) * d..(r * hc + s + 1) * d]) {
+                            *o += v;
+                        }
+                    }
+                    out.iter_mut().for_each(|o| *o /= hc as f32);
+                }
+            }
         }
+        self.draft_advance(state, &x, &captured, tokens, pos0, log)?;
         state.pos += n;
         state.tokens.extend_from_slice(tokens);
 
@@ -189,28 +212,37 @@ impl Model {
             rope.apply_heads(orow, hd, pos, true);
         }
 
-        // Grouped low-rank output projection: group g's heads through rows g*R.. of o_a.
-        let (groups, rank) = (cfg.o_groups, cfg.o_lora_rank);
-        let gin = nh * hd / groups;
-        let mats: Vec<Mat> = (0..groups)
-            .map(|g| Mat { n_out: rank, start: lw.o_a.start + g * rank * lw.o_a.row_bytes, ..lw.o_a })
-            .collect();
-        let xs: Vec<Vec<f32>> = (0..groups)
-            .map(|g| {
-                (0..n).flat_map(|r| o[r * nh * hd + g * gin..r * nh * hd + (g + 1) * gin].iter().copied()).collect()
-            })
-            .collect();
-        let specs: Vec<(&Mat, &[f32])> = mats.iter().zip(&xs).map(|(m, x)| (m, x.as_slice())).collect();
-        let ys = ops.matmul_many(&specs)?;
-        let mut u = vec![0f32; n * groups * rank];
-        for (g, yg) in ys.iter().enumerate() {
-            for r in 0..n {
-                u[r * groups * rank + g * rank..r * groups * rank + (g + 1) * rank]
-                    .copy_from_slice(&yg[r * rank..(r + 1) * rank]);
-            }
-        }
-        ops.matmul(&lw.o_b, &u)
+        output_projection(ops, cfg, lw, &o)
     }
+}
+
+/// The grouped low-rank output projection of attention outputs `o` (`n` rows of
+/// `n_heads * head_dim`): group g's heads through rows `g*R..` of `o_a`, then `o_b`.
+pub(crate) fn output_projection(
+    ops: Ops<'_>,
+    cfg: &crate::ModelConfig,
+    lw: &LayerWeights,
+    o: &[f32],
+) -> Result<Vec<f32>> {
+    let (nh, hd) = (cfg.n_heads, cfg.head_dim);
+    let n = o.len() / (nh * hd);
+    let (groups, rank) = (cfg.o_groups, cfg.o_lora_rank);
+    let gin = nh * hd / groups;
+    let mats: Vec<Mat> =
+        (0..groups).map(|g| Mat { n_out: rank, start: lw.o_a.start + g * rank * lw.o_a.row_bytes, ..lw.o_a }).collect();
+    let xs: Vec<Vec<f32>> = (0..groups)
+        .map(|g| (0..n).flat_map(|r| o[r * nh * hd + g * gin..r * nh * hd + (g + 1) * gin].iter().copied()).collect())
+        .collect();
+    let specs: Vec<(&Mat, &[f32])> = mats.iter().zip(&xs).map(|(m, x)| (m, x.as_slice())).collect();
+    let ys = ops.matmul_many(&specs)?;
+    let mut u = vec![0f32; n * groups * rank];
+    for (g, yg) in ys.iter().enumerate() {
+        for r in 0..n {
+            u[r * groups * rank + g * rank..r * groups * rank + (g + 1) * rank]
+                .copy_from_slice(&yg[r * rank..(r + 1) * rank]);
+        }
+    }
+    ops.matmul(&lw.o_b, &u)
 }
 
 /// Feeds row `r` of a compressor's projections to its state; an emitted row is normalized,

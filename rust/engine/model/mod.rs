@@ -2,7 +2,10 @@
 //! forward pass (one file per block kind).
 
 pub mod attention;
+pub(crate) mod block;
 pub mod config;
+pub mod draft;
+pub(crate) mod drafting;
 pub mod forward;
 pub mod hyper;
 pub mod indexer;
@@ -14,6 +17,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 pub use config::{AttentionKind, LayerSpec, ModelConfig};
+pub use draft::{DraftModel, MtpPairing};
+pub use drafting::Proposal;
 pub use forward::Logits;
 
 use crate::backend::{Backend, Cpu, Ops};
@@ -31,6 +36,8 @@ pub struct Model {
     pub(crate) ropes: Vec<Rope>,
     /// What computes the matrix products.
     pub(crate) backend: Arc<dyn Backend>,
+    /// The drafter (MTP or DSpark), from the model's own file or a support file.
+    pub draft: Option<DraftModel>,
 }
 
 impl std::fmt::Debug for Model {
@@ -41,8 +48,29 @@ impl std::fmt::Debug for Model {
 
 impl Model {
     /// Opens, validates and binds a `deepseek4` GGUF file.
+    /// An MTP block stored in the same file is loaded as the model's drafter.
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
         Self::from_gguf(Arc::new(GgufFile::open(path)?))
+    }
+
+    /// Loads a model and takes its drafter from the support file `draft` (MTP or DSpark).
+    pub fn load_with_draft(path: impl AsRef<Path>, draft: impl AsRef<Path>) -> Result<Self> {
+        let mut m = Self::load(path)?;
+        m.attach_draft(Arc::new(GgufFile::open(draft)?))?;
+        Ok(m)
+    }
+
+    /// Uses the drafter of the support file `support` (replacing any in-file MTP).
+    pub fn attach_draft(&mut self, support: Arc<GgufFile>) -> Result<()> {
+        self.draft = Some(DraftModel::from_support(support, &self.config)?);
+        Ok(())
+    }
+
+    /// Chooses the MTP input pairing (DeepSeek's by default).
+    pub fn set_mtp_pairing(&mut self, pairing: MtpPairing) {
+        if let Some(dm) = self.draft.as_mut() {
+            dm.pairing = pairing;
+        }
     }
 
     pub fn from_gguf(file: Arc<GgufFile>) -> Result<Self> {
@@ -58,7 +86,8 @@ impl Model {
             .iter()
             .map(|l| if l.kind == AttentionKind::Sliding { plain.clone() } else { compressed.clone() })
             .collect();
-        Ok(Model { file, config, weights, ropes, backend: Arc::new(Cpu) })
+        let draft = DraftModel::find_in(&file, &config)?;
+        Ok(Model { file, config, weights, ropes, backend: Arc::new(Cpu), draft })
     }
 
     /// Computes the products with `backend` from now on (the CPU is the default).

@@ -6,7 +6,7 @@
 //! that names it.
 
 use crate::gguf::GgufFile;
-use crate::model::config::{AttentionKind, ModelConfig};
+use crate::model::config::{AttentionKind, LayerSpec, ModelConfig};
 use crate::quant::GgmlType;
 use crate::{Error, Result};
 
@@ -119,12 +119,12 @@ pub struct Weights {
     pub layers: Vec<LayerWeights>,
 }
 
-struct Binder<'a> {
-    file: &'a GgufFile,
+pub(crate) struct Binder<'a> {
+    pub(crate) file: &'a GgufFile,
 }
 
 impl Binder<'_> {
-    fn info(&self, name: &str, dims: &[usize]) -> Result<&crate::gguf::TensorInfo> {
+    pub(crate) fn info(&self, name: &str, dims: &[usize]) -> Result<&crate::gguf::TensorInfo> {
         let t = self.file.tensor(name).ok_or_else(|| Error::model(format!("missing tensor {name:?}")))?;
         let want: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
         // Trailing 1-dims are the same shape (a [n] tensor may be written as [n, 1]).
@@ -138,11 +138,11 @@ impl Binder<'_> {
         Ok(t)
     }
 
-    fn mat(&self, name: &str, n_in: usize, n_out: usize) -> Result<Mat> {
+    pub(crate) fn mat(&self, name: &str, n_in: usize, n_out: usize) -> Result<Mat> {
         self.mat_of(name, &[n_in, n_out])
     }
 
-    fn mat_of(&self, name: &str, dims: &[usize]) -> Result<Mat> {
+    pub(crate) fn mat_of(&self, name: &str, dims: &[usize]) -> Result<Mat> {
         let t = self.info(name, dims)?;
         if !t.ggml_type.is_supported() {
             return Err(Error::model(format!(
@@ -159,11 +159,11 @@ impl Binder<'_> {
         })
     }
 
-    fn stack(&self, name: &str, n_in: usize, n_out: usize, n_exp: usize) -> Result<Stack> {
+    pub(crate) fn stack(&self, name: &str, n_in: usize, n_out: usize, n_exp: usize) -> Result<Stack> {
         Ok(Stack { first: self.mat_of(name, &[n_in, n_out, n_exp])?, n_exp })
     }
 
-    fn vec(&self, name: &str, dims: &[usize]) -> Result<Vec<f32>> {
+    pub(crate) fn vec(&self, name: &str, dims: &[usize]) -> Result<Vec<f32>> {
         let t = self.info(name, dims)?;
         if !t.ggml_type.is_supported() {
             return Err(Error::model(format!(
@@ -174,7 +174,14 @@ impl Binder<'_> {
         self.file.dequantize(name)
     }
 
-    fn hyper(&self, prefix: &str, hidden: usize, hc: usize, n_mix: usize, n_scale: usize) -> Result<HyperWeights> {
+    pub(crate) fn hyper(
+        &self,
+        prefix: &str,
+        hidden: usize,
+        hc: usize,
+        n_mix: usize,
+        n_scale: usize,
+    ) -> Result<HyperWeights> {
         Ok(HyperWeights {
             proj: self.mat(&format!("{prefix}_fn.weight"), hc * hidden, n_mix)?,
             base: self.vec(&format!("{prefix}_base.weight"), &[n_mix])?,
@@ -182,7 +189,7 @@ impl Binder<'_> {
         })
     }
 
-    fn compressor(
+    pub(crate) fn compressor(
         &self,
         prefix: &str,
         hidden: usize,
@@ -198,7 +205,7 @@ impl Binder<'_> {
         })
     }
 
-    fn hash_table(&self, name: &str, k: usize, vocab: usize, n_exp: usize) -> Result<Vec<u32>> {
+    pub(crate) fn hash_table(&self, name: &str, k: usize, vocab: usize, n_exp: usize) -> Result<Vec<u32>> {
         let t = self.info(name, &[k, vocab])?;
         let bytes = self.file.bytes_of(t);
         let ids: Vec<i64> = match t.ggml_type {
@@ -221,75 +228,85 @@ impl Binder<'_> {
     }
 }
 
+impl Binder<'_> {
+    /// The tensors of one block named `{prefix}.attn_q_a.weight`, ... (`blk.N` in the trunk,
+    /// `mtp.K` for drafter blocks).
+    pub(crate) fn layer(&self, p: &str, spec: &LayerSpec, cfg: &ModelConfig) -> Result<LayerWeights> {
+        let (d, hc) = (cfg.hidden, cfg.hc_mult);
+        let n_mix = (2 + hc) * hc;
+        let hd = cfg.head_dim;
+        let (compressor, indexer) = match spec.kind {
+            AttentionKind::Sliding => (None, None),
+            AttentionKind::Hca => {
+                (Some(self.compressor(&format!("{p}.attn_compressor"), d, hd, spec.ratio, hd)?), None)
+            }
+            AttentionKind::Csa => {
+                let id = cfg.index_head_dim;
+                (
+                    Some(self.compressor(&format!("{p}.attn_compressor"), d, 2 * hd, spec.ratio, hd)?),
+                    Some(IndexerWeights {
+                        q_b: self.mat(
+                            &format!("{p}.indexer.attn_q_b.weight"),
+                            cfg.q_lora_rank,
+                            cfg.index_heads * id,
+                        )?,
+                        proj: self.mat(&format!("{p}.indexer.proj.weight"), d, cfg.index_heads)?,
+                        compressor: self.compressor(&format!("{p}.indexer_compressor"), d, 2 * id, spec.ratio, id)?,
+                    }),
+                )
+            }
+        };
+        let e = cfg.n_experts;
+        let router = if spec.hash_routed {
+            Router::Hash {
+                table: self.hash_table(&format!("{p}.ffn_gate_tid2eid.weight"), cfg.n_experts_used, cfg.vocab, e)?,
+            }
+        } else {
+            Router::Learned { bias: self.vec(&format!("{p}.exp_probs_b.bias"), &[e])? }
+        };
+        let sh = cfg.expert_ff * cfg.n_shared_experts;
+        Ok(LayerWeights {
+            hc_attn: self.hyper(&format!("{p}.hc_attn"), d, hc, n_mix, 3)?,
+            hc_ffn: self.hyper(&format!("{p}.hc_ffn"), d, hc, n_mix, 3)?,
+            attn_norm: self.vec(&format!("{p}.attn_norm.weight"), &[d])?,
+            q_a: self.mat(&format!("{p}.attn_q_a.weight"), d, cfg.q_lora_rank)?,
+            q_a_norm: self.vec(&format!("{p}.attn_q_a_norm.weight"), &[cfg.q_lora_rank])?,
+            q_b: self.mat(&format!("{p}.attn_q_b.weight"), cfg.q_lora_rank, cfg.n_heads * hd)?,
+            kv: self.mat(&format!("{p}.attn_kv.weight"), d, hd)?,
+            kv_norm: self.vec(&format!("{p}.attn_kv_a_norm.weight"), &[hd])?,
+            sinks: self.vec(&format!("{p}.attn_sinks.weight"), &[cfg.n_heads])?,
+            o_a: self.mat(
+                &format!("{p}.attn_output_a.weight"),
+                cfg.n_heads * hd / cfg.o_groups,
+                cfg.o_groups * cfg.o_lora_rank,
+            )?,
+            o_b: self.mat(&format!("{p}.attn_output_b.weight"), cfg.o_groups * cfg.o_lora_rank, d)?,
+            compressor,
+            indexer,
+            ffn_norm: self.vec(&format!("{p}.ffn_norm.weight"), &[d])?,
+            router_proj: self.mat(&format!("{p}.ffn_gate_inp.weight"), d, e)?,
+            router,
+            gate_exps: self.stack(&format!("{p}.ffn_gate_exps.weight"), d, cfg.expert_ff, e)?,
+            up_exps: self.stack(&format!("{p}.ffn_up_exps.weight"), d, cfg.expert_ff, e)?,
+            down_exps: self.stack(&format!("{p}.ffn_down_exps.weight"), cfg.expert_ff, d, e)?,
+            gate_sh: self.mat(&format!("{p}.ffn_gate_shexp.weight"), d, sh)?,
+            up_sh: self.mat(&format!("{p}.ffn_up_shexp.weight"), d, sh)?,
+            down_sh: self.mat(&format!("{p}.ffn_down_shexp.weight"), sh, d)?,
+        })
+    }
+}
+
 impl Weights {
     /// Binds every tensor the configuration calls for.
     pub fn bind(file: &GgufFile, cfg: &ModelConfig) -> Result<Self> {
         let b = Binder { file };
         let (d, hc) = (cfg.hidden, cfg.hc_mult);
-        let n_mix = (2 + hc) * hc;
-        let mut layers = Vec::with_capacity(cfg.n_layers());
-        for (i, spec) in cfg.layers.iter().enumerate() {
-            let p = format!("blk.{i}");
-            let hd = cfg.head_dim;
-            let (compressor, indexer) = match spec.kind {
-                AttentionKind::Sliding => (None, None),
-                AttentionKind::Hca => {
-                    (Some(b.compressor(&format!("{p}.attn_compressor"), d, hd, spec.ratio, hd)?), None)
-                }
-                AttentionKind::Csa => {
-                    let id = cfg.index_head_dim;
-                    (
-                        Some(b.compressor(&format!("{p}.attn_compressor"), d, 2 * hd, spec.ratio, hd)?),
-                        Some(IndexerWeights {
-                            q_b: b.mat(
-                                &format!("{p}.indexer.attn_q_b.weight"),
-                                cfg.q_lora_rank,
-                                cfg.index_heads * id,
-                            )?,
-                            proj: b.mat(&format!("{p}.indexer.proj.weight"), d, cfg.index_heads)?,
-                            compressor: b.compressor(&format!("{p}.indexer_compressor"), d, 2 * id, spec.ratio, id)?,
-                        }),
-                    )
-                }
-            };
-            let e = cfg.n_experts;
-            let router = if spec.hash_routed {
-                Router::Hash {
-                    table: b.hash_table(&format!("{p}.ffn_gate_tid2eid.weight"), cfg.n_experts_used, cfg.vocab, e)?,
-                }
-            } else {
-                Router::Learned { bias: b.vec(&format!("{p}.exp_probs_b.bias"), &[e])? }
-            };
-            let sh = cfg.expert_ff * cfg.n_shared_experts;
-            layers.push(LayerWeights {
-                hc_attn: b.hyper(&format!("{p}.hc_attn"), d, hc, n_mix, 3)?,
-                hc_ffn: b.hyper(&format!("{p}.hc_ffn"), d, hc, n_mix, 3)?,
-                attn_norm: b.vec(&format!("{p}.attn_norm.weight"), &[d])?,
-                q_a: b.mat(&format!("{p}.attn_q_a.weight"), d, cfg.q_lora_rank)?,
-                q_a_norm: b.vec(&format!("{p}.attn_q_a_norm.weight"), &[cfg.q_lora_rank])?,
-                q_b: b.mat(&format!("{p}.attn_q_b.weight"), cfg.q_lora_rank, cfg.n_heads * hd)?,
-                kv: b.mat(&format!("{p}.attn_kv.weight"), d, hd)?,
-                kv_norm: b.vec(&format!("{p}.attn_kv_a_norm.weight"), &[hd])?,
-                sinks: b.vec(&format!("{p}.attn_sinks.weight"), &[cfg.n_heads])?,
-                o_a: b.mat(
-                    &format!("{p}.attn_output_a.weight"),
-                    cfg.n_heads * hd / cfg.o_groups,
-                    cfg.o_groups * cfg.o_lora_rank,
-                )?,
-                o_b: b.mat(&format!("{p}.attn_output_b.weight"), cfg.o_groups * cfg.o_lora_rank, d)?,
-                compressor,
-                indexer,
-                ffn_norm: b.vec(&format!("{p}.ffn_norm.weight"), &[d])?,
-                router_proj: b.mat(&format!("{p}.ffn_gate_inp.weight"), d, e)?,
-                router,
-                gate_exps: b.stack(&format!("{p}.ffn_gate_exps.weight"), d, cfg.expert_ff, e)?,
-                up_exps: b.stack(&format!("{p}.ffn_up_exps.weight"), d, cfg.expert_ff, e)?,
-                down_exps: b.stack(&format!("{p}.ffn_down_exps.weight"), cfg.expert_ff, d, e)?,
-                gate_sh: b.mat(&format!("{p}.ffn_gate_shexp.weight"), d, sh)?,
-                up_sh: b.mat(&format!("{p}.ffn_up_shexp.weight"), d, sh)?,
-                down_sh: b.mat(&format!("{p}.ffn_down_shexp.weight"), sh, d)?,
-            });
-        }
+        let layers = cfg
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, spec)| b.layer(&format!("blk.{i}"), spec, cfg))
+            .collect::<Result<_>>()?;
         Ok(Weights {
             embed: b.mat("token_embd.weight", d, cfg.vocab)?,
             output: b.mat("output.weight", d, cfg.vocab)?,

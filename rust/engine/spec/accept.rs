@@ -150,7 +150,7 @@ mod tests {
             // Both drafts sampled from q, as exactness requires.
             let d1 = drafting.sample_from(&q);
             let d2 = drafting.sample_from(&q);
-            let draft = Draft { tokens: vec![d1, d2], dists: Some(vec![q.clone(), q.clone()]) };
+            let draft = Draft { tokens: vec![d1, d2], dists: Some(vec![q.clone(), q.clone()]), survival: None };
             let v = verify(&mut s, &rows, vocab, &draft).unwrap();
             let emitted: Vec<u32> = draft.tokens[..v.accepted].iter().copied().chain([v.next]).collect();
             first[emitted[0] as usize] += 1;

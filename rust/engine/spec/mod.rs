@@ -29,7 +29,7 @@ pub mod ngram;
 pub mod schedule;
 pub mod stats;
 
-pub use drafter::{Draft, Drafter};
+pub use drafter::{Draft, Drafter, ModelDrafter};
 pub use stats::SpecStats;
 
 /// Most tokens one cycle may draft. The session's raw window rings keep this many extra

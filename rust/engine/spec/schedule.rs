@@ -140,16 +140,25 @@ impl Scheduler {
     /// How many drafts to verify this cycle, at most `available` (what the drafter offered or
     /// the budget allows); 0 means a plain decode step. Call once per cycle.
     pub fn block(&mut self, available: usize) -> usize {
+        self.block_with(available, None)
+    }
+
+    /// [`Scheduler::block`] with the drafter's predicted conditional acceptance of each
+    /// offered position (DSpark's confidence): the adaptive policy then weighs blocks by the
+    /// prediction for this very proposal instead of its measured per-position rates. The
+    /// guard (probes, account) is unchanged, so a miscalibrated prediction costs no more
+    /// than the bound above.
+    pub fn block_with(&mut self, available: usize, predicted: Option<&[f64]>) -> usize {
         match self.policy {
             Policy::Fixed(k) => k.min(available),
-            Policy::Adaptive { max } => self.adaptive(max.min(available)),
+            Policy::Adaptive { max } => self.adaptive(max.min(available), predicted),
         }
     }
 
-    fn adaptive(&mut self, limit: usize) -> usize {
+    fn adaptive(&mut self, limit: usize, predicted: Option<&[f64]>) -> usize {
         self.probing = false;
         if limit > 0 {
-            let (l, gain) = self.best(limit);
+            let (l, gain) = self.best(limit, predicted);
             if l > 0 && gain >= 1.0 + MARGIN && self.account > -ACCOUNT_FLOOR {
                 self.probe_interval = 1;
                 self.plain_since_probe = 0;
@@ -168,11 +177,12 @@ impl Scheduler {
 
     /// The block in `0..=limit` with the most expected tokens per unit of time, and that rate
     /// relative to plain decoding.
-    fn best(&self, limit: usize) -> (usize, f64) {
+    fn best(&self, limit: usize, predicted: Option<&[f64]>) -> (usize, f64) {
         let mut best = (0, 1.0);
         let (mut tokens, mut survival) = (1.0, 1.0);
         for l in 1..=limit.min(MAX_DRAFT) {
-            survival *= self.acceptance.conditional(l - 1);
+            let a = predicted.and_then(|p| p.get(l - 1)).copied().filter(|a| a.is_finite());
+            survival *= a.map_or_else(|| self.acceptance.conditional(l - 1), |a| a.clamp(0.0, 1.0));
             tokens += survival;
             let rate = tokens / self.costs.ratio(l + 1);
             if rate > best.1 {

@@ -6,10 +6,13 @@
 //! Restoring a snapshot makes the state bit-identical to what it was when the snapshot was
 //! taken.
 
+mod draft;
 mod layer;
 mod precision;
 mod rows;
 
+pub(crate) use draft::DraftLog;
+pub use draft::DraftState;
 pub use layer::{CompressorState, LayerState};
 pub use precision::{hadamard, KvPrecision};
 pub use rows::RowStore;
@@ -26,6 +29,8 @@ pub struct State {
     pub layers: Vec<LayerState>,
     /// How stored rows are rounded.
     pub precision: KvPrecision,
+    /// The model drafter's rows, when the model has a drafter.
+    pub draft: Option<DraftState>,
 }
 
 impl State {
@@ -46,12 +51,14 @@ impl State {
                 LayerState::new(cfg.window, hd, comp, index)
             })
             .collect();
-        State { pos: 0, tokens: Vec::new(), layers, precision }
+        State { pos: 0, tokens: Vec::new(), layers, precision, draft: None }
     }
 
     /// Bytes held by the state (shared chunks counted once per state).
     pub fn nbytes(&self) -> usize {
-        self.layers.iter().map(LayerState::nbytes).sum::<usize>() + self.tokens.len() * 4
+        self.layers.iter().map(LayerState::nbytes).sum::<usize>()
+            + self.tokens.len() * 4
+            + self.draft.as_ref().map_or(0, DraftState::nbytes)
     }
 }
 
@@ -63,6 +70,7 @@ pub struct BatchLog {
     pub(crate) pos0: usize,
     pub(crate) n: usize,
     pub(crate) layers: Vec<LayerLog>,
+    pub(crate) draft: Option<DraftLog>,
 }
 
 #[derive(Debug, Default)]
@@ -73,7 +81,7 @@ pub(crate) struct LayerLog {
 
 impl BatchLog {
     pub(crate) fn new(pos0: usize, n: usize, n_layers: usize) -> Self {
-        BatchLog { pos0, n, layers: (0..n_layers).map(|_| LayerLog::default()).collect() }
+        BatchLog { pos0, n, layers: (0..n_layers).map(|_| LayerLog::default()).collect(), draft: None }
     }
 
     /// Records, before row `pos` of layer `layer` writes anything, what it will overwrite.
@@ -94,6 +102,19 @@ impl State {
         }
         if keep == log.n {
             return Ok(());
+        }
+        if let (Some(ds), Some(dl)) = (self.draft.as_mut(), log.draft) {
+            let cut = log.pos0 + keep;
+            let mut rings = ds.rings_mut();
+            for (ring, pos, before) in dl.written.iter().rev() {
+                if pos + dl.lag >= cut {
+                    rings[*ring].raw_slot_mut(*pos).copy_from_slice(before);
+                }
+            }
+            if let DraftState::Mtp { pending, .. } = ds {
+                // hs[0] is the pending state before the batch, hs[r + 1] row r's.
+                *pending = dl.hs[keep].clone();
+            }
         }
         for (ls, ll) in self.layers.iter_mut().zip(log.layers) {
             let hd = ls.head_dim;
@@ -129,6 +150,15 @@ impl State {
                 }
                 eat(c.rows.len() as u64);
                 c.rows.iter_values().for_each(|x| eat(u64::from(x.to_bits())));
+            }
+        }
+        if let Some(ds) = &self.draft {
+            for ring in ds.rings() {
+                ring.ring.iter().for_each(|v| eat(u64::from(v.to_bits())));
+            }
+            if let DraftState::Mtp { pending, .. } = ds {
+                eat(pending.len() as u64);
+                pending.iter().for_each(|v| eat(u64::from(v.to_bits())));
             }
         }
         h

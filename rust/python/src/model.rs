@@ -7,7 +7,7 @@ use ds4::model::AttentionKind;
 use ds4::sampling::SamplingParams;
 use ds4::spec::ngram::NgramDrafter;
 use ds4::spec::schedule::{Policy, Scheduler};
-use ds4::spec::{Draft, Drafter};
+use ds4::spec::{Draft, Drafter, ModelDrafter};
 use ds4::tokenizer::Tokenizer;
 use ds4::{Logits, Model, Session, Snapshot};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -26,11 +26,31 @@ pub struct PyModel {
 
 #[pymethods]
 impl PyModel {
+    /// Loads `path`; `draft` is a drafter support file (MTP or DSpark) to use instead of any
+    /// MTP block in the file itself; `mtp_pairing` is "deepseek" (h_t with x_{t+1}) or "ds4"
+    /// (h_t with x_t).
     #[new]
-    fn new(py: Python<'_>, path: std::path::PathBuf) -> PyResult<Self> {
+    #[pyo3(signature = (path, draft = None, mtp_pairing = "deepseek"))]
+    fn new(
+        py: Python<'_>,
+        path: std::path::PathBuf,
+        draft: Option<std::path::PathBuf>,
+        mtp_pairing: &str,
+    ) -> PyResult<Self> {
+        let pairing = match mtp_pairing {
+            "deepseek" => ds4::model::MtpPairing::Next,
+            "ds4" => ds4::model::MtpPairing::Same,
+            other => {
+                return Err(PyValueError::new_err(format!("mtp_pairing must be 'deepseek' or 'ds4', got {other:?}")))
+            }
+        };
         let (m, tok) = py
             .detach(|| -> ds4::Result<_> {
-                let m = Model::load(&path)?;
+                let mut m = match &draft {
+                    Some(d) => Model::load_with_draft(&path, d)?,
+                    None => Model::load(&path)?,
+                };
+                m.set_mtp_pairing(pairing);
                 let tok = match m.file().get("tokenizer.ggml.model") {
                     Some(_) => Some(Arc::new(Tokenizer::from_gguf(m.file())?)),
                     None => None,
@@ -39,6 +59,36 @@ impl PyModel {
             })
             .into_py_result()?;
         Ok(PyModel { inner: Arc::new(m), tokenizer: tok })
+    }
+
+    /// The drafter's method ("mtp" or "dspark"), or None.
+    #[getter]
+    fn draft_method(&self) -> Option<&'static str> {
+        self.inner.draft.as_ref().map(|d| d.method())
+    }
+
+    /// The drafter's settings as a dict, or None.
+    fn draft_config<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(dm) = &self.inner.draft else { return Ok(None) };
+        let d = PyDict::new(py);
+        d.set_item("method", dm.method())?;
+        match &dm.kind {
+            ds4::model::draft::DraftKind::Mtp(w) => {
+                d.set_item(
+                    "layout",
+                    if matches!(w.input, ds4::model::draft::MtpInput::Fused { .. }) { "llama.cpp" } else { "ds4" },
+                )?;
+                d.set_item("pairing", if dm.pairing == ds4::model::MtpPairing::Next { "deepseek" } else { "ds4" })?;
+            }
+            ds4::model::draft::DraftKind::DSpark(w) => {
+                d.set_item("block_size", w.block_size)?;
+                d.set_item("markov_rank", w.markov_rank)?;
+                d.set_item("noise_token_id", w.noise_token)?;
+                d.set_item("target_layer_ids", w.target_layers.clone())?;
+                d.set_item("stages", w.stages.len())?;
+            }
+        }
+        Ok(Some(d))
     }
 
     /// The tokenizer stored in the model file, or None if it has none.
@@ -200,6 +250,37 @@ impl PySession {
         })
     }
 
+    /// What the model's drafter proposes from the committed state (nothing changes):
+    /// (tokens, logits, confidence, base_logits, hidden), the float arrays as bytearrays.
+    #[pyo3(signature = (anchor = None, k = None))]
+    #[allow(clippy::type_complexity)]
+    fn propose<'py>(
+        &self,
+        py: Python<'py>,
+        anchor: Option<u32>,
+        k: Option<usize>,
+    ) -> PyResult<(
+        Vec<u32>,
+        Bound<'py, PyByteArray>,
+        Option<Vec<f32>>,
+        Option<Bound<'py, PyByteArray>>,
+        Option<Bound<'py, PyByteArray>>,
+    )> {
+        let p = py.detach(|| {
+            let s = self.inner.lock().map_err(|_| ds4::Error::InvalidArgument("the session was poisoned".into()))?;
+            s.propose(anchor, k)
+        });
+        let p = p.into_py_result()?;
+        let opt = |v: &Option<Vec<f32>>| v.as_ref().map(|v| crate::quant::f32_bytearray(py, v)).transpose();
+        Ok((
+            p.tokens,
+            crate::quant::f32_bytearray(py, &p.logits)?,
+            p.confidence.clone(),
+            opt(&p.base_logits)?,
+            opt(&p.hidden)?,
+        ))
+    }
+
     /// Evaluates `prompt` and returns a stream of generated chunks (see `ds4.Session.stream`).
     /// `spec` is None or (method, callable or None, max_draft, adaptive, min_ngram, max_ngram)
     /// with method "ngram" or "callable".
@@ -231,6 +312,8 @@ impl PySession {
             stop_tokens,
         };
         let mut error_slot = None;
+        // Model drafters are bound to the session below, under its lock.
+        let mut model_method: Option<(String, usize)> = None;
         let speculation = match spec {
             None => None,
             Some((method, callable, max_draft, adaptive, min_ngram, max_ngram)) => {
@@ -241,6 +324,10 @@ impl PySession {
                         error_slot = Some(Arc::clone(&d.error));
                         Box::new(d)
                     }
+                    (m @ ("mtp" | "dspark"), _) => {
+                        model_method = Some((m.to_string(), max_draft));
+                        Box::new(NgramDrafter::new(1, 1).into_py_result()?)
+                    }
                     (m, _) => return Err(PyValueError::new_err(format!("unknown speculative method {m:?}"))),
                 };
                 let policy = if adaptive { Policy::Adaptive { max: max_draft } } else { Policy::Fixed(max_draft) };
@@ -250,6 +337,10 @@ impl PySession {
         let gen = py.detach(|| {
             let mut s =
                 this.inner.lock().map_err(|_| ds4::Error::InvalidArgument("the session was poisoned".into()))?;
+            let mut speculation = speculation;
+            if let (Some((m, max)), Some(sp)) = (&model_method, speculation.as_mut()) {
+                sp.drafter = Box::new(ModelDrafter::new(&s, m, *max)?);
+            }
             Generation::start(&mut s, tokenizer, &prompt, opts, speculation)
         });
         let gen = gen.into_py_result()?;
