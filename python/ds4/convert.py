@@ -515,9 +515,10 @@ def dspark_plan(config: ModelConfig | Mapping[str, Any], n_stages: int, n_target
     last = f"mtp.{n_stages - 1}."
     plan += _head_specs(cfg, last, last)
     if markov_rank:
-        for w in ("markov_w1", "markov_w2"):
+        # W1 is an embedding table (vocab rows of rank r), W2 a linear map r -> vocab.
+        for w, role in (("markov_w1", "embed"), ("markov_w2", "router")):
             name = f"{last}markov_head.{w}.weight"
-            plan.append(TensorSpec(name, (markov_rank, V), "embed", (name,)))
+            plan.append(TensorSpec(name, (markov_rank, V), role, (name,)))
     if confidence:
         name = f"{last}confidence_head.proj.weight"
         plan.append(TensorSpec(name, (D + markov_rank, 1), "router", (name,)))

@@ -53,7 +53,9 @@ from .convert import (
     ModelConfig,
     TensorSpec,
     _as_config,
+    _mtp_specs,
     _row_chunks,
+    dspark_plan,
     encode,
     model_metadata,
     tensor_plan,
@@ -62,7 +64,8 @@ from .convert import (
 )
 from .errors import UnsupportedModelError
 
-__all__ = ["FLASH", "MICRO", "MID", "PRESETS", "TINY", "ModelConfig", "random_model", "synthetic_tokenizer"]
+__all__ = ["FLASH", "MICRO", "MID", "PRESETS", "TINY", "ModelConfig", "random_draft", "random_model",
+           "synthetic_tokenizer"]
 
 
 def _ratios(n: int) -> tuple[int, ...]:
@@ -224,3 +227,42 @@ def random_model(path: str | os.PathLike[str], config: ModelConfig | Mapping[str
     return write_model(path, plan, types, metadata,
                        lambda spec, t, bar: _random_chunks(spec, t, seed, cfg, bar), progress,
                        desc="ds4 random_model")
+
+
+def random_draft(path: str | os.PathLike[str], config: ModelConfig | Mapping[str, Any], method: str = "dspark",
+                 seed: int = 0, dtype: str = "f32", *, block_size: int = 5, markov_rank: int = 16,
+                 noise_token_id: int | None = None, target_layer_ids: list[int] | None = None,
+                 stages: int = 3, progress: bool = False) -> Path:
+    """Writes a random drafter support file for a target of ``config`` (weights scaled as
+    :func:`random_model`'s): ``method="mtp"`` (one ``mtp.0.*`` block) or ``"dspark"``
+    (``stages`` window-only blocks, Markov head of rank ``markov_rank`` (0: none), confidence
+    head, ``dspark.*`` metadata; ``target_layer_ids`` defaults to the last three layers and
+    ``noise_token_id`` to the last token id). Load it with ``ds4.Model.load(target,
+    draft=path)``."""
+    if dtype not in ALL_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(ALL_DTYPES)}")
+    cfg = _as_config(config)
+    metadata: Metadata = [("general.type", "model", "string"), ("general.name", f"random {method} seed {seed}", "string")]
+    if method == "mtp":
+        plan = _mtp_specs(cfg, 0)
+        arch = "deepseek4-mtp"
+        metadata.append(("mtp.vocab_size", cfg.vocab_size, "u32"))
+    elif method == "dspark":
+        layers = list(range(max(0, cfg.num_hidden_layers - 3), cfg.num_hidden_layers)) \
+            if target_layer_ids is None else list(target_layer_ids)
+        plan = dspark_plan(cfg, stages, len(layers), markov_rank)
+        arch = "deepseek4-dspark"
+        metadata += [
+            ("dspark.block_size", block_size, "u32"),
+            ("dspark.markov_rank", markov_rank, "u32"),
+            ("dspark.noise_token_id", cfg.vocab_size - 1 if noise_token_id is None else noise_token_id, "u32"),
+            ("dspark.target_layer_ids", layers, "array[u32]"),
+            ("dspark.stage_count", stages, "u32"),
+            ("dspark.vocab_size", cfg.vocab_size, "u32"),
+        ]
+    else:
+        raise ValueError(f"method must be 'mtp' or 'dspark', got {method!r}")
+    types = [tensor_type(s, dtype) for s in plan]
+    return write_model(path, plan, types, metadata,
+                       lambda spec, t, bar: _random_chunks(spec, t, seed, cfg, bar), progress,
+                       desc="ds4 random_draft", arch=arch)
