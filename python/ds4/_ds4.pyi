@@ -120,7 +120,8 @@ def ggml_types() -> list[tuple[str, int, int, int, bool]]:
 class Model:
     """A loaded DeepSeek V4 model (native part of ``ds4.Model``)."""
 
-    def __new__(cls, path: str, draft: str | None = None, mtp_pairing: str = "deepseek") -> Model: ...
+    def __new__(cls, path: str, draft: str | None = None, mtp_pairing: str = "deepseek",
+                use_draft: bool = True) -> Model: ...
     @property
     def draft_method(self) -> str | None:
         """The drafter's method ("mtp" or "dspark"), or None."""

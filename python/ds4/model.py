@@ -129,20 +129,21 @@ class Model:
         """The tokenizer stored in the model file (None if it has none)."""
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], *, draft: str | os.PathLike[str] | None = None,
+    def load(cls, path: str | os.PathLike[str], *, draft: str | os.PathLike[str] | Literal[False] | None = None,
              mtp_pairing: Literal["deepseek", "ds4"] = "deepseek") -> Model:
         """Opens and validates ``path`` and binds every tensor.
 
         ``draft`` is a drafter support file: MTP (``mtp.0.*``) or DSpark (``dspark.*`` metadata,
         ``mtp.S.*`` tensors), as written by :func:`ds4.convert_draft` or ds4. Without it, an MTP
         block stored in the model file itself (ds4's ``mtp.0.*`` or llama.cpp's
-        ``blk.N.nextn.*``) is used. A drafter that does not fit the model raises
+        ``blk.N.nextn.*``) is used; ``draft=False`` loads no drafter (sessions then skip the
+        drafter's per-token upkeep). A drafter that does not fit the model raises
         :class:`ds4.DraftMismatchError` naming what differs. ``mtp_pairing`` picks which
         trunk state the MTP block pairs with a token: "deepseek" (``h_t`` with ``x_{t+1}``, as
         trained) or "ds4" (``h_t`` with ``x_t``, upstream ds4's)."""
         p = os.fspath(path)
-        d = None if draft is None else os.fspath(draft)
-        return cls(_ds4.Model(p, d, mtp_pairing), p)
+        d = None if draft is None or draft is False else os.fspath(draft)
+        return cls(_ds4.Model(p, d, mtp_pairing, draft is not False), p)
 
     @property
     def draft_method(self) -> str | None:

@@ -28,14 +28,15 @@ pub struct PyModel {
 impl PyModel {
     /// Loads `path`; `draft` is a drafter support file (MTP or DSpark) to use instead of any
     /// MTP block in the file itself; `mtp_pairing` is "deepseek" (h_t with x_{t+1}) or "ds4"
-    /// (h_t with x_t).
+    /// (h_t with x_t); `use_draft = false` loads no drafter at all.
     #[new]
-    #[pyo3(signature = (path, draft = None, mtp_pairing = "deepseek"))]
+    #[pyo3(signature = (path, draft = None, mtp_pairing = "deepseek", use_draft = true))]
     fn new(
         py: Python<'_>,
         path: std::path::PathBuf,
         draft: Option<std::path::PathBuf>,
         mtp_pairing: &str,
+        use_draft: bool,
     ) -> PyResult<Self> {
         let pairing = match mtp_pairing {
             "deepseek" => ds4::model::MtpPairing::Next,
@@ -51,6 +52,9 @@ impl PyModel {
                     None => Model::load(&path)?,
                 };
                 m.set_mtp_pairing(pairing);
+                if !use_draft {
+                    m.draft = None;
+                }
                 let tok = match m.file().get("tokenizer.ggml.model") {
                     Some(_) => Some(Arc::new(Tokenizer::from_gguf(m.file())?)),
                     None => None,
