@@ -7,6 +7,8 @@
 //! else was in it. Speculative verify relies on that to commit its rows without replay.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 use crate::model::weights::Mat;
 use crate::Result;

@@ -1,0 +1,143 @@
+//! CUDA matrix-product throughput, in weight bytes per second (feature `cuda`; without a
+//! device it prints why and measures nothing).
+//!
+//! - `kernel/<FMT>/<n_out>x<n_in>/n=<n>`: back-to-back launches timed by CUDA events, cycling
+//!   over copies of the matrix that together exceed the L2 cache, so the weights stream from
+//!   HBM as in decode.
+//! - `matmul/<FMT>/4096x4096/n=1`: one `Backend::matmul` call end to end (input copy, launch,
+//!   output copy, one stream sync), the cost a decode step pays per call.
+//!
+//! Run with `cargo bench --features cuda --bench cuda`.
+
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use ds4::backend::cuda::CudaBackend;
+use ds4::backend::Backend;
+use ds4::model::weights::Mat;
+use ds4::quant::{self, GgmlType};
+
+const FORMATS: [GgmlType; 8] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q8_0,
+    GgmlType::Q4_K,
+    GgmlType::Q2_K,
+    GgmlType::IQ2_XXS,
+    GgmlType::MXFP4,
+];
+/// `(n_out, n_in)` of the decode-shaped products.
+const SHAPES: [(usize, usize); 2] = [(4096, 4096), (16384, 4096)];
+const BATCHES: [usize; 4] = [1, 4, 8, 16];
+/// Bytes of matrix copies cycled through (H200's L2 is 50 MB).
+const WORKING_SET: usize = 512 << 20;
+/// Where the matrices start in the fake file image.
+const DATA_OFFSET: usize = 4096;
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn uniform(&mut self) -> f32 {
+        ((self.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+/// Random valid rows: uniform floats, or random quant bytes with sane scales.
+fn matrix(ty: GgmlType, rows: usize, n_in: usize, rng: &mut Rng) -> Vec<u8> {
+    let row = ty.row_bytes(n_in as u64).unwrap() as usize;
+    let mut m: Vec<u8> = Vec::with_capacity(rows * row);
+    match ty {
+        GgmlType::F32 => (0..rows * n_in).for_each(|_| m.extend_from_slice(&rng.uniform().to_le_bytes())),
+        GgmlType::F16 | GgmlType::BF16 => {
+            let w: Vec<f32> = (0..rows * n_in).map(|_| rng.uniform()).collect();
+            let mut h = vec![0u16; w.len()];
+            if ty == GgmlType::F16 {
+                quant::f32_to_f16(&w, &mut h).unwrap();
+            } else {
+                quant::f32_to_bf16(&w, &mut h).unwrap();
+            }
+            h.iter().for_each(|v| m.extend_from_slice(&v.to_le_bytes()));
+        }
+        _ => {
+            (0..rows * row).for_each(|_| m.push(rng.next() as u8));
+            let offsets: &[usize] = match ty {
+                GgmlType::Q8_0 | GgmlType::IQ2_XXS => &[0],
+                GgmlType::Q4_K => &[0, 2],
+                GgmlType::Q2_K => &[80, 82],
+                _ => &[],
+            };
+            for b in m.chunks_exact_mut(ty.block_bytes()) {
+                if ty == GgmlType::MXFP4 {
+                    b[0] = 120 + (rng.next() % 16) as u8;
+                }
+                for &o in offsets {
+                    b[o..o + 2].copy_from_slice(&(0x1800u16 | (rng.next() as u16 & 0x87ff)).to_le_bytes());
+                }
+            }
+        }
+    }
+    m
+}
+
+fn bench(c: &mut Criterion) {
+    let backend = match CudaBackend::new(0) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("skipped: no CUDA device ({e})");
+            return;
+        }
+    };
+    eprintln!("device: {} ({} SMs)", backend.device_name(), backend.multiprocessors());
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    for ty in FORMATS {
+        for (si, &(n_out, n_in)) in SHAPES.iter().enumerate() {
+            let one = matrix(ty, n_out, n_in, &mut rng);
+            let copies = WORKING_SET.div_ceil(one.len()).max(2);
+            let mut raw = vec![0u8; DATA_OFFSET];
+            let mut mats = Vec::with_capacity(copies);
+            let row_bytes = one.len() / n_out;
+            for _ in 0..copies {
+                mats.push(Mat { ty, n_in, n_out, start: raw.len(), row_bytes });
+                raw.extend_from_slice(&one);
+            }
+            backend.upload_image(&raw, DATA_OFFSET, |_, _| {}).unwrap();
+            let mut g = c.benchmark_group(format!("kernel/{ty}/{n_out}x{n_in}"));
+            g.sample_size(10).warm_up_time(Duration::from_millis(200)).measurement_time(Duration::from_millis(600));
+            g.throughput(Throughput::Bytes(one.len() as u64));
+            for n in BATCHES {
+                g.bench_function(BenchmarkId::from_parameter(format!("n={n}")), |b| {
+                    b.iter_custom(|iters| {
+                        Duration::from_secs_f64(backend.time_launches(&raw, &mats, n, iters).unwrap())
+                    })
+                });
+            }
+            g.finish();
+            if si == 0 {
+                let x: Vec<f32> = (0..n_in).map(|_| rng.uniform()).collect();
+                let mut g = c.benchmark_group(format!("matmul/{ty}/{n_out}x{n_in}"));
+                g.sample_size(10).warm_up_time(Duration::from_millis(200)).measurement_time(Duration::from_millis(600));
+                g.throughput(Throughput::Bytes(one.len() as u64));
+                let mut i = 0;
+                g.bench_function("n=1", |b| {
+                    b.iter(|| {
+                        i += 1;
+                        backend.matmul(&raw, &mats[i % mats.len()], &x).unwrap()
+                    })
+                });
+                g.finish();
+            }
+            backend.release(&raw).unwrap();
+        }
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

@@ -1,0 +1,231 @@
+//! The device, its stream, and the kernels: NVRTC compilation of `shaders/cuda/*.cu` (once
+//! per process and architecture) and the module loaded from it.
+//!
+//! Everything here goes through cudarc's thin `result` layer over the driver API rather than
+//! its safe layer: the backend needs device pointers into one large weights allocation, one
+//! stream and explicit control of every synchronization, which the safe layer's per-buffer
+//! event tracking would add to.
+
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::result as cu;
+use cudarc::driver::sys;
+use cudarc::driver::CudaContext;
+use cudarc::nvrtc;
+
+use crate::quant::tables::IQ2XXS_GRID;
+use crate::quant::GgmlType;
+use crate::{Error, Result};
+
+/// The kernel sources, in the order they are concatenated (after [`tables_source`] for those
+/// that use tables): the shared header, then one file per format family.
+pub(crate) const SOURCES: &[(&str, &str)] = &[
+    ("common.cuh", include_str!("../../../../shaders/cuda/common.cuh")),
+    ("float.cu", include_str!("../../../../shaders/cuda/float.cu")),
+    ("q8_0.cu", include_str!("../../../../shaders/cuda/q8_0.cu")),
+    ("q4_k.cu", include_str!("../../../../shaders/cuda/q4_k.cu")),
+    ("q2_k.cu", include_str!("../../../../shaders/cuda/q2_k.cu")),
+    ("mxfp4.cu", include_str!("../../../../shaders/cuda/mxfp4.cu")),
+    ("iq2_xxs.cu", include_str!("../../../../shaders/cuda/iq2_xxs.cu")),
+];
+
+/// Batch sizes the kernels are instantiated for: a chunk of `n` rows runs the smallest one
+/// `>= n` (the kernels take `n` and skip the rest).
+pub(crate) const BATCH_SIZES: [usize; 5] = [1, 2, 4, 8, 16];
+/// Most batch rows one launch computes.
+pub(crate) const MAX_BATCH: usize = 16;
+/// Output rows per thread block (`MV_WARPS` in common.cuh).
+pub(crate) const ROWS_PER_BLOCK: u32 = 4;
+
+/// The formats with kernels, and their kernel name stems.
+pub(crate) const FORMATS: [(GgmlType, &str); 8] = [
+    (GgmlType::F32, "f32"),
+    (GgmlType::F16, "f16"),
+    (GgmlType::BF16, "bf16"),
+    (GgmlType::Q8_0, "q8_0"),
+    (GgmlType::Q4_K, "q4_k"),
+    (GgmlType::Q2_K, "q2_k"),
+    (GgmlType::IQ2_XXS, "iq2_xxs"),
+    (GgmlType::MXFP4, "mxfp4"),
+];
+
+/// The lookup tables of the kernels, emitted from the one Rust definition of each
+/// ([`crate::quant::tables`]) so there is no second copy to keep in sync.
+pub(crate) fn tables_source() -> String {
+    let mut s = String::from(
+        "// IQ2_XXS lattice: ggml's iq2xxs_grid (ggml/src/ggml-common.h, MIT licence), emitted from\n\
+         // rust/engine/quant/tables.rs IQ2XXS_GRID.\n\
+         __device__ const unsigned long long iq2xxs_grid[256] = {\n",
+    );
+    for row in IQ2XXS_GRID.chunks(4) {
+        let cells: Vec<String> = row.iter().map(|v| format!("0x{v:016x}ull")).collect();
+        s.push_str("    ");
+        s.push_str(&cells.join(", "));
+        s.push_str(",\n");
+    }
+    s.push_str("};\n\n");
+    s
+}
+
+/// The whole NVRTC program: the shared header, the tables, then every format's kernels.
+pub fn kernel_source() -> String {
+    let mut s = String::new();
+    for (i, (name, text)) in SOURCES.iter().enumerate() {
+        if i == 1 {
+            s.push_str(&tables_source());
+        }
+        s.push_str(&format!("// ---- shaders/cuda/{name}\n"));
+        s.push_str(text);
+        s.push('\n');
+    }
+    s
+}
+
+/// Whether libnvrtc can be loaded (cudarc panics on first use otherwise).
+pub fn nvrtc_available() -> bool {
+    // SAFETY: only tries to open the library by its candidate names.
+    unsafe { nvrtc::sys::is_culib_present() }
+}
+
+/// Whether the driver library (libcuda) can be loaded.
+pub(crate) fn driver_available() -> bool {
+    // SAFETY: only tries to open the library by its candidate names.
+    unsafe { sys::is_culib_present() }
+}
+
+/// Compiles [`kernel_source`] to PTX for `arch` (`compute_90`, ...), once per process: later
+/// calls, from any backend instance, get the cached text.
+///
+/// `--fmad=false`: the kernels spell every fused multiply-add they want as `fmaf`, and nothing
+/// else may be contracted, so that each kernel instantiation (batch size) rounds alike.
+pub fn compile(arch: &str) -> Result<Arc<String>> {
+    static CACHE: OnceLock<Mutex<HashMap<String, Arc<String>>>> = OnceLock::new();
+    if !nvrtc_available() {
+        return Err(Error::BackendUnavailable("CUDA: libnvrtc not found".into()));
+    }
+    let cache = CACHE.get_or_init(Default::default);
+    let mut cache = cache.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(p) = cache.get(arch) {
+        return Ok(Arc::clone(p));
+    }
+    let opts = nvrtc::CompileOptions {
+        fmad: Some(false),
+        options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
+        name: Some("ds4_kernels.cu".into()),
+        ..Default::default()
+    };
+    let ptx = nvrtc::compile_ptx_with_opts(kernel_source(), opts).map_err(|e| {
+        let msg = match &e {
+            nvrtc::CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
+            other => format!("{other:?}"),
+        };
+        Error::Backend(format!("CUDA: NVRTC failed to compile the kernels for {arch}:\n{msg}"))
+    })?;
+    let ptx = Arc::new(ptx.to_src());
+    cache.insert(arch.to_string(), Arc::clone(&ptx));
+    Ok(ptx)
+}
+
+/// A driver error as an engine error.
+pub(crate) fn driver_err(what: &str) -> impl Fn(cu::DriverError) -> Error + '_ {
+    move |e| Error::Backend(format!("CUDA: {what}: {e}"))
+}
+
+/// One device: its context (the primary one), a stream of this backend, the loaded kernels.
+pub(crate) struct Context {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: sys::CUstream,
+    module: sys::CUmodule,
+    /// `(format, batch size) -> kernel`.
+    kernels: HashMap<(GgmlType, usize), sys::CUfunction>,
+    pub(crate) name: String,
+    pub(crate) compute_capability: (i32, i32),
+    pub(crate) multiprocessors: i32,
+}
+
+// SAFETY: the raw handles (stream, module, functions) are plain driver handles, valid in any
+// thread once the context is bound; the backend binds it at the start of every call and
+// serializes all use behind a mutex.
+unsafe impl Send for Context {}
+
+impl Context {
+    /// Opens device `ordinal`, compiles (or takes from the cache) and loads the kernels.
+    pub(crate) fn new(ordinal: usize) -> Result<Self> {
+        let unavailable = |m: String| Error::BackendUnavailable(format!("CUDA: {m}"));
+        if !driver_available() {
+            return Err(unavailable("the driver library (libcuda) was not found".into()));
+        }
+        if !nvrtc_available() {
+            return Err(unavailable("libnvrtc was not found".into()));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| unavailable(format!("no usable device {ordinal}: {e}")))?;
+        let name = ctx.name().unwrap_or_else(|_| "unknown".into());
+        let compute_capability = ctx.compute_capability().map_err(driver_err("compute capability"))?;
+        let multiprocessors = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(driver_err("multiprocessor count"))?;
+        let (major, minor) = compute_capability;
+        if major < 6 {
+            return Err(unavailable(format!("{name} (sm_{major}{minor}) is older than sm_60")));
+        }
+        let ptx = compile(&format!("compute_{major}{minor}"))?;
+        ctx.bind_to_thread().map_err(driver_err("binding the context"))?;
+        let stream =
+            cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(driver_err("creating a stream"))?;
+        let image = CString::new(ptx.as_bytes()).map_err(|_| Error::Backend("CUDA: PTX holds a NUL byte".into()))?;
+        // SAFETY: a NUL-terminated PTX image; the context is bound.
+        let module = match unsafe { cu::module::load_data(image.as_ptr().cast()) } {
+            Ok(m) => m,
+            Err(e) => {
+                // SAFETY: the stream was created above and is used by nothing else.
+                unsafe { cu::stream::destroy(stream).ok() };
+                return Err(Error::Backend(format!("CUDA: loading the kernels' PTX on {name}: {e}")));
+            }
+        };
+        let mut me =
+            Context { ctx, stream, module, kernels: HashMap::new(), name, compute_capability, multiprocessors };
+        for (ty, stem) in FORMATS {
+            for nb in BATCH_SIZES {
+                let fname = CString::new(format!("ds4_mv_{stem}_{nb}")).expect("no NUL in kernel names");
+                // SAFETY: the module is loaded and the context bound.
+                let f =
+                    unsafe { cu::module::get_function(me.module, fname) }.map_err(driver_err("looking up a kernel"))?;
+                me.kernels.insert((ty, nb), f);
+            }
+        }
+        Ok(me)
+    }
+
+    /// The kernel for `ty` and a chunk of `n` (1..=16) batch rows, with the batch size it
+    /// was instantiated for.
+    pub(crate) fn kernel(&self, ty: GgmlType, n: usize) -> Option<sys::CUfunction> {
+        let nb = BATCH_SIZES.iter().copied().find(|&b| b >= n)?;
+        self.kernels.get(&(ty, nb)).copied()
+    }
+
+    /// Makes the context current on the calling thread.
+    pub(crate) fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(driver_err("binding the context"))
+    }
+
+    /// Waits for the stream.
+    pub(crate) fn sync(&self) -> Result<()> {
+        // SAFETY: the stream belongs to this context.
+        unsafe { cu::stream::synchronize(self.stream) }.map_err(driver_err("running the kernels"))
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: the stream and module were created by this context and are dropped once.
+            unsafe {
+                cu::stream::synchronize(self.stream).ok();
+                cu::stream::destroy(self.stream).ok();
+                cu::module::unload(self.module).ok();
+            }
+        }
+    }
+}

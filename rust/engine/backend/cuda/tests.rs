@@ -1,0 +1,241 @@
+//! CUDA backend tests. Without NVRTC (compile test) or without a GPU (the others) they print
+//! why and pass: CI has neither. On a GPU machine: `cargo test --release --features cuda cuda`.
+
+use super::*;
+use crate::backend::cpu;
+use crate::quant::{self, GgmlType};
+
+/// The backend of device 0, or `None` (after saying why) when there is none.
+fn backend() -> Option<CudaBackend> {
+    match CudaBackend::new(0) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            eprintln!("skipped: no CUDA device ({e})");
+            None
+        }
+    }
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// Uniform in [-1, 1).
+    fn f32(&mut self) -> f32 {
+        ((self.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+/// `rows` random valid rows of `n_in` elements of `ty`: the crate's quantizer or float
+/// conversions where there is one, else random quant bytes with sane f16 scales (MXFP4:
+/// exponents near 2^0).
+fn random_matrix(ty: GgmlType, rows: usize, n_in: usize, rng: &mut Rng) -> Vec<u8> {
+    let row = ty.row_bytes(n_in as u64).unwrap() as usize;
+    let floats: Vec<f32> = (0..rows * n_in).map(|_| rng.f32()).collect();
+    match ty {
+        GgmlType::F32 => floats.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        GgmlType::F16 | GgmlType::BF16 => {
+            let mut h = vec![0u16; floats.len()];
+            if ty == GgmlType::F16 {
+                quant::f32_to_f16(&floats, &mut h).unwrap();
+            } else {
+                quant::f32_to_bf16(&floats, &mut h).unwrap();
+            }
+            h.iter().flat_map(|v| v.to_le_bytes()).collect()
+        }
+        GgmlType::Q8_0 => {
+            let mut m = vec![0u8; rows * row];
+            quant::quantize_q8_0(&floats, &mut m).unwrap();
+            m
+        }
+        _ => {
+            let mut m: Vec<u8> = (0..rows * row).map(|_| rng.next() as u8).collect();
+            let bb = ty.block_bytes();
+            for b in m.chunks_exact_mut(bb) {
+                let mut scale = || (0x1800u16 | (rng.next() as u16 & 0x87ff)).to_le_bytes();
+                match ty {
+                    GgmlType::MXFP4 => b[0] = 120 + (rng.next() % 16) as u8,
+                    GgmlType::IQ2_XXS => b[..2].copy_from_slice(&scale()),
+                    GgmlType::Q4_K => {
+                        b[..2].copy_from_slice(&scale());
+                        b[2..4].copy_from_slice(&scale());
+                    }
+                    GgmlType::Q2_K => {
+                        b[80..82].copy_from_slice(&scale());
+                        b[82..84].copy_from_slice(&scale());
+                    }
+                    _ => unreachable!(),
+                }
+            }
+            m
+        }
+    }
+}
+
+const FORMATS: [GgmlType; 8] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q8_0,
+    GgmlType::Q4_K,
+    GgmlType::Q2_K,
+    GgmlType::IQ2_XXS,
+    GgmlType::MXFP4,
+];
+
+/// A file-like image: `pad` bytes of header, then the matrix (at a 32-byte aligned offset).
+fn image(ty: GgmlType, rows: usize, n_in: usize, rng: &mut Rng) -> (Vec<u8>, Mat) {
+    let data = random_matrix(ty, rows, n_in, rng);
+    let start = 96;
+    let mut raw = vec![0xa5u8; start];
+    raw.extend_from_slice(&data);
+    let row_bytes = ty.row_bytes(n_in as u64).unwrap() as usize;
+    (raw, Mat { ty, n_in, n_out: rows, start, row_bytes })
+}
+
+#[test]
+fn kernels_compile_with_nvrtc() {
+    if !nvrtc_available() {
+        eprintln!("skipped: libnvrtc not found (set LD_LIBRARY_PATH to a CUDA or pip nvidia-cuda-nvrtc lib dir)");
+        return;
+    }
+    for arch in ["compute_80", "compute_90"] {
+        match compile(arch) {
+            Ok(ptx) => {
+                for (_, stem) in context::FORMATS {
+                    for nb in context::BATCH_SIZES {
+                        let name = format!("ds4_mv_{stem}_{nb}");
+                        assert!(ptx.contains(&format!(".entry {name}(")), "{arch}: no kernel {name} in the PTX");
+                    }
+                }
+                eprintln!("{arch}: {} bytes of PTX", ptx.len());
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+#[test]
+fn no_device_is_an_error_not_a_panic() {
+    // On a machine without a GPU this must be BackendUnavailable; with one, a backend.
+    match CudaBackend::new(0) {
+        Ok(b) => {
+            eprintln!("device 0: {} (sm_{}{})", b.device_name(), b.compute_capability().0, b.compute_capability().1)
+        }
+        Err(Error::BackendUnavailable(m)) => eprintln!("unavailable, as expected without a GPU: {m}"),
+        Err(e) => panic!("wrong error kind: {e:?}"),
+    }
+    // A device ordinal that does not exist is never a panic.
+    assert!(CudaBackend::new(4096).is_err());
+}
+
+/// `|gpu - cpu| <= 1e-4 * sum |w * x|` for every output, and row invariance.
+fn check_format(b: &CudaBackend, ty: GgmlType, n_out: usize, n_in: usize, rng: &mut Rng) {
+    let (raw, w) = image(ty, n_out, n_in, rng);
+    b.upload_image(&raw, 32, |_, _| {}).unwrap();
+    let mut deq = vec![0f32; n_out * n_in];
+    quant::dequantize(ty, &raw[w.start..w.start + w.nbytes()], &mut deq).unwrap();
+    let x: Vec<f32> = (0..17 * n_in).map(|_| rng.f32()).collect();
+    // Each row alone: the reference of the invariance check.
+    let alone: Vec<Vec<f32>> = (0..17).map(|r| b.matmul(&raw, &w, &x[r * n_in..(r + 1) * n_in]).unwrap()).collect();
+    for n in 1..=17 {
+        let xs = &x[..n * n_in];
+        let gpu = b.matmul(&raw, &w, xs).unwrap();
+        let cpu = cpu::matmul_many_new(&raw, &[(&w, xs)]).unwrap().pop().unwrap();
+        for r in 0..n {
+            for o in 0..n_out {
+                let (g, c) = (gpu[r * n_out + o], cpu[r * n_out + o]);
+                let mag: f64 = (0..n_in).map(|k| (deq[o * n_in + k] as f64 * x[r * n_in + k] as f64).abs()).sum();
+                assert!(
+                    ((g - c) as f64).abs() <= 1e-4 * mag + 1e-30,
+                    "{ty} {n_out}x{n_in} n={n} row {r} out {o}: gpu {g} cpu {c} (sum |wx| {mag})"
+                );
+                assert_eq!(
+                    g.to_bits(),
+                    alone[r][o].to_bits(),
+                    "{ty} n={n}: row {r} out {o} differs from the row alone"
+                );
+            }
+        }
+    }
+    b.release(&raw).unwrap();
+}
+
+#[test]
+fn every_format_matches_cpu_and_is_row_invariant() {
+    let Some(b) = backend() else { return };
+    let mut rng = Rng(0x1234_5678_9abc_def1);
+    for ty in FORMATS {
+        // One tile or less, several tiles with a partial last one, and output rows that do
+        // not fill the last thread block.
+        for (n_out, n_in) in [(37, 256), (64, 4096 + 512), (5, 1024)] {
+            check_format(&b, ty, n_out, n_in, &mut rng);
+        }
+        eprintln!("{ty}: ok");
+    }
+}
+
+#[test]
+fn unaligned_rows_and_odd_float_shapes() {
+    let Some(b) = backend() else { return };
+    let mut rng = Rng(7);
+    // Q8_0 rows of 34 * 3 bytes: not 16-byte aligned, staged byte by byte.
+    check_format(&b, GgmlType::Q8_0, 9, 96, &mut rng);
+    // MXFP4 rows of 17 bytes.
+    check_format(&b, GgmlType::MXFP4, 9, 32, &mut rng);
+    // F16 rows of 6 elements (12 bytes).
+    check_format(&b, GgmlType::F16, 9, 12, &mut rng);
+    // F32 with n_in % 4 != 0: the CPU fallback, same values.
+    let (raw, w) = image(GgmlType::F32, 3, 7, &mut rng);
+    b.upload_image(&raw, 32, |_, _| {}).unwrap();
+    let x: Vec<f32> = (0..14).map(|_| rng.f32()).collect();
+    let gpu = b.matmul(&raw, &w, &x).unwrap();
+    assert_eq!(gpu, cpu::matmul_new(&raw, &w, &x).unwrap());
+}
+
+#[test]
+fn many_products_in_one_call_and_the_cpu_fallback() {
+    let Some(b) = backend() else { return };
+    let mut rng = Rng(99);
+    let (raw, w1) = image(GgmlType::Q8_0, 64, 512, &mut rng);
+    let mut raw = raw;
+    // A second matrix in the same image, Q4_K.
+    let start2 = raw.len().next_multiple_of(32);
+    raw.resize(start2, 0);
+    raw.extend_from_slice(&random_matrix(GgmlType::Q4_K, 48, 512, &mut rng));
+    let w2 = Mat { ty: GgmlType::Q4_K, n_in: 512, n_out: 48, start: start2, row_bytes: 288 };
+    let x1: Vec<f32> = (0..3 * 512).map(|_| rng.f32()).collect();
+    let x2: Vec<f32> = (0..20 * 512).map(|_| rng.f32()).collect();
+    let specs: Vec<(&Mat, &[f32])> = vec![(&w1, &x1), (&w2, &x2), (&w1, &x1[..512])];
+    // Not uploaded: exactly the CPU reference.
+    assert_eq!(b.matmul_many(&raw, &specs).unwrap(), cpu::matmul_many_new(&raw, &specs).unwrap());
+    b.upload_image(&raw, 32, |_, _| {}).unwrap();
+    assert!(b.is_uploaded(&raw));
+    let many = b.matmul_many(&raw, &specs).unwrap();
+    for (i, &(w, x)) in specs.iter().enumerate() {
+        assert_eq!(many[i], b.matmul(&raw, w, x).unwrap(), "product {i}");
+    }
+    // Row 0 of the 3-row product equals the 1-row product.
+    assert_eq!(many[0][..64], many[2][..]);
+    b.release(&raw).unwrap();
+    assert!(!b.is_uploaded(&raw));
+}
+
+#[test]
+fn upload_reports_progress() {
+    let Some(b) = backend() else { return };
+    let raw = vec![1u8; (64 << 20) + 1000];
+    let mut steps = Vec::new();
+    b.upload_image(&raw, 64, |d, t| steps.push((d, t))).unwrap();
+    let total = (raw.len() - 64) as u64;
+    assert_eq!(steps.first(), Some(&(0, total)));
+    assert_eq!(steps.last(), Some(&(total, total)));
+    assert_eq!(steps.len(), 3);
+    b.release(&raw).unwrap();
+}
