@@ -6,7 +6,7 @@ The engine is written in Rust (``ds4._ds4``); this package is its Python surface
 from __future__ import annotations
 
 from . import gguf, quant
-from ._ds4 import __version__
+from ._ds4 import __version__, cuda_available, cuda_device_name
 from .errors import (
     BackendError,
     BackendUnavailable,
@@ -49,6 +49,8 @@ __all__ = [
     "convert",
     "convert_draft",
     "convert_tokenizer",
+    "cuda_available",
+    "cuda_device_name",
     "gguf",
     "quant",
     "render_chat",

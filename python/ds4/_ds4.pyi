@@ -116,12 +116,22 @@ def bf16_to_f32(x: bytes) -> bytearray:
 def ggml_types() -> list[tuple[str, int, int, int, bool]]:
     """(name, id, elements per block, bytes per block, supported) for every GGML type."""
 
+def cuda_available() -> bool:
+    """Whether a CUDA GPU and driver are usable by this build (False when built without CUDA)."""
+
+def cuda_device_name() -> str | None:
+    """The name of the first CUDA device, or None."""
+
 @final
 class Model:
     """A loaded DeepSeek V4 model (native part of ``ds4.Model``)."""
 
     def __new__(cls, path: str, draft: str | None = None, mtp_pairing: str = "deepseek",
-                use_draft: bool = True) -> Model: ...
+                use_draft: bool = True, backend: str = "cpu",
+                progress: Callable[[int, int], None] | None = None) -> Model: ...
+    @property
+    def backend(self) -> str:
+        """The backend computing the matrix products ("cpu" or "cuda")."""
     @property
     def draft_method(self) -> str | None:
         """The drafter's method ("mtp" or "dspark"), or None."""

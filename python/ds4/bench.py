@@ -33,6 +33,8 @@ class BenchResult:
     decode_weight_bytes: int
     decode_gb_s: float
     threads: int
+    #: Where the matrix products ran ("cpu" or "cuda").
+    backend: str = "cpu"
     #: With ``speculative``: decode tokens/s of greedy generation with speculation, and its stats.
     spec_tok_s: float | None = None
     spec_stats: SpecStats | None = None
@@ -46,7 +48,7 @@ class BenchResult:
             f"  prefill  {self.prompt_tokens:5d} tokens  {self.prefill_tok_s:10.1f} tok/s\n"
             f"  decode   {self.decode_tokens:5d} tokens  {self.decode_tok_s:10.2f} tok/s  "
             f"{self.decode_weight_bytes / 1e6:,.1f} MB of weights/token  {self.decode_gb_s:6.2f} GB/s\n"
-            f"  (median of {self.runs} runs, {self.threads} threads)"
+            f"  (median of {self.runs} runs, {self.threads} threads, backend {self.backend})"
         ) + ("" if self.spec_stats is None or self.spec_tok_s is None else (
             f"\n  speculative decode {self.spec_tok_s:10.2f} tok/s  (x{self.spec_tok_s * 1.0 / self.decode_tok_s:.2f}); "
             f"acceptance {self.spec_stats.acceptance_rate:.1%}, {self.spec_stats.mean_accepted_length:.2f} tokens/cycle, "
@@ -55,14 +57,15 @@ class BenchResult:
 
 def bench(path: str | os.PathLike[str], *, prompt: int = 128, decode: int = 32, runs: int = 3,
           seed: int = 0, speculative: Speculative | None = None, repetitive: bool = False,
-          draft: str | os.PathLike[str] | None = None) -> BenchResult:
+          draft: str | os.PathLike[str] | None = None, backend: str = "cpu") -> BenchResult:
     """Measures prefill and decode tokens/s of the model at ``path``; with ``speculative``,
     also greedy decode with speculation (same prompt and length). ``repetitive`` uses a
     prompt that repeats a 16-token motif (where n-gram drafting has something to find).
-    ``draft`` is a drafter support file (for ``Speculative("mtp" | "dspark")``)."""
+    ``draft`` is a drafter support file (for ``Speculative("mtp" | "dspark")``); ``backend``
+    as in :meth:`ds4.Model.load`."""
     if prompt < 1 or decode < 1 or runs < 1:
         raise ValueError("prompt, decode and runs must be at least 1")
-    model = Model.load(path, draft=draft)
+    model = Model.load(path, draft=draft, backend=backend)  # type: ignore[arg-type]
     vocab = model.vocab_size
     rng = np.random.default_rng(seed)
     tokens = [int(t) for t in rng.integers(0, vocab, size=prompt)]
@@ -102,5 +105,6 @@ def bench(path: str | os.PathLike[str], *, prompt: int = 128, decode: int = 32, 
     return BenchResult(
         model=os.fspath(path), prompt_tokens=prompt, decode_tokens=decode, runs=runs,
         prefill_tok_s=prompt / pre_s, decode_tok_s=1.0 / dec_s, decode_weight_bytes=nbytes,
-        decode_gb_s=nbytes / dec_s / 1e9, threads=os.cpu_count() or 1, spec_tok_s=spec_rate, spec_stats=spec_stats,
+        decode_gb_s=nbytes / dec_s / 1e9, threads=os.cpu_count() or 1, backend=model.backend, spec_tok_s=spec_rate,
+        spec_stats=spec_stats,
     )

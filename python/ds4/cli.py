@@ -98,7 +98,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     spec = None if args.spec is None else Speculative(args.spec, max_draft=args.block, adaptive=not args.fixed_block)
     result = bench(args.model, prompt=args.prompt, decode=args.decode, runs=args.runs, speculative=spec,
-                   repetitive=args.repetitive, draft=args.draft)
+                   repetitive=args.repetitive, draft=args.draft, backend=args.backend)
     print(json.dumps(result.as_dict()) if args.json else result)
     return 0
 
@@ -108,8 +108,8 @@ def _sampling(args: argparse.Namespace) -> Sampling:
                     seed=args.seed)
 
 
-def _load(path: str, draft: str | None = None) -> Model:
-    model = Model.load(path, draft=draft)
+def _load(path: str, draft: str | None = None, backend: str = "auto") -> Model:
+    model = Model.load(path, draft=draft, backend=backend)  # type: ignore[arg-type]
     if model.tokenizer is None:
         raise UnsupportedModelError(f"{path} has no tokenizer metadata: generation needs one")
     return model
@@ -155,7 +155,7 @@ def _stats(g: Generation, spec: bool = False) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     text = args.prompt if args.prompt is not None else sys.stdin.read()
-    model = _load(args.model, args.draft)
+    model = _load(args.model, args.draft, args.backend)
     if args.chat:
         text = render_chat([{"role": "user", "content": text}], thinking=args.think)
     session = model.session(args.ctx)
@@ -170,7 +170,7 @@ CHAT_HELP = "commands: /reset (new conversation), /think (toggle thinking), /exi
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    model = _load(args.model, args.draft)
+    model = _load(args.model, args.draft, args.backend)
     tok = model.tokenizer
     assert tok is not None
     session = model.session(args.ctx)
@@ -221,6 +221,8 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--spec", choices=["ngram", "mtp", "dspark"], default=None,
                    help="speculative decoding with this drafter (mtp/dspark: the model's, see --draft)")
     p.add_argument("--draft", default=None, help="drafter support GGUF (MTP or DSpark) for --spec mtp|dspark")
+    p.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where the matrix products run (default auto: CUDA if a GPU is usable)")
     p.add_argument("--block", type=int, default=5, help="most draft tokens verified per cycle (default 5)")
     p.add_argument("--fixed-block", action="store_true", help="always verify what the drafter offers (no scheduler)")
     p.add_argument("--stats", action="store_true", help="print speculation statistics on stderr")
@@ -269,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--spec", choices=["ngram", "mtp", "dspark"], default=None,
                    help="also measure decoding with this drafter")
     b.add_argument("--draft", default=None, help="drafter support GGUF for --spec mtp|dspark")
+    b.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="cpu",
+                   help="where the matrix products run (default cpu)")
     b.add_argument("--block", type=int, default=5, help="most draft tokens per cycle (default 5)")
     b.add_argument("--fixed-block", action="store_true", help="no scheduler: verify what the drafter offers")
     b.add_argument("--repetitive", action="store_true", help="a prompt repeating a 16-token motif")

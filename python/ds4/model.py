@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import _ds4
+from ._progress import Progress
 from .sampling import Sampling
 from .speculative import SpecStats, Speculative
 
@@ -130,7 +131,8 @@ class Model:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, draft: str | os.PathLike[str] | Literal[False] | None = None,
-             mtp_pairing: Literal["deepseek", "ds4"] = "deepseek") -> Model:
+             mtp_pairing: Literal["deepseek", "ds4"] = "deepseek",
+             backend: Literal["cpu", "cuda", "auto"] = "cpu", progress: bool = True) -> Model:
         """Opens and validates ``path`` and binds every tensor.
 
         ``draft`` is a drafter support file: MTP (``mtp.0.*``) or DSpark (``dspark.*`` metadata,
@@ -140,10 +142,37 @@ class Model:
         drafter's per-token upkeep). A drafter that does not fit the model raises
         :class:`ds4.DraftMismatchError` naming what differs. ``mtp_pairing`` picks which
         trunk state the MTP block pairs with a token: "deepseek" (``h_t`` with ``x_{t+1}``, as
-        trained) or "ds4" (``h_t`` with ``x_t``, upstream ds4's)."""
+        trained) or "ds4" (``h_t`` with ``x_t``, upstream ds4's).
+
+        ``backend`` computes the matrix products: "cpu" (the reference), "cuda" (the first
+        GPU: the weights are copied to its memory once, with a progress bar on a terminal when
+        ``progress``; :class:`ds4.BackendUnavailable` if no GPU or driver is usable) or "auto"
+        (CUDA when usable, else the CPU)."""
         p = os.fspath(path)
         d = None if draft is None or draft is False else os.fspath(draft)
-        return cls(_ds4.Model(p, d, mtp_pairing, draft is not False), p)
+        if backend not in ("cpu", "cuda", "auto"):
+            raise ValueError(f"backend must be 'cpu', 'cuda' or 'auto', got {backend!r}")
+        bar: list[Progress] = []
+
+        def report(done: int, total: int) -> None:
+            if not bar or bar[-1].done > done:  # a new file's copy
+                if bar:
+                    bar[-1].close()
+                bar.append(Progress(total, f"ds4 copying weights to the GPU ({os.path.basename(p)})",
+                                    enabled=progress))
+            bar[-1].update(done - bar[-1].done)
+
+        try:
+            native = _ds4.Model(p, d, mtp_pairing, draft is not False, backend, report)
+        finally:
+            if bar:
+                bar[-1].close()
+        return cls(native, p)
+
+    @property
+    def backend(self) -> str:
+        """The backend computing the matrix products: "cpu" or "cuda"."""
+        return self._native.backend
 
     @property
     def draft_method(self) -> str | None:

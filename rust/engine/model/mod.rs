@@ -95,6 +95,51 @@ impl Model {
         self.backend = backend;
     }
 
+    /// Switches the products to the backend named `name`: "cpu"; "cuda" (the first GPU: the
+    /// weights of the model file, and of a separate drafter file, are copied to its memory
+    /// once, `progress(bytes_done, bytes_total)` reporting each file's copy); or "auto" (CUDA
+    /// when a GPU is usable, else the CPU). A build without the `cuda` feature, or a machine
+    /// without a GPU or driver, makes "cuda" an [`crate::Error::BackendUnavailable`].
+    pub fn select_backend(&mut self, name: &str, progress: &mut dyn FnMut(u64, u64)) -> Result<()> {
+        match name {
+            "cpu" => {
+                self.backend = Arc::new(Cpu);
+                Ok(())
+            }
+            "cuda" | "auto" => match self.cuda_backend(progress) {
+                Ok(b) => {
+                    self.backend = b;
+                    Ok(())
+                }
+                Err(crate::Error::BackendUnavailable(_)) if name == "auto" => {
+                    self.backend = Arc::new(Cpu);
+                    Ok(())
+                }
+                Err(e) => Err(e),
+            },
+            other => {
+                Err(crate::Error::InvalidArgument(format!("backend must be 'cpu', 'cuda' or 'auto', got {other:?}")))
+            }
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_backend(&self, progress: &mut dyn FnMut(u64, u64)) -> Result<Arc<dyn Backend>> {
+        let b = crate::backend::cuda::CudaBackend::new(0)?;
+        b.upload(&self.file, &mut *progress)?;
+        if let Some(d) = &self.draft {
+            if !Arc::ptr_eq(&d.file, &self.file) {
+                b.upload(&d.file, &mut *progress)?;
+            }
+        }
+        Ok(Arc::new(b))
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn cuda_backend(&self, _progress: &mut dyn FnMut(u64, u64)) -> Result<Arc<dyn Backend>> {
+        Err(crate::Error::BackendUnavailable("this build of ds4 has no CUDA backend (feature `cuda`)".into()))
+    }
+
     /// The backend computing the products.
     pub fn backend(&self) -> &dyn Backend {
         &*self.backend

@@ -30,13 +30,15 @@ impl PyModel {
     /// MTP block in the file itself; `mtp_pairing` is "deepseek" (h_t with x_{t+1}) or "ds4"
     /// (h_t with x_t); `use_draft = false` loads no drafter at all.
     #[new]
-    #[pyo3(signature = (path, draft = None, mtp_pairing = "deepseek", use_draft = true))]
+    #[pyo3(signature = (path, draft = None, mtp_pairing = "deepseek", use_draft = true, backend = "cpu", progress = None))]
     fn new(
         py: Python<'_>,
         path: std::path::PathBuf,
         draft: Option<std::path::PathBuf>,
         mtp_pairing: &str,
         use_draft: bool,
+        backend: &str,
+        progress: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         let pairing = match mtp_pairing {
             "deepseek" => ds4::model::MtpPairing::Next,
@@ -55,6 +57,16 @@ impl PyModel {
                 if !use_draft {
                     m.draft = None;
                 }
+                // The progress callback (bytes done, bytes total) runs with the GIL; its errors
+                // are ignored: a broken progress bar must not fail a load.
+                let mut report = |done: u64, total: u64| {
+                    if let Some(cb) = &progress {
+                        Python::attach(|py| {
+                            let _ = cb.call1(py, (done, total));
+                        });
+                    }
+                };
+                m.select_backend(backend, &mut report)?;
                 let tok = match m.file().get("tokenizer.ggml.model") {
                     Some(_) => Some(Arc::new(Tokenizer::from_gguf(m.file())?)),
                     None => None,
@@ -63,6 +75,12 @@ impl PyModel {
             })
             .into_py_result()?;
         Ok(PyModel { inner: Arc::new(m), tokenizer: tok })
+    }
+
+    /// The backend computing the matrix products ("cpu" or "cuda").
+    #[getter]
+    fn backend(&self) -> &'static str {
+        self.inner.backend().name()
     }
 
     /// The drafter's method ("mtp" or "dspark"), or None.
@@ -446,7 +464,35 @@ impl PyStream {
     }
 }
 
+/// Whether a CUDA GPU and driver are usable by this build (False when built without CUDA).
+#[pyfunction]
+fn cuda_available() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        ds4::backend::cuda::cuda_available()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        false
+    }
+}
+
+/// The name of the first CUDA device, or None.
+#[pyfunction]
+fn cuda_device_name() -> Option<String> {
+    #[cfg(feature = "cuda")]
+    {
+        ds4::backend::cuda::device_name()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        None
+    }
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_device_name, m)?)?;
     m.add_class::<PyModel>()?;
     m.add_class::<PySession>()?;
     m.add_class::<PySnapshot>()?;

@@ -1,0 +1,121 @@
+"""The CUDA backend against the golden fixtures and the CPU reference. Skipped without a usable
+GPU (CI); run on a GPU machine with ``pytest tests/test_cuda.py`` (see README, "GPU")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ds4
+from ds4.testing import TINY, random_model
+from conftest import GOLDEN, LLAMACPP_TINY_L
+from test_speculative import Oracle, check_identical, prompts
+
+FIXTURES = ["tiny-a", "tiny-b", "tiny-l"]
+gpu = pytest.mark.skipif(not ds4.cuda_available(), reason="no usable CUDA GPU")
+
+
+def test_backend_selection_without_gpu(tmp_path: Path) -> None:
+    if ds4.cuda_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(ds4.BackendUnavailable):
+        ds4.Model.load(LLAMACPP_TINY_L, backend="cuda")
+    assert ds4.Model.load(LLAMACPP_TINY_L, backend="auto").backend == "cpu"
+    with pytest.raises(ValueError, match="backend"):
+        ds4.Model.load(LLAMACPP_TINY_L, backend="tpu")  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("cuda")
+    out = {}
+    for name in FIXTURES:
+        out[name] = ds4.convert(GOLDEN / name, d / f"{name}.gguf", progress=False)
+    out["mtp"] = ds4.convert_draft(GOLDEN / "drafters" / "tiny-l-mtp", d / "mtp.gguf", target=GOLDEN / "tiny-l",
+                                   progress=False)
+    out["dspark"] = ds4.convert_draft(GOLDEN / "drafters" / "tiny-l-dspark", d / "dspark.gguf",
+                                      target=GOLDEN / "tiny-l", progress=False)
+    return out
+
+
+@gpu
+@pytest.mark.parametrize("name", FIXTURES)
+def test_golden_logits_and_greedy_on_cuda(files: dict[str, Path], name: str) -> None:
+    gm = ds4.Model.load(files[name], backend="cuda")
+    cm = ds4.Model.load(files[name])
+    assert gm.backend == "cuda"
+    g = dict(np.load(GOLDEN / name / "golden.npz"))
+    for i in sorted(int(k.split("_")[1]) for k in g if k.startswith("prompt_")):
+        prompt = g[f"prompt_{i}"]
+        logits = gm.session(1024).eval(prompt)
+        assert float(np.abs(logits - g[f"logits_{i}"]).max()) <= 1e-4
+        assert float(np.abs(logits - cm.session(1024).eval(prompt)).max()) <= 1e-4
+        s = gm.session(1024)
+        last = s.eval(prompt, logits="last")[0]
+        got = []
+        for _ in range(len(g[f"greedy_{i}"])):
+            got.append(int(np.argmax(last)))
+            last = s.eval([got[-1]])[0]
+        assert got == g[f"greedy_{i}"].tolist()
+
+
+@gpu
+@pytest.mark.parametrize("name", FIXTURES)
+def test_rows_are_batch_invariant_on_cuda(files: dict[str, Path], name: str) -> None:
+    m = ds4.Model.load(files[name], backend="cuda")
+    p = max(prompts(name), key=len)[:120]
+    whole = m.session(1024).eval(p)
+    rng = np.random.default_rng(len(p))
+    for _ in range(3):
+        s = m.session(1024)
+        cuts = sorted(set(rng.integers(1, len(p), 10).tolist()))
+        parts = [s.eval(p[a:b]) for a, b in zip([0, *cuts], [*cuts, len(p)])]
+        assert np.array_equal(whole.view(np.uint32), np.concatenate(parts).view(np.uint32))
+    s1, s2 = m.session(1024), m.session(1024)
+    for t in p[:40]:
+        s1.eval([t])
+    s2.eval(p[:40])
+    assert s1.digest() == s2.digest()
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["q8_0", "q2"])
+def test_quantized_models_match_cpu(tmp_path: Path, dtype: str) -> None:
+    cfg = TINY.replace(num_hidden_layers=4, compress_ratios=(0, 0, 4, 128))
+    path = random_model(tmp_path / "m.gguf", cfg, seed=5, dtype=dtype)
+    prompt = np.random.default_rng(1).integers(8, cfg.vocab_size, 48).tolist()
+    want = ds4.Model.load(path).session(256).eval(prompt)
+    got = ds4.Model.load(path, backend="cuda").session(256).eval(prompt)
+    # Quantized weights reduce in another order on the GPU: equal within f32 rounding on the
+    # typical row (a routing flip may move a few rows more).
+    row_err = np.abs(got - want).max(axis=1) / (np.abs(want).max(axis=1) + 1e-6)
+    assert float(np.median(row_err)) < 1e-3
+
+
+@gpu
+@pytest.mark.parametrize("method", ["oracle", "mtp", "dspark"])
+def test_speculation_is_exact_on_cuda(files: dict[str, Path], method: str) -> None:
+    draft = files.get(method)
+    m = ds4.Model.load(files["tiny-l"], draft=draft, backend="cuda")
+    for prompt in prompts("tiny-l")[:3]:
+        if method == "oracle":
+            truth = m.session(1024).generate(prompt, max_tokens=40, ignore_eos=True).tokens
+            spec = ds4.Speculative(Oracle(prompt, truth, {2, 5}, m.vocab_size, 6), max_draft=6, adaptive=False)
+        else:
+            spec = ds4.Speculative(method, max_draft=4, adaptive=False)
+        check_identical(m, prompt, spec, max_tokens=40, ignore_eos=True)
+
+
+@gpu
+def test_drafters_match_reference_on_cuda(files: dict[str, Path]) -> None:
+    g = np.load(GOLDEN / "drafters" / "tiny-l-dspark" / "golden.npz")
+    m = ds4.Model.load(files["tiny-l"], draft=files["dspark"], backend="cuda")
+    prompt = g["prompt_2"].tolist()
+    for j, (p_, a) in enumerate(zip(g["dspark_anchor_pos_2"], g["dspark_anchor_tok_2"])):
+        s = m.session(512)
+        s.eval(prompt[: int(p_) + 1], logits="last")
+        p = s.propose(anchor=int(a))
+        assert p.tokens == g["dspark_draft_tokens_2"][j].tolist()
+        assert np.abs(p.logits - g["dspark_logits_2"][j]).max() < 1e-4
