@@ -16,6 +16,8 @@ __all__ = [
     "TensorInfo",
     "Tokenizer",
     "bf16_to_f32",
+    "cuda_available",
+    "cuda_device_name",
     "dequantize",
     "dot",
     "f16_to_f32",
