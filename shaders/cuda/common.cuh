@@ -35,20 +35,25 @@ __device__ __forceinline__ int imin(int a, int b) {
     return a < b ? a : b;
 }
 
-// IEEE half bits to float, exactly (subnormals, infinities and NaN included).
+// IEEE half bits to float, exactly (subnormals and infinities included): the hardware
+// conversion, one instruction.
 __device__ __forceinline__ float f16_bits_to_f32(u32 h) {
-    const u32 sign = (h & 0x8000u) << 16;
-    const u32 e = (h >> 10) & 0x1fu;
-    const u32 m = h & 0x3ffu;
-    if (e == 0) {
-        // Zero or subnormal: m * 2^-24, exact in float.
-        const float v = (float)m * 5.9604644775390625e-8f;
-        return sign ? -v : v;
-    }
-    if (e == 31) {
-        return __uint_as_float(sign | 0x7f800000u | (m << 13));
-    }
-    return __uint_as_float(sign | ((e + 112u) << 23) | (m << 13));
+    float f;
+    const unsigned short b = (unsigned short)h;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b));
+    return f;
+}
+
+// The float of an unsigned byte value b (0..255), exactly. 2^23 + b has b in its low mantissa
+// bits, so this is an OR and a subtraction: the int-to-float converter runs at a fraction of
+// the FMA rate, and the quantized kernels convert one or more integers per weight.
+__device__ __forceinline__ float u8f(u32 b) {
+    return __uint_as_float(0x4B000000u | b) - 8388608.0f;
+}
+
+// The float of a signed byte given as its bits b (0..255), exactly (see u8f).
+__device__ __forceinline__ float s8f(u32 b) {
+    return __uint_as_float(0x4B000000u | (b ^ 0x80u)) - 8388736.0f;
 }
 
 // bfloat16 bits to float: the high half of the float.
@@ -152,6 +157,11 @@ __device__ __forceinline__ void matvec(const u8* __restrict__ w, int n_out, int 
             __syncwarp();
         }
         const int groups = ne >> 2;
+        // Unrolled so that the next groups' loads are in flight (less for larger batches, whose
+        // accumulators already take the registers); the order of the additions into each
+        // accumulator is unchanged.
+        constexpr int UNROLL = NB <= 2 ? 4 : (NB <= 8 ? 2 : 1);
+#pragma unroll UNROLL
         for (int g = lane; g < groups; g += 32) {
             const float4 wv = F::dequant4(tile, g);
             const float* xc = x + e0 + 4 * g;

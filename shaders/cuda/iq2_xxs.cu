@@ -20,15 +20,15 @@ struct FmtIQ2_XXS {
         const u8* q = b + 2 + 8 * grp;
         const u32 aux0 = ld_u32_a2(q);
         const u32 aux1 = ld_u32_a2(q + 4);
-        const float db = f16_bits_to_f32(ld_u16(b)) * (0.5f + (float)(aux1 >> 28)) * 0.25f;
+        const float db = f16_bits_to_f32(ld_u16(b)) * (0.5f + u8f(aux1 >> 28)) * 0.25f;
         const u64 grid = __ldg(&iq2xxs_grid[(aux0 >> (8 * k)) & 0xffu]);
         const u32 coords = (u32)(grid >> (32 * half));
         const u32 si = (aux1 >> (7 * k)) & 127u;
         const u32 signs = (si | ((__popc(si) & 1u) << 7)) >> (4 * half);
-        const float w0 = db * (float)(coords & 0xffu);
-        const float w1 = db * (float)((coords >> 8) & 0xffu);
-        const float w2 = db * (float)((coords >> 16) & 0xffu);
-        const float w3 = db * (float)(coords >> 24);
+        const float w0 = db * u8f(coords & 0xffu);
+        const float w1 = db * u8f((coords >> 8) & 0xffu);
+        const float w2 = db * u8f((coords >> 16) & 0xffu);
+        const float w3 = db * u8f(coords >> 24);
         return make_float4(signs & 1u ? -w0 : w0, signs & 2u ? -w1 : w1, signs & 4u ? -w2 : w2,
                            signs & 8u ? -w3 : w3);
     }

@@ -7,7 +7,8 @@ __device__ __forceinline__ float mxfp4_kvalue(u32 nib) {
     const int e = (nib >> 1) & 3;
     const int m = nib & 1;
     const int mag = e == 0 ? m : (1 << e) + m * (1 << (e - 1));
-    return (float)((nib & 8) ? -mag : mag);
+    const float f = u8f((u32)mag);
+    return (nib & 8) ? 0.0f - f : f;
 }
 
 // 2^(e-128) as ggml_e8m0_to_fp32_half builds it (subnormal patterns for e < 2).

@@ -16,11 +16,11 @@ struct FmtQ2_K {
         const int s = (ie >> 5) & 3;
         const int l = ie & 31;
         const u32 sc = b[8 * h + 2 * s + (l >> 4)];
-        const float dl = f16_bits_to_f32(ld_u16(b + 80)) * (float)(sc & 15u);
-        const float ml = f16_bits_to_f32(ld_u16(b + 82)) * (float)(sc >> 4);
+        const float dl = f16_bits_to_f32(ld_u16(b + 80)) * u8f(sc & 15u);
+        const float ml = f16_bits_to_f32(ld_u16(b + 82)) * u8f(sc >> 4);
         const u32 q = ld_u32_a4(b + 16 + 32 * h + l) >> (2 * s);
-        return make_float4(dl * (float)(q & 3u) - ml, dl * (float)((q >> 8) & 3u) - ml,
-                           dl * (float)((q >> 16) & 3u) - ml, dl * (float)((q >> 24) & 3u) - ml);
+        return make_float4(dl * u8f(q & 3u) - ml, dl * u8f((q >> 8) & 3u) - ml, dl * u8f((q >> 16) & 3u) - ml,
+                           dl * u8f((q >> 24) & 3u) - ml);
     }
 };
 

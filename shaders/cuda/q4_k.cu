@@ -25,14 +25,14 @@ struct FmtQ4_K {
             sc = (s[is + 4] & 0x0fu) | ((u32)(s[is - 4] >> 6) << 4);
             m = (u32)(s[is + 4] >> 4) | ((u32)(s[is] >> 6) << 4);
         }
-        const float dl = f16_bits_to_f32(ld_u16(b)) * (float)sc;
-        const float ml = f16_bits_to_f32(ld_u16(b + 2)) * (float)m;
+        const float dl = f16_bits_to_f32(ld_u16(b)) * u8f(sc);
+        const float ml = f16_bits_to_f32(ld_u16(b + 2)) * u8f(m);
         u32 q = ld_u32_a4(b + 16 + 32 * j + (ie & 31));
         if (hi) {
             q >>= 4;
         }
-        return make_float4(dl * (float)(q & 15u) - ml, dl * (float)((q >> 8) & 15u) - ml,
-                           dl * (float)((q >> 16) & 15u) - ml, dl * (float)((q >> 24) & 15u) - ml);
+        return make_float4(dl * u8f(q & 15u) - ml, dl * u8f((q >> 8) & 15u) - ml, dl * u8f((q >> 16) & 15u) - ml,
+                           dl * u8f((q >> 24) & 15u) - ml);
     }
 };
 

@@ -11,8 +11,7 @@ struct FmtQ8_0 {
         const u8* b = t + 34 * (g >> 3);
         const float d = f16_bits_to_f32(ld_u16(b));
         const u32 q = ld_u32_a2(b + 2 + 4 * (g & 7));
-        return make_float4((float)(signed char)(q & 0xffu) * d, (float)(signed char)((q >> 8) & 0xffu) * d,
-                           (float)(signed char)((q >> 16) & 0xffu) * d, (float)(signed char)(q >> 24) * d);
+        return make_float4(s8f(q & 0xffu) * d, s8f((q >> 8) & 0xffu) * d, s8f((q >> 16) & 0xffu) * d, s8f(q >> 24) * d);
     }
 };
 

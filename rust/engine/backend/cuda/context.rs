@@ -198,8 +198,8 @@ impl Context {
         Ok(me)
     }
 
-    /// The kernel for `ty` and a chunk of `n` (1..=16) batch rows, with the batch size it
-    /// was instantiated for.
+    /// The kernel for `ty` and a chunk of `n` (1..=16) batch rows: the one instantiated for
+    /// the smallest batch size `>= n`.
     pub(crate) fn kernel(&self, ty: GgmlType, n: usize) -> Option<sys::CUfunction> {
         let nb = BATCH_SIZES.iter().copied().find(|&b| b >= n)?;
         self.kernels.get(&(ty, nb)).copied()

@@ -19,6 +19,13 @@
 //! `shaders/cuda/common.cuh`); batches of more than 16 rows run in chunks of at most 16
 //! through the same kernels. GPU results agree with the CPU reference to rounding, not
 //! bitwise: the two reduce in different orders.
+//!
+//! Testing: `cargo test --features cuda cuda` runs the tests of `tests.rs`; without a GPU
+//! they print "skipped" and pass, and the NVRTC compile test runs wherever libnvrtc loads
+//! (e.g. `LD_LIBRARY_PATH` at the lib dir of pip's `nvidia-cuda-nvrtc-cu12`). On a GPU
+//! machine without Rust: build `cargo test --release --features cuda --no-run` and
+//! `cargo bench --features cuda --bench cuda --no-run` here, copy the two executables over,
+//! and run `<tests> backend::cuda --test-threads=1` and `<bench> --bench`.
 
 mod context;
 #[cfg(test)]
@@ -285,8 +292,16 @@ impl CudaBackend {
         for m in mats {
             Self::launch(&g.ctx, img, m, x, y, n)?;
         }
-        let ev = |_| cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(driver_err("creating an event"));
-        let (start, end) = (ev(0)?, ev(1)?);
+        let ev = || cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(driver_err("creating an event"));
+        let start = ev()?;
+        let end = match ev() {
+            Ok(e) => e,
+            Err(e) => {
+                // SAFETY: created above, destroyed once.
+                unsafe { cu::event::destroy(start).ok() };
+                return Err(e);
+            }
+        };
         let run = || -> Result<f32> {
             // SAFETY: events and stream of this context; the launches as above.
             unsafe {
