@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp")
     ap.add_argument("--runs", type=int, default=31)
     ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--backend", default="cpu")
     args = ap.parse_args()
     cfg = PRESETS[args.preset]
     d = Path(args.dir)
@@ -67,10 +68,11 @@ def main() -> None:
 
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(8, cfg.vocab_size, args.prompt)]
-    mtp_model = ds4.Model.load(target)  # its MTP block is in the file
-    dspark_model = ds4.Model.load(target, draft=dspark)
-    base = decode_ms(ds4.Model.load(target, draft=False), prompt, args.runs)
-    print(f"{args.preset} {args.dtype}: decode step {base:.2f} ms without a drafter, "
+    b = args.backend
+    mtp_model = ds4.Model.load(target, backend=b)  # its MTP block is in the file
+    dspark_model = ds4.Model.load(target, draft=dspark, backend=b)
+    base = decode_ms(ds4.Model.load(target, draft=False, backend=b), prompt, args.runs)
+    print(f"{args.preset} {args.dtype} on {mtp_model.backend}: decode step {base:.2f} ms without a drafter, "
           f"{decode_ms(mtp_model, prompt, args.runs):.2f} with MTP upkeep, "
           f"{decode_ms(dspark_model, prompt, args.runs):.2f} with DSpark upkeep")
 

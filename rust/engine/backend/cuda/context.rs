@@ -86,7 +86,68 @@ pub fn kernel_source() -> String {
 /// Whether libnvrtc can be loaded (cudarc panics on first use otherwise).
 pub fn nvrtc_available() -> bool {
     // SAFETY: only tries to open the library by its candidate names.
-    unsafe { nvrtc::sys::is_culib_present() }
+    unsafe { nvrtc::sys::is_culib_present() || preload_nvrtc() }
+}
+
+/// Loads NVRTC from where a CUDA toolkit installs it when it is not on the loader's path.
+///
+/// cudarc opens `libnvrtc.so.13` (and its other candidates) by name, and NVRTC itself opens
+/// `libnvrtc-builtins.so.*` by name: a toolkit under `/usr/local/cuda-13.0/...` that is not in
+/// `LD_LIBRARY_PATH` is found by neither. Opening both by absolute path first, and keeping
+/// them loaded for the life of the process, makes those later by-name opens find the loaded
+/// objects (the dynamic loader matches already loaded libraries by their soname). Searched:
+/// `$DS4_CUDA_LIB`, `$CUDA_HOME`, `$CUDA_PATH`, then `/usr/local/cuda*` (newest first), in
+/// their `lib64`, `lib` and `targets/*/lib` folders.
+fn preload_nvrtc() -> bool {
+    static LOADED: OnceLock<bool> = OnceLock::new();
+    *LOADED.get_or_init(|| {
+        let mut roots: Vec<std::path::PathBuf> = ["DS4_CUDA_LIB", "CUDA_HOME", "CUDA_PATH"]
+            .iter()
+            .filter_map(|k| std::env::var_os(k))
+            .map(std::path::PathBuf::from)
+            .collect();
+        if let Ok(dir) = std::fs::read_dir("/usr/local") {
+            let mut cudas: Vec<_> = dir
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("cuda")))
+                .collect();
+            cudas.sort();
+            roots.extend(cudas.into_iter().rev());
+        }
+        for root in roots {
+            let mut dirs = vec![root.clone(), root.join("lib64"), root.join("lib")];
+            if let Ok(t) = std::fs::read_dir(root.join("targets")) {
+                dirs.extend(t.flatten().map(|e| e.path().join("lib")));
+            }
+            for dir in dirs {
+                let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+                let mut names: Vec<_> = entries.flatten().map(|e| e.path()).collect();
+                names.sort();
+                let is = |p: &std::path::Path, stem: &str| {
+                    p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(stem))
+                };
+                let Some(main) = names.iter().rev().find(|p| is(p, "libnvrtc.so.")) else { continue };
+                // SAFETY: loading NVRTC runs only its initializers; the handles are leaked on
+                // purpose so the libraries stay loaded.
+                unsafe {
+                    for b in names.iter().filter(|p| is(p, "libnvrtc-builtins.so")) {
+                        if let Ok(lib) = libloading::Library::new(b) {
+                            std::mem::forget(lib);
+                        }
+                    }
+                    match libloading::Library::new(main) {
+                        Ok(lib) => std::mem::forget(lib),
+                        Err(_) => continue,
+                    }
+                    if nvrtc::sys::is_culib_present() {
+                        return true;
+                    }
+                }
+            }
+        }
+        false
+    })
 }
 
 /// Whether the driver library (libcuda) can be loaded.

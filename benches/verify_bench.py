@@ -1,0 +1,70 @@
+"""Decode, verify and prefill costs of a model on a backend.
+
+    python benches/verify_bench.py MODEL.gguf [--backend cuda] [--ctx 2048] [--prefill 2048,8192]
+
+After a prompt of --ctx tokens (random ids), measures with the median of --runs:
+
+* one decode step (``eval`` of 1 token);
+* a verify of k rows for k = 2..8 (``eval`` of k tokens: the same computation), as a ratio
+  to the decode step;
+* prefill tokens/s for each --prefill length (from an empty session).
+
+Every timed call is preceded by a restore of the same snapshot, outside the timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+import ds4
+
+
+def timed(f, runs: int, setup) -> float:  # type: ignore[no-untyped-def]
+    out = []
+    for _ in range(runs + 1):
+        setup()
+        t = time.perf_counter()
+        f()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out[1:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--prefill", default="2048")
+    ap.add_argument("--runs", type=int, default=7)
+    args = ap.parse_args()
+    m = ds4.Model.load(args.model, backend=args.backend, draft=False)
+    rng = np.random.default_rng(0)
+    vocab = m.vocab_size
+    prompt = rng.integers(8, vocab, args.ctx).tolist()
+    s = m.session(args.ctx + 64)
+    t0 = time.perf_counter()
+    s.eval(prompt, logits="last")
+    print(f"{args.model} on {m.backend}: {args.ctx}-token prompt in {time.perf_counter() - t0:.2f} s; "
+          f"{m.decode_weight_bytes() / 1e6:.1f} MB of weights per decoded token")
+    snap = s.snapshot()
+    base = timed(lambda: s.eval([5], logits="last"), args.runs, lambda: s.restore(snap))
+    print(f"  decode step {1e3 * base:.2f} ms = {1 / base:.1f} tok/s "
+          f"({m.decode_weight_bytes() / base / 1e9:.1f} GB/s of weights)")
+    for k in range(2, 9):
+        toks = rng.integers(8, vocab, k).tolist()
+        t = timed(lambda: s.eval(toks, logits="all"), args.runs, lambda: s.restore(snap))
+        print(f"  verify {k} rows {1e3 * t:8.2f} ms  = {t / base:5.2f} decodes")
+    for n in (int(x) for x in args.prefill.split(",") if x):
+        p = rng.integers(8, vocab, n).tolist()
+        sess = m.session(n + 8)
+        empty = sess.snapshot()
+        t = timed(lambda: sess.eval(p, logits="last"), max(1, args.runs // 3), lambda: sess.restore(empty))
+        print(f"  prefill {n} tokens {t:.2f} s = {n / t:.0f} tok/s")
+
+
+if __name__ == "__main__":
+    main()
