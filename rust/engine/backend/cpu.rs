@@ -152,9 +152,20 @@ pub fn softplus(x: f32) -> f32 {
     }
 }
 
-/// Dot product of two f32 slices in a fixed order (used for attention scores).
+/// Dot product of two f32 slices in a fixed order (attention and indexer scores). The AVX2
+/// kernel (chosen once per process by CPU features) and the portable one round differently,
+/// but a process always uses the same one, so every row of a batch is computed alike.
 #[inline]
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if crate::quant::simd::available() {
+        // SAFETY: AVX2 and FMA are present (checked just above).
+        return unsafe { x86::dot_f32(a, b) };
+    }
+    dot_f32_portable(a, b)
+}
+
+fn dot_f32_portable(a: &[f32], b: &[f32]) -> f32 {
     // Eight independent lanes, then a fixed pairwise sum: deterministic and vectorizable.
     let mut acc = [0f32; 8];
     let chunks = a.len() / 8;
@@ -170,9 +181,64 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// Two 8-lane FMA accumulators over 16 elements per step, then a fixed lane sum.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut acc0 = _mm256_setzero_ps();
+        let mut acc1 = _mm256_setzero_ps();
+        let mut i = 0;
+        while i + 16 <= n {
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), _mm256_loadu_ps(pb.add(i + 8)), acc1);
+            i += 16;
+        }
+        if i + 8 <= n {
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
+            i += 8;
+        }
+        let v = _mm256_add_ps(acc0, acc1);
+        let q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let h = _mm_add_ps(q, _mm_movehl_ps(q, q));
+        let mut s = _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
+        while i < n {
+            s += a[i] * b[i];
+            i += 1;
+        }
+        s
+    }
+
+    /// `y += a * x`, eight lanes at a time.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+        let n = y.len().min(x.len());
+        let (py, px) = (y.as_mut_ptr(), x.as_ptr());
+        let va = _mm256_set1_ps(a);
+        let mut i = 0;
+        while i + 8 <= n {
+            _mm256_storeu_ps(py.add(i), _mm256_fmadd_ps(va, _mm256_loadu_ps(px.add(i)), _mm256_loadu_ps(py.add(i))));
+            i += 8;
+        }
+        while i < n {
+            y[i] += a * x[i];
+            i += 1;
+        }
+    }
+}
+
 /// `y += a * x`.
 #[inline]
 pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::quant::simd::available() {
+        // SAFETY: AVX2 and FMA are present (checked just above).
+        return unsafe { x86::axpy(y, a, x) };
+    }
     for (v, &u) in y.iter_mut().zip(x) {
         *v += a * u;
     }

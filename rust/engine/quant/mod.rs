@@ -23,7 +23,7 @@ mod mxfp4;
 mod q2_k;
 mod q4_k;
 mod q8_0;
-mod simd;
+pub(crate) mod simd;
 pub mod tables;
 pub mod types;
 
