@@ -73,8 +73,8 @@ pub struct DSparkWeights {
 
 #[derive(Clone, Debug)]
 pub enum DraftKind {
-    Mtp(MtpWeights),
-    DSpark(DSparkWeights),
+    Mtp(Box<MtpWeights>),
+    DSpark(Box<DSparkWeights>),
 }
 
 /// A drafter bound to its target: its weights, the file they live in, the block shape.
@@ -198,7 +198,7 @@ impl DraftModel {
             })
         })()
         .map_err(as_mismatch)?;
-        Ok(Self::new(file, DraftKind::Mtp(w), cfg))
+        Ok(Self::new(file, DraftKind::Mtp(Box::new(w)), cfg))
     }
 
     fn mtp_llamacpp(file: &Arc<GgufFile>, cfg: &ModelConfig) -> Result<Self> {
@@ -228,7 +228,7 @@ impl DraftModel {
             norm,
             head_from_target: !own_head,
         };
-        Ok(Self::new(file, DraftKind::Mtp(w), cfg))
+        Ok(Self::new(file, DraftKind::Mtp(Box::new(w)), cfg))
     }
 
     fn dspark(file: &Arc<GgufFile>, cfg: &ModelConfig) -> Result<Self> {
@@ -347,7 +347,7 @@ impl DraftModel {
             })
         })()
         .map_err(as_mismatch)?;
-        Ok(Self::new(file, DraftKind::DSpark(w), cfg))
+        Ok(Self::new(file, DraftKind::DSpark(Box::new(w)), cfg))
     }
 }
 

@@ -48,7 +48,7 @@ impl DraftModel {
         let cfg = &model.config;
         let ring = || LayerState::new(cfg.window, cfg.head_dim, None, None);
         match &self.kind {
-            DraftKind::Mtp(_) => DraftState::Mtp { ring: ring(), pending: Vec::new() },
+            DraftKind::Mtp(_) => DraftState::Mtp { ring: Box::new(ring()), pending: Vec::new() },
             DraftKind::DSpark(w) => DraftState::DSpark { rings: w.stages.iter().map(|_| ring()).collect() },
         }
     }

@@ -13,7 +13,7 @@ pub enum DraftState {
     /// MTP rows lag the trunk by one position: row `t` pairs `h_t` with `x_{t+1}`, so after
     /// the trunk has evaluated positions `0..pos` the ring holds rows `0..pos-1` and
     /// `pending` is `h_{pos-1}` (empty before the first token).
-    Mtp { ring: LayerState, pending: Vec<f32> },
+    Mtp { ring: Box<LayerState>, pending: Vec<f32> },
     /// DSpark: one ring per stage of `kv_norm_s(wkv_s(main_x_p))` rows, one per committed
     /// position `p`.
     DSpark { rings: Vec<LayerState> },
@@ -29,14 +29,14 @@ impl DraftState {
 
     pub(crate) fn rings(&self) -> Vec<&LayerState> {
         match self {
-            DraftState::Mtp { ring, .. } => vec![ring],
+            DraftState::Mtp { ring, .. } => vec![&**ring],
             DraftState::DSpark { rings } => rings.iter().collect(),
         }
     }
 
     pub(crate) fn rings_mut(&mut self) -> Vec<&mut LayerState> {
         match self {
-            DraftState::Mtp { ring, .. } => vec![ring],
+            DraftState::Mtp { ring, .. } => vec![&mut **ring],
             DraftState::DSpark { rings } => rings.iter_mut().collect(),
         }
     }

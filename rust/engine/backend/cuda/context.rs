@@ -103,7 +103,7 @@ fn preload_nvrtc() -> bool {
     *LOADED.get_or_init(|| {
         let mut roots: Vec<std::path::PathBuf> = ["DS4_CUDA_LIB", "CUDA_HOME", "CUDA_PATH"]
             .iter()
-            .filter_map(|k| std::env::var_os(k))
+            .filter_map(std::env::var_os)
             .map(std::path::PathBuf::from)
             .collect();
         if let Ok(dir) = std::fs::read_dir("/usr/local") {
