@@ -628,4 +628,25 @@ mod tests {
         assert_eq!(a, b);
         assert!(a.blocks.iter().any(|&l| l > 1) && a.blocks.contains(&0));
     }
+
+    #[test]
+    fn predicted_survival_replaces_the_measured_rates() {
+        // Costs known: a verify row costs 0.3 of a decode.
+        let mut s = Scheduler::new(Policy::Adaptive { max: 5 }).unwrap();
+        for n in 1..=6 {
+            s.record_cost(n, 1.0 + 0.3 * (n - 1) as f64);
+        }
+        // The drafter is sure of the first three tokens and not of the rest: a block of 3.
+        assert_eq!(s.block_with(5, Some(&[0.99, 0.99, 0.99, 0.05, 0.05])), 3);
+        // The drafter predicts no survival: plain decoding (the probe budget aside, the
+        // prediction alone never pays for a verify).
+        let mut t = s.clone();
+        t.probe_interval = MAX_PROBE_INTERVAL;
+        assert_eq!(t.block_with(5, Some(&[0.01; 5])), 0);
+        // Non-finite predictions fall back to the measured rates; the result is in range.
+        assert!(s.block_with(5, Some(&[f64::NAN; 5])) <= 5);
+        // Fixed policies ignore predictions.
+        let mut f = Scheduler::new(Policy::Fixed(4)).unwrap();
+        assert_eq!(f.block_with(5, Some(&[0.0; 5])), 4);
+    }
 }
