@@ -15,6 +15,7 @@ Every timed call is preceded by a restore of the same snapshot, outside the timi
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -40,7 +41,10 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--prefill", default="2048")
     ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--profile", action="store_true", help="split the decode step by phase (DS4_PROFILE)")
     args = ap.parse_args()
+    if args.profile:
+        os.environ["DS4_PROFILE"] = "1"  # read at the first forward pass
     m = ds4.Model.load(args.model, backend=args.backend, draft=False)
     rng = np.random.default_rng(0)
     vocab = m.vocab_size
@@ -51,9 +55,18 @@ def main() -> None:
     print(f"{args.model} on {m.backend}: {args.ctx}-token prompt in {time.perf_counter() - t0:.2f} s; "
           f"{m.decode_weight_bytes() / 1e6:.1f} MB of weights per decoded token")
     snap = s.snapshot()
+    ds4._ds4.profile(reset=True)
     base = timed(lambda: s.eval([5], logits="last"), args.runs, lambda: s.restore(snap))
     print(f"  decode step {1e3 * base:.2f} ms = {1 / base:.1f} tok/s "
           f"({m.decode_weight_bytes() / base / 1e9:.1f} GB/s of weights)")
+    if args.profile:
+        prof = {name: (calls, secs) for name, calls, secs in ds4._ds4.profile(reset=True)}
+        steps = max(prof["forward"][0], 1)
+        fwd = prof["forward"][1] / steps
+        mm, att = prof["matmul"][1] / steps, prof["attention"][1] / steps
+        print(f"  per step: forward {1e3 * fwd:.2f} ms = products {1e3 * mm:.2f} ms "
+              f"({prof['matmul'][0] / steps:.0f} calls) + attention loop {1e3 * att:.2f} ms "
+              f"+ the rest {1e3 * (fwd - mm - att):.2f} ms")
     for k in range(2, 9):
         toks = rng.integers(8, vocab, k).tolist()
         t = timed(lambda: s.eval(toks, logits="all"), args.runs, lambda: s.restore(snap))

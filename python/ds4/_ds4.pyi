@@ -19,6 +19,7 @@ __all__ = [
     "cuda_available",
     "cuda_device_name",
     "dequantize",
+    "profile",
     "dot",
     "f16_to_f32",
     "f32_to_bf16",
@@ -120,6 +121,9 @@ def ggml_types() -> list[tuple[str, int, int, int, bool]]:
 
 def cuda_available() -> bool:
     """Whether a CUDA GPU and driver are usable by this build (False when built without CUDA)."""
+
+def profile(reset: bool = False) -> list[tuple[str, int, float]]:
+    """Per-phase totals of the forward pass when ``DS4_PROFILE`` is set: (phase, calls, seconds)."""
 
 def cuda_device_name() -> str | None:
     """The name of the first CUDA device, or None."""

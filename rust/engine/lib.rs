@@ -16,6 +16,7 @@ pub mod error;
 pub mod generate;
 pub mod gguf;
 pub mod model;
+pub mod profile;
 pub mod quant;
 pub mod sampling;
 pub mod session;

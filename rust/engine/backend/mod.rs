@@ -52,10 +52,12 @@ pub struct Ops<'a> {
 
 impl Ops<'_> {
     pub fn matmul(&self, w: &Mat, x: &[f32]) -> Result<Vec<f32>> {
+        let _t = crate::profile::scope(crate::profile::Phase::Matmul);
         self.backend.matmul(self.raw, w, x)
     }
 
     pub fn matmul_many(&self, specs: &[(&Mat, &[f32])]) -> Result<Vec<Vec<f32>>> {
+        let _t = crate::profile::scope(crate::profile::Phase::Matmul);
         self.backend.matmul_many(self.raw, specs)
     }
 }

@@ -36,6 +36,7 @@ impl Model {
         which: Logits,
         mut log: Option<&mut BatchLog>,
     ) -> Result<Vec<f32>> {
+        let _t = crate::profile::scope(crate::profile::Phase::Forward);
         let cfg = &self.config;
         let raw = self.file.raw();
         let ops = self.ops();
@@ -168,6 +169,7 @@ impl Model {
         };
 
         // Row by row: update the state with this token, then attend.
+        let attention_time = crate::profile::scope(crate::profile::Phase::Attention);
         let ls = &mut state.layers[li];
         let mut o = vec![0f32; n * nh * hd];
         for r in 0..n {
@@ -211,6 +213,7 @@ impl Model {
             attend(&q[r * nh * hd..(r + 1) * nh * hd], &keys, &lw.sinks, hd, orow);
             rope.apply_heads(orow, hd, pos, true);
         }
+        drop(attention_time);
 
         output_projection(ops, cfg, lw, &o)
     }

@@ -490,7 +490,20 @@ fn cuda_device_name() -> Option<String> {
     }
 }
 
+/// Per-phase totals of the forward pass when `DS4_PROFILE` is set: [(phase, calls, seconds)].
+/// `reset=True` clears them after reading.
+#[pyfunction]
+#[pyo3(signature = (reset = false))]
+fn profile(reset: bool) -> Vec<(&'static str, u64, f64)> {
+    let r = ds4::profile::report();
+    if reset {
+        ds4::profile::reset();
+    }
+    r
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(profile, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_device_name, m)?)?;
     m.add_class::<PyModel>()?;
