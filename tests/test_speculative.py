@@ -258,7 +258,7 @@ def test_drafter_failure_is_atomic(models: dict[str, ds4.Model]) -> None:
     with pytest.raises(ValueError, match="not a token id"):
         m.session(1024).generate(prompt, max_tokens=5, speculative=bad)
     with pytest.raises(ValueError):
-        ds4.Speculative("mtp")  # type: ignore[arg-type]
+        ds4.Speculative("eagle")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_draft"):
         ds4.Speculative("ngram", max_draft=0)
 
