@@ -7,6 +7,11 @@
 //! - `matmul/<FMT>/4096x4096/n=1`: one `Backend::matmul` call end to end (input copy, launch,
 //!   output copy, one stream sync), the cost a decode step pays per call.
 //!
+//! - `small/F16/<n_out>x16384/n=<n>`: the hyper-connection and router shapes, few rows of
+//!   long inputs (split over blocks by input slices).
+//! - `call/Q8_0/<k>x(64x4096)/n=1`: one `matmul_many` call of k small products, the fixed
+//!   cost of a call (one input copy, one launch per kernel group, one output copy, one sync).
+//!
 //! Run with `cargo bench --features cuda --bench cuda`.
 
 use std::time::Duration;
@@ -139,5 +144,54 @@ fn bench(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench);
+/// Few-row products and the per-call overhead of `matmul_many`.
+fn bench_small(c: &mut Criterion) {
+    let backend = match CudaBackend::new(0) {
+        Ok(b) => b,
+        Err(_) => return,
+    };
+    let mut rng = Rng(0x5151_7a7a_0101_2323);
+    for n_out in [24, 6] {
+        let (ty, n_in) = (GgmlType::F16, 16384);
+        let one = matrix(ty, n_out, n_in, &mut rng);
+        let copies = WORKING_SET.div_ceil(one.len()).max(2);
+        let mut raw = vec![0u8; DATA_OFFSET];
+        let mut mats = Vec::with_capacity(copies);
+        for _ in 0..copies {
+            mats.push(Mat { ty, n_in, n_out, start: raw.len(), row_bytes: one.len() / n_out });
+            raw.extend_from_slice(&one);
+        }
+        backend.upload_image(&raw, DATA_OFFSET, |_, _| {}).unwrap();
+        let mut g = c.benchmark_group(format!("small/{ty}/{n_out}x{n_in}"));
+        g.sample_size(10).warm_up_time(Duration::from_millis(200)).measurement_time(Duration::from_millis(400));
+        g.throughput(Throughput::Bytes(one.len() as u64));
+        for n in [1, 4, 16] {
+            g.bench_function(BenchmarkId::from_parameter(format!("n={n}")), |b| {
+                b.iter_custom(|iters| Duration::from_secs_f64(backend.time_launches(&raw, &mats, n, iters).unwrap()))
+            });
+        }
+        g.finish();
+        backend.release(&raw).unwrap();
+    }
+    let (ty, n_out, n_in) = (GgmlType::Q8_0, 64, 4096);
+    let one = matrix(ty, n_out, n_in, &mut rng);
+    let mut raw = vec![0u8; DATA_OFFSET];
+    let mut mats = Vec::new();
+    for _ in 0..14 {
+        mats.push(Mat { ty, n_in, n_out, start: raw.len(), row_bytes: one.len() / n_out });
+        raw.extend_from_slice(&one);
+    }
+    backend.upload_image(&raw, DATA_OFFSET, |_, _| {}).unwrap();
+    let x: Vec<f32> = (0..n_in).map(|_| rng.uniform()).collect();
+    let mut g = c.benchmark_group(format!("call/{ty}"));
+    g.sample_size(20).warm_up_time(Duration::from_millis(200)).measurement_time(Duration::from_millis(400));
+    for k in [1, 14] {
+        let specs: Vec<(&Mat, &[f32])> = mats[..k].iter().map(|m| (m, &x[..])).collect();
+        g.bench_function(format!("{k}x(64x4096)/n=1"), |b| b.iter(|| backend.matmul_many(&raw, &specs).unwrap()));
+    }
+    g.finish();
+    backend.release(&raw).unwrap();
+}
+
+criterion_group!(benches, bench, bench_small);
 criterion_main!(benches);

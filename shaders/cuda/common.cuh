@@ -5,31 +5,57 @@
 // that order. No CUDA headers are used: the program is plain C++ over NVRTC's builtins.
 //
 // Shape of every product: `y[r, o] = W[o] . x[r]` for output rows o < n_out and batch rows
-// r < n (n <= 16 per launch; the host cuts larger batches into chunks of 16).
+// r < n (n <= NB <= 16 per product chunk; the host cuts larger batches into chunks of 16).
 //
-// Work split: a thread block of MV_WARPS warps; warp w owns output row
-// `blockIdx.x * MV_WARPS + w` alone. The warp walks the row in tiles of a fixed number of
-// elements (F::TILE_ELEMS): it stages the tile's weight bytes in shared memory with coalesced
-// 16-byte loads (the next tile's loads are issued before the current tile is computed), then
-// lane l dequantizes the groups of 4 consecutive elements l, l + 32, l + 64, ... of the tile
-// and adds their products with each batch row into that row's register accumulator.
+// One launch runs a table of products (MvDesc) of one format and one batch size: block b
+// belongs to the product whose `block_start` is the last one <= b. A product's blocks are
+// `row_blocks * slices`: a row block is MV_WARPS warps of MV_ROWS output rows each; a slice is
+// a contiguous range of the row's tiles (the host splits the inputs of matrices with few rows
+// so that they do not serialize on a few SMs; the slice count depends only on the shape).
 //
-// Row invariance: the elements a lane accumulates, their order, the fmaf chain of each group
-// and the final butterfly over the warp depend only on n_in and on the lane, never on the
-// batch size: a kernel instantiated for NB batch rows runs the same operations on each
-// accumulator as the one for 1 row. The host compiles with --fmad=false so that no
-// expression is contracted differently in different instantiations; the kernels write the
-// fused multiply-adds they want as explicit fmaf calls.
+// Work split inside a block: the row is walked in tiles of 32 * F::UNIT elements. For each
+// tile the block copies the x values of every batch row into shared memory once (all warps
+// and rows use them), and each warp stages the tile's weight bytes of its MV_ROWS rows with
+// coalesced vector loads (the next tile's loads are issued before the current tile is
+// computed). Lane l then owns *unit* l of the tile: F::UNIT consecutive elements that share
+// their scales, so the scales are decoded once per unit, not once per 4 elements. For each
+// 4-element chunk of the unit the lane dequantizes the weights of its MV_ROWS rows and
+// multiplies them with each batch row's x, so every x value read from shared memory serves
+// MV_ROWS rows and every dequantized weight serves NB batch rows.
+//
+// Row invariance: the elements a lane accumulates, their order (units in tile order, chunks
+// in unit order, an explicit fmaf chain per chunk), the warp butterfly, and the sum of the
+// slices in slice order depend only on the shape, never on the batch size: a kernel
+// instantiated for NB batch rows runs the same operations on each accumulator as the one for
+// 1 row. The host compiles with --fmad=false so that no expression is contracted differently
+// in different instantiations; the kernels write the fused multiply-adds they want as fmaf.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
-// Output rows (warps) per thread block.
+// Warps per thread block.
 #define MV_WARPS 4
-// Most batch rows one launch computes.
+// Output rows per warp (ROWS_PER_BLOCK = MV_WARPS * MV_ROWS on the host).
+#define MV_ROWS 4
+// Most batch rows one product chunk has.
 #define MV_MAX_BATCH 16
+
+// One product of a launch; the host writes the same layout (context.rs `Desc`, 64 bytes).
+struct MvDesc {
+    const u8* w;        // row 0 of the weights
+    const float* x;     // n rows of n_in floats (16-byte aligned)
+    float* y;           // n rows of n_out floats
+    float* part;        // slices * n * n_out floats of partial sums (slices > 1)
+    long long row_bytes;
+    int n_out;
+    int n_in;
+    int n;
+    int slices;
+    int block_start;    // first block of this product in the launch
+    int counter;        // first of its row_blocks arrival counters (slices > 1)
+};
 
 __device__ __forceinline__ int imin(int a, int b) {
     return a < b ? a : b;
@@ -46,9 +72,19 @@ __device__ __forceinline__ float f16_bits_to_f32(u32 h) {
 
 // The float of an unsigned byte value b (0..255), exactly. 2^23 + b has b in its low mantissa
 // bits, so this is an OR and a subtraction: the int-to-float converter runs at a fraction of
-// the FMA rate, and the quantized kernels convert one or more integers per weight.
+// the FMA rate, and the quantized kernels convert one integer per weight.
 __device__ __forceinline__ float u8f(u32 b) {
     return __uint_as_float(0x4B000000u | b) - 8388608.0f;
+}
+
+// The float of byte i (0..3) of `word`, exactly: one byte permute builds 2^23 + byte.
+__device__ __forceinline__ float byte_f(u32 word, int i) {
+    return __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7440u | (u32)i)) - 8388608.0f;
+}
+
+// The float of the signed byte i of `word ^ 0x80808080` (pass the flipped word), exactly.
+__device__ __forceinline__ float sbyte_f(u32 flipped, int i) {
+    return __uint_as_float(__byte_perm(flipped, 0x4B000000u, 0x7440u | (u32)i)) - 8388736.0f;
 }
 
 // The float of a signed byte given as its bits b (0..255), exactly (see u8f).
@@ -76,135 +112,289 @@ __device__ __forceinline__ u32 ld_u32_a4(const u8* p) {
     return *(const u32*)p;
 }
 
-// Chunks of 16 bytes each lane stages per tile.
-template <class F>
-struct Staging {
-    static constexpr int BYTES = F::TILE_ELEMS / F::BLOCK_ELEMS * F::BLOCK_BYTES;
-    static constexpr int CHUNKS = (BYTES + 15) / 16;
-    static constexpr int PER_LANE = (CHUNKS + 31) / 32;
-    // Shared memory per warp, rounded to whole chunks.
-    static constexpr int SMEM = CHUNKS * 16;
+// Little-endian u32 at any address (four byte loads).
+__device__ __forceinline__ u32 ld_u32_a1(const u8* p) {
+    return (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24);
+}
+
+// The staging load of F::VEC bytes.
+template <int V>
+struct VecT;
+template <>
+struct VecT<16> {
+    typedef uint4 T;
+};
+template <>
+struct VecT<8> {
+    typedef uint2 T;
 };
 
-// The product of one row of weights with NB (at most) batch rows, for the output row of
-// this warp. `w` points at row 0 of the matrix, rows `row_bytes` apart; `x` holds n rows of
-// n_in floats (16-byte aligned, n_in a multiple of 4); `y` n rows of n_out floats.
-//
-// Loads of 16 bytes need the row 16-byte aligned; a matrix whose rows are not (an odd
-// shape) is staged byte by byte instead, with the same arithmetic. Staging may read up to 15
-// bytes past the end of the last row: the host pads every device image by 256 bytes.
+// Sizes of the kernel of format F for NB batch rows.
 template <class F, int NB>
-__device__ __forceinline__ void matvec(const u8* __restrict__ w, int n_out, int n_in, long long row_bytes,
-                                       const float* __restrict__ x, float* __restrict__ y, int n, u8* smem) {
-    typedef Staging<F> S;
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int o = blockIdx.x * MV_WARPS + warp;
-    if (o >= n_out) {
-        return;
-    }
-    u8* tile = smem + warp * S::SMEM;
-    const u8* row = w + (long long)o * row_bytes;
-    const int tiles = (n_in + F::TILE_ELEMS - 1) / F::TILE_ELEMS;
-    const bool vec = (((unsigned long long)w | (unsigned long long)row_bytes) & 15ull) == 0;
+struct Mv {
+    static constexpr int U = F::UNIT;
+    static constexpr int TILE = 32 * U;
+    static constexpr int TILE_BYTES = TILE / F::BLOCK_ELEMS * F::BLOCK_BYTES;
+    // Staging loads per row and tile, and the staging bytes per row.
+    static constexpr int CH = (TILE_BYTES + F::VEC - 1) / F::VEC;
+    static constexpr int WS = (CH * F::VEC + 15) / 16 * 16;
+    static constexpr int PER_LANE = (MV_ROWS * CH + 31) / 32;
+    // Floats per unit in the shared x tile: the unit's NB rows of U floats, then 4 floats of
+    // padding when needed so that lane l's 16-byte reads start l * (an odd number) of 16-byte
+    // bank groups apart: the 8 lanes of each phase of a 16-byte shared load hit distinct banks.
+    static constexpr int XU = NB * U + (((NB * U / 4) % 2) == 0 ? 4 : 0);
+    static constexpr int XS = 32 * XU;
+    static constexpr int SMEM = F::LUT_BYTES + XS * 4 + MV_WARPS * MV_ROWS * WS;
+};
 
-    float acc[NB];
+template <class F, int NB>
+__device__ __forceinline__ void matvec(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters,
+                                       u8* smem) {
+    typedef Mv<F, NB> M;
+    typedef typename VecT<F::VEC>::T V;
+    constexpr int U = M::U;
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int b = blockIdx.x;
+    int p = 0;
+    while (p + 1 < count && descs[p + 1].block_start <= b) {
+        p++;
+    }
+    const MvDesc* D = descs + p;
+    const u8* w = D->w;
+    const float* x = D->x;
+    const long long row_bytes = D->row_bytes;
+    const int n_out = D->n_out;
+    const int n_in = D->n_in;
+    const int n = D->n;
+    const int slices = D->slices;
+    const int row_blocks = (n_out + MV_WARPS * MV_ROWS - 1) / (MV_WARPS * MV_ROWS);
+    const int local = b - D->block_start;
+    const int rb = local % row_blocks;
+    const int slice = local / row_blocks;
+    const int tiles = (n_in + M::TILE - 1) / M::TILE;
+    const int tps = (tiles + slices - 1) / slices;
+    const int t0 = slice * tps;
+    const int t1 = imin(tiles, t0 + tps);
+    const int o0 = rb * MV_WARPS * MV_ROWS + warp * MV_ROWS;
+    const int nrows = n_out - o0 < 0 ? 0 : imin(MV_ROWS, n_out - o0);
+
+    F::init_lut(smem, tid);
+    float* xs = (float*)(smem + F::LUT_BYTES);
+    u8* stage = smem + F::LUT_BYTES + M::XS * 4 + warp * MV_ROWS * M::WS;
+    const bool vec = (((unsigned long long)w | (unsigned long long)row_bytes) & (unsigned long long)(F::VEC - 1)) == 0;
+    const u8* row0 = w + (long long)(nrows > 0 ? o0 : 0) * row_bytes;
+
+    float acc[MV_ROWS][NB];
 #pragma unroll
-    for (int r = 0; r < NB; r++) {
-        acc[r] = 0.0f;
+    for (int q = 0; q < MV_ROWS; q++) {
+#pragma unroll
+        for (int r = 0; r < NB; r++) {
+            acc[q][r] = 0.0f;
+        }
     }
 
-    uint4 buf[S::PER_LANE];
-    // Issues the loads of tile t into buf (16-byte path only).
+    V buf[M::PER_LANE];
+    // Issues the loads of tile t of this warp's rows into buf (vector path only).
     auto load = [&](int t) {
-        const int e0 = t * F::TILE_ELEMS;
-        const int ne = imin(F::TILE_ELEMS, n_in - e0);
-        const int chunks = (ne / F::BLOCK_ELEMS * F::BLOCK_BYTES + 15) / 16;
-        const uint4* src = (const uint4*)(row + (long long)(e0 / F::BLOCK_ELEMS) * F::BLOCK_BYTES);
+        const int e0 = t * M::TILE;
+        const int ne = imin(M::TILE, n_in - e0);
+        const int chunks = (ne / F::BLOCK_ELEMS * F::BLOCK_BYTES + F::VEC - 1) / F::VEC;
+        const u8* src = row0 + (long long)(e0 / F::BLOCK_ELEMS) * F::BLOCK_BYTES;
 #pragma unroll
-        for (int i = 0; i < S::PER_LANE; i++) {
+        for (int i = 0; i < M::PER_LANE; i++) {
             const int c = lane + 32 * i;
-            if (c < chunks) {
-                buf[i] = __ldg(src + c);
+            const int q = c / M::CH;
+            const int cc = c - q * M::CH;
+            if (q < nrows && cc < chunks) {
+                buf[i] = __ldg((const V*)(src + (long long)q * row_bytes) + cc);
             }
         }
     };
-    if (vec) {
-        load(0);
-    }
-    for (int t = 0; t < tiles; t++) {
-        const int e0 = t * F::TILE_ELEMS;
-        const int ne = imin(F::TILE_ELEMS, n_in - e0);
-        if (vec) {
-            const int chunks = (ne / F::BLOCK_ELEMS * F::BLOCK_BYTES + 15) / 16;
+    // The x tiles: XR batch rows at a time, XPT float4 per thread and row; all the loads of
+    // a batch are issued before any is stored (a load-store loop would wait for each one).
+    // The first XR rows of the next tile are loaded with the next tile's weights.
+    constexpr int XR = NB < 4 ? NB : 4;
+    constexpr int XPT = (M::TILE / 4 + 32 * MV_WARPS - 1) / (32 * MV_WARPS);
+    auto xload = [&](int t, int r0, float4 (&dst)[XR][XPT]) {
+        const int e0 = t * M::TILE;
+        const int q4 = imin(M::TILE, n_in - e0) >> 2;
 #pragma unroll
-            for (int i = 0; i < S::PER_LANE; i++) {
-                const int c = lane + 32 * i;
-                if (c < chunks) {
-                    ((uint4*)tile)[c] = buf[i];
+        for (int rr = 0; rr < XR; rr++) {
+#pragma unroll
+            for (int i = 0; i < XPT; i++) {
+                const int k4 = tid + 32 * MV_WARPS * i;
+                if (r0 + rr < n && k4 < q4) {
+                    dst[rr][i] = __ldg((const float4*)(x + (long long)(r0 + rr) * n_in + e0) + k4);
                 }
             }
-            __syncwarp();
-            if (t + 1 < tiles) {
-                load(t + 1);
+        }
+    };
+    // Stores them in the padded unit-major layout of xs.
+    auto xstore = [&](int t, int r0, const float4 (&src)[XR][XPT]) {
+        const int q4 = imin(M::TILE, n_in - t * M::TILE) >> 2;
+#pragma unroll
+        for (int rr = 0; rr < XR; rr++) {
+#pragma unroll
+            for (int i = 0; i < XPT; i++) {
+                const int k4 = tid + 32 * MV_WARPS * i;
+                if (r0 + rr < n && k4 < q4) {
+                    const int k = 4 * k4;
+                    *(float4*)(xs + (k / U) * M::XU + (r0 + rr) * U + (k % U)) = src[rr][i];
+                }
+            }
+        }
+    };
+    float4 xb[XR][XPT];
+    if (t0 < t1) {
+        if (vec) {
+            load(t0);
+        }
+        xload(t0, 0, xb);
+    }
+    for (int t = t0; t < t1; t++) {
+        const int e0 = t * M::TILE;
+        const int ne = imin(M::TILE, n_in - e0);
+#pragma unroll
+        for (int r0 = XR; r0 < NB; r0 += XR) {
+            if (r0 < n) {
+                float4 tmp[XR][XPT];
+                xload(t, r0, tmp);
+                xstore(t, r0, tmp);
+            }
+        }
+        xstore(t, 0, xb);
+        if (vec) {
+            const int chunks = (ne / F::BLOCK_ELEMS * F::BLOCK_BYTES + F::VEC - 1) / F::VEC;
+#pragma unroll
+            for (int i = 0; i < M::PER_LANE; i++) {
+                const int c = lane + 32 * i;
+                const int q = c / M::CH;
+                const int cc = c - q * M::CH;
+                if (q < nrows && cc < chunks) {
+                    ((V*)(stage + q * M::WS))[cc] = buf[i];
+                }
             }
         } else {
             const int bytes = ne / F::BLOCK_ELEMS * F::BLOCK_BYTES;
-            const u8* src = row + (long long)(e0 / F::BLOCK_ELEMS) * F::BLOCK_BYTES;
-            for (int b = lane; b < bytes; b += 32) {
-                tile[b] = src[b];
-            }
-            __syncwarp();
-        }
-        const int groups = ne >> 2;
-        // Unrolled so that the next groups' loads are in flight (less for larger batches, whose
-        // accumulators already take the registers); the order of the additions into each
-        // accumulator is unchanged.
-        constexpr int UNROLL = NB <= 2 ? 4 : (NB <= 8 ? 2 : 1);
-#pragma unroll UNROLL
-        for (int g = lane; g < groups; g += 32) {
-            const float4 wv = F::dequant4(tile, g);
-            const float* xc = x + e0 + 4 * g;
-#pragma unroll
-            for (int r = 0; r < NB; r++) {
-                if (r < n) {
-                    const float4 xv = __ldg((const float4*)(xc + (long long)r * n_in));
-                    float a = acc[r];
-                    a = fmaf(wv.x, xv.x, a);
-                    a = fmaf(wv.y, xv.y, a);
-                    a = fmaf(wv.z, xv.z, a);
-                    a = fmaf(wv.w, xv.w, a);
-                    acc[r] = a;
+            const u8* src = row0 + (long long)(e0 / F::BLOCK_ELEMS) * F::BLOCK_BYTES;
+            for (int q = 0; q < nrows; q++) {
+                for (int i = lane; i < bytes; i += 32) {
+                    stage[q * M::WS + i] = src[(long long)q * row_bytes + i];
                 }
             }
         }
-        __syncwarp();
-    }
-
+        __syncthreads();
+        if (t + 1 < t1) {
+            if (vec) {
+                load(t + 1);
+            }
+            xload(t + 1, 0, xb);
+        }
+        const int nu = (ne + U - 1) / U;
+        if (lane < nu && nrows > 0) {
+            const int nch = imin(U / 4, (ne - lane * U) >> 2);
+            typename F::Unit st[MV_ROWS];
 #pragma unroll
-    for (int r = 0; r < NB; r++) {
-        if (r < n) {
-            float v = acc[r];
-            v += __shfl_xor_sync(0xffffffffu, v, 16);
-            v += __shfl_xor_sync(0xffffffffu, v, 8);
-            v += __shfl_xor_sync(0xffffffffu, v, 4);
-            v += __shfl_xor_sync(0xffffffffu, v, 2);
-            v += __shfl_xor_sync(0xffffffffu, v, 1);
-            if (lane == 0) {
-                y[(long long)r * n_out + o] = v;
+            for (int q = 0; q < MV_ROWS; q++) {
+                if (q < nrows) {
+                    F::load(stage + q * M::WS, lane, st[q], smem);
+                }
+            }
+            const float* xu = xs + lane * M::XU;
+#pragma unroll
+            for (int j = 0; j < U / 4; j++) {
+                if (j < nch) {
+                    float4 wv[MV_ROWS];
+#pragma unroll
+                    for (int q = 0; q < MV_ROWS; q++) {
+                        if (q < nrows) {
+                            wv[q] = F::get(st[q], j, smem);
+                        }
+                    }
+#pragma unroll
+                    for (int r = 0; r < NB; r++) {
+                        if (r < n) {
+                            const float4 xv = *(const float4*)(xu + r * U + 4 * j);
+#pragma unroll
+                            for (int q = 0; q < MV_ROWS; q++) {
+                                if (q < nrows) {
+                                    float a = acc[q][r];
+                                    a = fmaf(wv[q].x, xv.x, a);
+                                    a = fmaf(wv[q].y, xv.y, a);
+                                    a = fmaf(wv[q].z, xv.z, a);
+                                    a = fmaf(wv[q].w, xv.w, a);
+                                    acc[q][r] = a;
+                                }
+                            }
+                        }
+                    }
+                }
             }
         }
+        __syncthreads();
+    }
+
+    float* y = slices > 1 ? D->part + (long long)slice * n * n_out : D->y;
+#pragma unroll
+    for (int q = 0; q < MV_ROWS; q++) {
+#pragma unroll
+        for (int r = 0; r < NB; r++) {
+            if (r < n && q < nrows) {
+                float v = acc[q][r];
+                v += __shfl_xor_sync(0xffffffffu, v, 16);
+                v += __shfl_xor_sync(0xffffffffu, v, 8);
+                v += __shfl_xor_sync(0xffffffffu, v, 4);
+                v += __shfl_xor_sync(0xffffffffu, v, 2);
+                v += __shfl_xor_sync(0xffffffffu, v, 1);
+                if (lane == 0) {
+                    y[(long long)r * n_out + o0 + q] = v;
+                }
+            }
+        }
+    }
+    if (slices == 1) {
+        return;
+    }
+    // The last block of this row block to finish adds the slices' partial sums, in slice
+    // order (a fixed order: row invariance), and re-arms the counter for the next launch.
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        const int prev = atomicAdd(counters + D->counter + rb, 1);
+        last = prev == slices - 1;
+    }
+    __syncthreads();
+    if (!last) {
+        return;
+    }
+    __threadfence();
+    const int ob = rb * MV_WARPS * MV_ROWS;
+    const int rows = imin(MV_WARPS * MV_ROWS, n_out - ob);
+    for (int i = tid; i < n * rows; i += 32 * MV_WARPS) {
+        const int r = i / rows;
+        const int o = ob + i % rows;
+        float v = 0.0f;
+        for (int s = 0; s < slices; s++) {
+            v += __ldcg(D->part + ((long long)s * n + r) * n_out + o);
+        }
+        D->y[(long long)r * n_out + o] = v;
+    }
+    if (tid == 0) {
+        counters[D->counter + rb] = 0;
     }
 }
 
 // The kernels of one format F: ds4_mv_<NAME>_<NB> for NB in 1, 2, 4, 8, 16 (the host picks
-// the smallest NB >= n).
-#define MV_KERNEL(NAME, F, NB)                                                                         \
-    extern "C" __global__ void __launch_bounds__(32 * MV_WARPS)                                       \
-        ds4_mv_##NAME##_##NB(const u8* __restrict__ w, int n_out, int n_in, long long row_bytes,       \
-                             const float* __restrict__ x, float* __restrict__ y, int n) {             \
-        __shared__ __align__(16) u8 smem[MV_WARPS * Staging<F>::SMEM];                                \
-        matvec<F, NB>(w, n_out, n_in, row_bytes, x, y, n, smem);                                      \
+// the smallest NB >= n), and ds4_smem_<NAME>_<NB>, the dynamic shared memory each needs.
+#define MV_KERNEL(NAME, F, NB)                                                                                    \
+    extern "C" __device__ int ds4_smem_##NAME##_##NB = Mv<F, NB>::SMEM;                                          \
+    extern "C" __global__ void __launch_bounds__(32 * MV_WARPS)                                                  \
+        ds4_mv_##NAME##_##NB(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters) {          \
+        extern __shared__ __align__(16) u8 smem[];                                                               \
+        matvec<F, NB>(descs, count, counters, smem);                                                             \
     }
 
 #define MV_KERNELS(NAME, F) \
@@ -213,3 +403,8 @@ __device__ __forceinline__ void matvec(const u8* __restrict__ w, int n_out, int 
     MV_KERNEL(NAME, F, 4)   \
     MV_KERNEL(NAME, F, 8)   \
     MV_KERNEL(NAME, F, 16)
+
+// Formats without lookup tables.
+#define MV_NO_LUT                                                          \
+    static constexpr int LUT_BYTES = 0;                                    \
+    static __device__ __forceinline__ void init_lut(u8*, int) {}

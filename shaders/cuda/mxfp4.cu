@@ -1,7 +1,8 @@
 // MXFP4: blocks of 32 E2M1 weights, 17 bytes: an E8M0 exponent e, then 16 bytes whose low
 // nibbles are weights 0..15 and high nibbles weights 16..31; w = kvalue(nibble) * 2^(e-128)
-// (rust/engine/quant/mxfp4.rs). kvalue is the doubled E2M1 value, computed here from its bits
-// rather than looked up (a 16-entry table indexed per lane would serialize in constant memory).
+// (rust/engine/quant/mxfp4.rs). kvalue, the doubled E2M1 value, is a 16-float table in shared
+// memory: 16 words in 16 distinct banks, so any pattern of lookups is conflict-free. A lane's
+// unit is one block (at an odd tile offset: read bytewise once).
 
 __device__ __forceinline__ float mxfp4_kvalue(u32 nib) {
     const int e = (nib >> 1) & 3;
@@ -19,16 +20,35 @@ __device__ __forceinline__ float e8m0_to_fp32_half(u32 e) {
 struct FmtMXFP4 {
     static constexpr int BLOCK_ELEMS = 32;
     static constexpr int BLOCK_BYTES = 17;
-    static constexpr int TILE_ELEMS = 2048;
+    static constexpr int UNIT = 32;
+    static constexpr int VEC = 16;
+    static constexpr int LUT_BYTES = 64;
 
-    static __device__ __forceinline__ float4 dequant4(const u8* t, int g) {
-        const u8* b = t + 17 * (g >> 3);
-        const float d = e8m0_to_fp32_half(b[0]);
-        const int j = 4 * (g & 7);  // first element of the group in the block
-        const u8* q = b + 1 + (j & 15);
-        const int shift = j < 16 ? 0 : 4;
-        return make_float4(d * mxfp4_kvalue((q[0] >> shift) & 15u), d * mxfp4_kvalue((q[1] >> shift) & 15u),
-                           d * mxfp4_kvalue((q[2] >> shift) & 15u), d * mxfp4_kvalue((q[3] >> shift) & 15u));
+    static __device__ __forceinline__ void init_lut(u8* smem, int tid) {
+        if (tid < 16) {
+            ((float*)smem)[tid] = mxfp4_kvalue((u32)tid);
+        }
+    }
+
+    struct Unit {
+        float d;
+        u32 q[4];
+    };
+
+    static __device__ __forceinline__ void load(const u8* t, int u, Unit& s, const u8*) {
+        const u8* b = t + 17 * u;
+        s.d = e8m0_to_fp32_half(b[0]);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            s.q[i] = ld_u32_a1(b + 1 + 4 * i);
+        }
+    }
+
+    static __device__ __forceinline__ float4 get(const Unit& s, int j, const u8* lut) {
+        const float* kv = (const float*)lut;
+        const u32 q = s.q[j & 3] >> (j < 4 ? 0 : 4);
+        return make_float4(s.d * kv[q & 15u], s.d * kv[(q >> 8) & 15u], s.d * kv[(q >> 16) & 15u],
+                           s.d * kv[(q >> 24) & 15u]);
     }
 };
 

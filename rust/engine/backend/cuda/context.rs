@@ -36,8 +36,19 @@ pub(crate) const SOURCES: &[(&str, &str)] = &[
 pub(crate) const BATCH_SIZES: [usize; 5] = [1, 2, 4, 8, 16];
 /// Most batch rows one launch computes.
 pub(crate) const MAX_BATCH: usize = 16;
-/// Output rows per thread block (`MV_WARPS` in common.cuh).
-pub(crate) const ROWS_PER_BLOCK: u32 = 4;
+/// Output rows per thread block (`MV_WARPS * MV_ROWS` in common.cuh).
+pub(crate) const ROWS_PER_BLOCK: usize = 16;
+/// Threads per block (`32 * MV_WARPS`).
+pub(crate) const THREADS: u32 = 128;
+
+/// Elements of a kernel tile of format `ty` (`32 * F::UNIT` in shaders/cuda/): the unit of
+/// the input splits ([`crate::backend::cuda`] `slices`).
+pub(crate) fn tile_elems(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 256,
+        _ => 1024,
+    }
+}
 
 /// The formats with kernels, and their kernel name stems.
 pub(crate) const FORMATS: [(GgmlType, &str); 8] = [
@@ -199,8 +210,8 @@ pub(crate) struct Context {
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) stream: sys::CUstream,
     module: sys::CUmodule,
-    /// `(format, batch size) -> kernel`.
-    kernels: HashMap<(GgmlType, usize), sys::CUfunction>,
+    /// `(format, batch size) -> (kernel, bytes of dynamic shared memory)`.
+    kernels: HashMap<(GgmlType, usize), (sys::CUfunction, u32)>,
     pub(crate) name: String,
     pub(crate) compute_capability: (i32, i32),
     pub(crate) multiprocessors: i32,
@@ -253,7 +264,23 @@ impl Context {
                 // SAFETY: the module is loaded and the context bound.
                 let f =
                     unsafe { cu::module::get_function(me.module, fname) }.map_err(driver_err("looking up a kernel"))?;
-                me.kernels.insert((ty, nb), f);
+                // The kernel's shared memory size, as the program computes it (ds4_smem_*):
+                // more than the default 48 KiB needs opting in per function.
+                let gname = CString::new(format!("ds4_smem_{stem}_{nb}")).expect("no NUL in symbol names");
+                let mut smem = [0i32; 1];
+                // SAFETY: a 4-byte int global of the loaded module; synchronous copy.
+                unsafe {
+                    let (ptr, _) =
+                        cu::module::get_global(me.module, gname).map_err(driver_err("finding a kernel size"))?;
+                    cu::memcpy_dtoh_sync(&mut smem, ptr).map_err(driver_err("reading a kernel size"))?;
+                    cu::function::set_function_attribute(
+                        f,
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        smem[0],
+                    )
+                    .map_err(driver_err("allowing a kernel its shared memory"))?;
+                }
+                me.kernels.insert((ty, nb), (f, smem[0] as u32));
             }
         }
         Ok(me)
@@ -261,7 +288,7 @@ impl Context {
 
     /// The kernel for `ty` and a chunk of `n` (1..=16) batch rows: the one instantiated for
     /// the smallest batch size `>= n`.
-    pub(crate) fn kernel(&self, ty: GgmlType, n: usize) -> Option<sys::CUfunction> {
+    pub(crate) fn kernel(&self, ty: GgmlType, n: usize) -> Option<(sys::CUfunction, u32)> {
         let nb = BATCH_SIZES.iter().copied().find(|&b| b >= n)?;
         self.kernels.get(&(ty, nb)).copied()
     }

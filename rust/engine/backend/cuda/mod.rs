@@ -10,14 +10,15 @@
 //!   the CPU reference instead. The choice depends only on the matrix, never on the batch, so
 //!   row invariance holds either way.
 //! - [`Backend::matmul_many`] packs every input into one pinned buffer, makes one
-//!   host-to-device copy, launches every product, makes one device-to-host copy of all the
-//!   outputs and waits once: a decode step calls it about ten times per layer, and each
-//!   synchronization costs tens of microseconds.
+//!   host-to-device copy (inputs and a table of product descriptors), makes one launch per
+//!   kernel (format and batch size) for all the products of that kernel, one device-to-host
+//!   copy of all the outputs and waits once: a decode step calls it about ten times per layer,
+//!   and each launch and synchronization costs microseconds.
 //!
 //! Row invariance (see [`crate::backend`]): each output element is reduced by the same lane
-//! assignment, `fmaf` chain and warp butterfly whatever the batch size (see
-//! `shaders/cuda/common.cuh`); batches of more than 16 rows run in chunks of at most 16
-//! through the same kernels. GPU results agree with the CPU reference to rounding, not
+//! assignment, `fmaf` chain, warp butterfly and sum of input slices whatever the batch size
+//! (see `shaders/cuda/common.cuh`; how few-row matrices are split depends on the shape only);
+//! batches of more than 16 rows run in chunks of at most 16 through the same kernels. GPU results agree with the CPU reference to rounding, not
 //! bitwise: the two reduce in different orders.
 //!
 //! Testing: `cargo test --features cuda cuda` runs the tests of `tests.rs`; without a GPU
@@ -37,7 +38,7 @@ use std::sync::Mutex;
 use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 
-use self::context::{driver_err, Context, MAX_BATCH, ROWS_PER_BLOCK};
+use self::context::{driver_err, tile_elems, Context, MAX_BATCH, ROWS_PER_BLOCK, THREADS};
 use self::weights::DeviceImage;
 use super::{cpu, Backend};
 use crate::gguf::GgufFile;
@@ -66,6 +67,10 @@ struct Scratch {
     host_cap: usize,
     dev: sys::CUdeviceptr,
     dev_cap: usize,
+    /// Arrival counters of the products whose inputs are split over several blocks, all zero
+    /// between launches (each kernel re-arms what it used), `counters_cap` ints.
+    counters: sys::CUdeviceptr,
+    counters_cap: usize,
 }
 
 impl Scratch {
@@ -94,6 +99,26 @@ impl Scratch {
             // SAFETY: a plain allocation, freed in Drop or here.
             self.dev = unsafe { cu::malloc_sync(cap * 4) }.map_err(driver_err("allocating device memory"))?;
             self.dev_cap = cap;
+        }
+        Ok(())
+    }
+
+    /// Makes room for `n` zeroed counters (kept: they are zero whenever nothing runs).
+    fn reserve_counters(&mut self, n: usize) -> Result<()> {
+        if n > self.counters_cap {
+            let cap = n.next_power_of_two().max(1 << 12);
+            if self.counters != 0 {
+                // SAFETY: allocated below; nothing in flight (every call syncs).
+                unsafe { cu::free_sync(self.counters) }.map_err(driver_err("freeing device memory"))?;
+                self.counters = 0;
+                self.counters_cap = 0;
+            }
+            // SAFETY: a plain allocation, freed in Drop or here, zeroed before use.
+            unsafe {
+                self.counters = cu::malloc_sync(cap * 4).map_err(driver_err("allocating device memory"))?;
+                cu::memset_d8_sync(self.counters, 0, cap * 4).map_err(driver_err("clearing counters"))?;
+            }
+            self.counters_cap = cap;
         }
         Ok(())
     }
@@ -132,6 +157,9 @@ impl Drop for Inner {
                 if self.scratch.dev != 0 {
                     cu::free_sync(self.scratch.dev).ok();
                 }
+                if self.scratch.counters != 0 {
+                    cu::free_sync(self.scratch.counters).ok();
+                }
             }
         }
     }
@@ -142,6 +170,43 @@ pub struct CudaBackend {
     inner: Mutex<Inner>,
     name: String,
     compute_capability: (i32, i32),
+}
+
+/// One product chunk of at most 16 batch rows as the kernels read it (`MvDesc` in
+/// shaders/cuda/common.cuh): device addresses, shape, and where its blocks start.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct Desc {
+    w: u64,
+    x: u64,
+    y: u64,
+    part: u64,
+    row_bytes: i64,
+    n_out: i32,
+    n_in: i32,
+    n: i32,
+    slices: i32,
+    block_start: i32,
+    counter: i32,
+}
+
+/// Floats of scratch one [`Desc`] takes.
+const DESC_FLOATS: usize = std::mem::size_of::<Desc>() / 4;
+
+/// Blocks a launch should have at least to use every SM (two per SM of an H200).
+const TARGET_BLOCKS: usize = 264;
+
+/// In how many slices of its input the kernels split the rows of `w`: 1 for matrices with
+/// enough rows to fill the GPU, more for few rows (the hyper-connection and router products,
+/// 24 or 6 rows of 16384 inputs), so that they do not run on a handful of SMs. Depends only on
+/// the shape, never on the batch: the slices' partial sums are added in slice order, so the
+/// split is part of each row's fixed reduction order (row invariance).
+fn slices(w: &Mat) -> usize {
+    let row_blocks = w.n_out.div_ceil(ROWS_PER_BLOCK);
+    let tiles = w.n_in.div_ceil(tile_elems(w.ty));
+    let want = TARGET_BLOCKS.div_ceil(row_blocks).clamp(1, 32).min(tiles);
+    // No empty slice: the kernels give each slice ceil(tiles / slices) tiles.
+    tiles.div_ceil(tiles.div_ceil(want))
 }
 
 /// One product placed in the scratch buffers (offsets in floats).
@@ -171,7 +236,14 @@ impl CudaBackend {
             compute_capability: ctx.compute_capability,
             inner: Mutex::new(Inner {
                 images: Vec::new(),
-                scratch: Scratch { host: std::ptr::null_mut(), host_cap: 0, dev: 0, dev_cap: 0 },
+                scratch: Scratch {
+                    host: std::ptr::null_mut(),
+                    host_cap: 0,
+                    dev: 0,
+                    dev_cap: 0,
+                    counters: 0,
+                    counters_cap: 0,
+                },
                 ctx,
             }),
         })
@@ -246,28 +318,43 @@ impl CudaBackend {
             && img.holds(w.start, w.nbytes())
     }
 
-    /// Launches the product of `w` with `n <= 16` rows at device `x`, into device `y`.
-    fn launch(ctx: &Context, img: &DeviceImage, w: &Mat, x: u64, y: u64, n: usize) -> Result<()> {
-        let f = ctx.kernel(w.ty, n).ok_or_else(|| Error::Backend(format!("CUDA: no kernel for {}", w.ty)))?;
-        let mut wp = img.addr(w.start);
-        let mut n_out = w.n_out as i32;
-        let mut n_in = w.n_in as i32;
-        let mut row_bytes = w.row_bytes as i64;
-        let (mut xp, mut yp, mut nn) = (x, y, n as i32);
-        let mut params: [*mut std::ffi::c_void; 7] = [
-            (&raw mut wp).cast(),
-            (&raw mut n_out).cast(),
-            (&raw mut n_in).cast(),
-            (&raw mut row_bytes).cast(),
-            (&raw mut xp).cast(),
-            (&raw mut yp).cast(),
-            (&raw mut nn).cast(),
-        ];
-        let grid = (w.n_out as u32).div_ceil(ROWS_PER_BLOCK);
-        // SAFETY: the parameters match the kernel's signature (pointer, int, int, long long,
-        // pointer, pointer, int); the weights, x and y ranges are inside live allocations.
-        unsafe { cu::launch_kernel(f, (grid, 1, 1), (32 * ROWS_PER_BLOCK, 1, 1), 0, ctx.stream, &mut params) }
+    /// Launches kernel `f` (`smem` bytes of shared memory) over the `count` descriptors at
+    /// device address `table`, which together have `blocks` thread blocks.
+    fn launch(
+        ctx: &Context,
+        f: (sys::CUfunction, u32),
+        table: u64,
+        count: usize,
+        blocks: usize,
+        counters: u64,
+    ) -> Result<()> {
+        let (mut tp, mut cnt, mut cp) = (table, count as i32, counters);
+        let mut params: [*mut std::ffi::c_void; 3] =
+            [(&raw mut tp).cast(), (&raw mut cnt).cast(), (&raw mut cp).cast()];
+        // SAFETY: the parameters match the kernels' signature (pointer, int, pointer); the table
+        // and everything it points at are inside live allocations.
+        unsafe { cu::launch_kernel(f.0, (blocks as u32, 1, 1), (THREADS, 1, 1), f.1, ctx.stream, &mut params) }
             .map_err(driver_err("launching a kernel"))
+    }
+
+    /// The descriptor of the product of `w` with `n <= 16` rows at device `x` into device `y`
+    /// (partial sums at `part` when split, counters from `counter`), and its block count.
+    fn desc(img: &DeviceImage, w: &Mat, x: u64, y: u64, part: u64, n: usize, counter: usize) -> (Desc, usize) {
+        let s = slices(w);
+        let d = Desc {
+            w: img.addr(w.start),
+            x,
+            y,
+            part,
+            row_bytes: w.row_bytes as i64,
+            n_out: w.n_out as i32,
+            n_in: w.n_in as i32,
+            n: n as i32,
+            slices: s as i32,
+            block_start: 0,
+            counter: counter as i32,
+        };
+        (d, w.n_out.div_ceil(ROWS_PER_BLOCK) * s)
     }
 
     /// Times `iters` launches of the product of each of `mats` in turn (they should be at
@@ -284,13 +371,33 @@ impl CudaBackend {
         if mats.is_empty() || n == 0 || n > MAX_BATCH || mats.iter().any(|m| !Self::gpu_shape(img, m)) {
             return Err(Error::invalid("time_launches: matrices the kernels cannot take"));
         }
+        let f = g.ctx.kernel(mats[0].ty, n).ok_or_else(|| Error::Backend("CUDA: no kernel".into()))?;
+        if mats.iter().any(|m| m.ty != mats[0].ty) {
+            return Err(Error::invalid("time_launches: matrices of one format"));
+        }
+        let table_len = DESC_FLOATS * mats.len();
         let x_len = (n * n_in).next_multiple_of(4);
-        g.scratch.reserve(x_len + n * n_out)?;
-        let (x, y) = (g.scratch.dev, g.scratch.dev + 4 * x_len as u64);
+        let y_len = n * n_out;
+        let part_len = mats.iter().map(|m| if slices(m) > 1 { slices(m) * n * m.n_out } else { 0 }).max().unwrap_or(0);
+        let counters = mats.iter().map(|m| m.n_out.div_ceil(ROWS_PER_BLOCK)).max().unwrap_or(0);
+        g.scratch.reserve(table_len + x_len + y_len + part_len)?;
+        g.scratch.reserve_counters(counters)?;
+        let dev = g.scratch.dev;
+        let x = dev + 4 * table_len as u64;
+        let y = x + 4 * x_len as u64;
+        let part = y + 4 * y_len as u64;
+        let descs: Vec<(Desc, usize)> = mats.iter().map(|m| Self::desc(img, m, x, y, part, n, 0)).collect();
+        let table: Vec<Desc> = descs.iter().map(|d| d.0).collect();
         // SAFETY: inside the scratch allocation; synchronous.
-        unsafe { cu::memset_d8_sync(x, 0, 4 * x_len) }.map_err(driver_err("clearing x"))?;
-        for m in mats {
-            Self::launch(&g.ctx, img, m, x, y, n)?;
+        unsafe {
+            cu::memset_d8_sync(x, 0, 4 * x_len).map_err(driver_err("clearing x"))?;
+            cu::memcpy_htod_sync(dev, &table).map_err(driver_err("copying descriptors"))?;
+        }
+        let counters = g.scratch.counters;
+        let launch =
+            |i: usize| Self::launch(&g.ctx, f, dev + (i * std::mem::size_of::<Desc>()) as u64, 1, descs[i].1, counters);
+        for i in 0..mats.len() {
+            launch(i)?;
         }
         let ev = || cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(driver_err("creating an event"));
         let start = ev()?;
@@ -307,7 +414,7 @@ impl CudaBackend {
             unsafe {
                 cu::event::record(start, g.ctx.stream).map_err(driver_err("recording an event"))?;
                 for i in 0..iters {
-                    Self::launch(&g.ctx, img, &mats[i as usize % mats.len()], x, y, n)?;
+                    launch(i as usize % mats.len())?;
                 }
                 cu::event::record(end, g.ctx.stream).map_err(driver_err("recording an event"))?;
                 cu::event::synchronize(end).map_err(driver_err("running the kernels"))?;
@@ -359,15 +466,30 @@ impl Backend for CudaBackend {
                 on_cpu.push(i);
             }
         }
-        let mut total = x_len;
+        // Scratch layout, in floats: the descriptor table, the inputs, the outputs, the partial
+        // sums of split products. The table and the inputs go over in one copy.
+        let table_len = DESC_FLOATS * placed.iter().map(|p| p.n.div_ceil(MAX_BATCH)).sum::<usize>();
+        let x_end = table_len + x_len;
+        let mut total = x_end;
+        let mut counters = 0;
         for p in placed.iter_mut() {
+            p.x_off += table_len;
             p.y_off = total;
             total += p.n * specs[p.spec].0.n_out;
+        }
+        let y_end = total;
+        for p in &placed {
+            let w = specs[p.spec].0;
+            if slices(w) > 1 {
+                total += slices(w) * p.n * w.n_out;
+                counters += p.n.div_ceil(MAX_BATCH) * w.n_out.div_ceil(ROWS_PER_BLOCK);
+            }
         }
         if !placed.is_empty() {
             ctx.bind()?;
             scratch.reserve(total)?;
-            let queued = Self::queue(ctx, img, scratch, specs, &placed, x_len, total);
+            scratch.reserve_counters(counters)?;
+            let queued = Self::queue(ctx, img, scratch, specs, &placed, [table_len, x_end, y_end]);
             if queued.is_err() {
                 // Nothing may still be writing into the buffers once this call has returned.
                 ctx.sync().ok();
@@ -387,7 +509,7 @@ impl Backend for CudaBackend {
         }
         if !placed.is_empty() {
             ctx.sync()?;
-            let host = scratch.host(total);
+            let host = scratch.host(y_end);
             for p in &placed {
                 let len = outs[p.spec].len();
                 outs[p.spec].copy_from_slice(&host[p.y_off..p.y_off + len]);
@@ -398,39 +520,82 @@ impl Backend for CudaBackend {
 }
 
 impl CudaBackend {
-    /// Queues the input copy, the launches and the output copy of the `placed` products
-    /// (inputs in floats `0..x_len` of the scratch buffers, outputs in `x_len..total`).
+    /// Queues the input copy, the launches and the output copy of the `placed` products. In
+    /// the scratch buffers (floats): the descriptor table `0..table_len`, the inputs up to
+    /// `x_end`, the outputs up to `y_end`, then the partial sums.
+    ///
+    /// The product chunks (at most 16 batch rows each) are grouped by kernel (format and
+    /// batch size): one launch per group runs all of its products, its blocks finding their
+    /// product in the table. A decode step's call has one to three groups.
     fn queue(
         ctx: &Context,
         img: &DeviceImage,
         scratch: &mut Scratch,
         specs: &[(&Mat, &[f32])],
         placed: &[Placed],
-        x_len: usize,
-        total: usize,
+        [table_len, x_end, y_end]: [usize; 3],
     ) -> Result<()> {
         let dev = scratch.dev;
-        let host = scratch.host(total);
+        let at = |off: usize| dev + 4 * off as u64;
+        // (format index, batch size, descriptor, blocks), in call order.
+        let mut chunks = Vec::with_capacity(table_len / DESC_FLOATS);
+        let mut part = y_end;
+        let mut counter = 0;
+        for p in placed {
+            let w = specs[p.spec].0;
+            let fi = context::FORMATS.iter().position(|&(t, _)| t == w.ty).expect("a GPU format");
+            let mut r = 0;
+            while r < p.n {
+                let c = (p.n - r).min(MAX_BATCH);
+                let nb = context::BATCH_SIZES.iter().copied().find(|&b| b >= c).expect("c <= 16");
+                let x = at(p.x_off + r * w.n_in);
+                let y = at(p.y_off + r * w.n_out);
+                let (d, blocks) = Self::desc(img, w, x, y, at(part), c, counter);
+                if d.slices > 1 {
+                    part += d.slices as usize * c * w.n_out;
+                    counter += w.n_out.div_ceil(ROWS_PER_BLOCK);
+                }
+                chunks.push((fi, nb, d, blocks));
+                r += c;
+            }
+        }
+        chunks.sort_by_key(|c| (c.0, c.1));
+        // Groups of one kernel: (first chunk, chunks, blocks); block starts within the group.
+        let mut groups: Vec<(usize, usize, usize)> = Vec::new();
+        for i in 0..chunks.len() {
+            let same = i > 0 && (chunks[i].0, chunks[i].1) == (chunks[i - 1].0, chunks[i - 1].1);
+            if !same {
+                groups.push((i, 0, 0));
+            }
+            let g = groups.last_mut().expect("pushed above");
+            chunks[i].2.block_start = i32::try_from(g.2).map_err(|_| Error::invalid("matmul: too many blocks"))?;
+            g.1 += 1;
+            g.2 += chunks[i].3;
+        }
+        let host = scratch.host(y_end);
         for p in placed {
             let x = specs[p.spec].1;
             host[p.x_off..p.x_off + x.len()].copy_from_slice(x);
         }
-        // SAFETY: the pinned and device buffers hold `total` floats; the caller synchronizes
-        // the stream before the pinned buffer is read, reused or freed.
-        unsafe { cu::memcpy_htod_async(dev, &host[..x_len], ctx.stream) }.map_err(driver_err("copying inputs"))?;
-        for p in placed {
-            let w = specs[p.spec].0;
-            let mut r = 0;
-            while r < p.n {
-                let c = (p.n - r).min(MAX_BATCH);
-                let x = dev + 4 * (p.x_off + r * w.n_in) as u64;
-                let y = dev + 4 * (p.y_off + r * w.n_out) as u64;
-                Self::launch(ctx, img, w, x, y, c)?;
-                r += c;
-            }
+        let table: Vec<Desc> = chunks.iter().map(|c| c.2).collect();
+        // SAFETY: `table_len` floats at the start of the pinned buffer hold the table exactly
+        // (Desc is 16 plain 4-byte words); the regions do not overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(table.as_ptr().cast::<u8>(), host.as_mut_ptr().cast::<u8>(), table_len * 4)
+        };
+        // SAFETY: the pinned and device buffers hold at least `y_end` floats; the caller
+        // synchronizes the stream before the pinned buffer is read, reused or freed.
+        unsafe { cu::memcpy_htod_async(dev, &host[..x_end], ctx.stream) }.map_err(driver_err("copying inputs"))?;
+        for &(first, count, blocks) in &groups {
+            let (fi, nb) = (chunks[first].0, chunks[first].1);
+            let ty = context::FORMATS[fi].0;
+            let f = ctx.kernel(ty, nb).ok_or_else(|| Error::Backend(format!("CUDA: no kernel for {ty}")))?;
+            let table = dev + (first * std::mem::size_of::<Desc>()) as u64;
+            Self::launch(ctx, f, table, count, blocks, scratch.counters)?;
         }
+        let host = scratch.host(y_end);
         // SAFETY: as above.
-        unsafe { cu::memcpy_dtoh_async(&mut host[x_len..total], dev + 4 * x_len as u64, ctx.stream) }
+        unsafe { cu::memcpy_dtoh_async(&mut host[x_end..y_end], at(x_end), ctx.stream) }
             .map_err(driver_err("copying outputs"))
     }
 }
