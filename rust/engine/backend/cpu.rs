@@ -213,6 +213,39 @@ mod x86 {
         s
     }
 
+    /// See [`super::weighted_sum`]: 32 outputs (4 registers) at a time over all rows, then
+    /// the tail with [`axpy`]'s per-element operations.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn weighted_sum(out: &mut [f32], w: &[f32], rows: &[&[f32]]) {
+        let n = out.len();
+        let po = out.as_mut_ptr();
+        let mut i = 0;
+        while i + 32 <= n {
+            let mut a0 = _mm256_setzero_ps();
+            let mut a1 = _mm256_setzero_ps();
+            let mut a2 = _mm256_setzero_ps();
+            let mut a3 = _mm256_setzero_ps();
+            for (&wj, r) in w.iter().zip(rows) {
+                debug_assert!(r.len() >= n);
+                let (vw, pr) = (_mm256_set1_ps(wj), r.as_ptr().add(i));
+                a0 = _mm256_fmadd_ps(vw, _mm256_loadu_ps(pr), a0);
+                a1 = _mm256_fmadd_ps(vw, _mm256_loadu_ps(pr.add(8)), a1);
+                a2 = _mm256_fmadd_ps(vw, _mm256_loadu_ps(pr.add(16)), a2);
+                a3 = _mm256_fmadd_ps(vw, _mm256_loadu_ps(pr.add(24)), a3);
+            }
+            _mm256_storeu_ps(po.add(i), a0);
+            _mm256_storeu_ps(po.add(i + 8), a1);
+            _mm256_storeu_ps(po.add(i + 16), a2);
+            _mm256_storeu_ps(po.add(i + 24), a3);
+            i += 32;
+        }
+        if i < n {
+            for (&wj, r) in w.iter().zip(rows) {
+                axpy(&mut out[i..], wj, &r[i..n]);
+            }
+        }
+    }
+
     /// `y += a * x`, eight lanes at a time.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
@@ -228,6 +261,23 @@ mod x86 {
             y[i] += a * x[i];
             i += 1;
         }
+    }
+}
+
+/// `out = Σ_j w[j] · rows[j]`, accumulated over `j` in order for every element (the value
+/// side of attention). The AVX2 kernel keeps a 32-wide slice of `out` in registers across
+/// all rows instead of streaming `out` through memory once per row; per element it performs
+/// the same fused multiply-adds in the same order as repeated [`axpy`], so the two agree bit
+/// for bit.
+pub fn weighted_sum(out: &mut [f32], w: &[f32], rows: &[&[f32]]) {
+    out.fill(0.0);
+    #[cfg(target_arch = "x86_64")]
+    if crate::quant::simd::available() {
+        // SAFETY: AVX2 and FMA are present (checked just above).
+        return unsafe { x86::weighted_sum(out, w, rows) };
+    }
+    for (&wj, r) in w.iter().zip(rows) {
+        axpy(out, wj, r);
     }
 }
 

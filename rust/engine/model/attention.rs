@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use crate::backend::cpu::{axpy, dot_f32, PARALLEL_MIN_WORK};
+use crate::backend::cpu::{dot_f32, weighted_sum, PARALLEL_MIN_WORK};
 
 /// One query row: `q` holds `n_heads` heads of `head_dim`; `keys` are the visible rows (each
 /// both key and value). Writes `n_heads * head_dim` outputs:
@@ -22,10 +22,10 @@ pub fn attend(q: &[f32], keys: &[&[f32]], sinks: &[f32], head_dim: usize, out: &
             *l = (*l - m).exp();
             denom += *l;
         }
-        oh.fill(0.0);
-        for (l, k) in logits.iter().zip(keys) {
-            axpy(oh, *l / denom, k);
+        for l in logits.iter_mut() {
+            *l /= denom;
         }
+        weighted_sum(oh, &logits, keys);
     };
     // Heads are independent; each is computed the same way on whichever thread runs it.
     if q.len() * keys.len() >= PARALLEL_MIN_WORK {

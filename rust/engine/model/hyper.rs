@@ -94,17 +94,23 @@ pub fn sinkhorn(c: &mut [f32], hc: usize, eps: f32, iters: usize) {
 /// `X'_j = post_j * F + Σ_i comb[i][j] * X_i`, in place on `x`, for each row.
 pub fn post(x: &mut [f32], f: &[f32], mixes: &[Mix], hc: usize, d: usize) {
     let mut old = vec![0f32; hc * d];
+    let mut acc = vec![0f32; d];
     for (r, mix) in mixes.iter().enumerate() {
         let xs = &mut x[r * hc * d..(r + 1) * hc * d];
         old.copy_from_slice(xs);
         let fr = &f[r * d..(r + 1) * d];
         for j in 0..hc {
-            for k in 0..d {
-                let mut acc = 0f32;
-                for i in 0..hc {
-                    acc += mix.comb[i * hc + j] * old[i * d + k];
+            // Each element sums i = 0, 1, ... in order (stream by stream, so it vectorizes).
+            acc.fill(0.0);
+            for i in 0..hc {
+                let c = mix.comb[i * hc + j];
+                for (a, &o) in acc.iter_mut().zip(&old[i * d..(i + 1) * d]) {
+                    *a += c * o;
                 }
-                xs[j * d + k] = mix.post[j] * fr[k] + acc;
+            }
+            let pj = mix.post[j];
+            for ((y, &fk), &a) in xs[j * d..(j + 1) * d].iter_mut().zip(fr).zip(&acc) {
+                *y = pj * fk + a;
             }
         }
     }

@@ -76,8 +76,25 @@ impl Rope {
 
     /// [`Rope::apply`] to each `width`-wide chunk of `x`.
     pub fn apply_heads(&self, x: &mut [f32], width: usize, pos: usize, inverse: bool) {
+        // The angles depend on the position only: compute them once for all heads (the same
+        // values `apply` computes, so the result is identical).
+        let p = pos as f32;
+        let cs: Vec<(f32, f32)> = self
+            .inv_freq
+            .iter()
+            .map(|&f| {
+                let angle = f64::from(f * p);
+                let s = angle.sin() as f32;
+                (angle.cos() as f32, if inverse { -s } else { s })
+            })
+            .collect();
         for h in x.chunks_mut(width) {
-            self.apply(h, pos, inverse);
+            let off = h.len() - self.dim();
+            for (i, &(c, s)) in cs.iter().enumerate() {
+                let (a, b) = (h[off + 2 * i], h[off + 2 * i + 1]);
+                h[off + 2 * i] = a * c + (-b) * s;
+                h[off + 2 * i + 1] = b * c + a * s;
+            }
         }
     }
 }
