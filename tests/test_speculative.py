@@ -279,4 +279,4 @@ def test_cli_spec(models: dict[str, ds4.Model]) -> None:
     b = run("bench", str(LLAMACPP_TINY_L), "--prompt", "32", "--decode", "4", "--runs", "1", "--spec", "ngram",
             "--repetitive")
     assert b.returncode == 0, b.stderr
-    assert "speculative decode" in b.stdout
+    assert "generate: speculative" in b.stdout and "plain" in b.stdout

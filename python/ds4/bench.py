@@ -38,6 +38,8 @@ class BenchResult:
     #: With ``speculative``: decode tokens/s of greedy generation with speculation, and its stats.
     spec_tok_s: float | None = None
     spec_stats: SpecStats | None = None
+    #: With ``speculative``: plain greedy generation timed like the speculative one.
+    plain_generate_tok_s: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -50,7 +52,8 @@ class BenchResult:
             f"{self.decode_weight_bytes / 1e6:,.1f} MB of weights/token  {self.decode_gb_s:6.2f} GB/s\n"
             f"  (median of {self.runs} runs, {self.threads} threads, backend {self.backend})"
         ) + ("" if self.spec_stats is None or self.spec_tok_s is None else (
-            f"\n  speculative decode {self.spec_tok_s:10.2f} tok/s  (x{self.spec_tok_s * 1.0 / self.decode_tok_s:.2f}); "
+            f"\n  generate: speculative {self.spec_tok_s:.2f} tok/s, plain {self.plain_generate_tok_s or 0:.2f} tok/s "
+            f"(x{self.spec_tok_s / (self.plain_generate_tok_s or self.decode_tok_s):.2f}); "
             f"acceptance {self.spec_stats.acceptance_rate:.1%}, {self.spec_stats.mean_accepted_length:.2f} tokens/cycle, "
             f"{self.spec_stats.num_drafts} cycles, {self.spec_stats.num_plain_steps} plain steps"))
 
@@ -90,15 +93,22 @@ def bench(path: str | os.PathLike[str], *, prompt: int = 128, decode: int = 32, 
         if run:
             prefill.append(t1 - t0)
             decode_times.append(statistics.median(per_token))
-    spec_rate = spec_stats = None
+    spec_rate = spec_stats = plain_rate = None
     if speculative is not None:
-        rates = []
+        # Speculative and plain generation timed the same way (runs interleaved, so drifts of a
+        # shared machine hit both alike); the speedup compares these two.
+        rates, plain_rates = [], []
         for run in range(runs + 1):
             g = model.session(ctx).generate(tokens, max_tokens=decode, ignore_eos=True, speculative=speculative)
+            p = model.session(ctx).generate(tokens, max_tokens=decode, ignore_eos=True)
+            if g.tokens != p.tokens:
+                raise AssertionError("speculative greedy output differs from plain decoding")
             if run:
                 rates.append(g.decode_tokens_per_second)
+                plain_rates.append(p.decode_tokens_per_second)
                 spec_stats = g.stats
         spec_rate = statistics.median(rates)
+        plain_rate = statistics.median(plain_rates)
     pre_s = statistics.median(prefill)
     dec_s = statistics.median(decode_times)
     nbytes = model.decode_weight_bytes()
@@ -106,5 +116,5 @@ def bench(path: str | os.PathLike[str], *, prompt: int = 128, decode: int = 32, 
         model=os.fspath(path), prompt_tokens=prompt, decode_tokens=decode, runs=runs,
         prefill_tok_s=prompt / pre_s, decode_tok_s=1.0 / dec_s, decode_weight_bytes=nbytes,
         decode_gb_s=nbytes / dec_s / 1e9, threads=os.cpu_count() or 1, backend=model.backend, spec_tok_s=spec_rate,
-        spec_stats=spec_stats,
+        spec_stats=spec_stats, plain_generate_tok_s=plain_rate,
     )

@@ -218,9 +218,16 @@ impl Generation {
     /// One speculative cycle after the pending token `a` (already emitted).
     fn cycle(&mut self, session: &mut Session, a: u32, room: usize, chunk: &mut Chunk) -> Result<()> {
         let sp = self.spec.as_mut().expect("speculation is on");
+        if !sp.scheduler.would_speculate(room) {
+            // Not worth drafting this cycle: the scheduler books a plain cycle.
+            sp.scheduler.block(0);
+            return self.plain_step(session, a);
+        }
         let mut history = session.tokens().to_vec();
         history.push(a);
+        let t_draft = Instant::now();
         let mut draft = sp.drafter.propose_in(session, &history, a, room)?;
+        let draft_seconds = t_draft.elapsed().as_secs_f64();
         let l = sp.scheduler.block_with(draft.tokens.len().min(room), draft.survival.as_deref());
         draft.tokens.truncate(l);
         if let Some(q) = draft.dists.as_mut() {
@@ -234,7 +241,7 @@ impl Generation {
         batch.extend_from_slice(&draft.tokens);
         let t = Instant::now();
         let (rows, log) = session.verify(&batch)?;
-        sp.scheduler.record_cost(l + 1, t.elapsed().as_secs_f64());
+        sp.scheduler.record_cost(l + 1, t.elapsed().as_secs_f64() + draft_seconds);
         let vocab = session.model().config.vocab;
         let verdict = match crate::spec::accept::verify(session.sampler_mut()?, &rows, vocab, &draft) {
             Ok(v) => v,

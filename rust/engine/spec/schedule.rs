@@ -155,6 +155,25 @@ impl Scheduler {
         }
     }
 
+    /// Whether [`Scheduler::block`] could verify anything with up to `available` drafts (a
+    /// block that pays by the measured rates, or a probe that is due), without changing
+    /// anything. The generation asks this before drafting, so a drafter whose proposals
+    /// cost time (MTP, DSpark) is not run for a cycle that will decode plainly.
+    pub fn would_speculate(&self, available: usize) -> bool {
+        match self.policy {
+            Policy::Fixed(k) => k.min(available) > 0,
+            Policy::Adaptive { max } => {
+                let limit = max.min(available);
+                if limit == 0 {
+                    return false;
+                }
+                let (l, gain) = self.best(limit, None);
+                (l > 0 && gain >= 1.0 + MARGIN && self.account > -ACCOUNT_FLOOR)
+                    || (self.plain_since_probe >= self.probe_interval && self.account >= 0.0)
+            }
+        }
+    }
+
     fn adaptive(&mut self, limit: usize, predicted: Option<&[f64]>) -> usize {
         self.probing = false;
         if limit > 0 {
@@ -193,7 +212,8 @@ impl Scheduler {
     }
 
     /// The engine evaluated `rows` rows (1: plain decode; `l + 1`: verify of `l` drafts) in
-    /// `seconds`. Non-positive or non-finite timings are ignored.
+    /// `seconds` (for a verify, the drafter's proposal time included: it is part of what
+    /// speculating costs). Non-positive or non-finite timings are ignored.
     pub fn record_cost(&mut self, rows: usize, seconds: f64) {
         self.costs.record(rows, seconds);
     }
@@ -648,5 +668,27 @@ mod tests {
         // Fixed policies ignore predictions.
         let mut f = Scheduler::new(Policy::Fixed(4)).unwrap();
         assert_eq!(f.block_with(5, Some(&[0.0; 5])), 4);
+    }
+
+    #[test]
+    fn would_speculate_agrees_with_block() {
+        // Through cost learning, acceptance runs, rejection streaks and probes: asking first
+        // never changes what block() decides.
+        let mut s = Scheduler::new(Policy::Adaptive { max: 6 }).unwrap();
+        let mut rng = XorShift(7);
+        for i in 0..3000 {
+            let available = 1 + i % 7;
+            let asked = s.would_speculate(available);
+            let l = s.block(available);
+            assert_eq!(asked, l > 0, "cycle {i}");
+            s.record_cost(l + 1, 1.0 + 0.4 * l as f64);
+            let rate = if (i / 300) % 2 == 0 { 0.9 } else { 0.05 };
+            let mut k = 0;
+            while k < l && rng.uniform() < rate {
+                k += 1;
+            }
+            s.record_outcome(l, k);
+        }
+        assert!(!Scheduler::new(Policy::Fixed(3)).unwrap().would_speculate(0));
     }
 }
