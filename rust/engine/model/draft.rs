@@ -280,6 +280,9 @@ impl DraftModel {
         while file.tensor(&format!("mtp.{n_stages}.attn_norm.weight")).is_some() {
             n_stages += 1;
         }
+        if n_stages == 0 {
+            return Err(Error::mismatch("the DSpark file has no stages (mtp.0.attn_norm.weight is missing)"));
+        }
         if let Some(v) = meta("stage_count").or_else(|| meta("n_layers")).and_then(Value::as_u64) {
             if v as usize != n_stages {
                 return Err(Error::mismatch(format!("dspark.stage_count is {v}, the file has {n_stages} stages")));
