@@ -212,6 +212,9 @@ def test_worst_argmax_gap_is_zero(mtp: ds4.Model, dspark: ds4.Model, method: str
 
 @pytest.mark.parametrize("method", ["mtp", "dspark"])
 def test_temperature_sampling_is_exact(mtp: ds4.Model, dspark: ds4.Model, method: str) -> None:
+    # At T > 0 the drafter samples its tokens from its own filtered distribution q; the
+    # target accepts with min(1, p/q) and resamples rejections from (p - q)+. The second
+    # generated token (the first one a draft can supply) must follow the target's p exactly.
     m = mtp if method == "mtp" else dspark
     prompt = prompts("tiny-l")[0]
     params = dict(temperature=1.0, top_k=6)
@@ -220,7 +223,11 @@ def test_temperature_sampling_is_exact(mtp: ds4.Model, dspark: ds4.Model, method
     snap = s.snapshot()
     ids1, p1 = ds4.Sampling(**params, seed=0).sampler().distribution(  # type: ignore[arg-type]
         m.session(64).eval(prompt)[-1])
+    top = int(ids1[np.argmax(p1)])
+    ids2, p2 = ds4.Sampling(**params, seed=0).sampler().distribution(  # type: ignore[arg-type]
+        m.session(64).eval(prompt + [top])[-1])
     first: dict[int, int] = {}
+    second: dict[int, int] = {}
     spec = ds4.Speculative(method, max_draft=3, adaptive=False)
     drafted = 0
     for seed in range(1500):
@@ -228,9 +235,12 @@ def test_temperature_sampling_is_exact(mtp: ds4.Model, dspark: ds4.Model, method
         g = s.generate(prompt[-1:], max_tokens=3, ignore_eos=True, speculative=spec,
                        sampling=ds4.Sampling(**params, seed=seed))  # type: ignore[arg-type]
         first[g.tokens[0]] = first.get(g.tokens[0], 0) + 1
+        if g.tokens[0] == top:
+            second[g.tokens[1]] = second.get(g.tokens[1], 0) + 1
         drafted += g.stats.num_draft_tokens
     assert drafted > 0
     assert chi2_pvalue(first, ids1, p1) > 1e-6
+    assert sum(second.values()) > 150 and chi2_pvalue(second, ids2, p2) > 1e-6
 
 
 @pytest.mark.parametrize("method", ["mtp", "dspark"])

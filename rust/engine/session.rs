@@ -193,9 +193,23 @@ impl Session {
 
     /// What the model's drafter proposes to follow the committed tokens and `anchor` (by
     /// default the target's greedy next token, from the last evaluated logits), at most `k`
-    /// tokens (by default the drafter's block: DSpark's block size, one MTP step). Changes
-    /// nothing.
+    /// tokens (by default the drafter's block: DSpark's block size, one MTP step), each the
+    /// argmax of the drafter's logits. Changes nothing.
     pub fn propose(&self, anchor: Option<u32>, k: Option<usize>) -> Result<Proposal> {
+        let (anchor, k) = self.proposal_args(anchor, k)?;
+        self.model.propose(&self.state, anchor, k, None)
+    }
+
+    /// [`Session::propose`] for speculation: with a non-greedy sampler the tokens are drawn
+    /// from the drafter's distributions (filtered like the target's) with the session's random
+    /// stream, and those distributions come back for exact rejection sampling.
+    pub(crate) fn propose_for_verify(&mut self, anchor: u32, k: usize) -> Result<Proposal> {
+        let (anchor, k) = self.proposal_args(Some(anchor), Some(k))?;
+        let sampler = self.sampler.as_mut();
+        self.model.propose(&self.state, anchor, k, sampler)
+    }
+
+    fn proposal_args(&self, anchor: Option<u32>, k: Option<usize>) -> Result<(u32, usize)> {
         let dm = self
             .model
             .draft
@@ -219,7 +233,7 @@ impl Session {
         if k > crate::spec::MAX_DRAFT {
             return Err(Error::invalid(format!("k = {k} exceeds the most a cycle drafts, {}", crate::spec::MAX_DRAFT)));
         }
-        self.model.propose(&self.state, anchor, k)
+        Ok((anchor, k))
     }
 
     /// The method of the model's drafter ("mtp", "dspark"), if it has one.

@@ -8,6 +8,7 @@ use crate::model::attention::raw_range;
 use crate::model::block::{kv_rows, window_block};
 use crate::model::draft::{DSparkWeights, DraftKind, DraftModel, MtpInput, MtpPairing, MtpWeights};
 use crate::model::{hyper, Model};
+use crate::sampling::{Distribution, Sampler};
 use crate::state::{BatchLog, DraftLog, DraftState, LayerState, State};
 use crate::{Error, Result};
 
@@ -25,6 +26,39 @@ pub struct Proposal {
     pub base_logits: Option<Vec<f32>>,
     /// DSpark: the unnormalized hidden row of each token (the HC head's output).
     pub hidden: Option<Vec<f32>>,
+    /// When the tokens were sampled (temperature > 0), the distribution each was drawn from.
+    pub dists: Option<Vec<Distribution>>,
+}
+
+/// How a drafter picks each token from its logits: the argmax, or a draw from the filtered
+/// distribution of a (non-greedy) sampler, whose `q` is kept for exact rejection sampling.
+pub(crate) struct Chooser<'a> {
+    sampler: Option<&'a mut Sampler>,
+    dists: Vec<Distribution>,
+}
+
+impl<'a> Chooser<'a> {
+    pub(crate) fn new(sampler: Option<&'a mut Sampler>) -> Self {
+        Chooser { sampler: sampler.filter(|s| !s.params().is_greedy()), dists: Vec::new() }
+    }
+
+    fn choose(&mut self, logits: &[f32]) -> Result<u32> {
+        match self.sampler.as_deref_mut() {
+            None => Ok(argmax(logits)),
+            Some(s) => {
+                let q = s.distribution(logits)?;
+                let t = s.sample_from(&q);
+                self.dists.push(q);
+                Ok(t)
+            }
+        }
+    }
+
+    fn finish(self, out: &mut Proposal) {
+        if self.sampler.is_some() {
+            out.dists = Some(self.dists);
+        }
+    }
 }
 
 /// The index of the largest value, the lowest index among equals.
@@ -191,8 +225,10 @@ impl Model {
     }
 
     /// What the model's drafter proposes after the committed state `state` and `anchor` (the
-    /// token that follows it), at most `k` tokens. Changes nothing.
-    pub fn propose(&self, state: &State, anchor: u32, k: usize) -> Result<Proposal> {
+    /// token that follows it), at most `k` tokens: argmax tokens, or with a non-greedy
+    /// `sampler`, tokens drawn from its filtered distribution of the drafter's logits (drawing
+    /// from the sampler's stream; the distributions are returned). Changes nothing else.
+    pub fn propose(&self, state: &State, anchor: u32, k: usize, sampler: Option<&mut Sampler>) -> Result<Proposal> {
         let dm =
             self.draft.as_ref().ok_or_else(|| Error::invalid("this model has no drafter (load one with draft=...)"))?;
         if anchor as usize >= self.config.vocab {
@@ -203,10 +239,10 @@ impl Model {
         }
         match (&dm.kind, state.draft.as_ref()) {
             (DraftKind::Mtp(w), Some(DraftState::Mtp { ring, pending })) => {
-                self.propose_mtp(dm, w, ring, pending, state, anchor, k)
+                self.propose_mtp(dm, w, ring, pending, state, anchor, k, Chooser::new(sampler))
             }
             (DraftKind::DSpark(w), Some(DraftState::DSpark { rings })) => {
-                self.propose_dspark(dm, w, rings, state, anchor, k)
+                self.propose_dspark(dm, w, rings, state, anchor, k, Chooser::new(sampler))
             }
             _ => Err(Error::invalid("the session was created without the model's drafter state")),
         }
@@ -240,6 +276,7 @@ impl Model {
         state: &State,
         anchor: u32,
         k: usize,
+        mut chooser: Chooser<'_>,
     ) -> Result<Proposal> {
         let cfg = &self.config;
         let p = state.pos - 1;
@@ -285,10 +322,11 @@ impl Model {
                 continue;
             }
             let (logits, _) = self.draft_head(dm, &w.hc_head, &w.norm, w.head_from_target, &h)?;
-            tok = argmax(&logits);
+            tok = chooser.choose(&logits)?;
             out.tokens.push(tok);
             out.logits.extend_from_slice(&logits);
         }
+        chooser.finish(&mut out);
         Ok(out)
     }
 
@@ -300,6 +338,7 @@ impl Model {
         state: &State,
         anchor: u32,
         k: usize,
+        mut chooser: Chooser<'_>,
     ) -> Result<Proposal> {
         let cfg = &self.config;
         let (d, hc) = (cfg.hidden, cfg.hc_mult);
@@ -344,13 +383,14 @@ impl Model {
                 inp.extend_from_slice(&emb);
                 conf.push(dops.matmul(cw, &inp)?[0]);
             }
-            prev = argmax(&row);
+            prev = chooser.choose(&row)?;
             out.tokens.push(prev);
             out.logits.extend_from_slice(&row);
         }
         if w.confidence.is_some() {
             out.confidence = Some(conf);
         }
+        chooser.finish(&mut out);
         Ok(out)
     }
 }

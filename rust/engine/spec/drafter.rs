@@ -41,7 +41,7 @@ pub trait Drafter: Send {
     /// Like [`Drafter::propose`], with the session (at the committed prefix) and the pending
     /// token `anchor` that follows it: model drafters read their state from the session.
     /// `history` is the session's tokens followed by `anchor`.
-    fn propose_in(&mut self, _session: &Session, history: &[u32], _anchor: u32, max: usize) -> Result<Draft> {
+    fn propose_in(&mut self, _session: &mut Session, history: &[u32], _anchor: u32, max: usize) -> Result<Draft> {
         self.propose(history, max)
     }
 
@@ -83,9 +83,9 @@ impl Drafter for ModelDrafter {
         Err(crate::Error::invalid("a model drafter proposes from a session"))
     }
 
-    fn propose_in(&mut self, session: &Session, _history: &[u32], anchor: u32, max: usize) -> Result<Draft> {
-        let p = session.propose(Some(anchor), Some(max.min(self.max)))?;
+    fn propose_in(&mut self, session: &mut Session, _history: &[u32], anchor: u32, max: usize) -> Result<Draft> {
+        let p = session.propose_for_verify(anchor, max.min(self.max))?;
         let survival = p.confidence.map(|c| c.iter().map(|&z| 1.0 / (1.0 + (-f64::from(z)).exp())).collect());
-        Ok(Draft { tokens: p.tokens, dists: None, survival })
+        Ok(Draft { tokens: p.tokens, dists: p.dists, survival })
     }
 }
