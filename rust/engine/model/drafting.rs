@@ -330,6 +330,7 @@ impl Model {
         Ok(out)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn propose_dspark(
         &self,
         dm: &DraftModel,
