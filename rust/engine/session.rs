@@ -101,11 +101,25 @@ impl Session {
         if tokens.is_empty() {
             return Ok(Vec::new());
         }
-        // Work on a copy so that an error half-way leaves the session as it was; the copy
-        // shares the compressed rows, so it costs the bounded state only.
-        let mut next = self.state.clone();
-        let logits = self.model.forward(&mut next, tokens, which, None)?;
-        self.state = next;
+        let logits = if tokens.len() <= crate::spec::MAX_DRAFT + 1 {
+            // Decode-sized batches run in place with a log of what each row overwrites (a few
+            // KB a layer), undone if the pass fails half-way.
+            let mut log = BatchLog::new(self.state.pos, tokens.len(), self.state.layers.len());
+            match self.model.forward(&mut self.state, tokens, which, Some(&mut log)) {
+                Ok(l) => l,
+                Err(e) => {
+                    self.state.rollback(log);
+                    return Err(e);
+                }
+            }
+        } else {
+            // Longer batches work on a copy (it shares the compressed rows, so it costs the
+            // bounded state only, small next to the batch).
+            let mut next = self.state.clone();
+            let l = self.model.forward(&mut next, tokens, which, None)?;
+            self.state = next;
+            l
+        };
         let v = self.model.config.vocab;
         self.last_logits = (which != Logits::None).then(|| Arc::from(&logits[logits.len() - v..]));
         Ok(logits)
@@ -115,13 +129,21 @@ impl Session {
     /// needed to cut the state back to any prefix of them with [`Session::keep`].
     pub fn verify(&mut self, tokens: &[u32]) -> Result<(Vec<f32>, BatchLog)> {
         self.check(tokens)?;
-        if tokens.is_empty() {
-            return Err(Error::invalid("verify needs at least one token"));
+        if tokens.is_empty() || tokens.len() > crate::spec::MAX_DRAFT + 1 {
+            return Err(Error::invalid(format!(
+                "verify takes 1..={} tokens (the rings keep that many spare slots), not {}",
+                crate::spec::MAX_DRAFT + 1,
+                tokens.len()
+            )));
         }
-        let mut next = self.state.clone();
-        let mut log = BatchLog::new(next.pos, tokens.len(), next.layers.len());
-        let logits = self.model.forward(&mut next, tokens, Logits::All, Some(&mut log))?;
-        self.state = next;
+        let mut log = BatchLog::new(self.state.pos, tokens.len(), self.state.layers.len());
+        let logits = match self.model.forward(&mut self.state, tokens, Logits::All, Some(&mut log)) {
+            Ok(l) => l,
+            Err(e) => {
+                self.state.rollback(log);
+                return Err(e);
+            }
+        };
         self.last_logits = None;
         Ok((logits, log))
     }
@@ -249,5 +271,63 @@ impl Session {
     /// Bytes held by the decode state.
     pub fn state_bytes(&self) -> usize {
         self.state.nbytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{Backend, Cpu};
+    use crate::model::weights::Mat;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// The CPU backend, failing the call whose number (counting from 0) is `fail_at`.
+    struct Failing {
+        calls: AtomicUsize,
+        fail_at: AtomicUsize,
+    }
+
+    impl Backend for Failing {
+        fn name(&self) -> &'static str {
+            "failing"
+        }
+
+        fn matmul_many(&self, raw: &[u8], specs: &[(&Mat, &[f32])]) -> Result<Vec<Vec<f32>>> {
+            if self.calls.fetch_add(1, Ordering::Relaxed) == self.fail_at.load(Ordering::Relaxed) {
+                return Err(Error::Backend("injected failure".into()));
+            }
+            Cpu.matmul_many(raw, specs)
+        }
+    }
+
+    #[test]
+    fn a_pass_failing_anywhere_leaves_the_session_as_it_was() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/tiny-l");
+        let mut m = Model::load(dir.join("llamacpp-f32.gguf")).unwrap();
+        let fb = Arc::new(Failing { calls: AtomicUsize::new(0), fail_at: AtomicUsize::new(usize::MAX) });
+        m.set_backend(fb.clone());
+        let mut s = Session::new(Arc::new(m), 512, KvPrecision::F32).unwrap();
+        // 127 tokens: the next one closes a window of the ratio-4 and ratio-128 compressors.
+        let prompt: Vec<u32> = (0..127).map(|i| (i * 37 % 500 + 3) as u32).collect();
+        s.eval(&prompt, Logits::Last).unwrap();
+        let (snap, digest) = (s.snapshot(), s.digest());
+        let calls = || fb.calls.load(Ordering::Relaxed);
+        let c0 = calls();
+        let want = s.eval(&[7, 8], Logits::All).unwrap();
+        let per_step = calls() - c0;
+        assert!(per_step > 10);
+        s.restore(&snap).unwrap();
+        for k in 0..per_step {
+            fb.fail_at.store(calls() + k, Ordering::Relaxed);
+            assert!(matches!(s.eval(&[7], Logits::Last), Err(Error::Backend(_))));
+            assert_eq!(s.digest(), digest, "decode failing at its call {k}");
+            fb.fail_at.store(calls() + k, Ordering::Relaxed);
+            assert!(matches!(s.verify(&[7, 8, 9, 10, 11]), Err(Error::Backend(_))));
+            assert_eq!(s.digest(), digest, "verify failing at its call {k}");
+            // The session goes on exactly like one that never failed.
+            fb.fail_at.store(usize::MAX, Ordering::Relaxed);
+            assert_eq!(s.eval(&[7, 8], Logits::All).unwrap(), want);
+            s.restore(&snap).unwrap();
+        }
     }
 }

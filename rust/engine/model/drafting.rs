@@ -206,8 +206,13 @@ impl Model {
                 let mut main_x = dops.matmul(&w.main_proj, captured)?;
                 crate::backend::cpu::rms_norm_rows(&mut main_x, &w.main_norm, cfg.rms_eps);
                 let positions: Vec<usize> = (pos0..pos0 + n).collect();
-                for (s, (stage, ring)) in w.stages.iter().zip(rings.iter_mut()).enumerate() {
-                    let kv = kv_rows(dops, cfg, stage, &dm.rope, precision, &main_x, &positions)?;
+                // Every fallible product first, then the writes: a failure leaves no row written.
+                let kvs = w
+                    .stages
+                    .iter()
+                    .map(|stage| kv_rows(dops, cfg, stage, &dm.rope, precision, &main_x, &positions))
+                    .collect::<Result<Vec<_>>>()?;
+                for (s, (kv, ring)) in kvs.iter().zip(rings.iter_mut()).enumerate() {
                     for (row, &p) in kv.chunks(cfg.head_dim).zip(&positions) {
                         if log.is_some() {
                             dlog.written.push((s, p, ring.raw(p).to_vec()));

@@ -99,6 +99,45 @@ impl CompressorState {
     }
 }
 
+/// What [`CompressorState::push`] at one position (and the row it may emit) overwrites: the
+/// position's slot, the previous window's halves if the window closes, the emitted-row
+/// count. Taken before the push; [`CompressorUndo::restore`] puts it back. A few KB, where a
+/// whole frontier of a ratio-128 layer is 512 KB.
+#[derive(Debug)]
+pub(crate) struct CompressorUndo {
+    slot: usize,
+    kv: Vec<f32>,
+    score: Vec<f32>,
+    prev: Option<(Vec<f32>, Vec<f32>)>,
+    rows: usize,
+}
+
+impl CompressorUndo {
+    pub(crate) fn capture(cs: &CompressorState, pos: usize) -> Self {
+        let pw = cs.proj_width();
+        let slot = pos % cs.ratio;
+        let closes = (pos + 1).is_multiple_of(cs.ratio);
+        CompressorUndo {
+            slot,
+            kv: cs.cur_kv[slot * pw..(slot + 1) * pw].to_vec(),
+            score: cs.cur_score[slot * pw..(slot + 1) * pw].to_vec(),
+            prev: (closes && cs.overlap).then(|| (cs.prev_kv.clone(), cs.prev_score.clone())),
+            rows: cs.rows.len(),
+        }
+    }
+
+    pub(crate) fn restore(self, cs: &mut CompressorState) {
+        let pw = cs.proj_width();
+        cs.cur_kv[self.slot * pw..(self.slot + 1) * pw].copy_from_slice(&self.kv);
+        cs.cur_score[self.slot * pw..(self.slot + 1) * pw].copy_from_slice(&self.score);
+        if let Some((kv, score)) = self.prev {
+            cs.prev_kv = kv;
+            cs.prev_score = score;
+        }
+        cs.rows.truncate(self.rows);
+    }
+}
+
 /// The state of one layer.
 #[derive(Clone, Debug)]
 pub struct LayerState {

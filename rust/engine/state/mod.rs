@@ -13,6 +13,7 @@ mod rows;
 
 pub(crate) use draft::DraftLog;
 pub use draft::DraftState;
+pub(crate) use layer::CompressorUndo;
 pub use layer::{CompressorState, LayerState};
 pub use precision::{hadamard, KvPrecision};
 pub use rows::RowStore;
@@ -63,8 +64,9 @@ impl State {
 }
 
 /// What one batch evaluation overwrote, kept so that the state can be cut back to the state
-/// after any prefix of the batch (speculative commit). For each layer: each row's ring slot
-/// as it was before the row wrote it, and the compressors' frontiers before each row.
+/// after any prefix of the batch (speculative commit, [`State::keep_prefix`]) or to the state
+/// before it (an error half-way, [`State::rollback`]). For each layer and row: the ring slot
+/// the row overwrote and what its compressors' pushes overwrote.
 #[derive(Debug)]
 pub struct BatchLog {
     pub(crate) pos0: usize,
@@ -76,7 +78,7 @@ pub struct BatchLog {
 #[derive(Debug, Default)]
 pub(crate) struct LayerLog {
     pub(crate) ring_before: Vec<f32>,
-    pub(crate) frontiers: Vec<(Option<CompressorState>, Option<CompressorState>)>,
+    pub(crate) undo: Vec<(Option<CompressorUndo>, Option<CompressorUndo>)>,
 }
 
 impl BatchLog {
@@ -88,7 +90,10 @@ impl BatchLog {
     pub(crate) fn before_row(&mut self, layer: usize, pos: usize, ls: &LayerState) {
         let l = &mut self.layers[layer];
         l.ring_before.extend_from_slice(ls.raw(pos));
-        l.frontiers.push((ls.compressor.clone(), ls.indexer.clone()));
+        l.undo.push((
+            ls.compressor.as_ref().map(|c| CompressorUndo::capture(c, pos)),
+            ls.indexer.as_ref().map(|c| CompressorUndo::capture(c, pos)),
+        ));
     }
 }
 
@@ -103,6 +108,19 @@ impl State {
         if keep == log.n {
             return Ok(());
         }
+        self.undo(log, keep);
+        Ok(())
+    }
+
+    /// Puts the state back as it was before the batch `log` recorded, after that batch failed
+    /// at any point (the rows and layers it had not reached are untouched).
+    pub(crate) fn rollback(&mut self, log: BatchLog) {
+        self.undo(log, 0);
+    }
+
+    /// Undoes every logged row from `keep` on, newest first (a slot written twice ends up
+    /// with what it held before the first write), and sets the position to `pos0 + keep`.
+    fn undo(&mut self, log: BatchLog, keep: usize) {
         if let (Some(ds), Some(dl)) = (self.draft.as_mut(), log.draft) {
             let cut = log.pos0 + keep;
             let mut rings = ds.rings_mut();
@@ -118,16 +136,18 @@ impl State {
         }
         for (ls, ll) in self.layers.iter_mut().zip(log.layers) {
             let hd = ls.head_dim;
-            for r in keep..log.n {
+            for (r, (comp, index)) in ll.undo.into_iter().enumerate().skip(keep).rev() {
                 ls.raw_slot_mut(log.pos0 + r).copy_from_slice(&ll.ring_before[r * hd..(r + 1) * hd]);
+                if let (Some(u), Some(c)) = (comp, ls.compressor.as_mut()) {
+                    u.restore(c);
+                }
+                if let (Some(u), Some(c)) = (index, ls.indexer.as_mut()) {
+                    u.restore(c);
+                }
             }
-            let (comp, index) = ll.frontiers.into_iter().nth(keep).expect("one frontier per row");
-            ls.compressor = comp;
-            ls.indexer = index;
         }
         self.pos = log.pos0 + keep;
         self.tokens.truncate(self.pos);
-        Ok(())
     }
 
     /// A digest of every value of the state (position, tokens, raw rings, frontiers, emitted
