@@ -13,7 +13,7 @@ use crate::{Error, Result};
 pub struct Snapshot {
     state: State,
     sampler: Option<Sampler>,
-    last_logits: Option<Arc<[f32]>>,
+    last_greedy: Option<u32>,
 }
 
 impl Snapshot {
@@ -33,9 +33,9 @@ pub struct Session {
     /// continues the stream (it is never reseeded per call); a call naming another seed
     /// starts that seed's stream.
     sampler: Option<Sampler>,
-    /// The logits of the last evaluated position, when the last call computed them (the
-    /// default anchor of [`Session::propose`]).
-    last_logits: Option<Arc<[f32]>>,
+    /// The greedy token after the last evaluated position, when the last call computed its
+    /// logits and the model has a drafter (the default anchor of [`Session::propose`]).
+    last_greedy: Option<u32>,
 }
 
 impl Session {
@@ -59,7 +59,7 @@ impl Session {
         }
         let mut state = State::new(&model.config, precision);
         state.draft = model.draft.as_ref().map(|dm| dm.new_state(&model));
-        Ok(Session { model, ctx, state, sampler: None, last_logits: None })
+        Ok(Session { model, ctx, state, sampler: None, last_greedy: None })
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -121,7 +121,9 @@ impl Session {
             l
         };
         let v = self.model.config.vocab;
-        self.last_logits = (which != Logits::None).then(|| Arc::from(&logits[logits.len() - v..]));
+        // Only a drafter's proposal reads it (the default anchor).
+        self.last_greedy = (which != Logits::None && self.model.draft.is_some())
+            .then(|| crate::model::drafting::argmax(&logits[logits.len() - v..]));
         Ok(logits)
     }
 
@@ -144,7 +146,7 @@ impl Session {
                 return Err(e);
             }
         };
-        self.last_logits = None;
+        self.last_greedy = None;
         Ok((logits, log))
     }
 
@@ -188,7 +190,7 @@ impl Session {
 
     /// Saves the decode state and the sampler's random stream.
     pub fn snapshot(&self) -> Snapshot {
-        Snapshot { state: self.state.clone(), sampler: self.sampler.clone(), last_logits: self.last_logits.clone() }
+        Snapshot { state: self.state.clone(), sampler: self.sampler.clone(), last_greedy: self.last_greedy }
     }
 
     /// Returns to a snapshot taken on a session of the same model.
@@ -201,7 +203,7 @@ impl Session {
         }
         self.state = snap.state.clone();
         self.sampler = snap.sampler.clone();
-        self.last_logits = snap.last_logits.clone();
+        self.last_greedy = snap.last_greedy;
         Ok(())
     }
 
@@ -210,7 +212,7 @@ impl Session {
         let mut state = State::new(&self.model.config, self.state.precision);
         state.draft = self.model.draft.as_ref().map(|dm| dm.new_state(&self.model));
         self.state = state;
-        self.last_logits = None;
+        self.last_greedy = None;
     }
 
     /// What the model's drafter proposes to follow the committed tokens and `anchor` (by
@@ -239,8 +241,8 @@ impl Session {
             .ok_or_else(|| Error::invalid("this model has no drafter (load one with draft=...)"))?;
         let anchor = match anchor {
             Some(a) => a,
-            None => match &self.last_logits {
-                Some(l) => crate::model::drafting::argmax(l),
+            None => match self.last_greedy {
+                Some(t) => t,
                 None => {
                     return Err(Error::invalid(
                         "the session has no logits of its last position to take the anchor from: pass anchor",
