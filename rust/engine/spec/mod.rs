@@ -2,7 +2,10 @@
 //! and the accepted prefix is committed.
 //!
 //! The pieces, each in its own file:
-//! - [`drafter`]: the [`Drafter`] trait and [`Draft`];
+//! - [`drafter`]: the [`Drafter`] trait, [`Draft`], and [`ModelDrafter`], which proposes with
+//!   the model's own MTP or DSpark drafter (weights in `model::draft`, computation in
+//!   `model::drafting`, state in the session next to the target's so commits and restores
+//!   cover it);
 //! - [`ngram`]: prompt-lookup drafting from the history, no weights;
 //! - [`accept`]: which drafts the target accepts and what token follows (greedy, or exact
 //!   rejection sampling at temperature > 0);
