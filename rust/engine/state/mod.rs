@@ -65,7 +65,7 @@ impl State {
 
 /// What one batch evaluation overwrote, kept so that the state can be cut back to the state
 /// after any prefix of the batch (speculative commit, [`State::keep_prefix`]) or to the state
-/// before it (an error half-way, [`State::rollback`]). For each layer and row: the ring slot
+/// before it (an error half-way, `State::rollback`). For each layer and row: the ring slot
 /// the row overwrote and what its compressors' pushes overwrote.
 #[derive(Debug)]
 pub struct BatchLog {
