@@ -98,7 +98,7 @@ impl Model {
     /// Switches the products to the backend named `name`: "cpu"; "cuda" (the first GPU: the
     /// weights of the model file, and of a separate drafter file, are copied to its memory
     /// once, `progress(bytes_done, bytes_total)` reporting each file's copy); or "auto" (CUDA
-    /// when a GPU is usable, else the CPU). A build without the `cuda` feature, or a machine
+    /// when a GPU is usable and holds the weights, else the CPU). A build without the `cuda` feature, or a machine
     /// without a GPU or driver, makes "cuda" an [`crate::Error::BackendUnavailable`].
     pub fn select_backend(&mut self, name: &str, progress: &mut dyn FnMut(u64, u64)) -> Result<()> {
         match name {
@@ -111,7 +111,9 @@ impl Model {
                     self.backend = b;
                     Ok(())
                 }
-                Err(crate::Error::BackendUnavailable(_)) if name == "auto" => {
+                // "auto" settles for the CPU whatever kept the GPU from being set up (no
+                // device or driver, or not enough GPU memory for the weights).
+                Err(crate::Error::BackendUnavailable(_) | crate::Error::Backend(_)) if name == "auto" => {
                     self.backend = Arc::new(Cpu);
                     Ok(())
                 }
