@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::backend::cpu;
+use crate::quant::testutil::{random_blocks, Rng};
 use crate::quant::{self, GgmlType};
 
 /// The backend of device 0, or `None` (after saying why) when there is none.
@@ -16,28 +17,12 @@ fn backend() -> Option<CudaBackend> {
     }
 }
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    /// Uniform in [-1, 1).
-    fn f32(&mut self) -> f32 {
-        ((self.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-}
-
 /// `rows` random valid rows of `n_in` elements of `ty`: the crate's quantizer or float
-/// conversions where there is one, else random quant bytes with sane f16 scales (MXFP4:
-/// exponents near 2^0).
+/// conversions where there is one, else random quant blocks with sane f16 scales
+/// ([`random_blocks`]; MXFP4: exponents near 2^0).
 fn random_matrix(ty: GgmlType, rows: usize, n_in: usize, rng: &mut Rng) -> Vec<u8> {
     let row = ty.row_bytes(n_in as u64).unwrap() as usize;
-    let floats: Vec<f32> = (0..rows * n_in).map(|_| rng.f32()).collect();
+    let floats = rng.f32s(rows * n_in);
     match ty {
         GgmlType::F32 => floats.iter().flat_map(|v| v.to_le_bytes()).collect(),
         GgmlType::F16 | GgmlType::BF16 => {
@@ -55,22 +40,17 @@ fn random_matrix(ty: GgmlType, rows: usize, n_in: usize, rng: &mut Rng) -> Vec<u
             m
         }
         _ => {
-            let mut m: Vec<u8> = (0..rows * row).map(|_| rng.next() as u8).collect();
-            let bb = ty.block_bytes();
-            for b in m.chunks_exact_mut(bb) {
-                let mut scale = || (0x1800u16 | (rng.next() as u16 & 0x87ff)).to_le_bytes();
-                match ty {
-                    GgmlType::MXFP4 => b[0] = 120 + (rng.next() % 16) as u8,
-                    GgmlType::IQ2_XXS => b[..2].copy_from_slice(&scale()),
-                    GgmlType::Q4_K => {
-                        b[..2].copy_from_slice(&scale());
-                        b[2..4].copy_from_slice(&scale());
-                    }
-                    GgmlType::Q2_K => {
-                        b[80..82].copy_from_slice(&scale());
-                        b[82..84].copy_from_slice(&scale());
-                    }
-                    _ => unreachable!(),
+            let scales: &[usize] = match ty {
+                GgmlType::IQ2_XXS => &[0],
+                GgmlType::Q4_K => &[0, 2],
+                GgmlType::Q2_K => &[80, 82],
+                GgmlType::MXFP4 => &[],
+                _ => unreachable!(),
+            };
+            let mut m = random_blocks(rng, ty, rows * row / ty.block_bytes(), scales);
+            if ty == GgmlType::MXFP4 {
+                for b in m.chunks_exact_mut(ty.block_bytes()) {
+                    b[0] = 120 + (rng.next_u64() % 16) as u8;
                 }
             }
             m
