@@ -96,7 +96,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from .bench import bench
 
-    spec = None if args.spec is None else Speculative(args.spec, max_draft=args.block, adaptive=not args.fixed_block)
+    spec = _speculative(args)
     result = bench(args.model, prompt=args.prompt, decode=args.decode, runs=args.runs, speculative=spec,
                    repetitive=args.repetitive, draft=args.draft, backend=args.backend)
     print(json.dumps(result.as_dict()) if args.json else result)
@@ -218,14 +218,19 @@ def _add_sampling(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--ctx", type=int, default=4096, help="context size in tokens (default 4096)")
     p.add_argument("--think", action="store_true", help="thinking mode in the chat template")
     p.add_argument("-q", "--quiet", action="store_true", help="no statistics on stderr")
+    _add_speculation(p, backend="auto")
+    p.add_argument("--stats", action="store_true", help="print speculation statistics on stderr")
+
+
+def _add_speculation(p: argparse.ArgumentParser, backend: str) -> None:
+    """The drafter, block and backend options of generate, chat and bench."""
     p.add_argument("--spec", choices=["ngram", "mtp", "dspark"], default=None,
                    help="speculative decoding with this drafter (mtp/dspark: the model's, see --draft)")
     p.add_argument("--draft", default=None, help="drafter support GGUF (MTP or DSpark) for --spec mtp|dspark")
-    p.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="where the matrix products run (default auto: CUDA if a GPU is usable)")
+    p.add_argument("--backend", choices=["auto", "cpu", "cuda"], default=backend,
+                   help=f"where the matrix products run (default {backend}; auto: CUDA if a GPU is usable)")
     p.add_argument("--block", type=int, default=5, help="most draft tokens verified per cycle (default 5)")
     p.add_argument("--fixed-block", action="store_true", help="always verify what the drafter offers (no scheduler)")
-    p.add_argument("--stats", action="store_true", help="print speculation statistics on stderr")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -268,13 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--decode", type=int, default=32, help="decoded tokens per run (default 32)")
     b.add_argument("--runs", type=int, default=3, help="timed runs; the median is reported (default 3)")
     b.add_argument("--json", action="store_true", help="print one JSON object")
-    b.add_argument("--spec", choices=["ngram", "mtp", "dspark"], default=None,
-                   help="also measure decoding with this drafter")
-    b.add_argument("--draft", default=None, help="drafter support GGUF for --spec mtp|dspark")
-    b.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="cpu",
-                   help="where the matrix products run (default cpu)")
-    b.add_argument("--block", type=int, default=5, help="most draft tokens per cycle (default 5)")
-    b.add_argument("--fixed-block", action="store_true", help="no scheduler: verify what the drafter offers")
+    _add_speculation(b, backend="cpu")
     b.add_argument("--repetitive", action="store_true", help="a prompt repeating a 16-token motif")
     b.set_defaults(func=cmd_bench)
     return p
