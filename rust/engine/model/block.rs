@@ -14,8 +14,35 @@ use crate::model::{hyper, moe};
 use crate::state::KvPrecision;
 use crate::Result;
 
-/// The K=V row a block stores for input `y` (already attention-normed) at `pos`:
-/// `kv_norm(wkv · y)`, rotated at `pos`, rounded to the storage precision.
+/// Query rows after `q_b`, in place: each head RMS-normalized, then rotated at its row's
+/// position (the trunk and the drafter blocks alike).
+pub(crate) fn finish_queries(q: &mut [f32], cfg: &ModelConfig, rope: &Rope, positions: &[usize]) {
+    for (qr, &p) in q.chunks_mut(cfg.n_heads * cfg.head_dim).zip(positions) {
+        for head in qr.chunks_mut(cfg.head_dim) {
+            rms_norm_plain(head, cfg.rms_eps);
+            rope.apply(head, p, false);
+        }
+    }
+}
+
+/// K=V rows after the `kv` projection, in place: `kv_norm`, rotation at the row's position,
+/// rounding to the storage precision.
+pub(crate) fn finish_kv(
+    kv: &mut [f32],
+    cfg: &ModelConfig,
+    lw: &LayerWeights,
+    rope: &Rope,
+    precision: KvPrecision,
+    positions: &[usize],
+) {
+    rms_norm_rows(kv, &lw.kv_norm, cfg.rms_eps);
+    for (k, &p) in kv.chunks_mut(cfg.head_dim).zip(positions) {
+        rope.apply(k, p, false);
+        precision.round_kv(k, cfg.rope_dim);
+    }
+}
+
+/// The K=V row a block stores for input `y` (already attention-normed) at each position.
 pub(crate) fn kv_rows(
     ops: Ops<'_>,
     cfg: &ModelConfig,
@@ -26,11 +53,7 @@ pub(crate) fn kv_rows(
     positions: &[usize],
 ) -> Result<Vec<f32>> {
     let mut kv = ops.matmul(&lw.kv, y)?;
-    rms_norm_rows(&mut kv, &lw.kv_norm, cfg.rms_eps);
-    for (k, &p) in kv.chunks_mut(cfg.head_dim).zip(positions) {
-        rope.apply(k, p, false);
-        precision.round_kv(k, cfg.rope_dim);
-    }
+    finish_kv(&mut kv, cfg, lw, rope, precision, positions);
     Ok(kv)
 }
 
@@ -58,12 +81,7 @@ pub(crate) fn window_block(
     let mut cq = ops.matmul(&lw.q_a, &h)?;
     rms_norm_rows(&mut cq, &lw.q_a_norm, cfg.rms_eps);
     let mut q = ops.matmul(&lw.q_b, &cq)?;
-    for (r, qr) in q.chunks_mut(nh * hd).enumerate() {
-        for head in qr.chunks_mut(hd) {
-            rms_norm_plain(head, cfg.rms_eps);
-            rope.apply(head, positions[r], false);
-        }
-    }
+    finish_queries(&mut q, cfg, rope, positions);
     let kv = kv_rows(ops, cfg, lw, rope, precision, &h, positions)?;
     let mut keys: Vec<&[f32]> = context.to_vec();
     keys.extend(kv.chunks(hd));

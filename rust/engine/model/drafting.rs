@@ -89,11 +89,6 @@ impl DraftModel {
 }
 
 impl Model {
-    fn embed_row(&self, token: u32, out: &mut [f32]) -> Result<()> {
-        let e = &self.weights.embed;
-        crate::quant::dequantize(e.ty, e.row(self.file.raw(), token as usize), out)
-    }
-
     /// The MTP block's input streams for each `(h, token)` pair: per stream
     /// `e_proj · enorm(E[τ]) + h_proj · hnorm(H_s)`.
     fn mtp_inputs(&self, dm: &DraftModel, w: &MtpWeights, pairs: &[(&[f32], u32)]) -> Result<Vec<f32>> {

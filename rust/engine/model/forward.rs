@@ -7,9 +7,10 @@
 //! the same code with the same reduction order whatever `n` is, so a row's logits and state
 //! updates are bitwise independent of the batch it came in.
 
-use crate::backend::cpu::{rms_norm_plain, rms_norm_rows};
+use crate::backend::cpu::rms_norm_rows;
 use crate::backend::Ops;
 use crate::model::attention::{attend, raw_range, visible_compressed};
+use crate::model::block::{finish_kv, finish_queries};
 use crate::model::config::AttentionKind;
 use crate::model::draft::DraftKind;
 use crate::model::weights::{LayerWeights, Mat};
@@ -26,6 +27,12 @@ pub enum Logits {
 }
 
 impl Model {
+    /// Token `token`'s embedding row, dequantized into `out`.
+    pub(crate) fn embed_row(&self, token: u32, out: &mut [f32]) -> Result<()> {
+        let e = &self.weights.embed;
+        crate::quant::dequantize(e.ty, e.row(self.file.raw(), token as usize), out)
+    }
+
     /// Runs `tokens` through the model from `state`, advancing it, and returns the logits of
     /// the rows `which` asks for (`rows * vocab` floats). Callers check the context and the
     /// token ids first; this never fails half-way on valid input.
@@ -38,7 +45,6 @@ impl Model {
     ) -> Result<Vec<f32>> {
         let _t = crate::profile::scope(crate::profile::Phase::Forward);
         let cfg = &self.config;
-        let raw = self.file.raw();
         let ops = self.ops();
         let (d, hc) = (cfg.hidden, cfg.hc_mult);
         let n = tokens.len();
@@ -48,7 +54,7 @@ impl Model {
         let mut x = vec![0f32; n * hc * d];
         let mut e = vec![0f32; d];
         for (r, &t) in tokens.iter().enumerate() {
-            crate::quant::dequantize(self.weights.embed.ty, self.weights.embed.row(raw, t as usize), &mut e)?;
+            self.embed_row(t, &mut e)?;
             for s in 0..hc {
                 x[(r * hc + s) * d..(r * hc + s + 1) * d].copy_from_slice(&e);
             }
@@ -142,18 +148,10 @@ impl Model {
         let mut q = outs.next().expect("q");
         let iq = outs.next();
 
-        for (r, qr) in q.chunks_mut(nh * hd).enumerate() {
-            for head in qr.chunks_mut(hd) {
-                rms_norm_plain(head, cfg.rms_eps);
-                rope.apply(head, pos0 + r, false);
-            }
-        }
-        rms_norm_rows(&mut kv, &lw.kv_norm, cfg.rms_eps);
+        let positions: Vec<usize> = (pos0..pos0 + n).collect();
+        finish_queries(&mut q, cfg, rope, &positions);
         let precision = state.precision;
-        for (r, k) in kv.chunks_mut(hd).enumerate() {
-            rope.apply(k, pos0 + r, false);
-            precision.round_kv(k, cfg.rope_dim);
-        }
+        finish_kv(&mut kv, cfg, lw, rope, precision, &positions);
         let idx = match (iq, idx_h) {
             (Some(mut iq), Some((mut g, ckv, cg))) => {
                 let id = cfg.index_head_dim;
