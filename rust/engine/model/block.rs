@@ -20,8 +20,8 @@ pub(crate) fn finish_queries(q: &mut [f32], cfg: &ModelConfig, rope: &Rope, posi
     for (qr, &p) in q.chunks_mut(cfg.n_heads * cfg.head_dim).zip(positions) {
         for head in qr.chunks_mut(cfg.head_dim) {
             rms_norm_plain(head, cfg.rms_eps);
-            rope.apply(head, p, false);
         }
+        rope.apply_heads(qr, cfg.head_dim, p, false);
     }
 }
 

@@ -61,23 +61,14 @@ impl Rope {
     /// Rotates the last `dim()` features of `x` by the angles of position `pos`
     /// (by their negation when `inverse`).
     pub fn apply(&self, x: &mut [f32], pos: usize, inverse: bool) {
-        let off = x.len() - self.dim();
-        let p = pos as f32;
-        for (i, &f) in self.inv_freq.iter().enumerate() {
-            let angle = f64::from(f * p);
-            let c = angle.cos() as f32;
-            let s = angle.sin() as f32;
-            let s = if inverse { -s } else { s };
-            let (a, b) = (x[off + 2 * i], x[off + 2 * i + 1]);
-            x[off + 2 * i] = a * c + (-b) * s;
-            x[off + 2 * i + 1] = b * c + a * s;
+        if !x.is_empty() {
+            self.apply_heads(x, x.len(), pos, inverse);
         }
     }
 
-    /// [`Rope::apply`] to each `width`-wide chunk of `x`.
+    /// [`Rope::apply`] to each `width`-wide chunk of `x`; the angles depend on the position
+    /// only, so they are computed once for all chunks.
     pub fn apply_heads(&self, x: &mut [f32], width: usize, pos: usize, inverse: bool) {
-        // The angles depend on the position only: compute them once for all heads (the same
-        // values `apply` computes, so the result is identical).
         let p = pos as f32;
         let cs: Vec<(f32, f32)> = self
             .inv_freq
