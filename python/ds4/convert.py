@@ -83,6 +83,7 @@ __all__ = [
     "convert",
     "convert_draft",
     "convert_tokenizer",
+    "dspark_metadata",
     "dspark_plan",
     "model_metadata",
     "size_label",
@@ -1080,6 +1081,19 @@ def _draft_setting(d: Mapping[str, Any], key: str) -> Any:
     raise UnsupportedModelError(f"the drafter's config.json lacks {key!r} (or 'dspark_{key}')")
 
 
+def dspark_metadata(block_size: int, markov_rank: int, noise_token_id: int, target_layer_ids: Sequence[int],
+                    stages: int, vocab_size: int) -> Metadata:
+    """The ``dspark.*`` keys of a DSpark support file (as ds4 writes them)."""
+    return [
+        ("dspark.block_size", block_size, "u32"),
+        ("dspark.markov_rank", markov_rank, "u32"),
+        ("dspark.noise_token_id", noise_token_id, "u32"),
+        ("dspark.target_layer_ids", list(target_layer_ids), "array[u32]"),
+        ("dspark.stage_count", stages, "u32"),
+        ("dspark.vocab_size", vocab_size, "u32"),
+    ]
+
+
 def convert_draft(draft_dir: str | os.PathLike[str], out_path: str | os.PathLike[str], *,
                   target: str | os.PathLike[str], dtype: str = "f32", progress: bool = True) -> Path:
     """Converts drafter weights (a directory of safetensors holding only ``mtp.*`` tensors, and
@@ -1111,14 +1125,9 @@ def convert_draft(draft_dir: str | os.PathLike[str], out_path: str | os.PathLike
             rank = int(_draft_setting(dcfg, "markov_rank"))
             plan = dspark_plan(cfg, n_stages, len(layers), rank,
                                confidence=f"mtp.{n_stages - 1}.confidence_head.proj.weight" in src)
-            metadata += [
-                ("dspark.block_size", int(_draft_setting(dcfg, "block_size")), "u32"),
-                ("dspark.markov_rank", rank, "u32"),
-                ("dspark.noise_token_id", int(_draft_setting(dcfg, "noise_token_id")), "u32"),
-                ("dspark.target_layer_ids", layers, "array[u32]"),
-                ("dspark.stage_count", n_stages, "u32"),
-                ("dspark.vocab_size", cfg.vocab_size, "u32"),
-            ]
+            metadata += dspark_metadata(int(_draft_setting(dcfg, "block_size")), rank,
+                                        int(_draft_setting(dcfg, "noise_token_id")), layers, n_stages,
+                                        cfg.vocab_size)
         elif "mtp.0.e_proj.weight" in src:
             arch = "deepseek4-mtp"
             plan = _mtp_specs(cfg, 0)

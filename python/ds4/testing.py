@@ -55,6 +55,7 @@ from .convert import (
     _as_config,
     _mtp_specs,
     _row_chunks,
+    dspark_metadata,
     dspark_plan,
     encode,
     model_metadata,
@@ -252,14 +253,8 @@ def random_draft(path: str | os.PathLike[str], config: ModelConfig | Mapping[str
             if target_layer_ids is None else list(target_layer_ids)
         plan = dspark_plan(cfg, stages, len(layers), markov_rank)
         arch = "deepseek4-dspark"
-        metadata += [
-            ("dspark.block_size", block_size, "u32"),
-            ("dspark.markov_rank", markov_rank, "u32"),
-            ("dspark.noise_token_id", cfg.vocab_size - 1 if noise_token_id is None else noise_token_id, "u32"),
-            ("dspark.target_layer_ids", layers, "array[u32]"),
-            ("dspark.stage_count", stages, "u32"),
-            ("dspark.vocab_size", cfg.vocab_size, "u32"),
-        ]
+        noise = cfg.vocab_size - 1 if noise_token_id is None else noise_token_id
+        metadata += dspark_metadata(block_size, markov_rank, noise, layers, stages, cfg.vocab_size)
     else:
         raise ValueError(f"method must be 'mtp' or 'dspark', got {method!r}")
     types = [tensor_type(s, dtype) for s in plan]
