@@ -162,6 +162,11 @@ __device__ __forceinline__ void matvec(const MvDesc* __restrict__ descs, int cou
         p++;
     }
     const MvDesc* D = descs + p;
+    // A product with no rows (an unused expert slot of a routed batch) does nothing; all of
+    // its blocks return here, so its arrival counters are never touched.
+    if (D->n == 0) {
+        return;
+    }
     const u8* w = D->w;
     const float* x = D->x;
     const long long row_bytes = D->row_bytes;

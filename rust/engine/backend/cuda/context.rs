@@ -29,6 +29,9 @@ pub(crate) const SOURCES: &[(&str, &str)] = &[
     ("q2_k.cu", include_str!("../../../../shaders/cuda/q2_k.cu")),
     ("mxfp4.cu", include_str!("../../../../shaders/cuda/mxfp4.cu")),
     ("iq2_xxs.cu", include_str!("../../../../shaders/cuda/iq2_xxs.cu")),
+    ("decode_ops.cu", include_str!("../../../../shaders/cuda/decode_ops.cu")),
+    ("decode_attn.cu", include_str!("../../../../shaders/cuda/decode_attn.cu")),
+    ("decode_moe.cu", include_str!("../../../../shaders/cuda/decode_moe.cu")),
 ];
 
 /// Batch sizes the kernels are instantiated for: a chunk of `n` rows runs the smallest one
@@ -291,6 +294,11 @@ impl Context {
     pub(crate) fn kernel(&self, ty: GgmlType, n: usize) -> Option<(sys::CUfunction, u32)> {
         let nb = BATCH_SIZES.iter().copied().find(|&b| b >= n)?;
         self.kernels.get(&(ty, nb)).copied()
+    }
+
+    /// The loaded module (the decode kernels are looked up in it by name).
+    pub(crate) fn module(&self) -> sys::CUmodule {
+        self.module
     }
 
     /// Makes the context current on the calling thread.

@@ -28,7 +28,9 @@
 //! `cargo bench --features cuda --bench cuda --no-run` here, copy the two executables over,
 //! and run `<tests> backend::cuda --test-threads=1` and `<bench> --bench`.
 
-mod context;
+pub(crate) mod context;
+pub(crate) mod decode;
+pub(crate) mod device;
 #[cfg(test)]
 mod tests;
 mod weights;

@@ -1,0 +1,50 @@
+//! Helpers of the decode kernels' tests: a device context (or a skip), buffers, comparisons.
+
+use crate::backend::cuda::context::Context;
+pub(crate) use crate::backend::cuda::device::{Arg, DevBuf};
+
+/// A bound context on device 0, or `None` (the test prints "skipped" and passes) when there is
+/// no usable GPU, driver or NVRTC.
+pub(crate) fn context() -> Option<Context> {
+    match Context::new(0) {
+        Ok(c) => {
+            c.bind().expect("binding the context");
+            Some(c)
+        }
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            None
+        }
+    }
+}
+
+/// The step parameters buffer: position of row 0, row count, the rows' tokens.
+pub(crate) fn step(ctx: &Context, pos0: usize, tokens: &[u32]) -> DevBuf {
+    let _ = ctx;
+    let mut v = vec![pos0 as i32, tokens.len() as i32];
+    v.extend(tokens.iter().map(|&t| t as i32));
+    DevBuf::from_slice(&v).expect("step buffer")
+}
+
+/// Asserts `|a - b| <= tol * max(1, |b|)` elementwise, naming the first bad index.
+#[track_caller]
+pub(crate) fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (&a, &b)) in got.iter().zip(want).enumerate() {
+        let ok = (a - b).abs() <= tol * b.abs().max(1.0) || (a.is_nan() && b.is_nan()) || a == b;
+        assert!(ok, "{what}[{i}]: got {a}, want {b}");
+    }
+}
+
+/// Deterministic pseudo-random floats in [-scale, scale).
+pub(crate) fn randn(len: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}

@@ -1,0 +1,148 @@
+//! Plain device buffers and launches of the decode kernels by name.
+//!
+//! The matrix-product kernels are launched through their descriptor tables (see the module
+//! above); the kernels of the device-resident decode (`shaders/cuda/decode_*.cu`) take plain
+//! parameters: device pointers, ints and floats, passed here as [`Arg`]s.
+
+use std::ffi::{c_void, CString};
+
+use cudarc::driver::result as cu;
+use cudarc::driver::sys;
+
+use super::context::{driver_err, Context};
+use crate::{Error, Result};
+
+/// One device allocation, freed on drop (the owner keeps its context alive and bound).
+pub(crate) struct DevBuf {
+    pub(crate) ptr: sys::CUdeviceptr,
+    pub(crate) bytes: usize,
+}
+
+impl DevBuf {
+    /// `bytes` bytes (at least 4), zeroed.
+    pub(crate) fn zeroed(bytes: usize) -> Result<Self> {
+        let bytes = bytes.max(4).next_multiple_of(16);
+        // SAFETY: a plain allocation, freed in Drop; zeroed before anyone reads it.
+        unsafe {
+            let ptr = cu::malloc_sync(bytes).map_err(driver_err("allocating device memory"))?;
+            let b = DevBuf { ptr, bytes };
+            cu::memset_d8_sync(ptr, 0, bytes).map_err(driver_err("clearing device memory"))?;
+            Ok(b)
+        }
+    }
+
+    /// A buffer holding a copy of `data`.
+    pub(crate) fn from_slice<T: Copy>(data: &[T]) -> Result<Self> {
+        let b = Self::zeroed(std::mem::size_of_val(data))?;
+        b.write(0, data)?;
+        Ok(b)
+    }
+
+    /// The device address of byte `off`.
+    pub(crate) fn at(&self, off: usize) -> u64 {
+        self.ptr + off as u64
+    }
+
+    /// Copies `data` to byte offset `off`, synchronously.
+    pub(crate) fn write<T: Copy>(&self, off: usize, data: &[T]) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        if off + std::mem::size_of_val(data) > self.bytes {
+            return Err(Error::invalid("device write past the end of a buffer"));
+        }
+        // SAFETY: the range is inside the allocation; the copy is synchronous.
+        unsafe { cu::memcpy_htod_sync(self.ptr + off as u64, data) }.map_err(driver_err("copying to the device"))
+    }
+
+    /// `len` values of type `T` from byte offset `off`, synchronously (after the stream's
+    /// work: callers sync first).
+    pub(crate) fn read<T: Copy + Default>(&self, off: usize, len: usize) -> Result<Vec<T>> {
+        let mut out = vec![T::default(); len];
+        if len == 0 {
+            return Ok(out);
+        }
+        if off + std::mem::size_of_val(out.as_slice()) > self.bytes {
+            return Err(Error::invalid("device read past the end of a buffer"));
+        }
+        // SAFETY: the range is inside the allocation; the copy is synchronous.
+        unsafe { cu::memcpy_dtoh_sync(&mut out, self.ptr + off as u64) }.map_err(driver_err("copying from the device"))?;
+        Ok(out)
+    }
+
+    /// Every value, as `T`.
+    pub(crate) fn read_all<T: Copy + Default>(&self) -> Result<Vec<T>> {
+        self.read(0, self.bytes / std::mem::size_of::<T>())
+    }
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `zeroed`, freed once.
+        unsafe { cu::free_sync(self.ptr).ok() };
+    }
+}
+
+/// A kernel parameter: the kernels take `T*` (any pointer), `int` and `float`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Arg {
+    Ptr(u64),
+    I32(i32),
+    F32(f32),
+}
+
+impl Context {
+    /// The kernel called `name` in the loaded module.
+    pub(crate) fn function(&self, name: &str) -> Result<sys::CUfunction> {
+        let cname = CString::new(name).map_err(|_| Error::invalid("kernel name with a NUL byte"))?;
+        // SAFETY: the module is loaded and the context bound by the caller.
+        unsafe { cu::module::get_function(self.module(), cname) }
+            .map_err(|e| Error::Backend(format!("CUDA: no kernel {name}: {e}")))
+    }
+
+    /// Launches `f` on the context's stream over `grid` blocks of `block` threads with `smem`
+    /// bytes of dynamic shared memory (more than 48 KiB is opted into here).
+    pub(crate) fn launch_args(
+        &self,
+        f: sys::CUfunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        // Each parameter's bytes in an 8-byte cell (little-endian: an int or float in the low
+        // half); the driver copies as many bytes as the kernel's parameter has.
+        let mut cells: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                Arg::Ptr(p) => p,
+                Arg::I32(i) => u64::from(i as u32),
+                Arg::F32(x) => u64::from(x.to_bits()),
+            })
+            .collect();
+        let mut params: Vec<*mut c_void> = cells.iter_mut().map(|c| (c as *mut u64).cast()).collect();
+        // SAFETY: the caller passes arguments matching the kernel's signature; `cells` outlives
+        // the launch call (the driver copies the parameters at launch).
+        unsafe {
+            if smem > 48 * 1024 {
+                cu::function::set_function_attribute(
+                    f,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+                .map_err(driver_err("allowing a kernel its shared memory"))?;
+            }
+            cu::launch_kernel(f, grid, (block, 1, 1), smem, self.stream, &mut params)
+                .map_err(driver_err("launching a kernel"))
+        }
+    }
+
+    /// [`Context::launch_args`] by kernel name (tests and one-off launches).
+    pub(crate) fn launch_named(&self, name: &str, grid: (u32, u32, u32), block: u32, smem: u32, args: &[Arg]) -> Result<()> {
+        let f = self.function(name)?;
+        self.launch_args(f, grid, block, smem, args)
+    }
+}
