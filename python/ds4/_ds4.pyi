@@ -172,6 +172,10 @@ class Session:
     def position(self) -> int:
         """Tokens processed so far."""
     @property
+    def forward_kind(self) -> str:
+        """Where the forward pass runs: "device" (the whole pass on the GPU, state mirrored
+        there) or "host" (on the CPU, products on the model's backend)."""
+    @property
     def context(self) -> int:
         """The context size."""
     @property

@@ -243,6 +243,13 @@ class Session:
         return self._native.position
 
     @property
+    def forward_kind(self) -> Literal["device", "host"]:
+        """Where the forward pass runs: ``"device"`` (CUDA backend: the whole pass on the GPU,
+        the attention state mirrored in device memory; ``DS4_DEVICE_DECODE=0`` turns it off)
+        or ``"host"`` (the CPU, with the matrix products on the model's backend)."""
+        return "device" if self._native.forward_kind == "device" else "host"
+
+    @property
     def context(self) -> int:
         """The most tokens this session holds."""
         return self._native.context

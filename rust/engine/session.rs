@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use crate::backend::DeviceDecoder;
 use crate::model::draft::DraftKind;
 use crate::model::{DraftModel, Logits, Model, Proposal};
 use crate::sampling::{Sampler, SamplingParams};
@@ -36,6 +37,10 @@ pub struct Session {
     /// The greedy token after the last evaluated position, when the last call computed its
     /// logits and the model has a drafter (the default anchor of [`Session::propose`]).
     last_greedy: Option<u32>,
+    /// The backend's device decoder, when it has one for this model (made at the first
+    /// evaluation): the whole forward pass on the device, the state mirrored there.
+    decoder: Option<Box<dyn DeviceDecoder>>,
+    decoder_tried: bool,
 }
 
 impl Session {
@@ -59,7 +64,7 @@ impl Session {
         }
         let mut state = State::new(&model.config, precision);
         state.draft = model.draft.as_ref().map(|dm| dm.new_state(&model));
-        Ok(Session { model, ctx, state, sampler: None, last_greedy: None })
+        Ok(Session { model, ctx, state, sampler: None, last_greedy: None, decoder: None, decoder_tried: false })
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -101,7 +106,37 @@ impl Session {
         if tokens.is_empty() {
             return Ok(Vec::new());
         }
-        let logits = if tokens.len() <= crate::spec::MAX_DRAFT + 1 {
+        self.ensure_decoder();
+        let device_rows = self.decoder.as_ref().map_or(0, |d| d.max_rows());
+        let logits = if tokens.len() <= device_rows {
+            let mut log = BatchLog::new(self.state.pos, tokens.len(), self.state.layers.len());
+            let dec = self.decoder.as_mut().expect("device_rows > 0");
+            match dec.forward(&self.model, &mut self.state, tokens, which, Some(&mut log)) {
+                Ok(l) => l,
+                Err(e) => {
+                    self.state.rollback(log);
+                    return Err(e);
+                }
+            }
+        } else if device_rows > 0 {
+            // A long batch through the device in chunks, on a copy of the state (the copy
+            // shares the compressed rows) so that a failure changes nothing.
+            let mut next = self.state.clone();
+            let dec = self.decoder.as_mut().expect("device_rows > 0");
+            let mut out = Vec::new();
+            let chunks: Vec<&[u32]> = tokens.chunks(device_rows).collect();
+            for (ci, chunk) in chunks.iter().enumerate() {
+                let last = ci + 1 == chunks.len();
+                let w = match which {
+                    Logits::All => Logits::All,
+                    Logits::Last if last => Logits::Last,
+                    _ => Logits::None,
+                };
+                out.extend(dec.forward(&self.model, &mut next, chunk, w, None)?);
+            }
+            self.state = next;
+            out
+        } else if tokens.len() <= crate::spec::MAX_DRAFT + 1 {
             // Decode-sized batches run in place with a log of what each row overwrites (a few
             // KB a layer), undone if the pass fails half-way.
             let mut log = BatchLog::new(self.state.pos, tokens.len(), self.state.layers.len());
@@ -138,8 +173,15 @@ impl Session {
                 tokens.len()
             )));
         }
+        self.ensure_decoder();
         let mut log = BatchLog::new(self.state.pos, tokens.len(), self.state.layers.len());
-        let logits = match self.model.forward(&mut self.state, tokens, Logits::All, Some(&mut log)) {
+        let run = match self.decoder.as_mut() {
+            Some(dec) if tokens.len() <= dec.max_rows() => {
+                dec.forward(&self.model, &mut self.state, tokens, Logits::All, Some(&mut log))
+            }
+            _ => self.model.forward(&mut self.state, tokens, Logits::All, Some(&mut log)),
+        };
+        let logits = match run {
             Ok(l) => l,
             Err(e) => {
                 self.state.rollback(log);
@@ -153,7 +195,36 @@ impl Session {
     /// Keeps the first `keep` rows of the batch just verified: afterwards the session is bit
     /// for bit as if only those tokens had been evaluated.
     pub fn keep(&mut self, log: BatchLog, keep: usize) -> Result<()> {
-        self.state.keep_prefix(log, keep)
+        let tag = self.state.sync;
+        self.state.keep_prefix(log, keep)?;
+        match self.decoder.as_mut() {
+            Some(dec) => dec.kept(&mut self.state, tag, keep),
+            None => Ok(()),
+        }
+    }
+
+    /// Makes the backend's device decoder at the first evaluation, if the backend has one
+    /// for this model. A decoder that cannot be made (device memory) leaves the session on
+    /// the host forward pass.
+    fn ensure_decoder(&mut self) {
+        if self.decoder_tried {
+            return;
+        }
+        self.decoder_tried = true;
+        let backend = std::sync::Arc::clone(&self.model.backend);
+        if let Some(Ok(d)) = backend.decoder(&self.model, self.ctx, self.state.precision) {
+            self.decoder = Some(d);
+        }
+    }
+
+    /// Which forward pass the session runs: "device" (the whole pass on the GPU) or "host".
+    pub fn forward_kind(&mut self) -> &'static str {
+        self.ensure_decoder();
+        if self.decoder.is_some() {
+            "device"
+        } else {
+            "host"
+        }
     }
 
     /// A digest of the whole decode state and the sampler's stream position (tests).
@@ -204,6 +275,10 @@ impl Session {
         self.state = snap.state.clone();
         self.sampler = snap.sampler.clone();
         self.last_greedy = snap.last_greedy;
+        if let Some(dec) = self.decoder.as_mut() {
+            // The device copy follows now; if it cannot, the next step uploads it.
+            dec.sync(&mut self.state).ok();
+        }
         Ok(())
     }
 

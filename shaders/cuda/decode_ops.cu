@@ -104,3 +104,266 @@ __device__ __forceinline__ float ds4_round_store(float x, int mode) {
 }
 
 // ---- kernels (see rust/engine/backend/cuda/decode/ for who launches what)
+
+// Every kernel below runs one batch row per blockIdx.y (or blockIdx.x where the grid says
+// (n)); its block size must be a multiple of 32 of at most 1024 (the host launches 256). The
+// static `red` scratch holds one double per warp.
+
+// y = x * rms_scale(x), row by row (rust/engine/backend/cpu.rs rms_norm_plain). Grid (n);
+// x and y are [n, width] and may be the same buffer.
+extern "C" __global__ void ds4_rms_plain(const float* x, float* y, int width, float eps) {
+    __shared__ double red[32];
+    const long long off = (long long)blockIdx.x * width;
+    const float s = ds4_rms_scale(x + off, width, eps, red);
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        y[off + i] = x[off + i] * s;
+    }
+}
+
+// y = w * (x * rms_scale(x)), row by row (cpu.rs rms_norm: the weight after the scaling).
+// Grid (n); x and y are [n, width] and may be the same buffer; w has width floats.
+extern "C" __global__ void ds4_rms_weight(const float* x, float* y, const float* w, int width, float eps) {
+    __shared__ double red[32];
+    const long long off = (long long)blockIdx.x * width;
+    const float s = ds4_rms_scale(x + off, width, eps, red);
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        y[off + i] = w[i] * (x[off + i] * s);
+    }
+}
+
+// 1 / (1 + e^-x) (cpu.rs sigmoid).
+__device__ __forceinline__ float ds4_sigmoid(float x) {
+    return 1.0f / (1.0f + expf(-x));
+}
+
+// Most hyper-connection streams the kernels below handle.
+#define DS4_HC_MAX 8
+
+// The hyper-connection collapse of one row after its mixing logits (rust/engine/model/hyper.rs
+// pre): logits [n, n_mix] (n_mix = (2 + hc) * hc), x [n, hc * d] streams, y [n, d] the
+// collapse, mix [n, hc + hc * hc] the row's Mix (post[0..hc], then comb[i * hc + j] = weight
+// of input stream i in output stream j, after Sinkhorn). base and scale are the site's
+// HyperWeights base (n_mix floats) and scale (3 floats). Grid (n); hc <= DS4_HC_MAX.
+extern "C" __global__ void ds4_hc_pre(const float* logits, int n_mix, const float* x, float* y, float* mix,
+                                      const float* base, const float* scale, int hc, int d, float hc_eps,
+                                      int iters) {
+    __shared__ float pre[DS4_HC_MAX];
+    __shared__ float post[DS4_HC_MAX];
+    __shared__ float comb[DS4_HC_MAX * DS4_HC_MAX];
+    const int r = blockIdx.x;
+    if (threadIdx.x == 0) {
+        const float* m = logits + (long long)r * n_mix;
+        for (int s = 0; s < hc; s++) {
+            pre[s] = ds4_sigmoid(m[s] * scale[0] + base[s]) + hc_eps;
+            post[s] = 2.0f * ds4_sigmoid(m[hc + s] * scale[1] + base[hc + s]);
+        }
+        for (int k = 0; k < hc * hc; k++) {
+            comb[k] = m[2 * hc + k] * scale[2] + base[2 * hc + k];
+        }
+        // Softmax of each row, then + hc_eps.
+        for (int i = 0; i < hc; i++) {
+            float* row = comb + i * hc;
+            float mx = -__int_as_float(0x7f800000);
+            for (int j = 0; j < hc; j++) {
+                mx = fmaxf(mx, row[j]);
+            }
+            float sum = 0.0f;
+            for (int j = 0; j < hc; j++) {
+                row[j] = expf(row[j] - mx);
+                sum += row[j];
+            }
+            for (int j = 0; j < hc; j++) {
+                row[j] = row[j] / sum + hc_eps;
+            }
+        }
+        // Sinkhorn (hyper.rs sinkhorn): one column normalization, then iters - 1 rounds of
+        // row then column normalization.
+        for (int it = 0; it < iters; it++) {
+            if (it > 0) {
+                for (int i = 0; i < hc; i++) {
+                    float s = 0.0f;
+                    for (int j = 0; j < hc; j++) {
+                        s += comb[i * hc + j];
+                    }
+                    s += hc_eps;
+                    for (int j = 0; j < hc; j++) {
+                        comb[i * hc + j] /= s;
+                    }
+                }
+            }
+            for (int j = 0; j < hc; j++) {
+                float s = 0.0f;
+                for (int i = 0; i < hc; i++) {
+                    s += comb[i * hc + j];
+                }
+                s += hc_eps;
+                for (int i = 0; i < hc; i++) {
+                    comb[i * hc + j] /= s;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    const float* xs = x + (long long)r * hc * d;
+    float* yr = y + (long long)r * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float acc = 0.0f;
+        for (int s = 0; s < hc; s++) {
+            acc += pre[s] * xs[(long long)s * d + i];
+        }
+        yr[i] = acc;
+    }
+    float* mr = mix + (long long)r * (hc + hc * hc);
+    for (int k = threadIdx.x; k < hc + hc * hc; k += blockDim.x) {
+        mr[k] = k < hc ? post[k] : comb[k - hc];
+    }
+}
+
+// The hyper-connection expansion (hyper.rs post), in place on x [n, hc * d]:
+// x_j = post_j * f + sum_i comb[i * hc + j] * old x_i, with f [n, d] the sublayer output and
+// mix [n, hc + hc * hc] from ds4_hc_pre. Grid (ceil(d / blockDim.x), n); hc <= DS4_HC_MAX.
+extern "C" __global__ void ds4_hc_post(float* x, const float* f, const float* mix, int hc, int d) {
+    const int r = blockIdx.y;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= d) {
+        return;
+    }
+    const float* mr = mix + (long long)r * (hc + hc * hc);
+    const float* comb = mr + hc;
+    float* xs = x + (long long)r * hc * d;
+    float old[DS4_HC_MAX];
+    for (int s = 0; s < DS4_HC_MAX; s++) {
+        if (s < hc) {
+            old[s] = xs[(long long)s * d + i];
+        }
+    }
+    const float fk = f[(long long)r * d + i];
+    for (int j = 0; j < hc; j++) {
+        float acc = 0.0f;
+        for (int s = 0; s < DS4_HC_MAX; s++) {
+            if (s < hc) {
+                acc += comb[s * hc + j] * old[s];
+            }
+        }
+        xs[(long long)j * d + i] = mr[j] * fk + acc;
+    }
+}
+
+// The output head's collapse (hyper.rs head): logits [n, hc], x [n, hc * d], y [n, d];
+// base (hc floats) and scale (scale[0] used) of hc_head. Grid (n); hc <= DS4_HC_MAX.
+extern "C" __global__ void ds4_hc_head(const float* logits, const float* x, float* y, const float* base,
+                                       const float* scale, int hc, int d, float hc_eps) {
+    __shared__ float pre[DS4_HC_MAX];
+    const int r = blockIdx.x;
+    if (threadIdx.x < hc) {
+        const int s = threadIdx.x;
+        pre[s] = ds4_sigmoid(logits[(long long)r * hc + s] * scale[0] + base[s]) + hc_eps;
+    }
+    __syncthreads();
+    const float* xs = x + (long long)r * hc * d;
+    float* yr = y + (long long)r * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float acc = 0.0f;
+        for (int s = 0; s < hc; s++) {
+            acc += pre[s] * xs[(long long)s * d + i];
+        }
+        yr[i] = acc;
+    }
+}
+
+// Query rows after q_b, in place (rust/engine/model/block.rs finish_queries): head h of row r
+// (q [n, n_heads * head_dim]) RMS-normalized without weight, then its last rope_dim features
+// rotated at position step[0] + r. inv_freq: rope_dim / 2 floats. Grid (n_heads, n).
+extern "C" __global__ void ds4_finish_q(float* q, int n_heads, int head_dim, float eps, const float* inv_freq,
+                                        int rope_dim, const int* step) {
+    __shared__ double red[32];
+    const int h = blockIdx.x;
+    const int r = blockIdx.y;
+    float* v = q + ((long long)r * n_heads + h) * head_dim;
+    const float s = ds4_rms_scale(v, head_dim, eps, red);
+    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
+        v[i] = v[i] * s;
+    }
+    __syncthreads();
+    const int pos = step[0] + r;
+    for (int i = threadIdx.x; i < rope_dim / 2; i += blockDim.x) {
+        ds4_rope_pair(v, head_dim, inv_freq, rope_dim, pos, i, false);
+    }
+}
+
+// K=V rows after the kv projection, in place (block.rs finish_kv): kv [n, head_dim], each row
+// RMS-normalized with the weight w (kv_norm, head_dim floats), rotated at step[0] + r, then
+// every feature rounded to the storage precision (round_mode: 0 f32, 1 f16). Grid (n).
+extern "C" __global__ void ds4_finish_kv(float* kv, const float* w, int head_dim, float eps, const float* inv_freq,
+                                         int rope_dim, int round_mode, const int* step) {
+    __shared__ double red[32];
+    const int r = blockIdx.x;
+    float* v = kv + (long long)r * head_dim;
+    const float s = ds4_rms_scale(v, head_dim, eps, red);
+    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
+        v[i] = w[i] * (v[i] * s);
+    }
+    __syncthreads();
+    const int pos = step[0] + r;
+    for (int i = threadIdx.x; i < rope_dim / 2; i += blockDim.x) {
+        ds4_rope_pair(v, head_dim, inv_freq, rope_dim, pos, i, false);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
+        v[i] = ds4_round_store(v[i], round_mode);
+    }
+}
+
+// Indexer queries and weights of a CSA layer, in place (the `idx` part of Model::attention in
+// rust/engine/model/forward.rs): head h of row r (iq [n, heads * head_dim]) rotated at
+// step[0] + r and rounded (round_mode as ds4_finish_kv); g [n, heads] scaled by g_scale
+// (1 / sqrt(heads)), the block of head h doing g[r * heads + h]. Grid (heads, n).
+extern "C" __global__ void ds4_finish_index(float* iq, float* g, int heads, int head_dim, const float* inv_freq,
+                                            int rope_dim, int round_mode, float g_scale, const int* step) {
+    const int h = blockIdx.x;
+    const int r = blockIdx.y;
+    float* v = iq + ((long long)r * heads + h) * head_dim;
+    const int pos = step[0] + r;
+    for (int i = threadIdx.x; i < rope_dim / 2; i += blockDim.x) {
+        ds4_rope_pair(v, head_dim, inv_freq, rope_dim, pos, i, false);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
+        v[i] = ds4_round_store(v[i], round_mode);
+    }
+    if (threadIdx.x == 0) {
+        g[(long long)r * heads + h] *= g_scale;
+    }
+}
+
+// SwiGLU with clamps (rust/engine/model/moe.rs swiglu): out = silu(min(g, clamp)) *
+// clamp(u, -clamp, clamp), silu(x) = x / (1 + e^-x) (cpu.rs silu), over count elements.
+// Grid (ceil(count / blockDim.x)).
+extern "C" __global__ void ds4_swiglu(const float* g, const float* u, float* out, int count, float clamp) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= count) {
+        return;
+    }
+    const float a = fminf(g[i], clamp);
+    float b = u[i];
+    if (b < -clamp) {
+        b = -clamp;
+    }
+    if (b > clamp) {
+        b = clamp;
+    }
+    out[i] = a / (1.0f + expf(-a)) * b;
+}
+
+// Group-major to row-major: src [groups, n, rank] (group g's product over the n rows) to
+// dst [n, groups * rank]. Grid (ceil(groups * rank / blockDim.x), n): n = gridDim.y.
+extern "C" __global__ void ds4_group_to_rows(const float* src, float* dst, int groups, int n, int rank) {
+    const int r = blockIdx.y;
+    const int k = blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= groups * rank) {
+        return;
+    }
+    const int g = k / rank;
+    const int j = k - g * rank;
+    dst[(long long)r * groups * rank + k] = src[((long long)g * n + r) * rank + j];
+}

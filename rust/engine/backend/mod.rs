@@ -10,8 +10,41 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+use std::sync::Arc;
+
 use crate::model::weights::Mat;
+use crate::model::{Logits, Model};
+use crate::state::{BatchLog, KvPrecision, State};
 use crate::Result;
+
+/// The whole forward pass of decode-sized batches on a device, with the session's attention
+/// state mirrored in device memory (a session holds one). The host [`State`] stays the
+/// reference copy: every step also brings back what it wrote to the state, so snapshots,
+/// digests, undo logs and drafters work on the host as before; the mirror is re-uploaded
+/// whenever the host state changed by other means (its `sync` tag tells).
+pub trait DeviceDecoder: Send {
+    /// [`Model::forward`] for `1..=max_rows()` tokens: the same contract (advances `state`,
+    /// logs every overwritten value in `log`, returns the requested rows' logits).
+    fn forward(
+        &mut self,
+        model: &Model,
+        state: &mut State,
+        tokens: &[u32],
+        which: Logits,
+        log: Option<&mut BatchLog>,
+    ) -> Result<Vec<f32>>;
+
+    /// Follows [`State::keep_prefix`] of the last batch on the device: `tag` is the state's
+    /// sync tag before the cut. Leaves the mirror stale (re-uploaded later) when it cannot.
+    fn kept(&mut self, state: &mut State, tag: u64, keep: usize) -> Result<()>;
+
+    /// Brings the device copy up to date with `state` now (after a restore), rather than at
+    /// the next step.
+    fn sync(&mut self, state: &mut State) -> Result<()>;
+
+    /// Most rows one call takes.
+    fn max_rows(&self) -> usize;
+}
 
 /// Matrix products over weights that live in a GGUF file image.
 pub trait Backend: Send + Sync {
@@ -21,6 +54,19 @@ pub trait Backend: Send + Sync {
     /// For each `(w, x)`: `y[r, o] = w[o] · x[r]` for the `x.len() / w.n_in` rows of `x`,
     /// as a new `rows * w.n_out` vector. `raw` is the image of the file `w` points into.
     fn matmul_many(&self, raw: &[u8], specs: &[(&Mat, &[f32])]) -> Result<Vec<Vec<f32>>>;
+
+    /// A device decoder for sessions of `ctx` tokens of `model` stored at `precision`, when
+    /// this backend has one and can run this model: `None` otherwise (the session then runs
+    /// the forward pass on the host, with this backend's products).
+    fn decoder(
+        self: Arc<Self>,
+        model: &Model,
+        ctx: usize,
+        precision: KvPrecision,
+    ) -> Option<Result<Box<dyn DeviceDecoder>>> {
+        let _ = (model, ctx, precision);
+        None
+    }
 
     /// One product (see [`Backend::matmul_many`]).
     fn matmul(&self, raw: &[u8], w: &Mat, x: &[f32]) -> Result<Vec<f32>> {

@@ -49,6 +49,8 @@ impl Model {
         let (d, hc) = (cfg.hidden, cfg.hc_mult);
         let n = tokens.len();
         let pos0 = state.pos;
+        // Changed on the host: no device copy of the state is current any more.
+        state.sync = 0;
 
         // Embedding, copied into every stream.
         let mut x = vec![0f32; n * hc * d];

@@ -53,6 +53,11 @@ impl Rope {
         Rope { inv_freq }
     }
 
+    /// The inverse frequencies `ω_i`, one per rotated pair (the device kernels' table).
+    pub(crate) fn inv_freq(&self) -> &[f32] {
+        &self.inv_freq
+    }
+
     /// Number of rotated features.
     pub fn dim(&self) -> usize {
         2 * self.inv_freq.len()

@@ -47,14 +47,10 @@ impl CompressorState {
     /// Stores the projection of the token at `pos` (`score` already includes the position
     /// bias). If this token closes a window, pools it into `out` and returns true.
     pub fn push(&mut self, pos: usize, kv: &[f32], score: &[f32], out: &mut [f32]) -> bool {
-        let pw = self.proj_width();
-        let slot = pos % self.ratio;
-        self.cur_kv[slot * pw..(slot + 1) * pw].copy_from_slice(kv);
-        self.cur_score[slot * pw..(slot + 1) * pw].copy_from_slice(score);
-        if !(pos + 1).is_multiple_of(self.ratio) {
+        if !self.store(pos, kv, score) {
             return false;
         }
-        let (w, r) = (self.width, self.ratio);
+        let (w, r, pw) = (self.width, self.ratio, self.proj_width());
         // Candidates per feature, in the reference's order: the previous window's Ca slots
         // (overlap only), then this window's slots (its Cb half when overlapping).
         let own = if self.overlap { w } else { 0 };
@@ -85,13 +81,38 @@ impl CompressorState {
             }
             out[f] = acc;
         }
+        self.shift();
+        true
+    }
+
+    /// Writes slot `pos % ratio`; returns whether the token closes a window.
+    fn store(&mut self, pos: usize, kv: &[f32], score: &[f32]) -> bool {
+        let pw = self.proj_width();
+        let slot = pos % self.ratio;
+        self.cur_kv[slot * pw..(slot + 1) * pw].copy_from_slice(kv);
+        self.cur_score[slot * pw..(slot + 1) * pw].copy_from_slice(score);
+        (pos + 1).is_multiple_of(self.ratio)
+    }
+
+    /// After a window closed: its `Ca` halves become the previous window's (overlap only).
+    fn shift(&mut self) {
         if self.overlap {
-            for j in 0..r {
+            let (w, pw) = (self.width, self.proj_width());
+            for j in 0..self.ratio {
                 self.prev_kv[j * w..(j + 1) * w].copy_from_slice(&self.cur_kv[j * pw..j * pw + w]);
                 self.prev_score[j * w..(j + 1) * w].copy_from_slice(&self.cur_score[j * pw..j * pw + w]);
             }
         }
-        true
+    }
+
+    /// [`CompressorState::push`] with the pooling done elsewhere (on a device): stores the
+    /// projection of `pos` and, when it closes a window, appends `row` (the emitted row,
+    /// already normalized, rotated and rounded) and shifts the window.
+    pub(crate) fn push_computed(&mut self, pos: usize, kv: &[f32], score: &[f32], row: &[f32]) {
+        if self.store(pos, kv, score) {
+            self.rows.push(row);
+            self.shift();
+        }
     }
 
     pub fn nbytes(&self) -> usize {

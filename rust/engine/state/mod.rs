@@ -32,6 +32,10 @@ pub struct State {
     pub precision: KvPrecision,
     /// The model drafter's rows, when the model has a drafter.
     pub draft: Option<DraftState>,
+    /// Which device copy of this state is current: the tag a device decoder gave it when it
+    /// last wrote it (it keeps the same tag), 0 when the state changed on the host since. A
+    /// snapshot carries the tag, so restoring an older one never matches a newer device copy.
+    pub(crate) sync: u64,
 }
 
 impl State {
@@ -52,7 +56,7 @@ impl State {
                 LayerState::new(cfg.window, hd, comp, index)
             })
             .collect();
-        State { pos: 0, tokens: Vec::new(), layers, precision, draft: None }
+        State { pos: 0, tokens: Vec::new(), layers, precision, draft: None, sync: 0 }
     }
 
     /// Bytes held by the state (shared chunks counted once per state).
@@ -121,6 +125,7 @@ impl State {
     /// Undoes every logged row from `keep` on, newest first (a slot written twice ends up
     /// with what it held before the first write), and sets the position to `pos0 + keep`.
     fn undo(&mut self, log: BatchLog, keep: usize) {
+        self.sync = 0;
         if let (Some(ds), Some(dl)) = (self.draft.as_mut(), log.draft) {
             let cut = log.pos0 + keep;
             let mut rings = ds.rings_mut();

@@ -234,6 +234,13 @@ impl PySession {
         self.with(|s| Ok(s.position()))
     }
 
+    /// Where the forward pass runs: "device" (the whole pass on the GPU, state mirrored
+    /// there) or "host" (on the CPU, products on the model's backend).
+    #[getter]
+    fn forward_kind(&self) -> PyResult<&'static str> {
+        self.with(|s| Ok(s.forward_kind()))
+    }
+
     /// The context size.
     #[getter]
     fn context(&self) -> PyResult<usize> {

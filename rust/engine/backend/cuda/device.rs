@@ -27,6 +27,9 @@ impl DevBuf {
             let ptr = cu::malloc_sync(bytes).map_err(driver_err("allocating device memory"))?;
             let b = DevBuf { ptr, bytes };
             cu::memset_d8_sync(ptr, 0, bytes).map_err(driver_err("clearing device memory"))?;
+            // The memset runs on the legacy stream, which the context's non-blocking stream
+            // does not wait for: finish it before anything is queued that may read the buffer.
+            cu::ctx::synchronize().map_err(driver_err("clearing device memory"))?;
             Ok(b)
         }
     }
@@ -39,6 +42,7 @@ impl DevBuf {
     }
 
     /// The device address of byte `off`.
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn at(&self, off: usize) -> u64 {
         self.ptr + off as u64
     }
@@ -51,12 +55,18 @@ impl DevBuf {
         if off + std::mem::size_of_val(data) > self.bytes {
             return Err(Error::invalid("device write past the end of a buffer"));
         }
-        // SAFETY: the range is inside the allocation; the copy is synchronous.
-        unsafe { cu::memcpy_htod_sync(self.ptr + off as u64, data) }.map_err(driver_err("copying to the device"))
+        // SAFETY: the range is inside the allocation. A "synchronous" copy from pageable
+        // memory may still be in flight on the legacy stream when it returns, and the
+        // context's non-blocking stream does not wait for that stream: finish it here.
+        unsafe {
+            cu::memcpy_htod_sync(self.ptr + off as u64, data).map_err(driver_err("copying to the device"))?;
+            cu::ctx::synchronize().map_err(driver_err("copying to the device"))
+        }
     }
 
-    /// `len` values of type `T` from byte offset `off`, synchronously (after the stream's
-    /// work: callers sync first).
+    /// `len` values of type `T` from byte offset `off`, synchronously (callers sync the
+    /// context's stream first: this copy does not wait for it).
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn read<T: Copy + Default>(&self, off: usize, len: usize) -> Result<Vec<T>> {
         let mut out = vec![T::default(); len];
         if len == 0 {
@@ -71,6 +81,7 @@ impl DevBuf {
     }
 
     /// Every value, as `T`.
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn read_all<T: Copy + Default>(&self) -> Result<Vec<T>> {
         self.read(0, self.bytes / std::mem::size_of::<T>())
     }
@@ -141,6 +152,7 @@ impl Context {
     }
 
     /// [`Context::launch_args`] by kernel name (tests and one-off launches).
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn launch_named(&self, name: &str, grid: (u32, u32, u32), block: u32, smem: u32, args: &[Arg]) -> Result<()> {
         let f = self.function(name)?;
         self.launch_args(f, grid, block, smem, args)

@@ -119,6 +119,8 @@ impl Scratch {
             unsafe {
                 self.counters = cu::malloc_sync(cap * 4).map_err(driver_err("allocating device memory"))?;
                 cu::memset_d8_sync(self.counters, 0, cap * 4).map_err(driver_err("clearing counters"))?;
+                // (On the legacy stream: finish it before the backend's stream uses them.)
+                cu::ctx::synchronize().map_err(driver_err("clearing counters"))?;
             }
             self.counters_cap = cap;
         }
@@ -436,6 +438,15 @@ impl CudaBackend {
 impl Backend for CudaBackend {
     fn name(&self) -> &'static str {
         "cuda"
+    }
+
+    fn decoder(
+        self: std::sync::Arc<Self>,
+        model: &crate::Model,
+        ctx: usize,
+        precision: crate::state::KvPrecision,
+    ) -> Option<Result<Box<dyn super::DeviceDecoder>>> {
+        decode::decoder_for(self, model, ctx, precision)
     }
 
     fn matmul_many(&self, raw: &[u8], specs: &[(&Mat, &[f32])]) -> Result<Vec<Vec<f32>>> {

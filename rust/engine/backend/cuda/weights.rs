@@ -74,6 +74,9 @@ impl DeviceImage {
             done += chunk.len();
             progress(done as u64, total_bytes);
         }
+        // The copies ran on the legacy stream, which the backend's non-blocking stream does not
+        // wait for: finish them before any kernel may read the weights.
+        cu::ctx::synchronize().map_err(driver_err("copying the weights"))?;
         Ok(img)
     }
 }

@@ -1,5 +1,21 @@
 //! Device-resident decode: the whole forward pass of decode-sized batches (1..=16 rows) on the
 //! GPU, with the session's attention state mirrored in device memory.
+//!
+//! A step uploads the step parameters (position, tokens) and the rows' embeddings, replays the
+//! step's *program* (the launches of every layer, built once per batch size and logits choice,
+//! so every kernel argument and product descriptor is fixed), packs what the step wrote to the
+//! device state into one buffer, and brings that and the logits back in one wait. The host
+//! state is updated from the packed writes (with the undo log), so it stays the reference copy
+//! (see [`crate::backend::DeviceDecoder`]). Nothing in a step depends on the host between its
+//! upload and its download: the routed experts' product descriptors are written on the device
+//! by the routing kernel, and each row's visible rows follow from its position.
+//!
+//! Row invariance holds as in the products: every kernel computes each row with the same code
+//! and order whatever the batch, so a verify of k rows is bitwise k single-row decodes.
+//!
+//! Kernels: `shaders/cuda/decode_ops.cu` (norms, hyper-connections, query/key finishing,
+//! SwiGLU), `decode_attn.cu` (ring and compressor updates, indexer, attention),
+//! `decode_moe.cu` (routing, expert gather and combine), `decode_step.cu` (packing).
 
 #[cfg(test)]
 mod testutil;
@@ -9,3 +25,1353 @@ mod tests_attn;
 mod tests_moe;
 #[cfg(test)]
 mod tests_ops;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use cudarc::driver::result as cu;
+use cudarc::driver::sys;
+
+use super::context::{driver_err, Context, MAX_BATCH, ROWS_PER_BLOCK, THREADS};
+use super::device::{Arg, DevBuf};
+use super::weights::DeviceImage;
+use super::{slices, CudaBackend, Desc};
+use crate::backend::DeviceDecoder;
+use crate::model::config::AttentionKind;
+use crate::model::draft::DraftKind;
+use crate::model::weights::{HyperWeights, Mat, Router};
+use crate::model::{Logits, Model};
+use crate::state::{BatchLog, KvPrecision, State};
+use crate::{Error, Result};
+
+/// Rows of a step: one product chunk of the matrix kernels.
+const N_MAX: usize = MAX_BATCH;
+
+/// A new sync tag (never 0).
+fn fresh_tag() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+fn f32_buf(floats: usize) -> Result<DevBuf> {
+    DevBuf::zeroed(floats * 4)
+}
+
+/// One run of the pack kernel (`Ds4Copy` in decode_step.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct CopyRun {
+    src: u64,
+    off: i64,
+    len: i64,
+}
+
+/// A kernel argument of a program: a plain argument, or an offset in the program's table of
+/// product descriptors (its device address is known once the table is uploaded).
+#[derive(Clone, Copy, Debug)]
+enum PArg {
+    A(Arg),
+    Table(usize),
+}
+
+#[derive(Debug)]
+enum Op {
+    Launch { f: sys::CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, args: Vec<Arg> },
+    Copy { dst: u64, src: u64, bytes: usize },
+}
+
+/// The launches of one step shape, with its descriptor tables.
+struct Program {
+    ops: Vec<Op>,
+    _tables: DevBuf,
+    graph: Option<sys::CUgraphExec>,
+}
+
+/// Per-layer constants in device memory.
+struct LayerConsts {
+    attn_norm: DevBuf,
+    q_a_norm: DevBuf,
+    kv_norm: DevBuf,
+    sinks: DevBuf,
+    ffn_norm: DevBuf,
+    hc_attn: (DevBuf, DevBuf),
+    hc_ffn: (DevBuf, DevBuf),
+    inv_freq: DevBuf,
+    comp: Option<(DevBuf, DevBuf)>,
+    index: Option<(DevBuf, DevBuf)>,
+    bias: Option<DevBuf>,
+    hash: Option<DevBuf>,
+}
+
+/// One compressor's device state (see decode_attn.cu).
+struct CompMirror {
+    width: usize,
+    ratio: usize,
+    overlap: bool,
+    cur_kv: DevBuf,
+    cur_score: DevBuf,
+    /// prev_kv then prev_score (overlap only).
+    prev: Option<DevBuf>,
+    /// 16 copies of `prev`, one per batch row that closed a window.
+    backup: Option<DevBuf>,
+    rows: DevBuf,
+    cap: usize,
+}
+
+struct LayerMirror {
+    ring: DevBuf,
+    slots: usize,
+    comp: Option<CompMirror>,
+    index: Option<CompMirror>,
+}
+
+/// Activations of a step, each sized for 16 rows.
+struct Bufs {
+    step: DevBuf,
+    x: DevBuf,
+    flat: DevBuf,
+    mixl: DevBuf,
+    mix_a: DevBuf,
+    mix_f: DevBuf,
+    h: DevBuf,
+    cq: DevBuf,
+    kv: DevBuf,
+    ckv: DevBuf,
+    cg: DevBuf,
+    ig: DevBuf,
+    ickv: DevBuf,
+    icg: DevBuf,
+    q: DevBuf,
+    iq: DevBuf,
+    scores: DevBuf,
+    score_stride: usize,
+    sel: DevBuf,
+    nsel: DevBuf,
+    o: DevBuf,
+    ug: DevBuf,
+    u: DevBuf,
+    attn_out: DevBuf,
+    rl: DevBuf,
+    gsh: DevBuf,
+    ush: DevBuf,
+    ash: DevBuf,
+    dsh: DevBuf,
+    xg: DevBuf,
+    g_out: DevBuf,
+    u_out: DevBuf,
+    act: DevBuf,
+    down_out: DevBuf,
+    gather_src: DevBuf,
+    comb_slot: DevBuf,
+    comb_w: DevBuf,
+    comb_cnt: DevBuf,
+    ffn_out: DevBuf,
+    y: DevBuf,
+    logits: DevBuf,
+    part: DevBuf,
+    part_floats: usize,
+    counters: DevBuf,
+    counters_len: usize,
+    capture: DevBuf,
+    runs: DevBuf,
+    journal: DevBuf,
+}
+
+/// Pinned host memory, grown on demand.
+struct Pinned {
+    ptr: *mut u8,
+    bytes: usize,
+}
+
+impl Pinned {
+    fn reserve(&mut self, bytes: usize) -> Result<()> {
+        if bytes <= self.bytes {
+            return Ok(());
+        }
+        let cap = bytes.next_power_of_two().max(1 << 16);
+        // SAFETY: allocated by malloc_host, nothing in flight (every step waits).
+        unsafe {
+            if !self.ptr.is_null() {
+                cu::free_host(self.ptr.cast()).map_err(driver_err("freeing pinned memory"))?;
+                self.ptr = std::ptr::null_mut();
+                self.bytes = 0;
+            }
+            self.ptr = cu::malloc_host(cap, 0).map_err(driver_err("allocating pinned memory"))?.cast();
+        }
+        self.bytes = cap;
+        Ok(())
+    }
+
+    fn floats(&mut self, off_bytes: usize, len: usize) -> &mut [f32] {
+        assert!(off_bytes % 4 == 0 && off_bytes + 4 * len <= self.bytes);
+        if len == 0 {
+            return &mut [];
+        }
+        // SAFETY: inside the pinned allocation owned by self.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(off_bytes).cast(), len) }
+    }
+
+    fn bytes_mut(&mut self, off: usize, len: usize) -> &mut [u8] {
+        assert!(off + len <= self.bytes);
+        if len == 0 {
+            return &mut [];
+        }
+        // SAFETY: inside the pinned allocation owned by self.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(off), len) }
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        if !self.ptr.is_null() {
+            // SAFETY: allocated by malloc_host, freed once.
+            unsafe { cu::free_host(self.ptr.cast()).ok() };
+        }
+    }
+}
+
+/// Kernel handles looked up once.
+struct Kernels {
+    rms_plain: sys::CUfunction,
+    rms_weight: sys::CUfunction,
+    hc_pre: sys::CUfunction,
+    hc_post: sys::CUfunction,
+    hc_head: sys::CUfunction,
+    finish_q: sys::CUfunction,
+    finish_kv: sys::CUfunction,
+    finish_index: sys::CUfunction,
+    swiglu: sys::CUfunction,
+    group_to_rows: sys::CUfunction,
+    ring_write: sys::CUfunction,
+    compress: sys::CUfunction,
+    index_scores: sys::CUfunction,
+    index_topk: sys::CUfunction,
+    attention: sys::CUfunction,
+    route: sys::CUfunction,
+    gather: sys::CUfunction,
+    combine: sys::CUfunction,
+    pack: sys::CUfunction,
+}
+
+impl Kernels {
+    fn load(ctx: &Context) -> Result<Self> {
+        let f = |n: &str| ctx.function(n);
+        Ok(Kernels {
+            rms_plain: f("ds4_rms_plain")?,
+            rms_weight: f("ds4_rms_weight")?,
+            hc_pre: f("ds4_hc_pre")?,
+            hc_post: f("ds4_hc_post")?,
+            hc_head: f("ds4_hc_head")?,
+            finish_q: f("ds4_finish_q")?,
+            finish_kv: f("ds4_finish_kv")?,
+            finish_index: f("ds4_finish_index")?,
+            swiglu: f("ds4_swiglu")?,
+            group_to_rows: f("ds4_group_to_rows")?,
+            ring_write: f("ds4_ring_write")?,
+            compress: f("ds4_compress")?,
+            index_scores: f("ds4_index_scores")?,
+            index_topk: f("ds4_index_topk")?,
+            attention: f("ds4_attention")?,
+            route: f("ds4_route")?,
+            gather: f("ds4_gather")?,
+            combine: f("ds4_moe_combine")?,
+            pack: f("ds4_pack")?,
+        })
+    }
+}
+
+/// The device decoder of one session (see the module documentation).
+pub(crate) struct CudaDecoder {
+    backend: Arc<CudaBackend>,
+    k: Kernels,
+    round_mode: i32,
+    ctx_len: usize,
+    consts: Vec<LayerConsts>,
+    head_consts: (DevBuf, DevBuf, DevBuf),
+    mirror: Vec<LayerMirror>,
+    bufs: Bufs,
+    programs: HashMap<(usize, u8), Program>,
+    up: Pinned,
+    down: Pinned,
+    /// The tag of the device state (0: stale, re-upload before the next step).
+    tag: u64,
+    /// The last step: (first position, rows), for [`DeviceDecoder::kept`].
+    last: Option<(usize, usize)>,
+    use_graphs: bool,
+}
+
+// SAFETY: the raw handles (functions, graphs, pinned pointers) are only used by the thread
+// that holds the decoder, with the backend's context bound and its lock held.
+unsafe impl Send for CudaDecoder {}
+
+impl Drop for CudaDecoder {
+    fn drop(&mut self) {
+        let g = self.backend.lock();
+        if g.ctx.bind().is_ok() {
+            g.ctx.sync().ok();
+            for p in self.programs.values_mut() {
+                if let Some(exec) = p.graph.take() {
+                    // SAFETY: instantiated by this decoder, destroyed once.
+                    unsafe { cu::graph::exec_destroy(exec).ok() };
+                }
+            }
+        }
+        // The buffers are freed after this, with the context still bound on this thread.
+    }
+}
+
+/// The matrices of one products launch group, for sizing the partial sums.
+fn split_need(mats: &[Mat], n: usize) -> (usize, usize) {
+    let mut part = 0;
+    let mut counters = 0;
+    for w in mats {
+        let s = slices(w);
+        if s > 1 {
+            part += s * n * w.n_out;
+            counters += w.n_out.div_ceil(ROWS_PER_BLOCK);
+        }
+    }
+    (part, counters)
+}
+
+impl CudaBackend {
+    /// Whether every matrix the device decoder multiplies by runs on the GPU.
+    fn decodable(&self, model: &Model) -> bool {
+        let g = self.lock();
+        let Some(img) = g.images.iter().find(|i| i.is(model.file.raw())) else { return false };
+        all_mats(model).iter().all(|m| Self::gpu_shape(img, m))
+    }
+}
+
+/// Every matrix of the trunk and head.
+fn all_mats(model: &Model) -> Vec<Mat> {
+    let w = &model.weights;
+    let mut v = vec![w.output, w.hc_head.proj];
+    for l in &w.layers {
+        v.extend([l.hc_attn.proj, l.hc_ffn.proj, l.q_a, l.q_b, l.kv, l.o_a, l.o_b, l.router_proj]);
+        v.extend([l.gate_sh, l.up_sh, l.down_sh, l.gate_exps.first, l.up_exps.first, l.down_exps.first]);
+        if let Some(c) = &l.compressor {
+            v.extend([c.kv, c.gate]);
+        }
+        if let Some(i) = &l.indexer {
+            v.extend([i.q_b, i.proj, i.compressor.kv, i.compressor.gate]);
+        }
+    }
+    v
+}
+
+/// The decoder for `model` on `backend`, or `None` when this model or state precision is not
+/// run on the device (FP8 state simulation, a shape the kernels do not take, weights not
+/// uploaded, `DS4_DEVICE_DECODE=0`).
+pub(crate) fn decoder_for(
+    backend: Arc<CudaBackend>,
+    model: &Model,
+    ctx: usize,
+    precision: KvPrecision,
+) -> Option<Result<Box<dyn DeviceDecoder>>> {
+    if std::env::var("DS4_DEVICE_DECODE").is_ok_and(|v| v == "0") {
+        return None;
+    }
+    let round_mode = match precision {
+        KvPrecision::F32 => 0,
+        KvPrecision::F16 => 1,
+        KvPrecision::Fp8 => return None,
+    };
+    let cfg = &model.config;
+    let csa_without_indexer = cfg
+        .layers
+        .iter()
+        .zip(&model.weights.layers)
+        .any(|(s, l)| s.kind == AttentionKind::Csa && l.indexer.is_none());
+    if cfg.hc_mult > 8
+        || cfg.hc_mult == 0
+        || cfg.n_heads % cfg.o_groups != 0
+        || csa_without_indexer
+        || !backend.decodable(model)
+    {
+        return None;
+    }
+    Some(CudaDecoder::new(backend, model, ctx, round_mode).map(|d| Box::new(d) as Box<dyn DeviceDecoder>))
+}
+
+impl CudaDecoder {
+    fn new(backend: Arc<CudaBackend>, model: &Model, ctx_len: usize, round_mode: i32) -> Result<Self> {
+        let g = backend.lock();
+        g.ctx.bind()?;
+        let k = Kernels::load(&g.ctx)?;
+        drop(g);
+        let cfg = &model.config;
+        let w = &model.weights;
+        let (d, hc, hd) = (cfg.hidden, cfg.hc_mult, cfg.head_dim);
+        let consts = w
+            .layers
+            .iter()
+            .zip(&model.ropes)
+            .map(|(l, rope)| -> Result<LayerConsts> {
+                let hyper = |h: &HyperWeights| -> Result<(DevBuf, DevBuf)> {
+                    Ok((DevBuf::from_slice(&h.base)?, DevBuf::from_slice(&h.scale)?))
+                };
+                Ok(LayerConsts {
+                    attn_norm: DevBuf::from_slice(&l.attn_norm)?,
+                    q_a_norm: DevBuf::from_slice(&l.q_a_norm)?,
+                    kv_norm: DevBuf::from_slice(&l.kv_norm)?,
+                    sinks: DevBuf::from_slice(&l.sinks)?,
+                    ffn_norm: DevBuf::from_slice(&l.ffn_norm)?,
+                    hc_attn: hyper(&l.hc_attn)?,
+                    hc_ffn: hyper(&l.hc_ffn)?,
+                    inv_freq: DevBuf::from_slice(rope.inv_freq())?,
+                    comp: match &l.compressor {
+                        Some(c) => Some((DevBuf::from_slice(&c.ape)?, DevBuf::from_slice(&c.norm)?)),
+                        None => None,
+                    },
+                    index: match &l.indexer {
+                        Some(i) => {
+                            Some((DevBuf::from_slice(&i.compressor.ape)?, DevBuf::from_slice(&i.compressor.norm)?))
+                        }
+                        None => None,
+                    },
+                    bias: match &l.router {
+                        Router::Learned { bias } => Some(DevBuf::from_slice(bias)?),
+                        Router::Hash { .. } => None,
+                    },
+                    hash: match &l.router {
+                        Router::Hash { table } => Some(DevBuf::from_slice(table)?),
+                        Router::Learned { .. } => None,
+                    },
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let head_consts = (
+            DevBuf::from_slice(&w.output_norm)?,
+            DevBuf::from_slice(&w.hc_head.base)?,
+            DevBuf::from_slice(&w.hc_head.scale)?,
+        );
+
+        // The device state.
+        let mut mirror = Vec::with_capacity(cfg.layers.len());
+        let mut score_stride = 1;
+        for (spec, l) in cfg.layers.iter().zip(&w.layers) {
+            let slots = cfg.window + crate::spec::MAX_DRAFT + 1;
+            let comp_mirror = |width: usize, overlap: bool| -> Result<CompMirror> {
+                let ratio = spec.ratio;
+                let pw = if overlap { 2 * width } else { width };
+                let cap = ctx_len / ratio + 1;
+                Ok(CompMirror {
+                    width,
+                    ratio,
+                    overlap,
+                    cur_kv: f32_buf(ratio * pw)?,
+                    cur_score: f32_buf(ratio * pw)?,
+                    prev: if overlap { Some(f32_buf(2 * ratio * width)?) } else { None },
+                    backup: if overlap { Some(f32_buf(N_MAX * 2 * ratio * width)?) } else { None },
+                    rows: f32_buf(cap * width)?,
+                    cap,
+                })
+            };
+            let comp = match spec.kind {
+                AttentionKind::Sliding => None,
+                AttentionKind::Hca => Some(comp_mirror(hd, false)?),
+                AttentionKind::Csa => Some(comp_mirror(hd, true)?),
+            };
+            let index = match (spec.kind, &l.indexer) {
+                (AttentionKind::Csa, Some(_)) => {
+                    score_stride = score_stride.max(ctx_len / spec.ratio + 1);
+                    Some(comp_mirror(cfg.index_head_dim, true)?)
+                }
+                _ => None,
+            };
+            mirror.push(LayerMirror { ring: f32_buf(slots * hd)?, slots, comp, index });
+        }
+
+        // Partial sums and counters: the most any launch group needs at 16 rows.
+        let kk = cfg.n_experts_used;
+        let max_descs = (N_MAX * kk).min(cfg.n_experts);
+        let (mut part_floats, mut counters_len) = (0usize, 0usize);
+        let mut need = |mats: &[Mat], n: usize| {
+            let (p, c) = split_need(mats, n);
+            part_floats = part_floats.max(p);
+            counters_len = counters_len.max(c);
+        };
+        for l in &w.layers {
+            need(&[l.hc_attn.proj], N_MAX);
+            let mut g1 = vec![l.q_a, l.kv];
+            if let Some(c) = &l.compressor {
+                g1.extend([c.kv, c.gate]);
+            }
+            if let Some(i) = &l.indexer {
+                g1.extend([i.proj, i.compressor.kv, i.compressor.gate]);
+                need(&[l.q_b, i.q_b], N_MAX);
+            }
+            need(&g1, N_MAX);
+            need(&[l.q_b], N_MAX);
+            let oa = Mat { n_out: cfg.o_lora_rank, ..l.o_a };
+            need(&vec![oa; cfg.o_groups], N_MAX);
+            need(&[l.o_b], N_MAX);
+            need(&[l.hc_ffn.proj], N_MAX);
+            need(&[l.router_proj, l.gate_sh, l.up_sh], N_MAX);
+            need(&[l.down_sh], N_MAX);
+            let gu = [vec![l.gate_exps.first; max_descs], vec![l.up_exps.first; max_descs]].concat();
+            need(&gu, N_MAX);
+            need(&vec![l.down_exps.first; max_descs], N_MAX);
+        }
+        need(&[w.hc_head.proj], N_MAX);
+        need(&[w.output], N_MAX);
+
+        let l0 = &w.layers[0];
+        let ff = l0.gate_exps.first.n_out;
+        let ff_sh = l0.gate_sh.n_out;
+        let pw_main = 2 * hd;
+        let ipw = 2 * cfg.index_head_dim.max(1);
+        let n_mix = (2 + hc) * hc;
+        let capture_layers = match model.draft.as_ref().map(|dm| &dm.kind) {
+            Some(DraftKind::DSpark(w)) => w.target_layers.len(),
+            _ => 0,
+        };
+        let journal_floats = Self::journal_floats(cfg, N_MAX);
+        let bufs = Bufs {
+            step: DevBuf::zeroed(4 * (2 + N_MAX))?,
+            x: f32_buf(N_MAX * hc * d)?,
+            flat: f32_buf(N_MAX * hc * d)?,
+            mixl: f32_buf(N_MAX * n_mix)?,
+            mix_a: f32_buf(N_MAX * (hc + hc * hc))?,
+            mix_f: f32_buf(N_MAX * (hc + hc * hc))?,
+            h: f32_buf(N_MAX * d)?,
+            cq: f32_buf(N_MAX * cfg.q_lora_rank)?,
+            kv: f32_buf(N_MAX * hd)?,
+            ckv: f32_buf(N_MAX * pw_main)?,
+            cg: f32_buf(N_MAX * pw_main)?,
+            ig: f32_buf(N_MAX * cfg.index_heads.max(1))?,
+            ickv: f32_buf(N_MAX * ipw)?,
+            icg: f32_buf(N_MAX * ipw)?,
+            q: f32_buf(N_MAX * cfg.n_heads * hd)?,
+            iq: f32_buf(N_MAX * cfg.index_heads.max(1) * cfg.index_head_dim.max(1))?,
+            scores: f32_buf(N_MAX * score_stride)?,
+            score_stride,
+            sel: DevBuf::zeroed(4 * N_MAX * cfg.index_topk.max(1))?,
+            nsel: DevBuf::zeroed(4 * N_MAX)?,
+            o: f32_buf(N_MAX * cfg.n_heads * hd)?,
+            ug: f32_buf(N_MAX * cfg.o_groups * cfg.o_lora_rank)?,
+            u: f32_buf(N_MAX * cfg.o_groups * cfg.o_lora_rank)?,
+            attn_out: f32_buf(N_MAX * d)?,
+            rl: f32_buf(N_MAX * cfg.n_experts)?,
+            gsh: f32_buf(N_MAX * ff_sh)?,
+            ush: f32_buf(N_MAX * ff_sh)?,
+            ash: f32_buf(N_MAX * ff_sh)?,
+            dsh: f32_buf(N_MAX * d)?,
+            xg: f32_buf(N_MAX * kk * d)?,
+            g_out: f32_buf(N_MAX * kk * ff)?,
+            u_out: f32_buf(N_MAX * kk * ff)?,
+            act: f32_buf(N_MAX * kk * ff)?,
+            down_out: f32_buf(N_MAX * kk * d)?,
+            gather_src: DevBuf::zeroed(4 * N_MAX * kk)?,
+            comb_slot: DevBuf::zeroed(4 * N_MAX * kk)?,
+            comb_w: f32_buf(N_MAX * kk)?,
+            comb_cnt: DevBuf::zeroed(4 * N_MAX)?,
+            ffn_out: f32_buf(N_MAX * d)?,
+            y: f32_buf(N_MAX * d)?,
+            logits: f32_buf(N_MAX * cfg.vocab)?,
+            part: f32_buf(part_floats)?,
+            part_floats,
+            counters: DevBuf::zeroed(4 * counters_len.max(1))?,
+            counters_len,
+            capture: f32_buf(capture_layers.max(1) * N_MAX * hc * d)?,
+            runs: DevBuf::zeroed(std::mem::size_of::<CopyRun>() * Self::journal_runs(cfg, N_MAX))?,
+            journal: f32_buf(journal_floats)?,
+        };
+        Ok(CudaDecoder {
+            backend,
+            k,
+            round_mode,
+            ctx_len,
+            consts,
+            head_consts,
+            mirror,
+            bufs,
+            programs: HashMap::new(),
+            up: Pinned { ptr: std::ptr::null_mut(), bytes: 0 },
+            down: Pinned { ptr: std::ptr::null_mut(), bytes: 0 },
+            tag: 0,
+            last: None,
+            use_graphs: !std::env::var("DS4_CUDA_GRAPHS").is_ok_and(|v| v == "0"),
+        })
+    }
+
+    /// Floats a step of `n` rows writes to the state (ring rows, compressor slots, emitted
+    /// rows), an upper bound.
+    fn journal_floats(cfg: &crate::ModelConfig, n: usize) -> usize {
+        let mut t = 0;
+        for spec in &cfg.layers {
+            t += n * cfg.head_dim;
+            if spec.kind != AttentionKind::Sliding {
+                let series = if spec.kind == AttentionKind::Csa { 2 } else { 1 };
+                t += 2 * n * series * cfg.head_dim + n * cfg.head_dim;
+            }
+            if spec.kind == AttentionKind::Csa {
+                t += 2 * n * 2 * cfg.index_head_dim + n * cfg.index_head_dim;
+            }
+        }
+        t
+    }
+
+    /// Copy runs of a step of `n` rows, an upper bound.
+    fn journal_runs(cfg: &crate::ModelConfig, n: usize) -> usize {
+        cfg.layers.len() * n * 7
+    }
+
+    // ------------------------------------------------------------------ programs
+
+    /// Builds the program of a step of `n` rows whose head runs on `head` = (first row, rows).
+    fn build(&self, ctx: &Context, img: &DeviceImage, model: &Model, n: usize, head: Option<(usize, usize)>) -> Result<Program> {
+        let cfg = &model.config;
+        let w = &model.weights;
+        let b = &self.bufs;
+        let k = &self.k;
+        let (d, hc, hd, nh) = (cfg.hidden, cfg.hc_mult, cfg.head_dim, cfg.n_heads);
+        let n_mix = (2 + hc) * hc;
+        let step = b.step.ptr;
+        let mut ops: Vec<(Option<sys::CUfunction>, (u32, u32, u32), u32, u32, Vec<PArg>, Option<(u64, u64, usize)>)> =
+            Vec::new();
+        let mut table: Vec<u8> = Vec::new();
+        let nn = n as u32;
+        let p = |x: u64| PArg::A(Arg::Ptr(x));
+        let i = |x: usize| PArg::A(Arg::I32(x as i32));
+        let fl = |x: f32| PArg::A(Arg::F32(x));
+        let null = PArg::A(Arg::Ptr(0));
+        let launch = |ops: &mut Vec<_>, f: sys::CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, args: Vec<PArg>| {
+            ops.push((Some(f), grid, block, smem, args, None));
+        };
+        // Products: (matrix, x, y, rows). One launch per format; partial sums and counters
+        // laid out from 0 for each call (launches of different calls never overlap).
+        let products = |ops: &mut Vec<_>, table: &mut Vec<u8>, prods: &[(Mat, u64, u64, usize)]| -> Result<()> {
+            let mut part_off = 0usize;
+            let mut counter = 0usize;
+            let mut fmts: Vec<crate::quant::GgmlType> = Vec::new();
+            for pr in prods {
+                if !fmts.contains(&pr.0.ty) {
+                    fmts.push(pr.0.ty);
+                }
+            }
+            for ty in fmts {
+                let start = table.len();
+                let mut blocks = 0usize;
+                let mut count = 0usize;
+                let mut nmax = 1;
+                for &(m, x, y, rows) in prods.iter().filter(|pr| pr.0.ty == ty) {
+                    let s = slices(&m);
+                    let rb = m.n_out.div_ceil(ROWS_PER_BLOCK);
+                    let part = b.part.ptr + 4 * part_off as u64;
+                    let mut dsc = Desc {
+                        w: img.addr(m.start),
+                        x,
+                        y,
+                        part,
+                        row_bytes: m.row_bytes as i64,
+                        n_out: m.n_out as i32,
+                        n_in: m.n_in as i32,
+                        n: rows as i32,
+                        slices: s as i32,
+                        block_start: blocks as i32,
+                        counter: counter as i32,
+                    };
+                    if s > 1 {
+                        part_off += s * rows * m.n_out;
+                        counter += rb;
+                    } else {
+                        dsc.part = 0;
+                    }
+                    blocks += rb * s;
+                    count += 1;
+                    nmax = nmax.max(rows);
+                    table.extend_from_slice(desc_bytes(&dsc));
+                }
+                if part_off > b.part_floats || counter > b.counters_len {
+                    return Err(Error::Backend("CUDA decode: partial-sum buffer too small (internal)".into()));
+                }
+                let (f, smem) = ctx.kernel(ty, nmax).ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
+                ops.push((
+                    Some(f),
+                    (blocks as u32, 1, 1),
+                    THREADS,
+                    smem,
+                    vec![PArg::Table(start), PArg::A(Arg::I32(count as i32)), PArg::A(Arg::Ptr(b.counters.ptr))],
+                    None,
+                ));
+            }
+            Ok(())
+        };
+        let g1 = (nn, 1, 1);
+        let rows_grid = |blocks_x: usize| (blocks_x as u32, nn, 1);
+        let capture: Vec<usize> = match model.draft.as_ref().map(|dm| &dm.kind) {
+            Some(DraftKind::DSpark(w)) => w.target_layers.clone(),
+            _ => Vec::new(),
+        };
+        let ff = w.layers[0].gate_exps.first.n_out;
+        let ff_sh = w.layers[0].gate_sh.n_out;
+        let kk = cfg.n_experts_used;
+        let max_descs = (n * kk).min(cfg.n_experts);
+
+        for (li, (lw, spec)) in w.layers.iter().zip(&cfg.layers).enumerate() {
+            let c = &self.consts[li];
+            let mm = &self.mirror[li];
+            let hc_site = |ops: &mut Vec<_>, table: &mut Vec<u8>, hw: &HyperWeights, base_scale: &(DevBuf, DevBuf), mix: u64, norm: u64| -> Result<()> {
+                launch(ops, k.rms_plain, g1, 256, 0, vec![p(b.x.ptr), p(b.flat.ptr), i(hc * d), fl(cfg.rms_eps)]);
+                products(ops, table, &[(hw.proj, b.flat.ptr, b.mixl.ptr, n)])?;
+                launch(
+                    ops,
+                    k.hc_pre,
+                    g1,
+                    256,
+                    0,
+                    vec![
+                        p(b.mixl.ptr),
+                        i(n_mix),
+                        p(b.x.ptr),
+                        p(b.h.ptr),
+                        p(mix),
+                        p(base_scale.0.ptr),
+                        p(base_scale.1.ptr),
+                        i(hc),
+                        i(d),
+                        fl(cfg.hc_eps),
+                        i(cfg.sinkhorn_iters),
+                    ],
+                );
+                launch(ops, k.rms_weight, g1, 256, 0, vec![p(b.h.ptr), p(b.h.ptr), p(norm), i(d), fl(cfg.rms_eps)]);
+                Ok(())
+            };
+            // ---- attention
+            hc_site(&mut ops, &mut table, &lw.hc_attn, &c.hc_attn, b.mix_a.ptr, c.attn_norm.ptr)?;
+            let mut g = vec![(lw.q_a, b.h.ptr, b.cq.ptr, n), (lw.kv, b.h.ptr, b.kv.ptr, n)];
+            if let Some(cw) = &lw.compressor {
+                g.extend([(cw.kv, b.h.ptr, b.ckv.ptr, n), (cw.gate, b.h.ptr, b.cg.ptr, n)]);
+            }
+            if let Some(iw) = &lw.indexer {
+                g.extend([
+                    (iw.proj, b.h.ptr, b.ig.ptr, n),
+                    (iw.compressor.kv, b.h.ptr, b.ickv.ptr, n),
+                    (iw.compressor.gate, b.h.ptr, b.icg.ptr, n),
+                ]);
+            }
+            products(&mut ops, &mut table, &g)?;
+            launch(&mut ops, k.rms_weight, g1, 256, 0, vec![p(b.cq.ptr), p(b.cq.ptr), p(c.q_a_norm.ptr), i(cfg.q_lora_rank), fl(cfg.rms_eps)]);
+            let mut g = vec![(lw.q_b, b.cq.ptr, b.q.ptr, n)];
+            if let Some(iw) = &lw.indexer {
+                g.push((iw.q_b, b.cq.ptr, b.iq.ptr, n));
+            }
+            products(&mut ops, &mut table, &g)?;
+            let rope_dim = cfg.rope_dim;
+            launch(&mut ops, k.finish_q, (nh as u32, nn, 1), 128, 0, vec![p(b.q.ptr), i(nh), i(hd), fl(cfg.rms_eps), p(c.inv_freq.ptr), i(rope_dim), p(step)]);
+            launch(&mut ops, k.finish_kv, g1, 256, 0, vec![p(b.kv.ptr), p(c.kv_norm.ptr), i(hd), fl(cfg.rms_eps), p(c.inv_freq.ptr), i(rope_dim), i(self.round_mode as usize), p(step)]);
+            if lw.indexer.is_some() {
+                let gs = 1.0 / (cfg.index_heads as f32).sqrt();
+                launch(
+                    &mut ops,
+                    k.finish_index,
+                    (cfg.index_heads as u32, nn, 1),
+                    128,
+                    0,
+                    vec![p(b.iq.ptr), p(b.ig.ptr), i(cfg.index_heads), i(cfg.index_head_dim), p(c.inv_freq.ptr), i(rope_dim), i(self.round_mode as usize), fl(gs), p(step)],
+                );
+            }
+            launch(&mut ops, k.ring_write, g1, 256, 0, vec![p(b.kv.ptr), p(mm.ring.ptr), i(mm.slots), i(hd), p(step)]);
+            let compress = |ops: &mut Vec<_>, cm: &CompMirror, kv: u64, gate: u64, cc: &(DevBuf, DevBuf)| {
+                launch(
+                    ops,
+                    k.compress,
+                    (1, 1, 1),
+                    256,
+                    0,
+                    vec![
+                        p(kv),
+                        p(gate),
+                        p(cc.0.ptr),
+                        p(cc.1.ptr),
+                        fl(cfg.rms_eps),
+                        p(cm.cur_kv.ptr),
+                        p(cm.cur_score.ptr),
+                        cm.prev.as_ref().map_or(null, |b| p(b.ptr)),
+                        cm.backup.as_ref().map_or(null, |b| p(b.ptr)),
+                        p(cm.rows.ptr),
+                        i(cm.width),
+                        i(cm.ratio),
+                        i(cm.overlap as usize),
+                        p(c.inv_freq.ptr),
+                        i(rope_dim),
+                        i(self.round_mode as usize),
+                        i(n),
+                        p(step),
+                    ],
+                );
+            };
+            if let (Some(cm), Some(cc)) = (&mm.comp, &c.comp) {
+                compress(&mut ops, cm, b.ckv.ptr, b.cg.ptr, cc);
+            }
+            if let (Some(im), Some(ic)) = (&mm.index, &c.index) {
+                compress(&mut ops, im, b.ickv.ptr, b.icg.ptr, ic);
+                launch(
+                    &mut ops,
+                    k.index_scores,
+                    (132, nn, 1),
+                    256,
+                    0,
+                    vec![p(b.iq.ptr), p(b.ig.ptr), p(im.rows.ptr), i(cfg.index_heads), i(cfg.index_head_dim), i(spec.ratio), i(cfg.index_topk), p(b.scores.ptr), i(b.score_stride), p(step)],
+                );
+                launch(
+                    &mut ops,
+                    k.index_topk,
+                    g1,
+                    1024,
+                    0,
+                    vec![p(b.scores.ptr), i(b.score_stride), i(spec.ratio), i(cfg.index_topk), p(b.sel.ptr), p(b.nsel.ptr), p(step)],
+                );
+            }
+            let (crows, ratio, sel, nsel, max_comp) = match (&mm.comp, &mm.index) {
+                (Some(cm), Some(_)) => (cm.rows.ptr, cm.ratio, b.sel.ptr, b.nsel.ptr, cfg.index_topk.min(cm.cap)),
+                (Some(cm), None) => (cm.rows.ptr, cm.ratio, 0, 0, cm.cap),
+                _ => (0, 1, 0, 0, 0),
+            };
+            let smem = ((cfg.window + max_comp + hd) * 4) as u32;
+            launch(
+                &mut ops,
+                k.attention,
+                (nh as u32, nn, 1),
+                256,
+                smem,
+                vec![
+                    p(b.q.ptr),
+                    p(mm.ring.ptr),
+                    i(mm.slots),
+                    i(cfg.window),
+                    p(crows),
+                    i(ratio),
+                    p(sel),
+                    p(nsel),
+                    i(cfg.index_topk),
+                    p(c.sinks.ptr),
+                    i(nh),
+                    i(hd),
+                    p(b.o.ptr),
+                    i(cfg.o_groups),
+                    p(c.inv_freq.ptr),
+                    i(rope_dim),
+                    p(step),
+                ],
+            );
+            let (groups, rank) = (cfg.o_groups, cfg.o_lora_rank);
+            let gin = nh * hd / groups;
+            let oa: Vec<(Mat, u64, u64, usize)> = (0..groups)
+                .map(|gi| {
+                    let m = Mat { n_out: rank, start: lw.o_a.start + gi * rank * lw.o_a.row_bytes, ..lw.o_a };
+                    (m, b.o.ptr + 4 * (gi * n * gin) as u64, b.ug.ptr + 4 * (gi * n * rank) as u64, n)
+                })
+                .collect();
+            products(&mut ops, &mut table, &oa)?;
+            launch(&mut ops, k.group_to_rows, rows_grid((groups * rank).div_ceil(256)), 256, 0, vec![p(b.ug.ptr), p(b.u.ptr), i(groups), i(n), i(rank)]);
+            products(&mut ops, &mut table, &[(lw.o_b, b.u.ptr, b.attn_out.ptr, n)])?;
+            launch(&mut ops, k.hc_post, rows_grid(d.div_ceil(256)), 256, 0, vec![p(b.x.ptr), p(b.attn_out.ptr), p(b.mix_a.ptr), i(hc), i(d)]);
+
+            // ---- MoE
+            hc_site(&mut ops, &mut table, &lw.hc_ffn, &c.hc_ffn, b.mix_f.ptr, c.ffn_norm.ptr)?;
+            products(
+                &mut ops,
+                &mut table,
+                &[(lw.router_proj, b.h.ptr, b.rl.ptr, n), (lw.gate_sh, b.h.ptr, b.gsh.ptr, n), (lw.up_sh, b.h.ptr, b.ush.ptr, n)],
+            )?;
+            // Templates of the routed products (ds4_route fills in expert, rows, offsets).
+            let templ = |m: Mat, x: u64, y: u64, part_base: usize, counter: usize| Desc {
+                w: img.addr(m.start),
+                x,
+                y,
+                part: b.part.ptr + 4 * part_base as u64,
+                row_bytes: m.row_bytes as i64,
+                n_out: m.n_out as i32,
+                n_in: m.n_in as i32,
+                n: 0,
+                slices: slices(&m) as i32,
+                block_start: 0,
+                counter: counter as i32,
+            };
+            let (gm, um, dm) = (lw.gate_exps.first, lw.up_exps.first, lw.down_exps.first);
+            let gate_part = max_descs * slices(&gm) * n * gm.n_out;
+            let gate_counters = max_descs * gm.n_out.div_ceil(ROWS_PER_BLOCK);
+            let up_part = max_descs * slices(&um) * n * um.n_out;
+            let down_part = max_descs * slices(&dm) * n * dm.n_out;
+            if gate_part + up_part > b.part_floats || down_part > b.part_floats {
+                return Err(Error::Backend("CUDA decode: partial-sum buffer too small for the experts (internal)".into()));
+            }
+            let t_off = table.len();
+            for t in [
+                templ(gm, b.xg.ptr, b.g_out.ptr, 0, 0),
+                templ(um, b.xg.ptr, b.u_out.ptr, gate_part, gate_counters),
+                templ(dm, b.act.ptr, b.down_out.ptr, 0, 0),
+            ] {
+                table.extend_from_slice(desc_bytes(&t));
+            }
+            let gu_off = table.len();
+            table.resize(gu_off + 2 * max_descs * std::mem::size_of::<Desc>(), 0);
+            let down_off = table.len();
+            table.resize(down_off + max_descs * std::mem::size_of::<Desc>(), 0);
+            launch(
+                &mut ops,
+                k.route,
+                (1, 1, 1),
+                256,
+                0,
+                vec![
+                    p(b.rl.ptr),
+                    i(cfg.n_experts),
+                    i(kk),
+                    c.bias.as_ref().map_or(null, |x| p(x.ptr)),
+                    c.hash.as_ref().map_or(null, |x| p(x.ptr)),
+                    i(cfg.expert_weights_norm as usize),
+                    fl(cfg.expert_weights_scale),
+                    i(n),
+                    p(step),
+                    PArg::Table(gu_off),
+                    PArg::Table(down_off),
+                    i(max_descs),
+                    PArg::Table(t_off),
+                    p(b.gather_src.ptr),
+                    p(b.comb_slot.ptr),
+                    p(b.comb_w.ptr),
+                    p(b.comb_cnt.ptr),
+                ],
+            );
+            launch(&mut ops, k.gather, ((n * kk) as u32, 1, 1), 256, 0, vec![p(b.h.ptr), p(b.xg.ptr), p(b.gather_src.ptr), i(d)]);
+            let bpd = |m: &Mat| m.n_out.div_ceil(ROWS_PER_BLOCK) * slices(m);
+            let (fg, sg) = ctx.kernel(gm.ty, n).ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
+            if um.ty != gm.ty || um.n_out != gm.n_out || um.n_in != gm.n_in {
+                return Err(Error::Backend("CUDA decode: expert gate and up differ in shape (unsupported)".into()));
+            }
+            launch(
+                &mut ops,
+                fg,
+                ((max_descs * (bpd(&gm) + bpd(&um))) as u32, 1, 1),
+                THREADS,
+                sg,
+                vec![PArg::Table(gu_off), i(2 * max_descs), p(b.counters.ptr)],
+            );
+            launch(&mut ops, k.swiglu, ((n * ff_sh).div_ceil(256) as u32, 1, 1), 256, 0, vec![p(b.gsh.ptr), p(b.ush.ptr), p(b.ash.ptr), i(n * ff_sh), fl(spec.clamp_shared)]);
+            launch(&mut ops, k.swiglu, ((n * kk * ff).div_ceil(256) as u32, 1, 1), 256, 0, vec![p(b.g_out.ptr), p(b.u_out.ptr), p(b.act.ptr), i(n * kk * ff), fl(spec.clamp_routed)]);
+            products(&mut ops, &mut table, &[(lw.down_sh, b.ash.ptr, b.dsh.ptr, n)])?;
+            let (fd, sd) = ctx.kernel(dm.ty, n).ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
+            launch(&mut ops, fd, ((max_descs * bpd(&dm)) as u32, 1, 1), THREADS, sd, vec![PArg::Table(down_off), i(max_descs), p(b.counters.ptr)]);
+            launch(
+                &mut ops,
+                k.combine,
+                rows_grid(d.div_ceil(256)),
+                256,
+                0,
+                vec![p(b.down_out.ptr), p(b.comb_slot.ptr), p(b.comb_w.ptr), p(b.comb_cnt.ptr), p(b.dsh.ptr), p(b.ffn_out.ptr), i(kk), i(d)],
+            );
+            launch(&mut ops, k.hc_post, rows_grid(d.div_ceil(256)), 256, 0, vec![p(b.x.ptr), p(b.ffn_out.ptr), p(b.mix_f.ptr), i(hc), i(d)]);
+            if let Some(j) = capture.iter().position(|&c| c == li) {
+                let bytes = n * hc * d * 4;
+                ops.push((None, (0, 0, 0), 0, 0, Vec::new(), Some((b.capture.ptr + (j * N_MAX * hc * d * 4) as u64, b.x.ptr, bytes))));
+            }
+        }
+
+        // ---- head
+        if let Some((r0, rows)) = head {
+            let xr = b.x.ptr + 4 * (r0 * hc * d) as u64;
+            let gr = (rows as u32, 1, 1);
+            let (norm, base, scale) = &self.head_consts;
+            launch(&mut ops, k.rms_plain, gr, 256, 0, vec![p(xr), p(b.flat.ptr), i(hc * d), fl(cfg.rms_eps)]);
+            products(&mut ops, &mut table, &[(w.hc_head.proj, b.flat.ptr, b.mixl.ptr, rows)])?;
+            launch(&mut ops, k.hc_head, gr, 256, 0, vec![p(b.mixl.ptr), p(xr), p(b.y.ptr), p(base.ptr), p(scale.ptr), i(hc), i(d), fl(cfg.hc_eps)]);
+            launch(&mut ops, k.rms_weight, gr, 256, 0, vec![p(b.y.ptr), p(b.y.ptr), p(norm.ptr), i(d), fl(cfg.rms_eps)]);
+            products(&mut ops, &mut table, &[(w.output, b.y.ptr, b.logits.ptr, rows)])?;
+        }
+
+        let tables = DevBuf::from_slice(&table)?;
+        let ops = ops
+            .into_iter()
+            .map(|(f, grid, block, smem, args, copy)| match (f, copy) {
+                (_, Some((dst, src, bytes))) => Op::Copy { dst, src, bytes },
+                (Some(f), None) => Op::Launch {
+                    f,
+                    grid,
+                    block,
+                    smem,
+                    args: args
+                        .into_iter()
+                        .map(|a| match a {
+                            PArg::A(a) => a,
+                            PArg::Table(off) => Arg::Ptr(tables.ptr + off as u64),
+                        })
+                        .collect(),
+                },
+                (None, None) => unreachable!("an op is a launch or a copy"),
+            })
+            .collect();
+        Ok(Program { ops, _tables: tables, graph: None })
+    }
+
+    /// Runs a program's operations on the stream (through its CUDA graph when it has one).
+    fn replay(ctx: &Context, prog: &mut Program, use_graphs: bool) -> Result<()> {
+        if let Some(exec) = prog.graph {
+            // SAFETY: a graph instantiated from this program on this context.
+            return unsafe { cu::graph::launch(exec, ctx.stream) }.map_err(driver_err("launching a graph"));
+        }
+        if use_graphs {
+            // Capture the program once; later steps launch it with one call.
+            // SAFETY: the stream is this context's; every op is queued on it while capturing.
+            unsafe {
+                cu::stream::begin_capture(ctx.stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                    .map_err(driver_err("capturing a graph"))?;
+            }
+            let queued = Self::queue_ops(ctx, &prog.ops);
+            // SAFETY: ends the capture begun above, whatever happened in between.
+            let graph = unsafe { cu::stream::end_capture(ctx.stream) };
+            queued?;
+            let graph = graph.map_err(driver_err("capturing a graph"))?;
+            // SAFETY: a graph just captured; destroyed after instantiation.
+            let exec = unsafe {
+                let e = cu::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0));
+                cu::graph::destroy(graph).ok();
+                e.map_err(driver_err("instantiating a graph"))?
+            };
+            prog.graph = Some(exec);
+            // SAFETY: as above.
+            return unsafe { cu::graph::launch(exec, ctx.stream) }.map_err(driver_err("launching a graph"));
+        }
+        Self::queue_ops(ctx, &prog.ops)
+    }
+
+    fn queue_ops(ctx: &Context, ops: &[Op]) -> Result<()> {
+        for op in ops {
+            match op {
+                Op::Launch { f, grid, block, smem, args } => ctx.launch_args(*f, *grid, *block, *smem, args)?,
+                // SAFETY: both ranges are inside live device buffers of this decoder.
+                Op::Copy { dst, src, bytes } => unsafe {
+                    cu::memcpy_dtod_async(*dst, *src, *bytes, ctx.stream).map_err(driver_err("copying on the device"))?
+                },
+            }
+        }
+        Ok(())
+    }
+
+    // ------------------------------------------------------------------ state mirror
+
+    /// Copies the whole host state to the device.
+    fn upload_state(&mut self, state: &State) -> Result<()> {
+        for (ls, mm) in state.layers.iter().zip(&self.mirror) {
+            mm.ring.write(0, &ls.ring)?;
+            for (cs, cm) in [(&ls.compressor, &mm.comp), (&ls.indexer, &mm.index)] {
+                let (Some(cs), Some(cm)) = (cs, cm) else { continue };
+                cm.cur_kv.write(0, &cs.cur_kv)?;
+                cm.cur_score.write(0, &cs.cur_score)?;
+                if let Some(prev) = &cm.prev {
+                    prev.write(0, &cs.prev_kv)?;
+                    prev.write(4 * cs.prev_kv.len(), &cs.prev_score)?;
+                }
+                if cs.rows.len() > cm.cap {
+                    return Err(Error::invalid("the state holds more compressed rows than the device copy has room for"));
+                }
+                let rows: Vec<f32> = cs.rows.iter_values().collect();
+                cm.rows.write(0, &rows)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The pack runs of a step of `n` rows from `pos0`, in the order [`Self::apply`] reads
+    /// them; returns the runs and the floats they hold.
+    fn journal(&self, cfg: &crate::ModelConfig, pos0: usize, n: usize) -> (Vec<CopyRun>, usize) {
+        let mut runs = Vec::new();
+        let mut off = 0i64;
+        let mut add = |runs: &mut Vec<CopyRun>, src: u64, len: usize| {
+            runs.push(CopyRun { src, off, len: len as i64 });
+            off += len as i64;
+        };
+        let hd = cfg.head_dim;
+        for mm in &self.mirror {
+            for r in 0..n {
+                add(&mut runs, mm.ring.ptr + 4 * (((pos0 + r) % mm.slots) * hd) as u64, hd);
+            }
+            for cm in [&mm.comp, &mm.index].into_iter().flatten() {
+                let pw = if cm.overlap { 2 * cm.width } else { cm.width };
+                for r in 0..n {
+                    let pos = pos0 + r;
+                    let slot = pos % cm.ratio;
+                    add(&mut runs, cm.cur_kv.ptr + 4 * (slot * pw) as u64, pw);
+                    add(&mut runs, cm.cur_score.ptr + 4 * (slot * pw) as u64, pw);
+                    if (pos + 1).is_multiple_of(cm.ratio) {
+                        add(&mut runs, cm.rows.ptr + 4 * ((pos / cm.ratio) * cm.width) as u64, cm.width);
+                    }
+                }
+            }
+        }
+        (runs, off as usize)
+    }
+
+    /// Applies a step's packed state writes to the host state (logging what they overwrite).
+    fn apply(&self, state: &mut State, pos0: usize, n: usize, j: &[f32], mut log: Option<&mut BatchLog>) {
+        let mut at = 0usize;
+        let mut take = |len: usize| {
+            let s = at;
+            at += len;
+            s..at
+        };
+        let hd = state.layers.first().map_or(0, |l| l.head_dim);
+        for (li, ls) in state.layers.iter_mut().enumerate() {
+            let ring: Vec<std::ops::Range<usize>> = (0..n).map(|_| take(hd)).collect();
+            // Compressor runs per row: kv, score, and the emitted row when the row closes.
+            let mut comp_runs: Vec<Vec<(std::ops::Range<usize>, std::ops::Range<usize>, Option<std::ops::Range<usize>>)>> =
+                Vec::new();
+            for cs in [&ls.compressor, &ls.indexer].into_iter().flatten() {
+                let pw = cs.proj_width();
+                let v = (0..n)
+                    .map(|r| {
+                        let kv = take(pw);
+                        let sc = take(pw);
+                        let row = (pos0 + r + 1).is_multiple_of(cs.ratio).then(|| take(cs.width));
+                        (kv, sc, row)
+                    })
+                    .collect();
+                comp_runs.push(v);
+            }
+            for r in 0..n {
+                let pos = pos0 + r;
+                if let Some(log) = log.as_deref_mut() {
+                    log.before_row(li, pos, ls);
+                }
+                ls.push_raw(pos, &j[ring[r].clone()]);
+                let mut ci = 0;
+                for cs in [ls.compressor.as_mut(), ls.indexer.as_mut()].into_iter().flatten() {
+                    let (kv, sc, row) = &comp_runs[ci][r];
+                    let row = row.clone().map_or(&[][..], |rg| &j[rg]);
+                    cs.push_computed(pos, &j[kv.clone()], &j[sc.clone()], row);
+                    ci += 1;
+                }
+            }
+        }
+    }
+}
+
+/// The bytes of a descriptor as the kernels read it.
+fn desc_bytes(d: &Desc) -> &[u8] {
+    // SAFETY: Desc is repr(C) plain data without padding (four u64, one i64, six i32).
+    unsafe { std::slice::from_raw_parts((d as *const Desc).cast::<u8>(), std::mem::size_of::<Desc>()) }
+}
+
+impl DeviceDecoder for CudaDecoder {
+    fn max_rows(&self) -> usize {
+        N_MAX
+    }
+
+    fn forward(
+        &mut self,
+        model: &Model,
+        state: &mut State,
+        tokens: &[u32],
+        which: Logits,
+        mut log: Option<&mut BatchLog>,
+    ) -> Result<Vec<f32>> {
+        let n = tokens.len();
+        if n == 0 || n > N_MAX {
+            return Err(Error::invalid(format!("the device decoder takes 1..={N_MAX} rows, not {n}")));
+        }
+        let cfg = &model.config;
+        let (d, hc) = (cfg.hidden, cfg.hc_mult);
+        let pos0 = state.pos;
+        if pos0 + n > self.ctx_len {
+            return Err(Error::ContextOverflow { needed: pos0 + n, capacity: self.ctx_len });
+        }
+        let backend = Arc::clone(&self.backend);
+        let guard = backend.lock();
+        let ctx = &guard.ctx;
+        ctx.bind()?;
+        if self.tag == 0 || state.sync != self.tag {
+            self.tag = 0;
+            self.upload_state(state)?;
+        }
+        // Stale until this step completes.
+        self.tag = 0;
+        self.last = None;
+        let head = match which {
+            Logits::All => Some((0, n)),
+            Logits::Last => Some((n - 1, 1)),
+            Logits::None => None,
+        };
+        let key = (n, match which { Logits::All => 0u8, Logits::Last => 1, Logits::None => 2 });
+        if !self.programs.contains_key(&key) {
+            let img = guard
+                .images
+                .iter()
+                .find(|i| i.is(model.file.raw()))
+                .ok_or_else(|| Error::Backend("CUDA decode: the model's weights are not on the device".into()))?;
+            let prog = self.build(ctx, img, model, n, head)?;
+            self.programs.insert(key, prog);
+        }
+
+        // Upload: step parameters, the streams (each row's embedding in every stream), the
+        // pack runs.
+        let (runs, jfloats) = self.journal(cfg, pos0, n);
+        let step_bytes = 4 * (2 + N_MAX);
+        let x_bytes = 4 * n * hc * d;
+        let runs_bytes = std::mem::size_of_val(runs.as_slice());
+        self.up.reserve(step_bytes + x_bytes + runs_bytes)?;
+        {
+            let st = self.up.bytes_mut(0, step_bytes);
+            let mut vals = vec![pos0 as i32, n as i32];
+            vals.extend(tokens.iter().map(|&t| t as i32));
+            vals.resize(2 + N_MAX, 0);
+            for (c, v) in st.chunks_mut(4).zip(vals) {
+                c.copy_from_slice(&v.to_le_bytes());
+            }
+            let x = self.up.floats(step_bytes, n * hc * d);
+            let mut e = vec![0f32; d];
+            for (r, &t) in tokens.iter().enumerate() {
+                model.embed_row(t, &mut e)?;
+                for s in 0..hc {
+                    x[(r * hc + s) * d..(r * hc + s + 1) * d].copy_from_slice(&e);
+                }
+            }
+            // SAFETY: CopyRun is plain repr(C) data.
+            let rb = unsafe { std::slice::from_raw_parts(runs.as_ptr().cast::<u8>(), runs_bytes) };
+            self.up.bytes_mut(step_bytes + x_bytes, runs_bytes).copy_from_slice(rb);
+        }
+        let logit_rows = head.map_or(0, |h| h.1);
+        let want_x = state.draft.is_some() && model.draft.is_some();
+        let capture_layers = match model.draft.as_ref().map(|dm| &dm.kind) {
+            Some(DraftKind::DSpark(w)) if want_x => w.target_layers.len(),
+            _ => 0,
+        };
+        let down_floats = logit_rows * cfg.vocab + jfloats + if want_x { n * hc * d * (1 + capture_layers) } else { 0 };
+        self.down.reserve(4 * down_floats)?;
+        if runs.len() * std::mem::size_of::<CopyRun>() > self.bufs.runs.bytes || jfloats * 4 > self.bufs.journal.bytes {
+            return Err(Error::Backend("CUDA decode: journal buffers too small (internal)".into()));
+        }
+        let stream = ctx.stream;
+        let run = || -> Result<()> {
+            // SAFETY: pinned host ranges inside `up`/`down`, device ranges inside the buffers;
+            // the host waits for the stream before touching either again.
+            unsafe {
+                let upb = std::slice::from_raw_parts(self.up.ptr, step_bytes + x_bytes + runs_bytes);
+                cu::memcpy_htod_async(self.bufs.step.ptr, &upb[..step_bytes], stream).map_err(driver_err("upload"))?;
+                cu::memcpy_htod_async(self.bufs.x.ptr, &upb[step_bytes..step_bytes + x_bytes], stream)
+                    .map_err(driver_err("upload"))?;
+                cu::memcpy_htod_async(self.bufs.runs.ptr, &upb[step_bytes + x_bytes..], stream)
+                    .map_err(driver_err("upload"))?;
+            }
+            Ok(())
+        };
+        run()?;
+        let use_graphs = self.use_graphs;
+        {
+            let prog = self.programs.get_mut(&key).expect("built above");
+            Self::replay(ctx, prog, use_graphs)?;
+        }
+        let k = &self.k;
+        ctx.launch_args(k.pack, (runs.len() as u32, 1, 1), 128, 0, &[Arg::Ptr(self.bufs.runs.ptr), Arg::Ptr(self.bufs.journal.ptr)])?;
+        // SAFETY: as above.
+        unsafe {
+            let dn = std::slice::from_raw_parts_mut(self.down.ptr.cast::<f32>(), down_floats);
+            let (lg, rest) = dn.split_at_mut(logit_rows * cfg.vocab);
+            let (jr, xr) = rest.split_at_mut(jfloats);
+            if !lg.is_empty() {
+                cu::memcpy_dtoh_async(lg, self.bufs.logits.ptr, stream).map_err(driver_err("download"))?;
+            }
+            cu::memcpy_dtoh_async(jr, self.bufs.journal.ptr, stream).map_err(driver_err("download"))?;
+            if want_x {
+                let (xf, cap) = xr.split_at_mut(n * hc * d);
+                cu::memcpy_dtoh_async(xf, self.bufs.x.ptr, stream).map_err(driver_err("download"))?;
+                for j in 0..capture_layers {
+                    let dst = &mut cap[j * n * hc * d..(j + 1) * n * hc * d];
+                    cu::memcpy_dtoh_async(dst, self.bufs.capture.ptr + (j * N_MAX * hc * d * 4) as u64, stream)
+                        .map_err(driver_err("download"))?;
+                }
+            }
+        }
+        ctx.sync()?;
+        drop(guard);
+
+        let dn = self.down.floats(0, down_floats).to_vec();
+        let (lg, rest) = dn.split_at(logit_rows * cfg.vocab);
+        let (jr, xr) = rest.split_at(jfloats);
+        self.apply(state, pos0, n, jr, log.as_deref_mut());
+        if want_x {
+            let (xf, cap) = xr.split_at(n * hc * d);
+            // DSpark's capture: each target layer's streams averaged, as the host pass does.
+            let mut captured = vec![0f32; n * capture_layers * d];
+            for j in 0..capture_layers {
+                for r in 0..n {
+                    let out = &mut captured[(r * capture_layers + j) * d..(r * capture_layers + j + 1) * d];
+                    for s in 0..hc {
+                        let src = &cap[j * n * hc * d + (r * hc + s) * d..j * n * hc * d + (r * hc + s + 1) * d];
+                        for (o, v) in out.iter_mut().zip(src) {
+                            *o += v;
+                        }
+                    }
+                    out.iter_mut().for_each(|o| *o /= hc as f32);
+                }
+            }
+            model.draft_advance(state, xf, &captured, tokens, pos0, log)?;
+        }
+        state.pos += n;
+        state.tokens.extend_from_slice(tokens);
+        let tag = fresh_tag();
+        state.sync = tag;
+        self.tag = tag;
+        self.last = Some((pos0, n));
+        Ok(lg.to_vec())
+    }
+
+    fn sync(&mut self, state: &mut State) -> Result<()> {
+        if self.tag != 0 && state.sync == self.tag {
+            return Ok(());
+        }
+        let backend = Arc::clone(&self.backend);
+        let guard = backend.lock();
+        guard.ctx.bind()?;
+        self.tag = 0;
+        self.last = None;
+        self.upload_state(state)?;
+        drop(guard);
+        let t = fresh_tag();
+        state.sync = t;
+        self.tag = t;
+        Ok(())
+    }
+
+    fn kept(&mut self, state: &mut State, tag: u64, keep: usize) -> Result<()> {
+        if state.sync != 0 && state.sync == self.tag {
+            return Ok(()); // nothing was cut
+        }
+        let Some((pos0, n)) = self.last else { return Ok(()) };
+        if tag == 0 || tag != self.tag || state.pos != pos0 + keep || keep > n {
+            self.tag = 0;
+            return Ok(());
+        }
+        // The rejected rows' ring slots and compressor slots are rewritten before anything
+        // reads them; what they changed that is read later is the previous window of the
+        // overlapping compressors (when a rejected row closed a window) and the emitted-row
+        // counts (which follow from the position). Restore the former from the backup the
+        // first rejected row that closed a window made.
+        let backend = Arc::clone(&self.backend);
+        let guard = backend.lock();
+        let ctx = &guard.ctx;
+        ctx.bind()?;
+        for mm in &self.mirror {
+            for cm in [&mm.comp, &mm.index].into_iter().flatten() {
+                let (Some(prev), Some(backup)) = (&cm.prev, &cm.backup) else { continue };
+                if let Some(r) = (keep..n).find(|&r| (pos0 + r + 1).is_multiple_of(cm.ratio)) {
+                    let bytes = 4 * 2 * cm.ratio * cm.width;
+                    // SAFETY: both ranges inside the decoder's buffers; queued on the stream
+                    // before any later step.
+                    unsafe {
+                        cu::memcpy_dtod_async(prev.ptr, backup.ptr + (r * bytes) as u64, bytes, ctx.stream)
+                            .map_err(driver_err("restoring a compressor window"))?;
+                    }
+                }
+            }
+        }
+        let t = fresh_tag();
+        state.sync = t;
+        self.tag = t;
+        self.last = None;
+        Ok(())
+    }
+}

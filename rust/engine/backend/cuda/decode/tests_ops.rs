@@ -1,1 +1,612 @@
-//! Tests of the decode kernels (placeholder).
+//! Tests of the kernels of `shaders/cuda/decode_ops.cu` (norms, hyper-connections, query/key
+//! finishing, SwiGLU, layout moves): each against the CPU reference of the crate on random
+//! inputs, and for row invariance (a row of a batch is bitwise the row computed alone, at its
+//! position). Without a GPU each test prints "skipped" and passes.
+
+use half::f16;
+
+use super::testutil::{assert_close, context, randn, step, Arg, DevBuf};
+use crate::backend::cpu::{rms_norm, rms_norm_plain, rms_norm_rows, silu};
+use crate::backend::cuda::context::Context;
+use crate::backend::{Cpu, Ops};
+use crate::model::block::finish_queries;
+use crate::model::config::{ModelConfig, Yarn};
+use crate::model::hyper::{self, Mix};
+use crate::model::rope::Rope;
+use crate::model::weights::{HyperWeights, Mat};
+use crate::quant::GgmlType;
+use crate::state::KvPrecision;
+
+const EPS: f32 = 1e-6;
+const HC: usize = 4;
+const HC_EPS: f32 = 1e-6;
+const ITERS: usize = 20;
+const BLOCK: u32 = 256;
+const POSITIONS: [usize; 4] = [0, 7, 1000, 70000];
+
+fn buf(v: &[f32]) -> DevBuf {
+    DevBuf::from_slice(v).expect("device buffer")
+}
+
+fn ptr(b: &DevBuf) -> Arg {
+    Arg::Ptr(b.ptr)
+}
+
+/// Launches `name` on the context's stream, after waiting for the whole context: DevBuf's
+/// zeroing and uploads (cuMemsetD8 / cuMemcpyHtoD) run on the legacy default stream, which the
+/// context's non-blocking stream does not wait for, so without this a kernel can read inputs
+/// not yet copied or have its output zeroed after it ran (seen on an H200 with 1 MiB buffers).
+fn launch(ctx: &Context, name: &str, grid: (usize, usize), args: &[Arg]) {
+    cudarc::driver::result::ctx::synchronize().expect("waiting for the buffers' uploads");
+    ctx.launch_named(name, (grid.0 as u32, grid.1 as u32, 1), BLOCK, 0, args)
+        .unwrap_or_else(|e| panic!("launching {name}: {e}"));
+}
+
+/// The first `len` floats of `b`, after the stream's work.
+fn read(ctx: &Context, b: &DevBuf, len: usize) -> Vec<f32> {
+    ctx.sync().expect("running the kernels");
+    b.read(0, len).expect("reading back")
+}
+
+/// Asserts bitwise equality, naming the first differing index.
+#[track_caller]
+fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+        assert!(a.to_bits() == b.to_bits(), "{what}[{i}]: {a} ({:#x}) != {b} ({:#x})", a.to_bits(), b.to_bits());
+    }
+}
+
+/// For f16-rounded outputs: every value is a half, and within one half step of the reference
+/// (one f32 rounding step of difference before the rounding may cross a half boundary).
+#[track_caller]
+fn assert_close_f16(what: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (&a, &b)) in got.iter().zip(want).enumerate() {
+        assert!(f16::from_f32(a).to_f32().to_bits() == a.to_bits(), "{what}[{i}]: {a} is not a half");
+        let step = (b.abs().max(6.2e-5) * (1.0 / 1024.0)) * 1.01;
+        assert!((a - b).abs() <= step, "{what}[{i}]: got {a}, want {b} (more than one half step)");
+    }
+}
+
+/// Asserts that the rows of a batch run are bitwise the rows run alone: `alone(r)` is row r's
+/// output computed as a batch of one (at row r's position).
+#[track_caller]
+fn assert_rows_invariant(what: &str, batch: &[f32], n: usize, mut alone: impl FnMut(usize) -> Vec<f32>) {
+    let w = batch.len() / n;
+    for r in 0..n {
+        let one = alone(r);
+        assert_bits(&format!("{what}: row {r} of {n} vs alone"), &batch[r * w..(r + 1) * w], &one);
+    }
+}
+
+fn rope_plain() -> Rope {
+    Rope::plain(10000.0, 64)
+}
+
+fn rope_yarn() -> Rope {
+    let y = Yarn { factor: 16.0, original_context: 65536, beta_fast: 32.0, beta_slow: 1.0 };
+    Rope::yarn(160000.0, 64, &y)
+}
+
+fn ropes() -> [(&'static str, Rope); 2] {
+    [("plain", rope_plain()), ("yarn", rope_yarn())]
+}
+
+/// A configuration with the fields the tested functions read (the rest are placeholders).
+fn config(hidden: usize, n_heads: usize, head_dim: usize) -> ModelConfig {
+    ModelConfig {
+        vocab: 1,
+        hidden,
+        n_heads,
+        head_dim,
+        rope_dim: 64,
+        q_lora_rank: 1,
+        o_groups: 1,
+        o_lora_rank: 1,
+        window: 128,
+        rms_eps: EPS,
+        rope_base: 10000.0,
+        compress_rope_base: 160000.0,
+        yarn: None,
+        index_heads: 0,
+        index_head_dim: 0,
+        index_topk: 0,
+        n_experts: 1,
+        n_experts_used: 1,
+        expert_ff: 1,
+        n_shared_experts: 1,
+        expert_weights_scale: 1.0,
+        expert_weights_norm: true,
+        hc_mult: HC,
+        sinkhorn_iters: ITERS,
+        hc_eps: HC_EPS,
+        context_length: 1 << 20,
+        nextn_layers: 0,
+        bos: None,
+        eos: None,
+        layers: Vec::new(),
+    }
+}
+
+// ---- RMS norms
+
+/// `ds4_rms_plain` (w = None) or `ds4_rms_weight` over the rows of `x`, in place or not.
+fn run_rms(ctx: &Context, x: &[f32], w: Option<&[f32]>, width: usize, in_place: bool) -> Vec<f32> {
+    let n = x.len() / width;
+    let xb = buf(x);
+    let yb = if in_place { None } else { Some(DevBuf::zeroed(x.len() * 4).expect("y")) };
+    let out = yb.as_ref().unwrap_or(&xb);
+    let wb = w.map(buf);
+    match &wb {
+        None => launch(ctx, "ds4_rms_plain", (n, 1), &[ptr(&xb), ptr(out), Arg::I32(width as i32), Arg::F32(EPS)]),
+        Some(wb) => {
+            launch(ctx, "ds4_rms_weight", (n, 1), &[ptr(&xb), ptr(out), ptr(wb), Arg::I32(width as i32), Arg::F32(EPS)])
+        }
+    }
+    read(ctx, out, x.len())
+}
+
+#[test]
+fn rms_plain_matches_cpu() {
+    let Some(ctx) = context() else { return };
+    for (k, &width) in [64usize, 512, 1000, 4096, 16384].iter().enumerate() {
+        let n = 5;
+        let x = randn(n * width, 10 + k as u64, 3.0);
+        let mut want = x.clone();
+        for row in want.chunks_mut(width) {
+            rms_norm_plain(row, EPS);
+        }
+        for in_place in [false, true] {
+            let got = run_rms(&ctx, &x, None, width, in_place);
+            assert_close(&format!("ds4_rms_plain width {width} in_place {in_place}"), &got, &want, 1e-5);
+        }
+        let batch = run_rms(&ctx, &x, None, width, false);
+        assert_rows_invariant(&format!("ds4_rms_plain width {width}"), &batch, n, |r| {
+            run_rms(&ctx, &x[r * width..(r + 1) * width], None, width, false)
+        });
+    }
+}
+
+#[test]
+fn rms_weight_matches_cpu() {
+    let Some(ctx) = context() else { return };
+    for (k, &width) in [64usize, 512, 1000, 4096, 7168].iter().enumerate() {
+        let n = 16;
+        let x = randn(n * width, 20 + k as u64, 2.0);
+        let w = randn(width, 30 + k as u64, 1.5);
+        let mut want = x.clone();
+        for row in want.chunks_mut(width) {
+            rms_norm(row, &w, EPS);
+        }
+        for in_place in [false, true] {
+            let got = run_rms(&ctx, &x, Some(&w), width, in_place);
+            assert_close(&format!("ds4_rms_weight width {width} in_place {in_place}"), &got, &want, 1e-5);
+        }
+        let batch = run_rms(&ctx, &x, Some(&w), width, true);
+        assert_rows_invariant(&format!("ds4_rms_weight width {width}"), &batch, n, |r| {
+            run_rms(&ctx, &x[r * width..(r + 1) * width], Some(&w), width, true)
+        });
+    }
+}
+
+// ---- hyper-connections
+
+/// A hyper-connection site with an F32 projection of `n_out` rows over `hc * d` inputs, in
+/// its own file image; scaled so that the mixing logits are of order one.
+fn hyper_site(n_out: usize, d: usize, seed: u64) -> (Vec<u8>, HyperWeights) {
+    let n_in = HC * d;
+    let proj = randn(n_out * n_in, seed, 3.0 / (n_in as f32).sqrt());
+    let raw: Vec<u8> = proj.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let row_bytes = GgmlType::F32.row_bytes(n_in as u64).expect("f32 row") as usize;
+    let w = HyperWeights {
+        proj: Mat { ty: GgmlType::F32, n_in, n_out, start: 0, row_bytes },
+        base: randn(n_out, seed + 1, 1.0),
+        scale: randn(3, seed + 2, 2.0),
+    };
+    (raw, w)
+}
+
+/// The mixing logits exactly as hyper.rs mix_logits computes them (each row of the flattened
+/// streams RMS-normalized, then the CPU product): the kernels' input.
+fn mix_logits(ops: Ops<'_>, w: &HyperWeights, x: &[f32]) -> Vec<f32> {
+    let mut flat = x.to_vec();
+    for row in flat.chunks_mut(w.proj.n_in) {
+        rms_norm_plain(row, EPS);
+    }
+    ops.matmul(&w.proj, &flat).expect("mixing logits")
+}
+
+/// `ds4_hc_pre` over the rows of `logits`: (y, mix).
+fn run_hc_pre(ctx: &Context, logits: &[f32], x: &[f32], w: &HyperWeights, d: usize) -> (Vec<f32>, Vec<f32>) {
+    let n_mix = (2 + HC) * HC;
+    let n = logits.len() / n_mix;
+    let (lb, xb, bb, sb) = (buf(logits), buf(x), buf(&w.base), buf(&w.scale));
+    let yb = DevBuf::zeroed(n * d * 4).expect("y");
+    let mb = DevBuf::zeroed(n * (HC + HC * HC) * 4).expect("mix");
+    launch(
+        ctx,
+        "ds4_hc_pre",
+        (n, 1),
+        &[
+            ptr(&lb),
+            Arg::I32(n_mix as i32),
+            ptr(&xb),
+            ptr(&yb),
+            ptr(&mb),
+            ptr(&bb),
+            ptr(&sb),
+            Arg::I32(HC as i32),
+            Arg::I32(d as i32),
+            Arg::F32(HC_EPS),
+            Arg::I32(ITERS as i32),
+        ],
+    );
+    (read(ctx, &yb, n * d), read(ctx, &mb, n * (HC + HC * HC)))
+}
+
+#[test]
+fn hc_pre_matches_cpu() {
+    let Some(ctx) = context() else { return };
+    let n_mix = (2 + HC) * HC;
+    for (k, &d) in [64usize, 1000, 4096].iter().enumerate() {
+        let n = 5;
+        let (raw, w) = hyper_site(n_mix, d, 40 + k as u64);
+        let ops = Ops { raw: &raw, backend: &Cpu };
+        let x = randn(n * HC * d, 50 + k as u64, 2.0);
+        let cfg = config(d, 1, 64);
+        let (want_y, mixes) = hyper::pre(ops, &w, &x, &cfg).expect("hyper::pre");
+        let logits = mix_logits(ops, &w, &x);
+        let (y, mix) = run_hc_pre(&ctx, &logits, &x, &w, d);
+        assert_close(&format!("ds4_hc_pre y, d {d}"), &y, &want_y, 1e-5);
+        for (r, m) in mixes.iter().enumerate() {
+            let got = &mix[r * (HC + HC * HC)..(r + 1) * (HC + HC * HC)];
+            assert_close(&format!("ds4_hc_pre post, d {d}, row {r}"), &got[..HC], &m.post, 1e-5);
+            assert_close(&format!("ds4_hc_pre comb, d {d}, row {r}"), &got[HC..], &m.comb, 5e-5);
+        }
+        assert_rows_invariant(&format!("ds4_hc_pre y, d {d}"), &y, n, |r| {
+            run_hc_pre(&ctx, &logits[r * n_mix..(r + 1) * n_mix], &x[r * HC * d..(r + 1) * HC * d], &w, d).0
+        });
+        assert_rows_invariant(&format!("ds4_hc_pre mix, d {d}"), &mix, n, |r| {
+            run_hc_pre(&ctx, &logits[r * n_mix..(r + 1) * n_mix], &x[r * HC * d..(r + 1) * HC * d], &w, d).1
+        });
+    }
+}
+
+/// `ds4_hc_post` in place on `x` (n rows of hc * d).
+fn run_hc_post(ctx: &Context, x: &[f32], f: &[f32], mix: &[f32], d: usize) -> Vec<f32> {
+    let n = f.len() / d;
+    let (xb, fb, mb) = (buf(x), buf(f), buf(mix));
+    launch(
+        ctx,
+        "ds4_hc_post",
+        (d.div_ceil(BLOCK as usize), n),
+        &[ptr(&xb), ptr(&fb), ptr(&mb), Arg::I32(HC as i32), Arg::I32(d as i32)],
+    );
+    read(ctx, &xb, x.len())
+}
+
+#[test]
+fn hc_post_matches_cpu() {
+    let Some(ctx) = context() else { return };
+    for (k, &d) in [64usize, 1000, 4096].iter().enumerate() {
+        let n = 16;
+        let seed = 60 + 10 * k as u64;
+        let x = randn(n * HC * d, seed, 2.0);
+        let f = randn(n * d, seed + 1, 2.0);
+        let post = randn(n * HC, seed + 2, 1.0);
+        let comb = randn(n * HC * HC, seed + 3, 0.5);
+        let mixes: Vec<Mix> = (0..n)
+            .map(|r| Mix {
+                post: post[r * HC..(r + 1) * HC].iter().map(|v| v + 1.0).collect(),
+                comb: comb[r * HC * HC..(r + 1) * HC * HC].iter().map(|v| v + 0.5).collect(),
+            })
+            .collect();
+        let mix: Vec<f32> = mixes.iter().flat_map(|m| m.post.iter().chain(&m.comb).copied()).collect();
+        let mut want = x.clone();
+        hyper::post(&mut want, &f, &mixes, HC, d);
+        let got = run_hc_post(&ctx, &x, &f, &mix, d);
+        assert_close(&format!("ds4_hc_post d {d}"), &got, &want, 1e-5);
+        let w = HC + HC * HC;
+        assert_rows_invariant(&format!("ds4_hc_post d {d}"), &got, n, |r| {
+            run_hc_post(&ctx, &x[r * HC * d..(r + 1) * HC * d], &f[r * d..(r + 1) * d], &mix[r * w..(r + 1) * w], d)
+        });
+    }
+}
+
+/// `ds4_hc_head` over the rows of `logits` (hc per row).
+fn run_hc_head(ctx: &Context, logits: &[f32], x: &[f32], w: &HyperWeights, d: usize) -> Vec<f32> {
+    let n = logits.len() / HC;
+    let (lb, xb, bb, sb) = (buf(logits), buf(x), buf(&w.base), buf(&w.scale));
+    let yb = DevBuf::zeroed(n * d * 4).expect("y");
+    launch(
+        ctx,
+        "ds4_hc_head",
+        (n, 1),
+        &[ptr(&lb), ptr(&xb), ptr(&yb), ptr(&bb), ptr(&sb), Arg::I32(HC as i32), Arg::I32(d as i32), Arg::F32(HC_EPS)],
+    );
+    read(ctx, &yb, n * d)
+}
+
+#[test]
+fn hc_head_matches_cpu() {
+    let Some(ctx) = context() else { return };
+    for (k, &d) in [64usize, 1000, 4096].iter().enumerate() {
+        let n = 5;
+        let (raw, w) = hyper_site(HC, d, 90 + k as u64);
+        let ops = Ops { raw: &raw, backend: &Cpu };
+        let x = randn(n * HC * d, 95 + k as u64, 2.0);
+        let want = hyper::head(ops, &w, &x, HC, d, EPS, HC_EPS).expect("hyper::head");
+        let logits = mix_logits(ops, &w, &x);
+        let got = run_hc_head(&ctx, &logits, &x, &w, d);
+        assert_close(&format!("ds4_hc_head d {d}"), &got, &want, 1e-5);
+        assert_rows_invariant(&format!("ds4_hc_head d {d}"), &got, n, |r| {
+            run_hc_head(&ctx, &logits[r * HC..(r + 1) * HC], &x[r * HC * d..(r + 1) * HC * d], &w, d)
+        });
+    }
+}
+
+// ---- query / key finishing
+
+/// `ds4_finish_q` in place on `q` (rows of n_heads * head_dim), row 0 at `pos0`.
+fn run_finish_q(ctx: &Context, q: &[f32], n_heads: usize, head_dim: usize, rope: &Rope, pos0: usize) -> Vec<f32> {
+    let n = q.len() / (n_heads * head_dim);
+    let (qb, fb) = (buf(q), buf(rope.inv_freq()));
+    let sb = step(ctx, pos0, &vec![0; n]);
+    launch(
+        ctx,
+        "ds4_finish_q",
+        (n_heads, n),
+        &[
+            ptr(&qb),
+            Arg::I32(n_heads as i32),
+            Arg::I32(head_dim as i32),
+            Arg::F32(EPS),
+            ptr(&fb),
+            Arg::I32(rope.dim() as i32),
+            ptr(&sb),
+        ],
+    );
+    read(ctx, &qb, q.len())
+}
+
+#[test]
+fn finish_q_matches_cpu() {
+    let Some(ctx) = context() else { return };
+    let (n_heads, head_dim, n) = (16, 512, 5);
+    let cfg = config(64, n_heads, head_dim);
+    for (name, rope) in ropes() {
+        for (k, &pos0) in POSITIONS.iter().enumerate() {
+            let what = format!("ds4_finish_q rope {name} pos {pos0}");
+            let q = randn(n * n_heads * head_dim, 100 + k as u64, 3.0);
+            let mut want = q.clone();
+            let positions: Vec<usize> = (pos0..pos0 + n).collect();
+            finish_queries(&mut want, &cfg, &rope, &positions);
+            let got = run_finish_q(&ctx, &q, n_heads, head_dim, &rope, pos0);
+            assert_close(&what, &got, &want, 1e-5);
+            let w = n_heads * head_dim;
+            assert_rows_invariant(&what, &got, n, |r| {
+                run_finish_q(&ctx, &q[r * w..(r + 1) * w], n_heads, head_dim, &rope, pos0 + r)
+            });
+        }
+    }
+}
+
+/// The reference of block.rs finish_kv (whose LayerWeights are not built here): `kv_norm`,
+/// rotation at the row's position, rounding to the storage precision.
+fn finish_kv_ref(kv: &mut [f32], w: &[f32], rope: &Rope, precision: KvPrecision, pos0: usize) {
+    rms_norm_rows(kv, w, EPS);
+    for (r, k) in kv.chunks_mut(w.len()).enumerate() {
+        rope.apply(k, pos0 + r, false);
+        precision.round_kv(k, rope.dim());
+    }
+}
+
+/// `ds4_finish_kv` in place on `kv` (rows of head_dim), row 0 at `pos0`.
+fn run_finish_kv(ctx: &Context, kv: &[f32], w: &[f32], rope: &Rope, mode: i32, pos0: usize) -> Vec<f32> {
+    let head_dim = w.len();
+    let n = kv.len() / head_dim;
+    let (kb, wb, fb) = (buf(kv), buf(w), buf(rope.inv_freq()));
+    let sb = step(ctx, pos0, &vec![0; n]);
+    launch(
+        ctx,
+        "ds4_finish_kv",
+        (n, 1),
+        &[
+            ptr(&kb),
+            ptr(&wb),
+            Arg::I32(head_dim as i32),
+            Arg::F32(EPS),
+            ptr(&fb),
+            Arg::I32(rope.dim() as i32),
+            Arg::I32(mode),
+            ptr(&sb),
+        ],
+    );
+    read(ctx, &kb, kv.len())
+}
+
+#[test]
+fn finish_kv_matches_cpu() {
+    let Some(ctx) = context() else { return };
+    let (head_dim, n) = (512, 16);
+    let w = randn(head_dim, 7, 1.5);
+    for (name, rope) in ropes() {
+        for (mode, precision) in [(0, KvPrecision::F32), (1, KvPrecision::F16)] {
+            for (k, &pos0) in POSITIONS.iter().enumerate() {
+                let what = format!("ds4_finish_kv rope {name} mode {mode} pos {pos0}");
+                let kv = randn(n * head_dim, 200 + k as u64, 3.0);
+                let mut want = kv.clone();
+                finish_kv_ref(&mut want, &w, &rope, precision, pos0);
+                let got = run_finish_kv(&ctx, &kv, &w, &rope, mode, pos0);
+                if mode == 0 {
+                    assert_close(&what, &got, &want, 1e-5);
+                } else {
+                    assert_close_f16(&what, &got, &want);
+                }
+                assert_rows_invariant(&what, &got, n, |r| {
+                    run_finish_kv(&ctx, &kv[r * head_dim..(r + 1) * head_dim], &w, &rope, mode, pos0 + r)
+                });
+            }
+        }
+    }
+}
+
+/// The reference of the indexer-query part of Model::attention (rust/engine/model/forward.rs):
+/// each row's heads rotated at the row's position and rounded, the weights scaled by gs.
+fn finish_index_ref(iq: &mut [f32], g: &mut [f32], heads: usize, id: usize, rope: &Rope, p: KvPrecision, pos0: usize) {
+    for (r, qr) in iq.chunks_mut(heads * id).enumerate() {
+        rope.apply_heads(qr, id, pos0 + r, false);
+        p.round_index(qr, id);
+    }
+    let gs = 1.0 / (heads as f32).sqrt();
+    g.iter_mut().for_each(|v| *v *= gs);
+}
+
+/// `ds4_finish_index` in place on `iq` and `g` (`shape`: heads, head_dim), row 0 at `pos0`:
+/// (iq, g).
+fn run_finish_index(
+    ctx: &Context,
+    iq: &[f32],
+    g: &[f32],
+    (heads, head_dim): (usize, usize),
+    rope: &Rope,
+    mode: i32,
+    pos0: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let n = g.len() / heads;
+    let (qb, gb, fb) = (buf(iq), buf(g), buf(rope.inv_freq()));
+    let sb = step(ctx, pos0, &vec![0; n]);
+    let gs = 1.0 / (heads as f32).sqrt();
+    launch(
+        ctx,
+        "ds4_finish_index",
+        (heads, n),
+        &[
+            ptr(&qb),
+            ptr(&gb),
+            Arg::I32(heads as i32),
+            Arg::I32(head_dim as i32),
+            ptr(&fb),
+            Arg::I32(rope.dim() as i32),
+            Arg::I32(mode),
+            Arg::F32(gs),
+            ptr(&sb),
+        ],
+    );
+    (read(ctx, &qb, iq.len()), read(ctx, &gb, g.len()))
+}
+
+#[test]
+fn finish_index_matches_cpu() {
+    let Some(ctx) = context() else { return };
+    let (heads, id, n) = (64, 128, 5);
+    for (name, rope) in ropes() {
+        for (mode, precision) in [(0, KvPrecision::F32), (1, KvPrecision::F16)] {
+            for (k, &pos0) in POSITIONS.iter().enumerate() {
+                let what = format!("ds4_finish_index rope {name} mode {mode} pos {pos0}");
+                let iq = randn(n * heads * id, 300 + k as u64, 3.0);
+                let g = randn(n * heads, 310 + k as u64, 2.0);
+                let (mut want_q, mut want_g) = (iq.clone(), g.clone());
+                finish_index_ref(&mut want_q, &mut want_g, heads, id, &rope, precision, pos0);
+                let (got_q, got_g) = run_finish_index(&ctx, &iq, &g, (heads, id), &rope, mode, pos0);
+                if mode == 0 {
+                    assert_close(&format!("{what} iq"), &got_q, &want_q, 1e-5);
+                } else {
+                    assert_close_f16(&format!("{what} iq"), &got_q, &want_q);
+                }
+                assert_bits(&format!("{what} g"), &got_g, &want_g);
+                let w = heads * id;
+                let alone = |r: usize| {
+                    run_finish_index(
+                        &ctx,
+                        &iq[r * w..(r + 1) * w],
+                        &g[r * heads..(r + 1) * heads],
+                        (heads, id),
+                        &rope,
+                        mode,
+                        pos0 + r,
+                    )
+                };
+                assert_rows_invariant(&format!("{what} iq"), &got_q, n, |r| alone(r).0);
+                assert_rows_invariant(&format!("{what} g"), &got_g, n, |r| alone(r).1);
+            }
+        }
+    }
+}
+
+// ---- SwiGLU and layout
+
+/// The reference of moe.rs swiglu (private there): `silu(min(g, c)) * clamp(u, ±c)`.
+fn swiglu_ref(g: &[f32], u: &[f32], clamp: f32) -> Vec<f32> {
+    g.iter().zip(u).map(|(&g, &u)| silu(g.min(clamp)) * u.clamp(-clamp, clamp)).collect()
+}
+
+fn run_swiglu(ctx: &Context, g: &[f32], u: &[f32], clamp: f32) -> Vec<f32> {
+    let count = g.len();
+    let (gb, ub) = (buf(g), buf(u));
+    let ob = DevBuf::zeroed(count * 4).expect("out");
+    launch(
+        ctx,
+        "ds4_swiglu",
+        (count.div_ceil(BLOCK as usize), 1),
+        &[ptr(&gb), ptr(&ub), ptr(&ob), Arg::I32(count as i32), Arg::F32(clamp)],
+    );
+    read(ctx, &ob, count)
+}
+
+#[test]
+fn swiglu_matches_cpu() {
+    let Some(ctx) = context() else { return };
+    let (ff, n) = (2048 + 17, 5);
+    for (k, &clamp) in [10.0f32, 7.0, f32::INFINITY].iter().enumerate() {
+        let what = format!("ds4_swiglu clamp {clamp}");
+        let mut g = randn(n * ff, 400 + k as u64, 20.0);
+        let u = randn(n * ff, 410 + k as u64, 20.0);
+        // Large negative gates (e^-g overflows to infinity) as well.
+        g[3] = -120.0;
+        g[4] = 120.0;
+        let want = swiglu_ref(&g, &u, clamp);
+        let got = run_swiglu(&ctx, &g, &u, clamp);
+        assert_close(&what, &got, &want, 1e-5);
+        assert_rows_invariant(&what, &got, n, |r| {
+            run_swiglu(&ctx, &g[r * ff..(r + 1) * ff], &u[r * ff..(r + 1) * ff], clamp)
+        });
+    }
+}
+
+fn run_group_to_rows(ctx: &Context, src: &[f32], groups: usize, n: usize, rank: usize) -> Vec<f32> {
+    let sb = buf(src);
+    let db = DevBuf::zeroed(src.len() * 4).expect("dst");
+    launch(
+        ctx,
+        "ds4_group_to_rows",
+        ((groups * rank).div_ceil(BLOCK as usize), n),
+        &[ptr(&sb), ptr(&db), Arg::I32(groups as i32), Arg::I32(n as i32), Arg::I32(rank as i32)],
+    );
+    read(ctx, &db, src.len())
+}
+
+#[test]
+fn group_to_rows_matches_cpu() {
+    let Some(ctx) = context() else { return };
+    for &(groups, rank, n) in &[(8usize, 1024usize, 5usize), (16, 1024, 16), (3, 100, 7)] {
+        let what = format!("ds4_group_to_rows groups {groups} rank {rank} n {n}");
+        let src = randn(groups * n * rank, 500 + groups as u64, 1.0);
+        // As forward.rs output_projection gathers u: group g of row r is row r of group g's product.
+        let mut want = vec![0f32; n * groups * rank];
+        for g in 0..groups {
+            for r in 0..n {
+                want[r * groups * rank + g * rank..r * groups * rank + (g + 1) * rank]
+                    .copy_from_slice(&src[(g * n + r) * rank..(g * n + r + 1) * rank]);
+            }
+        }
+        let got = run_group_to_rows(&ctx, &src, groups, n, rank);
+        assert_bits(&what, &got, &want);
+        assert_rows_invariant(&what, &got, n, |r| {
+            let one: Vec<f32> =
+                (0..groups).flat_map(|g| src[(g * n + r) * rank..(g * n + r + 1) * rank].iter().copied()).collect();
+            run_group_to_rows(&ctx, &one, groups, 1, rank)
+        });
+    }
+}
