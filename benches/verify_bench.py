@@ -42,7 +42,11 @@ def main() -> None:
     ap.add_argument("--prefill", default="2048")
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--profile", action="store_true", help="split the decode step by phase (DS4_PROFILE)")
+    ap.add_argument("--host", action="store_true",
+                    help="run the forward pass on the host even on CUDA (products on the GPU only)")
     args = ap.parse_args()
+    if args.host:
+        os.environ["DS4_DEVICE_DECODE"] = "0"
     if args.profile:
         os.environ["DS4_PROFILE"] = "1"  # read at the first forward pass
     m = ds4.Model.load(args.model, backend=args.backend, draft=False)
@@ -52,15 +56,16 @@ def main() -> None:
     s = m.session(args.ctx + 64)
     t0 = time.perf_counter()
     s.eval(prompt, logits="last")
-    print(f"{args.model} on {m.backend}: {args.ctx}-token prompt in {time.perf_counter() - t0:.2f} s; "
+    print(f"{args.model} on {m.backend} ({s.forward_kind} forward): {args.ctx}-token prompt in "
+          f"{time.perf_counter() - t0:.2f} s; "
           f"{m.decode_weight_bytes() / 1e6:.1f} MB of weights per decoded token")
     snap = s.snapshot()
     ds4._ds4.profile(reset=True)
     base = timed(lambda: s.eval([5], logits="last"), args.runs, lambda: s.restore(snap))
     print(f"  decode step {1e3 * base:.2f} ms = {1 / base:.1f} tok/s "
           f"({m.decode_weight_bytes() / base / 1e9:.1f} GB/s of weights)")
-    if args.profile:
-        prof = {name: (calls, secs) for name, calls, secs in ds4._ds4.profile(reset=True)}
+    prof = {name: (calls, secs) for name, calls, secs in ds4._ds4.profile(reset=True)}
+    if args.profile and prof.get("forward", (0, 0))[0]:
         steps = max(prof["forward"][0], 1)
         fwd = prof["forward"][1] / steps
         mm, att = prof["matmul"][1] / steps, prof["attention"][1] / steps

@@ -1,1 +1,383 @@
-// decode_moe: kernels of the device-resident decode (see rust/engine/backend/cuda/decode/).
+// decode_moe: kernels of the device-resident decode (see rust/engine/backend/cuda/decode/):
+// the routed experts of a batch of n <= 16 rows, as rust/engine/model/moe.rs computes them.
+//
+// The routed experts run as grouped matrix products (the ds4_mv_<fmt>_<NB> kernels of
+// common.cuh, NB >= n) whose descriptor tables ds4_route writes on the device, so the host
+// never waits for the routing. Per layer, the host queues:
+//   1. the router product: logits [n, E] = router_proj . h (one MvDesc, any product kernel);
+//   2. ds4_route: each row's experts and weights (moe::route), the union of the experts of
+//      the batch, the gather list, the combine lists, and the gate/up and down tables;
+//   3. ds4_gather: xg[j] = h[gather_src[j]] (the rows of each used expert, expert by expert);
+//   4. the gate/up products over the 2 * max_descs descriptors of `gu` (one launch);
+//   5. SwiGLU of the gate and up outputs (decode_ops.cu);
+//   6. the down products over the max_descs descriptors of `down` (one launch);
+//   7. ds4_moe_combine: out = sum over the row's experts of weight * down output, then plus
+//      the shared expert's output.
+// Unused descriptor slots (the batch uses m <= max_descs experts) have n = 0: their blocks
+// return at once in matvec.
+//
+// Row invariance: each row's routing is computed by one warp with the same code whatever the
+// batch; each row's expert products are its own dot products (the product kernels are row
+// invariant); the combine adds a row's experts in increasing expert id, then the shared one.
+// Only where a row's data lands in the gathered buffers depends on the batch.
+
+// Limits of ds4_route: experts per layer, experts per row, batch rows, warps per block.
+#define MOE_MAX_EXPERTS 1024
+#define MOE_MAX_K 16
+#define MOE_MAX_ROWS 16
+#define MOE_MAX_WARPS 8
+#define MOE_WORDS (MOE_MAX_EXPERTS / 32)
+
+// A float's key under Rust's f32::total_cmp: keys compare as signed ints in the total order
+// (-NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN).
+__device__ __forceinline__ int ds4_total_key(float x) {
+    const int i = __float_as_int(x);
+    return i ^ (int)(((unsigned)(i >> 31)) >> 1);
+}
+
+// softplus(x) = ln(1 + e^x), linear above 20 (rust/engine/backend/cpu.rs softplus): e^x
+// rounded to float, then ln(1 + that) rounded to float, each computed in double (so each
+// step is the correctly rounded float the CPU's libm gives in all but rare cases).
+__device__ __forceinline__ float ds4_softplus(float x) {
+    if (x > 20.0f) {
+        return x;
+    }
+    const float e = (float)exp((double)x);
+    return (float)log1p((double)e);
+}
+
+// The routing of a batch (moe::route per row, then the grouping of moe::forward).
+//
+// logits [n, E]: the router product of each row. k experts per row. bias [E]: the selection
+// bias of learned routing (unused when hash != null). hash [vocab, k]: the experts of each
+// token id (hash routing), or null. norm: divide each row's weights by their sum (+1e-20);
+// wscale: then multiply them by it. step: the step parameters (step[2 + r] = token of row r).
+//
+// Outputs (m = the number of distinct experts of the batch, e_0 < ... < e_{m-1}; c_i = rows
+// of expert e_i; off_i = c_0 + ... + c_{i-1}; total = sum of c_i):
+// - gather_src [n * k]: gather_src[off_i + t] = the t-th row (ascending) of e_i; -1 from
+//   total on.
+// - comb_cnt [n]: distinct experts of row r; comb_slot, comb_w [n, k]: for row r's j-th
+//   distinct expert (ascending), the gathered row of (expert, r) and its weight (the weights
+//   of equal hash entries added in chosen order); entries from comb_cnt[r] on are 0.
+// - gu [2 * max_descs], down [max_descs]: the gate, up and down product tables, built from
+//   templ[0..3] (gate, up, down: w = expert 0's matrix, x, y, part = bases of the gathered
+//   input, output and partial-sum buffers, row_bytes, n_out, n_in, slices, counter = first
+//   counter). Slot i < m is expert e_i: w = templ.w + e_i * (one matrix), x = templ.x +
+//   off_i rows, y = templ.y + off_i rows, n = c_i; slots i >= m have n = 0. part = templ.part
+//   + i * slices * n * n_out floats, counter = templ.counter + i * row_blocks. block_start:
+//   gate i * bpd_gate, up max_descs * bpd_gate + i * bpd_up, down i * bpd_down (bpd =
+//   row_blocks * slices).
+//
+// Grid (1), block 128 or 256 threads (any multiple of 32 from 64 to 256), no dynamic shared
+// memory. Requires E <= 1024, k <= 16, n <= 16, max_descs = min(n * k, E), hash entries < E.
+extern "C" __global__ void __launch_bounds__(256)
+    ds4_route(const float* __restrict__ logits, int E, int k, const float* __restrict__ bias,
+              const unsigned* __restrict__ hash, int norm, float wscale, int n, const int* __restrict__ step,
+              MvDesc* __restrict__ gu, MvDesc* __restrict__ down, int max_descs, const MvDesc* __restrict__ templ,
+              int* __restrict__ gather_src, int* __restrict__ comb_slot, float* __restrict__ comb_w,
+              int* __restrict__ comb_cnt) {
+    // Each warp's scores of its current row, and the experts it has picked.
+    __shared__ float sc[MOE_MAX_WARPS][MOE_MAX_EXPERTS];
+    __shared__ u32 taken[MOE_MAX_WARPS][MOE_WORDS];
+    // Each row's chosen experts (ascending, repeats kept) and their weights.
+    __shared__ int ch[MOE_MAX_ROWS][MOE_MAX_K];
+    __shared__ float wt[MOE_MAX_ROWS][MOE_MAX_K];
+    // Each row's set of experts as a bitmap, and the prefix popcounts of its words
+    // (pre[r][w] = experts of row r below 32 * w; pre[r][W] = distinct experts of row r).
+    __shared__ u32 bits[MOE_MAX_ROWS][MOE_WORDS];
+    __shared__ int pre[MOE_MAX_ROWS][MOE_WORDS + 1];
+    // The union of the rows' sets, and its prefix popcounts (upre[W] = m).
+    __shared__ u32 uni[MOE_WORDS];
+    __shared__ int upre[MOE_WORDS + 1];
+    // Per descriptor slot i < m: its expert, gathered-row offset, rows.
+    __shared__ int s_exp[MOE_MAX_ROWS * MOE_MAX_K];
+    __shared__ int s_off[MOE_MAX_ROWS * MOE_MAX_K];
+    __shared__ int s_cnt[MOE_MAX_ROWS * MOE_MAX_K];
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int nw = blockDim.x >> 5;
+    const int W = (E + 31) >> 5;
+    // Outside the limits the shared arrays would overflow: fail loudly (a host bug).
+    if (E > MOE_MAX_EXPERTS || k > MOE_MAX_K || n > MOE_MAX_ROWS || k < 1 || nw < 2 || nw > MOE_MAX_WARPS ||
+        max_descs > MOE_MAX_ROWS * MOE_MAX_K) {
+        __trap();
+    }
+
+    for (int i = tid; i < MOE_MAX_ROWS * MOE_WORDS; i += blockDim.x) {
+        bits[i / MOE_WORDS][i % MOE_WORDS] = 0u;
+    }
+    __syncthreads();
+
+    // ---- 1. each row's experts and weights (moe::route), one warp per row
+    for (int r = warp; r < n; r += nw) {
+        const float* z = logits + (long long)r * E;
+        for (int e = lane; e < E; e += 32) {
+            sc[warp][e] = sqrtf(ds4_softplus(z[e]));
+        }
+        for (int w = lane; w < W; w += 32) {
+            taken[warp][w] = 0u;
+        }
+        __syncwarp();
+        if (hash != nullptr) {
+            const long long token = step[2 + r];
+            if (lane < k) {
+                ch[r][lane] = (int)hash[token * k + lane];
+            }
+        } else {
+            // Top-k of scores + bias by descending total_cmp, ties to the lower index: k
+            // rounds of an arg-max over the experts not yet taken.
+            for (int j = 0; j < k; j++) {
+                bool have = false;
+                int key = 0;
+                int idx = 0;
+                for (int e = lane; e < E; e += 32) {
+                    if (!((taken[warp][e >> 5] >> (e & 31)) & 1u)) {
+                        const int kk = ds4_total_key(sc[warp][e] + bias[e]);
+                        // Increasing e per lane: equal keys keep the lower index.
+                        if (!have || kk > key) {
+                            have = true;
+                            key = kk;
+                            idx = e;
+                        }
+                    }
+                }
+                for (int o = 16; o > 0; o >>= 1) {
+                    const int oh = __shfl_xor_sync(0xffffffffu, (int)have, o);
+                    const int ok = __shfl_xor_sync(0xffffffffu, key, o);
+                    const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+                    if (oh && (!have || ok > key || (ok == key && oi < idx))) {
+                        have = true;
+                        key = ok;
+                        idx = oi;
+                    }
+                }
+                if (lane == 0) {
+                    ch[r][j] = idx;
+                    taken[warp][idx >> 5] |= 1u << (idx & 31);
+                }
+                __syncwarp();
+            }
+        }
+        __syncwarp();
+        if (lane == 0) {
+            // Ascending expert ids (the fixed order of the sums over experts).
+            for (int j = 1; j < k; j++) {
+                const int v = ch[r][j];
+                int q = j - 1;
+                while (q >= 0 && ch[r][q] > v) {
+                    ch[r][q + 1] = ch[r][q];
+                    q--;
+                }
+                ch[r][q + 1] = v;
+            }
+            for (int j = 0; j < k; j++) {
+                wt[r][j] = sc[warp][ch[r][j]];
+                bits[r][ch[r][j] >> 5] |= 1u << (ch[r][j] & 31);
+            }
+            if (norm) {
+                float sum = wt[r][0];
+                for (int j = 1; j < k; j++) {
+                    sum += wt[r][j];
+                }
+                sum = sum + 1e-20f;
+                for (int j = 0; j < k; j++) {
+                    wt[r][j] = wt[r][j] / sum;
+                }
+            }
+            for (int j = 0; j < k; j++) {
+                wt[r][j] = wt[r][j] * wscale;
+            }
+        }
+        __syncwarp();
+    }
+    __syncthreads();
+
+    // ---- 2. prefix popcounts: warp 0 the union, the other warps the rows (lane = word)
+    if (warp == 0) {
+        u32 u = 0u;
+        if (lane < W) {
+            for (int r = 0; r < n; r++) {
+                u |= bits[r][lane];
+            }
+            uni[lane] = u;
+        }
+        int c = __popc(u);
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, c, o);
+            if (lane >= o) {
+                c += v;
+            }
+        }
+        if (lane < W) {
+            upre[lane + 1] = c;
+        }
+        if (lane == 0) {
+            upre[0] = 0;
+        }
+    } else {
+        for (int r = warp - 1; r < n; r += nw - 1) {
+            const u32 b = lane < W ? bits[r][lane] : 0u;
+            int c = __popc(b);
+            for (int o = 1; o < 32; o <<= 1) {
+                const int v = __shfl_up_sync(0xffffffffu, c, o);
+                if (lane >= o) {
+                    c += v;
+                }
+            }
+            if (lane < W) {
+                pre[r][lane + 1] = c;
+            }
+            if (lane == 0) {
+                pre[r][0] = 0;
+            }
+        }
+    }
+    __syncthreads();
+
+    // ---- 3. the used experts (slots, offsets, gather list) and the combine lists
+    for (int e = tid; e < E; e += blockDim.x) {
+        const int w = e >> 5;
+        const u32 bit = 1u << (e & 31);
+        if (uni[w] & bit) {
+            const int slot = upre[w] + __popc(uni[w] & (bit - 1u));
+            int off = 0;
+            for (int r = 0; r < n; r++) {
+                off += pre[r][w] + __popc(bits[r][w] & (bit - 1u));
+            }
+            int c = 0;
+            for (int r = 0; r < n; r++) {
+                if (bits[r][w] & bit) {
+                    gather_src[off + c] = r;
+                    c++;
+                }
+            }
+            s_exp[slot] = e;
+            s_off[slot] = off;
+            s_cnt[slot] = c;
+        }
+    }
+    int total = 0;
+    for (int r = 0; r < n; r++) {
+        total += pre[r][W];
+    }
+    for (int idx = tid; idx < n * k; idx += blockDim.x) {
+        const int r = idx / k;
+        const int j = idx - r * k;
+        const int cnt = pre[r][W];
+        if (j == 0) {
+            comb_cnt[r] = cnt;
+        }
+        if (idx >= total) {
+            gather_src[idx] = -1;
+        }
+        if (j >= cnt) {
+            comb_slot[idx] = 0;
+            comb_w[idx] = 0.0f;
+        }
+        const int e = ch[r][j];
+        if (j == 0 || ch[r][j - 1] != e) {
+            const int w = e >> 5;
+            const u32 bit = 1u << (e & 31);
+            // This row's distinct experts below e, and the gathered row of (e, r): e's
+            // offset plus the rows before r that use e.
+            const int dj = pre[r][w] + __popc(bits[r][w] & (bit - 1u));
+            int g = 0;
+            for (int q = 0; q < n; q++) {
+                g += pre[q][w] + __popc(bits[q][w] & (bit - 1u));
+                if (q < r && (bits[q][w] & bit)) {
+                    g++;
+                }
+            }
+            float ws = wt[r][j];
+            for (int j2 = j + 1; j2 < k && ch[r][j2] == e; j2++) {
+                ws += wt[r][j2];
+            }
+            comb_slot[r * k + dj] = g;
+            comb_w[r * k + dj] = ws;
+        }
+    }
+    __syncthreads();
+
+    // ---- 4. the product tables
+    const int m = upre[W];
+    const int bpd_gate = ((templ[0].n_out + MV_WARPS * MV_ROWS - 1) / (MV_WARPS * MV_ROWS)) * templ[0].slices;
+    for (int i = tid; i < max_descs; i += blockDim.x) {
+        const int e = i < m ? s_exp[i] : 0;
+        const int off = i < m ? s_off[i] : 0;
+        const int c = i < m ? s_cnt[i] : 0;
+        for (int t = 0; t < 3; t++) {
+            const MvDesc T = templ[t];
+            const int rb = (T.n_out + MV_WARPS * MV_ROWS - 1) / (MV_WARPS * MV_ROWS);
+            const int bpd = rb * T.slices;
+            MvDesc D;
+            D.w = T.w + (long long)e * T.row_bytes * T.n_out;
+            D.x = T.x + (long long)off * T.n_in;
+            D.y = T.y + (long long)off * T.n_out;
+            D.part = T.part + (long long)i * T.slices * n * T.n_out;
+            D.row_bytes = T.row_bytes;
+            D.n_out = T.n_out;
+            D.n_in = T.n_in;
+            D.n = c;
+            D.slices = T.slices;
+            D.counter = T.counter + i * rb;
+            if (t == 0) {
+                D.block_start = i * bpd;
+                gu[i] = D;
+            } else if (t == 1) {
+                D.block_start = max_descs * bpd_gate + i * bpd;
+                gu[max_descs + i] = D;
+            } else {
+                D.block_start = i * bpd;
+                down[i] = D;
+            }
+        }
+    }
+}
+
+// xg[j] = h[gather_src[j]] (d floats), nothing where gather_src[j] < 0.
+// Grid (n * k), block 256 (any size).
+extern "C" __global__ void ds4_gather(const float* __restrict__ h, float* __restrict__ xg,
+                                      const int* __restrict__ gather_src, int d) {
+    const int j = blockIdx.x;
+    const int src = gather_src[j];
+    if (src < 0) {
+        return;
+    }
+    const float* s = h + (long long)src * d;
+    float* o = xg + (long long)j * d;
+    if (((d & 3) == 0) && ((((unsigned long long)h | (unsigned long long)xg) & 15) == 0)) {
+        const int d4 = d >> 2;
+        for (int i = threadIdx.x; i < d4; i += blockDim.x) {
+            ((float4*)o)[i] = ((const float4*)s)[i];
+        }
+    } else {
+        for (int i = threadIdx.x; i < d; i += blockDim.x) {
+            o[i] = s[i];
+        }
+    }
+}
+
+// out[r, i] = sum over j < comb_cnt[r] (ascending) of down_out[comb_slot[r, j], i] *
+// comb_w[r, j], starting from 0, then + shared[r, i] (the end of moe::forward: the row's
+// experts in increasing id, then the shared expert). down_out: [n * k, d] gathered rows.
+// Grid (ceil(d / 256), n), block 256.
+extern "C" __global__ void ds4_moe_combine(const float* __restrict__ down_out, const int* __restrict__ comb_slot,
+                                           const float* __restrict__ comb_w, const int* __restrict__ comb_cnt,
+                                           const float* __restrict__ shared, float* __restrict__ out, int k, int d) {
+    const int r = blockIdx.y;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= d) {
+        return;
+    }
+    const int cnt = comb_cnt[r];
+    float o = 0.0f;
+    for (int j = 0; j < cnt; j++) {
+        const float u = down_out[(long long)comb_slot[r * k + j] * d + i];
+        o = o + u * comb_w[r * k + j];
+    }
+    o = o + shared[(long long)r * d + i];
+    out[(long long)r * d + i] = o;
+}

@@ -893,10 +893,12 @@ impl CudaDecoder {
                 counter: counter as i32,
             };
             let (gm, um, dm) = (lw.gate_exps.first, lw.up_exps.first, lw.down_exps.first);
-            let gate_part = max_descs * slices(&gm) * n * gm.n_out;
+            // Partial sums only for split products (as `products` lays them out).
+            let part_of = |m: &Mat| if slices(m) > 1 { max_descs * slices(m) * n * m.n_out } else { 0 };
+            let gate_part = part_of(&gm);
             let gate_counters = max_descs * gm.n_out.div_ceil(ROWS_PER_BLOCK);
-            let up_part = max_descs * slices(&um) * n * um.n_out;
-            let down_part = max_descs * slices(&dm) * n * dm.n_out;
+            let up_part = part_of(&um);
+            let down_part = part_of(&dm);
             if gate_part + up_part > b.part_floats || down_part > b.part_floats {
                 return Err(Error::Backend("CUDA decode: partial-sum buffer too small for the experts (internal)".into()));
             }
