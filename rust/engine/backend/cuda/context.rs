@@ -302,6 +302,14 @@ impl Context {
         self.module
     }
 
+    /// The name of a product kernel ("ds4_mv_q8_0_4"), for profiles.
+    pub(crate) fn product_kernel_name(&self, f: sys::CUfunction) -> Option<String> {
+        self.kernels.iter().find(|(_, v)| v.0 == f).map(|((ty, nb), _)| {
+            let stem = FORMATS.iter().find(|(t, _)| t == ty).map_or("?", |(_, s)| s);
+            format!("ds4_mv_{stem}_{nb}")
+        })
+    }
+
     /// Makes the context current on the calling thread.
     pub(crate) fn bind(&self) -> Result<()> {
         self.ctx.bind_to_thread().map_err(driver_err("binding the context"))

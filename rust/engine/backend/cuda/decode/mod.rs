@@ -255,6 +255,32 @@ struct Kernels {
 }
 
 impl Kernels {
+    /// The name of one of these kernels (profiles).
+    fn name_of(&self, f: sys::CUfunction) -> Option<&'static str> {
+        let all = [
+            (self.rms_plain, "rms_plain"),
+            (self.rms_weight, "rms_weight"),
+            (self.hc_pre, "hc_pre"),
+            (self.hc_post, "hc_post"),
+            (self.hc_head, "hc_head"),
+            (self.finish_q, "finish_q"),
+            (self.finish_kv, "finish_kv"),
+            (self.finish_index, "finish_index"),
+            (self.swiglu, "swiglu"),
+            (self.group_to_rows, "group_to_rows"),
+            (self.ring_write, "ring_write"),
+            (self.compress, "compress"),
+            (self.index_scores, "index_scores"),
+            (self.index_topk, "index_topk"),
+            (self.attention, "attention"),
+            (self.route, "route"),
+            (self.gather, "gather"),
+            (self.combine, "combine"),
+            (self.pack, "pack"),
+        ];
+        all.iter().find(|(g, _)| *g == f).map(|(_, n)| *n)
+    }
+
     fn load(ctx: &Context) -> Result<Self> {
         let f = |n: &str| ctx.function(n);
         Ok(Kernels {
@@ -299,6 +325,13 @@ pub(crate) struct CudaDecoder {
     /// The last step: (first position, rows), for [`DeviceDecoder::kept`].
     last: Option<(usize, usize)>,
     use_graphs: bool,
+    /// `DS4_DECODE_PROFILE=1`: every step runs its launches one by one with CUDA events
+    /// between them and adds each kernel's time here (name -> (launches, seconds)); printed to
+    /// stderr every 32 steps.
+    profile: Option<(usize, HashMap<String, (u64, f64)>)>,
+    /// `DS4_DECODE_RESYNC=1`: re-upload the state after every cut instead of following it
+    /// on the device (a debugging switch).
+    resync_after_cut: bool,
 }
 
 // SAFETY: the raw handles (functions, graphs, pinned pointers) are only used by the thread
@@ -594,6 +627,8 @@ impl CudaDecoder {
             tag: 0,
             last: None,
             use_graphs: !std::env::var("DS4_CUDA_GRAPHS").is_ok_and(|v| v == "0"),
+            profile: std::env::var("DS4_DECODE_PROFILE").is_ok_and(|v| v == "1").then(|| (0, HashMap::new())),
+            resync_after_cut: std::env::var("DS4_DECODE_RESYNC").is_ok_and(|v| v == "1"),
         })
     }
 
@@ -1041,6 +1076,33 @@ impl CudaDecoder {
         Self::queue_ops(ctx, &prog.ops)
     }
 
+    /// Runs `ops` one at a time with an event after each, and returns each one's seconds.
+    fn profile_ops(ctx: &Context, ops: &[Op]) -> Result<Vec<f64>> {
+        let ev = || cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(driver_err("creating an event"));
+        let events: Vec<sys::CUevent> = (0..=ops.len()).map(|_| ev()).collect::<Result<_>>()?;
+        let run = || -> Result<Vec<f64>> {
+            // SAFETY: events of this context recorded on its stream.
+            unsafe { cu::event::record(events[0], ctx.stream) }.map_err(driver_err("recording an event"))?;
+            for (i, op) in ops.iter().enumerate() {
+                Self::queue_ops(ctx, std::slice::from_ref(op))?;
+                // SAFETY: as above.
+                unsafe { cu::event::record(events[i + 1], ctx.stream) }.map_err(driver_err("recording an event"))?;
+            }
+            ctx.sync()?;
+            (0..ops.len())
+                // SAFETY: both events recorded and complete.
+                .map(|i| unsafe { cu::event::elapsed(events[i], events[i + 1]) }.map(|ms| f64::from(ms) / 1e3))
+                .collect::<std::result::Result<Vec<f64>, _>>()
+                .map_err(driver_err("timing"))
+        };
+        let out = run();
+        for e in events {
+            // SAFETY: created above, destroyed once.
+            unsafe { cu::event::destroy(e).ok() };
+        }
+        out
+    }
+
     fn queue_ops(ctx: &Context, ops: &[Op]) -> Result<()> {
         for op in ops {
             match op {
@@ -1261,8 +1323,41 @@ impl DeviceDecoder for CudaDecoder {
             Ok(())
         };
         run()?;
-        let use_graphs = self.use_graphs;
-        {
+        let use_graphs = self.use_graphs && self.profile.is_none();
+        if self.profile.is_some() {
+            let prog = self.programs.get(&key).expect("built above");
+            let times = Self::profile_ops(ctx, &prog.ops)?;
+            let (steps, table) = self.profile.as_mut().expect("checked");
+            for (op, secs) in prog.ops.iter().zip(times) {
+                let name = match op {
+                    Op::Launch { f, .. } => self
+                        .k
+                        .name_of(*f)
+                        .map(str::to_string)
+                        .or_else(|| ctx.product_kernel_name(*f))
+                        .unwrap_or_else(|| "?".into()),
+                    Op::Copy { .. } => "copy".into(),
+                };
+                let e = table.entry(format!("n={n} {name}")).or_insert((0, 0.0));
+                e.0 += 1;
+                e.1 += secs;
+            }
+            *steps += 1;
+            if (*steps).is_multiple_of(32) {
+                let mut v: Vec<_> = table.iter().collect();
+                v.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+                let total: f64 = v.iter().map(|x| x.1 .1).sum();
+                eprintln!("ds4 decode profile over {} steps: {:.3} ms of kernels per step", steps, 1e3 * total / *steps as f64);
+                for (name, (calls, secs)) in v.iter().take(24) {
+                    eprintln!(
+                        "  {name:32} {:7.1} us/step  {:6.1} launches/step  {:6.2} us/launch",
+                        1e6 * secs / *steps as f64,
+                        *calls as f64 / *steps as f64,
+                        1e6 * secs / *calls as f64
+                    );
+                }
+            }
+        } else {
             let prog = self.programs.get_mut(&key).expect("built above");
             Self::replay(ctx, prog, use_graphs)?;
         }
@@ -1343,7 +1438,7 @@ impl DeviceDecoder for CudaDecoder {
             return Ok(()); // nothing was cut
         }
         let Some((pos0, n)) = self.last else { return Ok(()) };
-        if tag == 0 || tag != self.tag || state.pos != pos0 + keep || keep > n {
+        if tag == 0 || tag != self.tag || state.pos != pos0 + keep || keep > n || self.resync_after_cut {
             self.tag = 0;
             return Ok(());
         }
