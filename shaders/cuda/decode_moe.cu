@@ -63,20 +63,23 @@ __device__ __forceinline__ float ds4_softplus(float x) {
 // - gu [2 * max_descs], down [max_descs]: the gate, up and down product tables, built from
 //   templ[0..3] (gate, up, down: w = expert 0's matrix, x, y, part = bases of the gathered
 //   input, output and partial-sum buffers, row_bytes, n_out, n_in, slices, counter = first
-//   counter). Slot i < m is expert e_i: w = templ.w + e_i * (one matrix), x = templ.x +
-//   off_i rows, y = templ.y + off_i rows, n = c_i; slots i >= m have n = 0. part = templ.part
-//   + i * slices * n * n_out floats, counter = templ.counter + i * row_blocks. block_start:
-//   gate i * bpd_gate, up max_descs * bpd_gate + i * bpd_up, down i * bpd_down (bpd =
-//   row_blocks * slices).
+//   counter). Expert e_i's rows are cut in chunks of at most `chunk` rows, one slot each, in
+//   expert then row order: the slot of chunk t of e_i has w = templ.w + e_i * (one matrix),
+//   x = templ.x + (off_i + t * chunk) rows, y likewise, n = its rows; slots past the last
+//   chunk have n = 0. part = templ.part + q * slices * chunk * n_out floats for slot q,
+//   counter = templ.counter + q * row_blocks. block_start: gate q * bpd_gate, up
+//   max_descs * bpd_gate + q * bpd_up, down q * bpd_down (bpd = row_blocks * slices).
+//   With chunk >= n every expert has one slot (the union of the batch).
 //
 // Grid (1), block 128 or 256 threads (any multiple of 32 from 64 to 256), no dynamic shared
-// memory. Requires E <= 1024, k <= 16, n <= 16, max_descs = min(n * k, E), hash entries < E.
+// memory. Requires E <= 1024, k <= 16, n <= 16, chunk >= 1, max_descs >= the number of
+// chunks (n * k always is; min(n * k, E) is when chunk >= n) and <= 256, hash entries < E.
 extern "C" __global__ void __launch_bounds__(256)
     ds4_route(const float* __restrict__ logits, int E, int k, const float* __restrict__ bias,
               const unsigned* __restrict__ hash, int norm, float wscale, int n, const int* __restrict__ step,
               MvDesc* __restrict__ gu, MvDesc* __restrict__ down, int max_descs, const MvDesc* __restrict__ templ,
               int* __restrict__ gather_src, int* __restrict__ comb_slot, float* __restrict__ comb_w,
-              int* __restrict__ comb_cnt) {
+              int* __restrict__ comb_cnt, int chunk) {
     // Each warp's scores of its current row, and the experts it has picked.
     __shared__ float sc[MOE_MAX_WARPS][MOE_MAX_EXPERTS];
     __shared__ u32 taken[MOE_MAX_WARPS][MOE_WORDS];
@@ -102,7 +105,7 @@ extern "C" __global__ void __launch_bounds__(256)
     const int W = (E + 31) >> 5;
     // Outside the limits the shared arrays would overflow: fail loudly (a host bug).
     if (E > MOE_MAX_EXPERTS || k > MOE_MAX_K || n > MOE_MAX_ROWS || k < 1 || nw < 2 || nw > MOE_MAX_WARPS ||
-        max_descs > MOE_MAX_ROWS * MOE_MAX_K) {
+        max_descs > MOE_MAX_ROWS * MOE_MAX_K || chunk < 1) {
         __trap();
     }
 
@@ -301,13 +304,37 @@ extern "C" __global__ void __launch_bounds__(256)
     }
     __syncthreads();
 
-    // ---- 4. the product tables
+    // ---- 4. the product tables: expert e_i's c_i rows in chunks of at most `chunk` rows, one
+    // descriptor per chunk (descriptor q of e_i covers its rows t * chunk .., t = q - first).
+    // The host runs them with the product kernel for `chunk` rows: a kernel for few rows is
+    // faster per row than one for many, and experts of a batch mostly serve one or two rows.
+    __shared__ int s_dstart[MOE_MAX_ROWS * MOE_MAX_K + 1];
     const int m = upre[W];
+    if (tid == 0) {
+        int q = 0;
+        for (int i = 0; i < m; i++) {
+            s_dstart[i] = q;
+            q += (s_cnt[i] + chunk - 1) / chunk;
+        }
+        s_dstart[m] = q;
+    }
+    __syncthreads();
+    const int used = s_dstart[m];
     const int bpd_gate = ((templ[0].n_out + MV_WARPS * MV_ROWS - 1) / (MV_WARPS * MV_ROWS)) * templ[0].slices;
-    for (int i = tid; i < max_descs; i += blockDim.x) {
-        const int e = i < m ? s_exp[i] : 0;
-        const int off = i < m ? s_off[i] : 0;
-        const int c = i < m ? s_cnt[i] : 0;
+    for (int q = tid; q < max_descs; q += blockDim.x) {
+        int e = 0;
+        int off = 0;
+        int c = 0;
+        if (q < used) {
+            int i = 0;
+            while (s_dstart[i + 1] <= q) {
+                i++;
+            }
+            const int t = q - s_dstart[i];
+            e = s_exp[i];
+            off = s_off[i] + t * chunk;
+            c = min(chunk, s_cnt[i] - t * chunk);
+        }
         for (int t = 0; t < 3; t++) {
             const MvDesc T = templ[t];
             const int rb = (T.n_out + MV_WARPS * MV_ROWS - 1) / (MV_WARPS * MV_ROWS);
@@ -316,22 +343,22 @@ extern "C" __global__ void __launch_bounds__(256)
             D.w = T.w + (long long)e * T.row_bytes * T.n_out;
             D.x = T.x + (long long)off * T.n_in;
             D.y = T.y + (long long)off * T.n_out;
-            D.part = T.part + (long long)i * T.slices * n * T.n_out;
+            D.part = T.part + (long long)q * T.slices * chunk * T.n_out;
             D.row_bytes = T.row_bytes;
             D.n_out = T.n_out;
             D.n_in = T.n_in;
             D.n = c;
             D.slices = T.slices;
-            D.counter = T.counter + i * rb;
+            D.counter = T.counter + q * rb;
             if (t == 0) {
-                D.block_start = i * bpd;
-                gu[i] = D;
+                D.block_start = q * bpd;
+                gu[q] = D;
             } else if (t == 1) {
-                D.block_start = max_descs * bpd_gate + i * bpd;
-                gu[max_descs + i] = D;
+                D.block_start = max_descs * bpd_gate + q * bpd;
+                gu[max_descs + q] = D;
             } else {
-                D.block_start = i * bpd;
-                down[i] = D;
+                D.block_start = q * bpd;
+                down[q] = D;
             }
         }
     }

@@ -151,59 +151,75 @@ extern "C" __global__ void ds4_hc_pre(const float* logits, int n_mix, const floa
     __shared__ float post[DS4_HC_MAX];
     __shared__ float comb[DS4_HC_MAX * DS4_HC_MAX];
     const int r = blockIdx.x;
-    if (threadIdx.x == 0) {
-        const float* m = logits + (long long)r * n_mix;
-        for (int s = 0; s < hc; s++) {
-            pre[s] = ds4_sigmoid(m[s] * scale[0] + base[s]) + hc_eps;
-            post[s] = 2.0f * ds4_sigmoid(m[hc + s] * scale[1] + base[hc + s]);
-        }
-        for (int k = 0; k < hc * hc; k++) {
-            comb[k] = m[2 * hc + k] * scale[2] + base[2 * hc + k];
-        }
-        // Softmax of each row, then + hc_eps.
-        for (int i = 0; i < hc; i++) {
-            float* row = comb + i * hc;
-            float mx = -__int_as_float(0x7f800000);
-            for (int j = 0; j < hc; j++) {
-                mx = fmaxf(mx, row[j]);
-            }
-            float sum = 0.0f;
-            for (int j = 0; j < hc; j++) {
-                row[j] = expf(row[j] - mx);
-                sum += row[j];
-            }
-            for (int j = 0; j < hc; j++) {
-                row[j] = row[j] / sum + hc_eps;
-            }
-        }
-        // Sinkhorn (hyper.rs sinkhorn): one column normalization, then iters - 1 rounds of
-        // row then column normalization.
-        for (int it = 0; it < iters; it++) {
-            if (it > 0) {
-                for (int i = 0; i < hc; i++) {
-                    float s = 0.0f;
-                    for (int j = 0; j < hc; j++) {
-                        s += comb[i * hc + j];
-                    }
-                    s += hc_eps;
-                    for (int j = 0; j < hc; j++) {
-                        comb[i * hc + j] /= s;
-                    }
-                }
-            }
-            for (int j = 0; j < hc; j++) {
-                float s = 0.0f;
-                for (int i = 0; i < hc; i++) {
-                    s += comb[i * hc + j];
-                }
-                s += hc_eps;
-                for (int i = 0; i < hc; i++) {
-                    comb[i * hc + j] /= s;
-                }
-            }
-        }
+    const float* m = logits + (long long)r * n_mix;
+    // The small mixing math, one thread per element of comb (thread k < hc also makes pre[k]
+    // and post[k]): each thread sums its row or column itself, in the reference's order, so
+    // the result is the single-thread one, with hc * hc threads instead of one (a lone thread's
+    // chain of divisions and exponentials took tens of microseconds per row).
+    const int k = threadIdx.x;
+    const bool mine = k < hc * hc;
+    const int ci = mine ? k / hc : 0;
+    const int cj = mine ? k - ci * hc : 0;
+    if (k < hc) {
+        pre[k] = ds4_sigmoid(m[k] * scale[0] + base[k]) + hc_eps;
+        post[k] = 2.0f * ds4_sigmoid(m[hc + k] * scale[1] + base[hc + k]);
+    }
+    float v = 0.0f;
+    if (mine) {
+        v = m[2 * hc + k] * scale[2] + base[2 * hc + k];
+        comb[k] = v;
     }
     __syncthreads();
+    // Softmax of each row, then + hc_eps.
+    if (mine) {
+        const float* row = comb + ci * hc;
+        float mx = -__int_as_float(0x7f800000);
+        for (int j = 0; j < hc; j++) {
+            mx = fmaxf(mx, row[j]);
+        }
+        float sum = 0.0f;
+        for (int j = 0; j < hc; j++) {
+            sum += expf(row[j] - mx);
+        }
+        v = expf(v - mx) / sum + hc_eps;
+    }
+    __syncthreads();
+    if (mine) {
+        comb[k] = v;
+    }
+    __syncthreads();
+    // Sinkhorn (hyper.rs sinkhorn): one column normalization, then iters - 1 rounds of row then
+    // column normalization; sums in index order, then + hc_eps.
+    for (int it = 0; it < iters; it++) {
+        if (it > 0) {
+            if (mine) {
+                float s = 0.0f;
+                for (int j = 0; j < hc; j++) {
+                    s += comb[ci * hc + j];
+                }
+                s += hc_eps;
+                v = comb[k] / s;
+            }
+            __syncthreads();
+            if (mine) {
+                comb[k] = v;
+            }
+            __syncthreads();
+        }
+        if (mine) {
+            float s = 0.0f;
+            for (int i = 0; i < hc; i++) {
+                s += comb[i * hc + cj];
+            }
+            s += hc_eps;
+            v = comb[k] / s;
+        }
+        __syncthreads();
+        if (mine) {
+            comb[k] = v;
+        }
+        __syncthreads();
+    }
     const float* xs = x + (long long)r * hc * d;
     float* yr = y + (long long)r * d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) {

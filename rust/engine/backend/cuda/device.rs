@@ -76,7 +76,8 @@ impl DevBuf {
             return Err(Error::invalid("device read past the end of a buffer"));
         }
         // SAFETY: the range is inside the allocation; the copy is synchronous.
-        unsafe { cu::memcpy_dtoh_sync(&mut out, self.ptr + off as u64) }.map_err(driver_err("copying from the device"))?;
+        unsafe { cu::memcpy_dtoh_sync(&mut out, self.ptr + off as u64) }
+            .map_err(driver_err("copying from the device"))?;
         Ok(out)
     }
 
@@ -153,7 +154,14 @@ impl Context {
 
     /// [`Context::launch_args`] by kernel name (tests and one-off launches).
     #[cfg_attr(not(test), allow(dead_code))]
-    pub(crate) fn launch_named(&self, name: &str, grid: (u32, u32, u32), block: u32, smem: u32, args: &[Arg]) -> Result<()> {
+    pub(crate) fn launch_named(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &[Arg],
+    ) -> Result<()> {
         let f = self.function(name)?;
         self.launch_args(f, grid, block, smem, args)
     }

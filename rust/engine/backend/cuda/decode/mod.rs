@@ -18,13 +18,13 @@
 //! `decode_moe.cu` (routing, expert gather and combine), `decode_step.cu` (packing).
 
 #[cfg(test)]
-mod testutil;
-#[cfg(test)]
 mod tests_attn;
 #[cfg(test)]
 mod tests_moe;
 #[cfg(test)]
 mod tests_ops;
+#[cfg(test)]
+mod testutil;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -47,6 +47,23 @@ use crate::{Error, Result};
 
 /// Rows of a step: one product chunk of the matrix kernels.
 const N_MAX: usize = MAX_BATCH;
+
+/// Most rows of one routed-expert product: the kernels for few rows read the weights much
+/// faster per row (IQ2_XXS at 16 rows runs at a fifth of its one-row speed), and in a batch
+/// most experts serve one or two rows.
+const EXPERT_CHUNK: usize = 2;
+
+/// Threads of a one-block-per-row kernel over rows of `width` floats: a whole row is read by
+/// one block, so wide rows get the most threads.
+fn wide(width: usize) -> u32 {
+    if width >= 4096 {
+        1024
+    } else if width >= 1024 {
+        512
+    } else {
+        256
+    }
+}
 
 /// A new sync tag (never 0).
 fn fresh_tag() -> u64 {
@@ -117,6 +134,11 @@ struct CompMirror {
     backup: Option<DevBuf>,
     rows: DevBuf,
     cap: usize,
+    /// Each batch row's projections (kv, then the gate before the position bias), copied
+    /// before the compressor runs: the host replays the pushes from them. (The slots of
+    /// `cur_*` are not enough: a batch of more than `ratio` rows writes a slot twice.)
+    log_kv: DevBuf,
+    log_g: DevBuf,
 }
 
 struct LayerMirror {
@@ -320,6 +342,8 @@ pub(crate) struct CudaDecoder {
     programs: HashMap<(usize, u8), Program>,
     up: Pinned,
     down: Pinned,
+    /// Staging of [`DeviceDecoder::kept`]'s slot restores.
+    fix: Pinned,
     /// The tag of the device state (0: stale, re-upload before the next step).
     tag: u64,
     /// The last step: (first position, rows), for [`DeviceDecoder::kept`].
@@ -412,11 +436,8 @@ pub(crate) fn decoder_for(
         KvPrecision::Fp8 => return None,
     };
     let cfg = &model.config;
-    let csa_without_indexer = cfg
-        .layers
-        .iter()
-        .zip(&model.weights.layers)
-        .any(|(s, l)| s.kind == AttentionKind::Csa && l.indexer.is_none());
+    let csa_without_indexer =
+        cfg.layers.iter().zip(&model.weights.layers).any(|(s, l)| s.kind == AttentionKind::Csa && l.indexer.is_none());
     if cfg.hc_mult > 8
         || cfg.hc_mult == 0
         || cfg.n_heads % cfg.o_groups != 0
@@ -500,6 +521,8 @@ impl CudaDecoder {
                     backup: if overlap { Some(f32_buf(N_MAX * 2 * ratio * width)?) } else { None },
                     rows: f32_buf(cap * width)?,
                     cap,
+                    log_kv: f32_buf(N_MAX * pw)?,
+                    log_g: f32_buf(N_MAX * pw)?,
                 })
             };
             let comp = match spec.kind {
@@ -519,7 +542,7 @@ impl CudaDecoder {
 
         // Partial sums and counters: the most any launch group needs at 16 rows.
         let kk = cfg.n_experts_used;
-        let max_descs = (N_MAX * kk).min(cfg.n_experts);
+        let max_descs = N_MAX * kk;
         let (mut part_floats, mut counters_len) = (0usize, 0usize);
         let mut need = |mats: &[Mat], n: usize| {
             let (p, c) = split_need(mats, n);
@@ -624,6 +647,7 @@ impl CudaDecoder {
             programs: HashMap::new(),
             up: Pinned { ptr: std::ptr::null_mut(), bytes: 0 },
             down: Pinned { ptr: std::ptr::null_mut(), bytes: 0 },
+            fix: Pinned { ptr: std::ptr::null_mut(), bytes: 0 },
             tag: 0,
             last: None,
             use_graphs: !std::env::var("DS4_CUDA_GRAPHS").is_ok_and(|v| v == "0"),
@@ -657,7 +681,14 @@ impl CudaDecoder {
     // ------------------------------------------------------------------ programs
 
     /// Builds the program of a step of `n` rows whose head runs on `head` = (first row, rows).
-    fn build(&self, ctx: &Context, img: &DeviceImage, model: &Model, n: usize, head: Option<(usize, usize)>) -> Result<Program> {
+    fn build(
+        &self,
+        ctx: &Context,
+        img: &DeviceImage,
+        model: &Model,
+        n: usize,
+        head: Option<(usize, usize)>,
+    ) -> Result<Program> {
         let cfg = &model.config;
         let w = &model.weights;
         let b = &self.bufs;
@@ -673,9 +704,10 @@ impl CudaDecoder {
         let i = |x: usize| PArg::A(Arg::I32(x as i32));
         let fl = |x: f32| PArg::A(Arg::F32(x));
         let null = PArg::A(Arg::Ptr(0));
-        let launch = |ops: &mut Vec<_>, f: sys::CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, args: Vec<PArg>| {
-            ops.push((Some(f), grid, block, smem, args, None));
-        };
+        let launch =
+            |ops: &mut Vec<_>, f: sys::CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, args: Vec<PArg>| {
+                ops.push((Some(f), grid, block, smem, args, None));
+            };
         // Products: (matrix, x, y, rows). One launch per format; partial sums and counters
         // laid out from 0 for each call (launches of different calls never overlap).
         let products = |ops: &mut Vec<_>, table: &mut Vec<u8>, prods: &[(Mat, u64, u64, usize)]| -> Result<()> {
@@ -744,19 +776,35 @@ impl CudaDecoder {
         let ff = w.layers[0].gate_exps.first.n_out;
         let ff_sh = w.layers[0].gate_sh.n_out;
         let kk = cfg.n_experts_used;
-        let max_descs = (n * kk).min(cfg.n_experts);
+        // Routed expert products: each expert's rows in chunks of at most `chunk` rows (see
+        // ds4_route), at most one descriptor per (row, expert) pair.
+        let chunk = n.min(EXPERT_CHUNK);
+        let max_descs = if chunk >= n { (n * kk).min(cfg.n_experts) } else { n * kk };
 
         for (li, (lw, spec)) in w.layers.iter().zip(&cfg.layers).enumerate() {
             let c = &self.consts[li];
             let mm = &self.mirror[li];
-            let hc_site = |ops: &mut Vec<_>, table: &mut Vec<u8>, hw: &HyperWeights, base_scale: &(DevBuf, DevBuf), mix: u64, norm: u64| -> Result<()> {
-                launch(ops, k.rms_plain, g1, 256, 0, vec![p(b.x.ptr), p(b.flat.ptr), i(hc * d), fl(cfg.rms_eps)]);
+            let hc_site = |ops: &mut Vec<_>,
+                           table: &mut Vec<u8>,
+                           hw: &HyperWeights,
+                           base_scale: &(DevBuf, DevBuf),
+                           mix: u64,
+                           norm: u64|
+             -> Result<()> {
+                launch(
+                    ops,
+                    k.rms_plain,
+                    g1,
+                    wide(hc * d),
+                    0,
+                    vec![p(b.x.ptr), p(b.flat.ptr), i(hc * d), fl(cfg.rms_eps)],
+                );
                 products(ops, table, &[(hw.proj, b.flat.ptr, b.mixl.ptr, n)])?;
                 launch(
                     ops,
                     k.hc_pre,
                     g1,
-                    256,
+                    wide(d),
                     0,
                     vec![
                         p(b.mixl.ptr),
@@ -772,7 +820,7 @@ impl CudaDecoder {
                         i(cfg.sinkhorn_iters),
                     ],
                 );
-                launch(ops, k.rms_weight, g1, 256, 0, vec![p(b.h.ptr), p(b.h.ptr), p(norm), i(d), fl(cfg.rms_eps)]);
+                launch(ops, k.rms_weight, g1, wide(d), 0, vec![p(b.h.ptr), p(b.h.ptr), p(norm), i(d), fl(cfg.rms_eps)]);
                 Ok(())
             };
             // ---- attention
@@ -789,15 +837,53 @@ impl CudaDecoder {
                 ]);
             }
             products(&mut ops, &mut table, &g)?;
-            launch(&mut ops, k.rms_weight, g1, 256, 0, vec![p(b.cq.ptr), p(b.cq.ptr), p(c.q_a_norm.ptr), i(cfg.q_lora_rank), fl(cfg.rms_eps)]);
+            // The compressors' inputs, kept for the host's replay of this step (journal).
+            for (cm, kv, g) in [(&mm.comp, b.ckv.ptr, b.cg.ptr), (&mm.index, b.ickv.ptr, b.icg.ptr)] {
+                if let Some(cm) = cm {
+                    let bytes = 4 * n * if cm.overlap { 2 * cm.width } else { cm.width };
+                    ops.push((None, (0, 0, 0), 0, 0, Vec::new(), Some((cm.log_kv.ptr, kv, bytes))));
+                    ops.push((None, (0, 0, 0), 0, 0, Vec::new(), Some((cm.log_g.ptr, g, bytes))));
+                }
+            }
+            launch(
+                &mut ops,
+                k.rms_weight,
+                g1,
+                wide(cfg.q_lora_rank),
+                0,
+                vec![p(b.cq.ptr), p(b.cq.ptr), p(c.q_a_norm.ptr), i(cfg.q_lora_rank), fl(cfg.rms_eps)],
+            );
             let mut g = vec![(lw.q_b, b.cq.ptr, b.q.ptr, n)];
             if let Some(iw) = &lw.indexer {
                 g.push((iw.q_b, b.cq.ptr, b.iq.ptr, n));
             }
             products(&mut ops, &mut table, &g)?;
             let rope_dim = cfg.rope_dim;
-            launch(&mut ops, k.finish_q, (nh as u32, nn, 1), 128, 0, vec![p(b.q.ptr), i(nh), i(hd), fl(cfg.rms_eps), p(c.inv_freq.ptr), i(rope_dim), p(step)]);
-            launch(&mut ops, k.finish_kv, g1, 256, 0, vec![p(b.kv.ptr), p(c.kv_norm.ptr), i(hd), fl(cfg.rms_eps), p(c.inv_freq.ptr), i(rope_dim), i(self.round_mode as usize), p(step)]);
+            launch(
+                &mut ops,
+                k.finish_q,
+                (nh as u32, nn, 1),
+                128,
+                0,
+                vec![p(b.q.ptr), i(nh), i(hd), fl(cfg.rms_eps), p(c.inv_freq.ptr), i(rope_dim), p(step)],
+            );
+            launch(
+                &mut ops,
+                k.finish_kv,
+                g1,
+                256,
+                0,
+                vec![
+                    p(b.kv.ptr),
+                    p(c.kv_norm.ptr),
+                    i(hd),
+                    fl(cfg.rms_eps),
+                    p(c.inv_freq.ptr),
+                    i(rope_dim),
+                    i(self.round_mode as usize),
+                    p(step),
+                ],
+            );
             if lw.indexer.is_some() {
                 let gs = 1.0 / (cfg.index_heads as f32).sqrt();
                 launch(
@@ -806,7 +892,17 @@ impl CudaDecoder {
                     (cfg.index_heads as u32, nn, 1),
                     128,
                     0,
-                    vec![p(b.iq.ptr), p(b.ig.ptr), i(cfg.index_heads), i(cfg.index_head_dim), p(c.inv_freq.ptr), i(rope_dim), i(self.round_mode as usize), fl(gs), p(step)],
+                    vec![
+                        p(b.iq.ptr),
+                        p(b.ig.ptr),
+                        i(cfg.index_heads),
+                        i(cfg.index_head_dim),
+                        p(c.inv_freq.ptr),
+                        i(rope_dim),
+                        i(self.round_mode as usize),
+                        fl(gs),
+                        p(step),
+                    ],
                 );
             }
             launch(&mut ops, k.ring_write, g1, 256, 0, vec![p(b.kv.ptr), p(mm.ring.ptr), i(mm.slots), i(hd), p(step)]);
@@ -850,7 +946,18 @@ impl CudaDecoder {
                     (132, nn, 1),
                     256,
                     0,
-                    vec![p(b.iq.ptr), p(b.ig.ptr), p(im.rows.ptr), i(cfg.index_heads), i(cfg.index_head_dim), i(spec.ratio), i(cfg.index_topk), p(b.scores.ptr), i(b.score_stride), p(step)],
+                    vec![
+                        p(b.iq.ptr),
+                        p(b.ig.ptr),
+                        p(im.rows.ptr),
+                        i(cfg.index_heads),
+                        i(cfg.index_head_dim),
+                        i(spec.ratio),
+                        i(cfg.index_topk),
+                        p(b.scores.ptr),
+                        i(b.score_stride),
+                        p(step),
+                    ],
                 );
                 launch(
                     &mut ops,
@@ -858,7 +965,15 @@ impl CudaDecoder {
                     g1,
                     1024,
                     0,
-                    vec![p(b.scores.ptr), i(b.score_stride), i(spec.ratio), i(cfg.index_topk), p(b.sel.ptr), p(b.nsel.ptr), p(step)],
+                    vec![
+                        p(b.scores.ptr),
+                        i(b.score_stride),
+                        i(spec.ratio),
+                        i(cfg.index_topk),
+                        p(b.sel.ptr),
+                        p(b.nsel.ptr),
+                        p(step),
+                    ],
                 );
             }
             let (crows, ratio, sel, nsel, max_comp) = match (&mm.comp, &mm.index) {
@@ -902,16 +1017,34 @@ impl CudaDecoder {
                 })
                 .collect();
             products(&mut ops, &mut table, &oa)?;
-            launch(&mut ops, k.group_to_rows, rows_grid((groups * rank).div_ceil(256)), 256, 0, vec![p(b.ug.ptr), p(b.u.ptr), i(groups), i(n), i(rank)]);
+            launch(
+                &mut ops,
+                k.group_to_rows,
+                rows_grid((groups * rank).div_ceil(256)),
+                256,
+                0,
+                vec![p(b.ug.ptr), p(b.u.ptr), i(groups), i(n), i(rank)],
+            );
             products(&mut ops, &mut table, &[(lw.o_b, b.u.ptr, b.attn_out.ptr, n)])?;
-            launch(&mut ops, k.hc_post, rows_grid(d.div_ceil(256)), 256, 0, vec![p(b.x.ptr), p(b.attn_out.ptr), p(b.mix_a.ptr), i(hc), i(d)]);
+            launch(
+                &mut ops,
+                k.hc_post,
+                rows_grid(d.div_ceil(256)),
+                256,
+                0,
+                vec![p(b.x.ptr), p(b.attn_out.ptr), p(b.mix_a.ptr), i(hc), i(d)],
+            );
 
             // ---- MoE
             hc_site(&mut ops, &mut table, &lw.hc_ffn, &c.hc_ffn, b.mix_f.ptr, c.ffn_norm.ptr)?;
             products(
                 &mut ops,
                 &mut table,
-                &[(lw.router_proj, b.h.ptr, b.rl.ptr, n), (lw.gate_sh, b.h.ptr, b.gsh.ptr, n), (lw.up_sh, b.h.ptr, b.ush.ptr, n)],
+                &[
+                    (lw.router_proj, b.h.ptr, b.rl.ptr, n),
+                    (lw.gate_sh, b.h.ptr, b.gsh.ptr, n),
+                    (lw.up_sh, b.h.ptr, b.ush.ptr, n),
+                ],
             )?;
             // Templates of the routed products (ds4_route fills in expert, rows, offsets).
             let templ = |m: Mat, x: u64, y: u64, part_base: usize, counter: usize| Desc {
@@ -929,13 +1062,15 @@ impl CudaDecoder {
             };
             let (gm, um, dm) = (lw.gate_exps.first, lw.up_exps.first, lw.down_exps.first);
             // Partial sums only for split products (as `products` lays them out).
-            let part_of = |m: &Mat| if slices(m) > 1 { max_descs * slices(m) * n * m.n_out } else { 0 };
+            let part_of = |m: &Mat| if slices(m) > 1 { max_descs * slices(m) * chunk * m.n_out } else { 0 };
             let gate_part = part_of(&gm);
             let gate_counters = max_descs * gm.n_out.div_ceil(ROWS_PER_BLOCK);
             let up_part = part_of(&um);
             let down_part = part_of(&dm);
             if gate_part + up_part > b.part_floats || down_part > b.part_floats {
-                return Err(Error::Backend("CUDA decode: partial-sum buffer too small for the experts (internal)".into()));
+                return Err(Error::Backend(
+                    "CUDA decode: partial-sum buffer too small for the experts (internal)".into(),
+                ));
             }
             let t_off = table.len();
             for t in [
@@ -973,11 +1108,19 @@ impl CudaDecoder {
                     p(b.comb_slot.ptr),
                     p(b.comb_w.ptr),
                     p(b.comb_cnt.ptr),
+                    i(chunk),
                 ],
             );
-            launch(&mut ops, k.gather, ((n * kk) as u32, 1, 1), 256, 0, vec![p(b.h.ptr), p(b.xg.ptr), p(b.gather_src.ptr), i(d)]);
+            launch(
+                &mut ops,
+                k.gather,
+                ((n * kk) as u32, 1, 1),
+                256,
+                0,
+                vec![p(b.h.ptr), p(b.xg.ptr), p(b.gather_src.ptr), i(d)],
+            );
             let bpd = |m: &Mat| m.n_out.div_ceil(ROWS_PER_BLOCK) * slices(m);
-            let (fg, sg) = ctx.kernel(gm.ty, n).ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
+            let (fg, sg) = ctx.kernel(gm.ty, chunk).ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
             if um.ty != gm.ty || um.n_out != gm.n_out || um.n_in != gm.n_in {
                 return Err(Error::Backend("CUDA decode: expert gate and up differ in shape (unsupported)".into()));
             }
@@ -989,23 +1132,67 @@ impl CudaDecoder {
                 sg,
                 vec![PArg::Table(gu_off), i(2 * max_descs), p(b.counters.ptr)],
             );
-            launch(&mut ops, k.swiglu, ((n * ff_sh).div_ceil(256) as u32, 1, 1), 256, 0, vec![p(b.gsh.ptr), p(b.ush.ptr), p(b.ash.ptr), i(n * ff_sh), fl(spec.clamp_shared)]);
-            launch(&mut ops, k.swiglu, ((n * kk * ff).div_ceil(256) as u32, 1, 1), 256, 0, vec![p(b.g_out.ptr), p(b.u_out.ptr), p(b.act.ptr), i(n * kk * ff), fl(spec.clamp_routed)]);
+            launch(
+                &mut ops,
+                k.swiglu,
+                ((n * ff_sh).div_ceil(256) as u32, 1, 1),
+                256,
+                0,
+                vec![p(b.gsh.ptr), p(b.ush.ptr), p(b.ash.ptr), i(n * ff_sh), fl(spec.clamp_shared)],
+            );
+            launch(
+                &mut ops,
+                k.swiglu,
+                ((n * kk * ff).div_ceil(256) as u32, 1, 1),
+                256,
+                0,
+                vec![p(b.g_out.ptr), p(b.u_out.ptr), p(b.act.ptr), i(n * kk * ff), fl(spec.clamp_routed)],
+            );
             products(&mut ops, &mut table, &[(lw.down_sh, b.ash.ptr, b.dsh.ptr, n)])?;
-            let (fd, sd) = ctx.kernel(dm.ty, n).ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
-            launch(&mut ops, fd, ((max_descs * bpd(&dm)) as u32, 1, 1), THREADS, sd, vec![PArg::Table(down_off), i(max_descs), p(b.counters.ptr)]);
+            let (fd, sd) = ctx.kernel(dm.ty, chunk).ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
+            launch(
+                &mut ops,
+                fd,
+                ((max_descs * bpd(&dm)) as u32, 1, 1),
+                THREADS,
+                sd,
+                vec![PArg::Table(down_off), i(max_descs), p(b.counters.ptr)],
+            );
             launch(
                 &mut ops,
                 k.combine,
                 rows_grid(d.div_ceil(256)),
                 256,
                 0,
-                vec![p(b.down_out.ptr), p(b.comb_slot.ptr), p(b.comb_w.ptr), p(b.comb_cnt.ptr), p(b.dsh.ptr), p(b.ffn_out.ptr), i(kk), i(d)],
+                vec![
+                    p(b.down_out.ptr),
+                    p(b.comb_slot.ptr),
+                    p(b.comb_w.ptr),
+                    p(b.comb_cnt.ptr),
+                    p(b.dsh.ptr),
+                    p(b.ffn_out.ptr),
+                    i(kk),
+                    i(d),
+                ],
             );
-            launch(&mut ops, k.hc_post, rows_grid(d.div_ceil(256)), 256, 0, vec![p(b.x.ptr), p(b.ffn_out.ptr), p(b.mix_f.ptr), i(hc), i(d)]);
+            launch(
+                &mut ops,
+                k.hc_post,
+                rows_grid(d.div_ceil(256)),
+                256,
+                0,
+                vec![p(b.x.ptr), p(b.ffn_out.ptr), p(b.mix_f.ptr), i(hc), i(d)],
+            );
             if let Some(j) = capture.iter().position(|&c| c == li) {
                 let bytes = n * hc * d * 4;
-                ops.push((None, (0, 0, 0), 0, 0, Vec::new(), Some((b.capture.ptr + (j * N_MAX * hc * d * 4) as u64, b.x.ptr, bytes))));
+                ops.push((
+                    None,
+                    (0, 0, 0),
+                    0,
+                    0,
+                    Vec::new(),
+                    Some((b.capture.ptr + (j * N_MAX * hc * d * 4) as u64, b.x.ptr, bytes)),
+                ));
             }
         }
 
@@ -1014,10 +1201,24 @@ impl CudaDecoder {
             let xr = b.x.ptr + 4 * (r0 * hc * d) as u64;
             let gr = (rows as u32, 1, 1);
             let (norm, base, scale) = &self.head_consts;
-            launch(&mut ops, k.rms_plain, gr, 256, 0, vec![p(xr), p(b.flat.ptr), i(hc * d), fl(cfg.rms_eps)]);
+            launch(&mut ops, k.rms_plain, gr, wide(hc * d), 0, vec![p(xr), p(b.flat.ptr), i(hc * d), fl(cfg.rms_eps)]);
             products(&mut ops, &mut table, &[(w.hc_head.proj, b.flat.ptr, b.mixl.ptr, rows)])?;
-            launch(&mut ops, k.hc_head, gr, 256, 0, vec![p(b.mixl.ptr), p(xr), p(b.y.ptr), p(base.ptr), p(scale.ptr), i(hc), i(d), fl(cfg.hc_eps)]);
-            launch(&mut ops, k.rms_weight, gr, 256, 0, vec![p(b.y.ptr), p(b.y.ptr), p(norm.ptr), i(d), fl(cfg.rms_eps)]);
+            launch(
+                &mut ops,
+                k.hc_head,
+                gr,
+                wide(d),
+                0,
+                vec![p(b.mixl.ptr), p(xr), p(b.y.ptr), p(base.ptr), p(scale.ptr), i(hc), i(d), fl(cfg.hc_eps)],
+            );
+            launch(
+                &mut ops,
+                k.rms_weight,
+                gr,
+                wide(d),
+                0,
+                vec![p(b.y.ptr), p(b.y.ptr), p(norm.ptr), i(d), fl(cfg.rms_eps)],
+            );
             products(&mut ops, &mut table, &[(w.output, b.y.ptr, b.logits.ptr, rows)])?;
         }
 
@@ -1109,7 +1310,8 @@ impl CudaDecoder {
                 Op::Launch { f, grid, block, smem, args } => ctx.launch_args(*f, *grid, *block, *smem, args)?,
                 // SAFETY: both ranges are inside live device buffers of this decoder.
                 Op::Copy { dst, src, bytes } => unsafe {
-                    cu::memcpy_dtod_async(*dst, *src, *bytes, ctx.stream).map_err(driver_err("copying on the device"))?
+                    cu::memcpy_dtod_async(*dst, *src, *bytes, ctx.stream)
+                        .map_err(driver_err("copying on the device"))?
                 },
             }
         }
@@ -1131,7 +1333,9 @@ impl CudaDecoder {
                     prev.write(4 * cs.prev_kv.len(), &cs.prev_score)?;
                 }
                 if cs.rows.len() > cm.cap {
-                    return Err(Error::invalid("the state holds more compressed rows than the device copy has room for"));
+                    return Err(Error::invalid(
+                        "the state holds more compressed rows than the device copy has room for",
+                    ));
                 }
                 let rows: Vec<f32> = cs.rows.iter_values().collect();
                 cm.rows.write(0, &rows)?;
@@ -1158,9 +1362,8 @@ impl CudaDecoder {
                 let pw = if cm.overlap { 2 * cm.width } else { cm.width };
                 for r in 0..n {
                     let pos = pos0 + r;
-                    let slot = pos % cm.ratio;
-                    add(&mut runs, cm.cur_kv.ptr + 4 * (slot * pw) as u64, pw);
-                    add(&mut runs, cm.cur_score.ptr + 4 * (slot * pw) as u64, pw);
+                    add(&mut runs, cm.log_kv.ptr + 4 * (r * pw) as u64, pw);
+                    add(&mut runs, cm.log_g.ptr + 4 * (r * pw) as u64, pw);
                     if (pos + 1).is_multiple_of(cm.ratio) {
                         add(&mut runs, cm.rows.ptr + 4 * ((pos / cm.ratio) * cm.width) as u64, cm.width);
                     }
@@ -1170,8 +1373,18 @@ impl CudaDecoder {
         (runs, off as usize)
     }
 
-    /// Applies a step's packed state writes to the host state (logging what they overwrite).
-    fn apply(&self, state: &mut State, pos0: usize, n: usize, j: &[f32], mut log: Option<&mut BatchLog>) {
+    /// Applies a step's packed state writes to the host state (logging what they overwrite):
+    /// the raw rows, and each compressor push replayed from the row's projections (score =
+    /// gate + position bias, the one addition the device made) with the emitted rows.
+    fn apply(
+        &self,
+        model: &Model,
+        state: &mut State,
+        pos0: usize,
+        n: usize,
+        j: &[f32],
+        mut log: Option<&mut BatchLog>,
+    ) {
         let mut at = 0usize;
         let mut take = |len: usize| {
             let s = at;
@@ -1182,8 +1395,9 @@ impl CudaDecoder {
         for (li, ls) in state.layers.iter_mut().enumerate() {
             let ring: Vec<std::ops::Range<usize>> = (0..n).map(|_| take(hd)).collect();
             // Compressor runs per row: kv, score, and the emitted row when the row closes.
-            let mut comp_runs: Vec<Vec<(std::ops::Range<usize>, std::ops::Range<usize>, Option<std::ops::Range<usize>>)>> =
-                Vec::new();
+            let mut comp_runs: Vec<
+                Vec<(std::ops::Range<usize>, std::ops::Range<usize>, Option<std::ops::Range<usize>>)>,
+            > = Vec::new();
             for cs in [&ls.compressor, &ls.indexer].into_iter().flatten() {
                 let pw = cs.proj_width();
                 let v = (0..n)
@@ -1196,6 +1410,15 @@ impl CudaDecoder {
                     .collect();
                 comp_runs.push(v);
             }
+            let lw = &model.weights.layers[li];
+            let apes: Vec<&[f32]> = [
+                lw.compressor.as_ref().map(|c| c.ape.as_slice()),
+                lw.indexer.as_ref().map(|i| i.compressor.ape.as_slice()),
+            ]
+            .into_iter()
+            .flatten()
+            .collect();
+            let mut score = Vec::new();
             for r in 0..n {
                 let pos = pos0 + r;
                 if let Some(log) = log.as_deref_mut() {
@@ -1204,9 +1427,13 @@ impl CudaDecoder {
                 ls.push_raw(pos, &j[ring[r].clone()]);
                 let mut ci = 0;
                 for cs in [ls.compressor.as_mut(), ls.indexer.as_mut()].into_iter().flatten() {
-                    let (kv, sc, row) = &comp_runs[ci][r];
+                    let (kv, g, row) = &comp_runs[ci][r];
+                    let pw = cs.proj_width();
+                    let slot = pos % cs.ratio;
+                    score.clear();
+                    score.extend(j[g.clone()].iter().zip(&apes[ci][slot * pw..(slot + 1) * pw]).map(|(g, a)| g + a));
                     let row = row.clone().map_or(&[][..], |rg| &j[rg]);
-                    cs.push_computed(pos, &j[kv.clone()], &j[sc.clone()], row);
+                    cs.push_computed(pos, &j[kv.clone()], &score, row);
                     ci += 1;
                 }
             }
@@ -1259,7 +1486,14 @@ impl DeviceDecoder for CudaDecoder {
             Logits::Last => Some((n - 1, 1)),
             Logits::None => None,
         };
-        let key = (n, match which { Logits::All => 0u8, Logits::Last => 1, Logits::None => 2 });
+        let key = (
+            n,
+            match which {
+                Logits::All => 0u8,
+                Logits::Last => 1,
+                Logits::None => 2,
+            },
+        );
         if !self.programs.contains_key(&key) {
             let img = guard
                 .images
@@ -1347,7 +1581,11 @@ impl DeviceDecoder for CudaDecoder {
                 let mut v: Vec<_> = table.iter().collect();
                 v.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
                 let total: f64 = v.iter().map(|x| x.1 .1).sum();
-                eprintln!("ds4 decode profile over {} steps: {:.3} ms of kernels per step", steps, 1e3 * total / *steps as f64);
+                eprintln!(
+                    "ds4 decode profile over {} steps: {:.3} ms of kernels per step",
+                    steps,
+                    1e3 * total / *steps as f64
+                );
                 for (name, (calls, secs)) in v.iter().take(24) {
                     eprintln!(
                         "  {name:32} {:7.1} us/step  {:6.1} launches/step  {:6.2} us/launch",
@@ -1362,7 +1600,13 @@ impl DeviceDecoder for CudaDecoder {
             Self::replay(ctx, prog, use_graphs)?;
         }
         let k = &self.k;
-        ctx.launch_args(k.pack, (runs.len() as u32, 1, 1), 128, 0, &[Arg::Ptr(self.bufs.runs.ptr), Arg::Ptr(self.bufs.journal.ptr)])?;
+        ctx.launch_args(
+            k.pack,
+            (runs.len() as u32, 1, 1),
+            128,
+            0,
+            &[Arg::Ptr(self.bufs.runs.ptr), Arg::Ptr(self.bufs.journal.ptr)],
+        )?;
         // SAFETY: as above.
         unsafe {
             let dn = std::slice::from_raw_parts_mut(self.down.ptr.cast::<f32>(), down_floats);
@@ -1388,7 +1632,7 @@ impl DeviceDecoder for CudaDecoder {
         let dn = self.down.floats(0, down_floats).to_vec();
         let (lg, rest) = dn.split_at(logit_rows * cfg.vocab);
         let (jr, xr) = rest.split_at(jfloats);
-        self.apply(state, pos0, n, jr, log.as_deref_mut());
+        self.apply(model, state, pos0, n, jr, log.as_deref_mut());
         if want_x {
             let (xf, cap) = xr.split_at(n * hc * d);
             // DSpark's capture: each target layer's streams averaged, as the host pass does.
@@ -1442,28 +1686,66 @@ impl DeviceDecoder for CudaDecoder {
             self.tag = 0;
             return Ok(());
         }
-        // The rejected rows' ring slots and compressor slots are rewritten before anything
-        // reads them; what they changed that is read later is the previous window of the
-        // overlapping compressors (when a rejected row closed a window) and the emitted-row
-        // counts (which follow from the position). Restore the former from the backup the
-        // first rejected row that closed a window made.
+        // What the rejected rows wrote that is read later, put back:
+        // - the previous window of the overlapping compressors, when a rejected row closed a
+        //   window: from the backup the first such row made;
+        // - compressor slots of kept positions of the open window that a rejected row of the
+        //   next window overwrote (a batch longer than the ratio): from the host state, which
+        //   the undo has just restored.
+        // The rest is rewritten before it is read: ring slots and compressor slots of the
+        // rejected positions, their emitted rows (the visible row counts follow from the
+        // position).
         let backend = Arc::clone(&self.backend);
         let guard = backend.lock();
         let ctx = &guard.ctx;
         ctx.bind()?;
-        for mm in &self.mirror {
-            for cm in [&mm.comp, &mm.index].into_iter().flatten() {
-                let (Some(prev), Some(backup)) = (&cm.prev, &cm.backup) else { continue };
-                if let Some(r) = (keep..n).find(|&r| (pos0 + r + 1).is_multiple_of(cm.ratio)) {
-                    let bytes = 4 * 2 * cm.ratio * cm.width;
-                    // SAFETY: both ranges inside the decoder's buffers; queued on the stream
-                    // before any later step.
-                    unsafe {
-                        cu::memcpy_dtod_async(prev.ptr, backup.ptr + (r * bytes) as u64, bytes, ctx.stream)
-                            .map_err(driver_err("restoring a compressor window"))?;
+        let cut = pos0 + keep;
+        let mut fixes: Vec<(u64, usize, usize)> = Vec::new(); // (device address, layer, float offset)
+        let mut staged: Vec<f32> = Vec::new();
+        for (ls, mm) in state.layers.iter().zip(&self.mirror) {
+            for (cs, cm) in [(&ls.compressor, &mm.comp), (&ls.indexer, &mm.index)] {
+                let (Some(cs), Some(cm)) = (cs, cm) else { continue };
+                if let (Some(prev), Some(backup)) = (&cm.prev, &cm.backup) {
+                    if let Some(r) = (keep..n).find(|&r| (pos0 + r + 1).is_multiple_of(cm.ratio)) {
+                        let bytes = 4 * 2 * cm.ratio * cm.width;
+                        // SAFETY: both ranges inside the decoder's buffers; queued on the
+                        // stream before any later step.
+                        unsafe {
+                            cu::memcpy_dtod_async(prev.ptr, backup.ptr + (r * bytes) as u64, bytes, ctx.stream)
+                                .map_err(driver_err("restoring a compressor window"))?;
+                        }
+                    }
+                }
+                let pw = cs.proj_width();
+                let w0 = cut - cut % cm.ratio;
+                let mut slots: Vec<usize> = Vec::new();
+                for r in keep..n {
+                    let p = pos0 + r;
+                    let slot = p % cm.ratio;
+                    if p >= w0 + cm.ratio && w0 + slot < cut && !slots.contains(&slot) {
+                        slots.push(slot);
+                    }
+                }
+                for slot in slots {
+                    for (dev, host) in [(&cm.cur_kv, &cs.cur_kv), (&cm.cur_score, &cs.cur_score)] {
+                        fixes.push((dev.ptr + 4 * (slot * pw) as u64, staged.len(), pw));
+                        staged.extend_from_slice(&host[slot * pw..(slot + 1) * pw]);
                     }
                 }
             }
+        }
+        if !fixes.is_empty() {
+            self.fix.reserve(4 * staged.len())?;
+            self.fix.floats(0, staged.len()).copy_from_slice(&staged);
+            for &(dst, off, len) in &fixes {
+                // SAFETY: pinned source inside `fix` (kept until the sync below), destination
+                // inside a compressor buffer.
+                unsafe {
+                    let src = std::slice::from_raw_parts(self.fix.ptr.cast::<f32>().add(off), len);
+                    cu::memcpy_htod_async(dst, src, ctx.stream).map_err(driver_err("restoring compressor slots"))?;
+                }
+            }
+            ctx.sync()?;
         }
         let t = fresh_tag();
         state.sync = t;

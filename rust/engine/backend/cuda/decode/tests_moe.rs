@@ -262,6 +262,8 @@ fn launch_route(
         Arg::Ptr(out.comb_slot.at(0)),
         Arg::Ptr(out.comb_w.at(0)),
         Arg::Ptr(out.comb_cnt.at(0)),
+        // One descriptor per expert (the union): chunks of n rows.
+        Arg::I32(n as i32),
     ];
     ctx.launch_named("ds4_route", (1, 1, 1), 256, 0, &args).expect("ds4_route");
     keep.push(bias);
