@@ -158,6 +158,16 @@ extern "C" __global__ void ds4_hc_pre(const float* logits, int n_mix, const floa
     // chain of divisions and exponentials took tens of microseconds per row).
     const int k = threadIdx.x;
     const bool mine = k < hc * hc;
+    // With hc * hc <= 32 every element belongs to warp 0: warp barriers order the steps (a
+    // block barrier over 1024 threads, 80 times per row, cost more than the math).
+    const bool one_warp = hc * hc <= 32;
+    auto sync = [&]() {
+        if (one_warp) {
+            __syncwarp();
+        } else {
+            __syncthreads();
+        }
+    };
     const int ci = mine ? k / hc : 0;
     const int cj = mine ? k - ci * hc : 0;
     if (k < hc) {
@@ -169,7 +179,7 @@ extern "C" __global__ void ds4_hc_pre(const float* logits, int n_mix, const floa
         v = m[2 * hc + k] * scale[2] + base[2 * hc + k];
         comb[k] = v;
     }
-    __syncthreads();
+    sync();
     // Softmax of each row, then + hc_eps.
     if (mine) {
         const float* row = comb + ci * hc;
@@ -183,11 +193,11 @@ extern "C" __global__ void ds4_hc_pre(const float* logits, int n_mix, const floa
         }
         v = expf(v - mx) / sum + hc_eps;
     }
-    __syncthreads();
+    sync();
     if (mine) {
         comb[k] = v;
     }
-    __syncthreads();
+    sync();
     // Sinkhorn (hyper.rs sinkhorn): one column normalization, then iters - 1 rounds of row then
     // column normalization; sums in index order, then + hc_eps.
     for (int it = 0; it < iters; it++) {
@@ -200,11 +210,11 @@ extern "C" __global__ void ds4_hc_pre(const float* logits, int n_mix, const floa
                 s += hc_eps;
                 v = comb[k] / s;
             }
-            __syncthreads();
+            sync();
             if (mine) {
                 comb[k] = v;
             }
-            __syncthreads();
+            sync();
         }
         if (mine) {
             float s = 0.0f;
@@ -214,12 +224,13 @@ extern "C" __global__ void ds4_hc_pre(const float* logits, int n_mix, const floa
             s += hc_eps;
             v = comb[k] / s;
         }
-        __syncthreads();
+        sync();
         if (mine) {
             comb[k] = v;
         }
-        __syncthreads();
+        sync();
     }
+    __syncthreads();
     const float* xs = x + (long long)r * hc * d;
     float* yr = y + (long long)r * d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) {

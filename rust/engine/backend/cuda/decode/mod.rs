@@ -134,9 +134,10 @@ struct CompMirror {
     backup: Option<DevBuf>,
     rows: DevBuf,
     cap: usize,
-    /// Each batch row's projections (kv, then the gate before the position bias), copied
-    /// before the compressor runs: the host replays the pushes from them. (The slots of
-    /// `cur_*` are not enough: a batch of more than `ratio` rows writes a slot twice.)
+    /// Each batch row's projections (kv, and the gate before the position bias), written by
+    /// the layer's products and read by the compressor; the host replays the pushes from them.
+    /// (The slots of `cur_*` are not enough: a batch of more than `ratio` rows writes a slot
+    /// twice.)
     log_kv: DevBuf,
     log_g: DevBuf,
 }
@@ -825,26 +826,22 @@ impl CudaDecoder {
             };
             // ---- attention
             hc_site(&mut ops, &mut table, &lw.hc_attn, &c.hc_attn, b.mix_a.ptr, c.attn_norm.ptr)?;
+            // The compressors' projections go to the layer's own buffers, which the compressor
+            // reads and the journal packs for the host's replay of the step.
+            let comp_in = mm.comp.as_ref().map_or((b.ckv.ptr, b.cg.ptr), |cm| (cm.log_kv.ptr, cm.log_g.ptr));
+            let index_in = mm.index.as_ref().map_or((b.ickv.ptr, b.icg.ptr), |cm| (cm.log_kv.ptr, cm.log_g.ptr));
             let mut g = vec![(lw.q_a, b.h.ptr, b.cq.ptr, n), (lw.kv, b.h.ptr, b.kv.ptr, n)];
             if let Some(cw) = &lw.compressor {
-                g.extend([(cw.kv, b.h.ptr, b.ckv.ptr, n), (cw.gate, b.h.ptr, b.cg.ptr, n)]);
+                g.extend([(cw.kv, b.h.ptr, comp_in.0, n), (cw.gate, b.h.ptr, comp_in.1, n)]);
             }
             if let Some(iw) = &lw.indexer {
                 g.extend([
                     (iw.proj, b.h.ptr, b.ig.ptr, n),
-                    (iw.compressor.kv, b.h.ptr, b.ickv.ptr, n),
-                    (iw.compressor.gate, b.h.ptr, b.icg.ptr, n),
+                    (iw.compressor.kv, b.h.ptr, index_in.0, n),
+                    (iw.compressor.gate, b.h.ptr, index_in.1, n),
                 ]);
             }
             products(&mut ops, &mut table, &g)?;
-            // The compressors' inputs, kept for the host's replay of this step (journal).
-            for (cm, kv, g) in [(&mm.comp, b.ckv.ptr, b.cg.ptr), (&mm.index, b.ickv.ptr, b.icg.ptr)] {
-                if let Some(cm) = cm {
-                    let bytes = 4 * n * if cm.overlap { 2 * cm.width } else { cm.width };
-                    ops.push((None, (0, 0, 0), 0, 0, Vec::new(), Some((cm.log_kv.ptr, kv, bytes))));
-                    ops.push((None, (0, 0, 0), 0, 0, Vec::new(), Some((cm.log_g.ptr, g, bytes))));
-                }
-            }
             launch(
                 &mut ops,
                 k.rms_weight,
@@ -936,10 +933,10 @@ impl CudaDecoder {
                 );
             };
             if let (Some(cm), Some(cc)) = (&mm.comp, &c.comp) {
-                compress(&mut ops, cm, b.ckv.ptr, b.cg.ptr, cc);
+                compress(&mut ops, cm, comp_in.0, comp_in.1, cc);
             }
             if let (Some(im), Some(ic)) = (&mm.index, &c.index) {
-                compress(&mut ops, im, b.ickv.ptr, b.icg.ptr, ic);
+                compress(&mut ops, im, index_in.0, index_in.1, ic);
                 launch(
                     &mut ops,
                     k.index_scores,
