@@ -2,14 +2,19 @@
 # Runs the GPU suite from a built wheel on a machine with an NVIDIA GPU (no Rust needed):
 #
 #   maturin build --release                      # on the build machine
-#   bash scripts/gpu_suite.sh target/wheels/ds4-*.whl [WHEELHOUSE]   # on the GPU machine, in a checkout
+#   cargo test --release --features cuda --lib --no-run   # optional: the Rust kernel tests
+#   bash scripts/gpu_suite.sh target/wheels/ds4-*.whl [WHEELHOUSE] [TESTS_BINARY]
 #
 # WHEELHOUSE: a folder of wheels for pytest, hypothesis and gguf when the GPU machine has no
 # network (`pip download pytest hypothesis gguf -d WHEELHOUSE --only-binary=:all:
-# --python-version 3.12 --platform manylinux2014_x86_64` elsewhere). Then: the CUDA tests, and
-# decode / verify / prefill timings of a random MID model on the GPU (DS4_PROFILE split).
+# --python-version 3.12 --platform manylinux2014_x86_64` elsewhere); "" to use the index.
+# TESTS_BINARY: the engine's test executable built with `--features cuda` (its CUDA kernel
+# tests run first). Then: the CUDA tests, and decode / verify / prefill timings of a random MID
+# model; with FLASH_GEN (the synthetic full-size Flash generator, gen_flash_q2_gguf.py) and
+# TOKENIZER (the V4 tokenizer.json) set, the same for a full-size Flash file (80.8 GiB, sparse
+# on disk) at 2K context.
 set -euo pipefail
-wheel=${1:?usage: gpu_suite.sh WHEEL [WHEELHOUSE]}
+wheel=${1:?usage: gpu_suite.sh WHEEL [WHEELHOUSE] [TESTS_BINARY]}
 python3 -m venv --system-site-packages /tmp/ds4-gpu-venv
 . /tmp/ds4-gpu-venv/bin/activate
 if [ -n "${2:-}" ]; then
@@ -18,6 +23,13 @@ else
     pip install -q "$wheel" pytest hypothesis gguf
 fi
 python -c "import ds4, sys; print('CUDA:', ds4.cuda_available(), ds4.cuda_device_name()); sys.exit(0 if ds4.cuda_available() else 1)"
+if [ -n "${3:-}" ]; then
+    "$3" backend::cuda --test-threads=1
+fi
 (cd tests && python -m pytest -q -p no:cacheprovider test_cuda.py)
 ds4 random MID /tmp/ds4-mid-q8_0.gguf --dtype q8_0 -q
-python benches/verify_bench.py /tmp/ds4-mid-q8_0.gguf --backend cuda --ctx 2048 --prefill 2048 --profile
+python benches/verify_bench.py /tmp/ds4-mid-q8_0.gguf --backend cuda --ctx 2048 --prefill 2048
+if [ -n "${FLASH_GEN:-}" ] && [ -n "${TOKENIZER:-}" ]; then
+    python "$FLASH_GEN" /tmp/ds4-flash-q2.gguf "$TOKENIZER"
+    python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --ctx 2048 --prefill 2048 --runs 5
+fi

@@ -54,6 +54,7 @@ impl Rope {
     }
 
     /// The inverse frequencies `ω_i`, one per rotated pair (the device kernels' table).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the device decoder's
     pub(crate) fn inv_freq(&self) -> &[f32] {
         &self.inv_freq
     }

@@ -108,6 +108,7 @@ impl CompressorState {
     /// [`CompressorState::push`] with the pooling done elsewhere (on a device): stores the
     /// projection of `pos` and, when it closes a window, appends `row` (the emitted row,
     /// already normalized, rotated and rounded) and shifts the window.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the device decoder's
     pub(crate) fn push_computed(&mut self, pos: usize, kv: &[f32], score: &[f32], row: &[f32]) {
         if self.store(pos, kv, score) {
             self.rows.push(row);
@@ -206,5 +207,39 @@ impl LayerState {
         self.ring.len() * 4
             + self.compressor.as_ref().map_or(0, CompressorState::nbytes)
             + self.indexer.as_ref().map_or(0, CompressorState::nbytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Replaying pushes with the emitted rows computed elsewhere (a device) leaves the same
+    /// state as pushing with the host's pooling, bit for bit, including batches of many
+    /// windows (the device decoder's journal relies on it).
+    #[test]
+    fn push_computed_replays_push() {
+        for (width, ratio, overlap) in [(8, 4, true), (8, 4, false), (4, 2, true), (6, 3, false)] {
+            let mut a = CompressorState::new(width, ratio, overlap);
+            let mut b = CompressorState::new(width, ratio, overlap);
+            let pw = a.proj_width();
+            let mut out = vec![0f32; width];
+            for pos in 0..41 {
+                let kv: Vec<f32> = (0..pw).map(|i| ((pos * 31 + i * 7) % 13) as f32 * 0.25 - 1.0).collect();
+                let score: Vec<f32> = (0..pw).map(|i| ((pos * 17 + i * 5) % 11) as f32 * 0.5 - 2.0).collect();
+                let emitted = a.push(pos, &kv, &score, &mut out);
+                if emitted {
+                    a.rows.push(&out);
+                }
+                b.push_computed(pos, &kv, &score, if emitted { &out } else { &[] });
+                assert_eq!(a.cur_kv, b.cur_kv);
+                assert_eq!(a.cur_score, b.cur_score);
+                assert_eq!(a.prev_kv, b.prev_kv);
+                assert_eq!(a.prev_score, b.prev_score);
+                assert_eq!(a.rows.len(), b.rows.len());
+                assert!(a.rows.iter_values().zip(b.rows.iter_values()).all(|(x, y)| x.to_bits() == y.to_bits()));
+            }
+            assert_eq!(a.rows.len(), 41 / ratio);
+        }
     }
 }

@@ -92,6 +92,51 @@ enum PArg {
     Table(usize),
 }
 
+/// An operation of a program being built (table offsets not yet resolved).
+enum Pending {
+    Launch { f: sys::CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, args: Vec<PArg> },
+    Copy { dst: u64, src: u64, bytes: usize },
+}
+
+/// Per-kernel times of `DS4_DECODE_PROFILE=1`.
+#[derive(Default)]
+struct KernelProfile {
+    steps: usize,
+    /// "n=<rows> <kernel>" -> (launches, seconds).
+    by_kernel: HashMap<String, (u64, f64)>,
+}
+
+impl KernelProfile {
+    /// Adds one step's kernel times; prints the table every 32 steps.
+    fn record(&mut self, n: usize, times: impl Iterator<Item = (String, f64)>) {
+        for (name, secs) in times {
+            let e = self.by_kernel.entry(format!("n={n} {name}")).or_insert((0, 0.0));
+            e.0 += 1;
+            e.1 += secs;
+        }
+        self.steps += 1;
+        if !self.steps.is_multiple_of(32) {
+            return;
+        }
+        let steps = self.steps as f64;
+        let mut v: Vec<_> = self.by_kernel.iter().collect();
+        v.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+        let total: f64 = v.iter().map(|x| x.1 .1).sum();
+        eprintln!("ds4 decode profile over {} steps: {:.3} ms of kernels per step", self.steps, 1e3 * total / steps);
+        for (name, (calls, secs)) in v.iter().take(24) {
+            eprintln!(
+                "  {name:32} {:7.1} us/step  {:6.1} launches/step  {:6.2} us/launch",
+                1e6 * secs / steps,
+                *calls as f64 / steps,
+                1e6 * secs / *calls as f64
+            );
+        }
+    }
+}
+
+/// The journal runs of one compressor push: kv, gate, and the emitted row when it closes.
+type PushRuns = (std::ops::Range<usize>, std::ops::Range<usize>, Option<std::ops::Range<usize>>);
+
 #[derive(Debug)]
 enum Op {
     Launch { f: sys::CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, args: Vec<Arg> },
@@ -227,7 +272,7 @@ impl Pinned {
     }
 
     fn floats(&mut self, off_bytes: usize, len: usize) -> &mut [f32] {
-        assert!(off_bytes % 4 == 0 && off_bytes + 4 * len <= self.bytes);
+        assert!(off_bytes.is_multiple_of(4) && off_bytes + 4 * len <= self.bytes);
         if len == 0 {
             return &mut [];
         }
@@ -353,7 +398,7 @@ pub(crate) struct CudaDecoder {
     /// `DS4_DECODE_PROFILE=1`: every step runs its launches one by one with CUDA events
     /// between them and adds each kernel's time here (name -> (launches, seconds)); printed to
     /// stderr every 32 steps.
-    profile: Option<(usize, HashMap<String, (u64, f64)>)>,
+    profile: Option<KernelProfile>,
     /// `DS4_DECODE_RESYNC=1`: re-upload the state after every cut instead of following it
     /// on the device (a debugging switch).
     resync_after_cut: bool,
@@ -441,7 +486,7 @@ pub(crate) fn decoder_for(
         cfg.layers.iter().zip(&model.weights.layers).any(|(s, l)| s.kind == AttentionKind::Csa && l.indexer.is_none());
     if cfg.hc_mult > 8
         || cfg.hc_mult == 0
-        || cfg.n_heads % cfg.o_groups != 0
+        || !cfg.n_heads.is_multiple_of(cfg.o_groups)
         || csa_without_indexer
         || !backend.decodable(model)
     {
@@ -652,7 +697,7 @@ impl CudaDecoder {
             tag: 0,
             last: None,
             use_graphs: !std::env::var("DS4_CUDA_GRAPHS").is_ok_and(|v| v == "0"),
-            profile: std::env::var("DS4_DECODE_PROFILE").is_ok_and(|v| v == "1").then(|| (0, HashMap::new())),
+            profile: std::env::var("DS4_DECODE_PROFILE").is_ok_and(|v| v == "1").then(KernelProfile::default),
             resync_after_cut: std::env::var("DS4_DECODE_RESYNC").is_ok_and(|v| v == "1"),
         })
     }
@@ -697,8 +742,7 @@ impl CudaDecoder {
         let (d, hc, hd, nh) = (cfg.hidden, cfg.hc_mult, cfg.head_dim, cfg.n_heads);
         let n_mix = (2 + hc) * hc;
         let step = b.step.ptr;
-        let mut ops: Vec<(Option<sys::CUfunction>, (u32, u32, u32), u32, u32, Vec<PArg>, Option<(u64, u64, usize)>)> =
-            Vec::new();
+        let mut ops: Vec<Pending> = Vec::new();
         let mut table: Vec<u8> = Vec::new();
         let nn = n as u32;
         let p = |x: u64| PArg::A(Arg::Ptr(x));
@@ -707,7 +751,7 @@ impl CudaDecoder {
         let null = PArg::A(Arg::Ptr(0));
         let launch =
             |ops: &mut Vec<_>, f: sys::CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, args: Vec<PArg>| {
-                ops.push((Some(f), grid, block, smem, args, None));
+                ops.push(Pending::Launch { f, grid, block, smem, args });
             };
         // Products: (matrix, x, y, rows). One launch per format; partial sums and counters
         // laid out from 0 for each call (launches of different calls never overlap).
@@ -757,14 +801,13 @@ impl CudaDecoder {
                     return Err(Error::Backend("CUDA decode: partial-sum buffer too small (internal)".into()));
                 }
                 let (f, smem) = ctx.kernel(ty, nmax).ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
-                ops.push((
-                    Some(f),
-                    (blocks as u32, 1, 1),
-                    THREADS,
+                ops.push(Pending::Launch {
+                    f,
+                    grid: (blocks as u32, 1, 1),
+                    block: THREADS,
                     smem,
-                    vec![PArg::Table(start), PArg::A(Arg::I32(count as i32)), PArg::A(Arg::Ptr(b.counters.ptr))],
-                    None,
-                ));
+                    args: vec![PArg::Table(start), PArg::A(Arg::I32(count as i32)), PArg::A(Arg::Ptr(b.counters.ptr))],
+                });
             }
             Ok(())
         };
@@ -1182,14 +1225,7 @@ impl CudaDecoder {
             );
             if let Some(j) = capture.iter().position(|&c| c == li) {
                 let bytes = n * hc * d * 4;
-                ops.push((
-                    None,
-                    (0, 0, 0),
-                    0,
-                    0,
-                    Vec::new(),
-                    Some((b.capture.ptr + (j * N_MAX * hc * d * 4) as u64, b.x.ptr, bytes)),
-                ));
+                ops.push(Pending::Copy { dst: b.capture.ptr + (j * N_MAX * hc * d * 4) as u64, src: b.x.ptr, bytes });
             }
         }
 
@@ -1222,9 +1258,9 @@ impl CudaDecoder {
         let tables = DevBuf::from_slice(&table)?;
         let ops = ops
             .into_iter()
-            .map(|(f, grid, block, smem, args, copy)| match (f, copy) {
-                (_, Some((dst, src, bytes))) => Op::Copy { dst, src, bytes },
-                (Some(f), None) => Op::Launch {
+            .map(|op| match op {
+                Pending::Copy { dst, src, bytes } => Op::Copy { dst, src, bytes },
+                Pending::Launch { f, grid, block, smem, args } => Op::Launch {
                     f,
                     grid,
                     block,
@@ -1237,7 +1273,6 @@ impl CudaDecoder {
                         })
                         .collect(),
                 },
-                (None, None) => unreachable!("an op is a launch or a copy"),
             })
             .collect();
         Ok(Program { ops, _tables: tables, graph: None })
@@ -1392,9 +1427,7 @@ impl CudaDecoder {
         for (li, ls) in state.layers.iter_mut().enumerate() {
             let ring: Vec<std::ops::Range<usize>> = (0..n).map(|_| take(hd)).collect();
             // Compressor runs per row: kv, score, and the emitted row when the row closes.
-            let mut comp_runs: Vec<
-                Vec<(std::ops::Range<usize>, std::ops::Range<usize>, Option<std::ops::Range<usize>>)>,
-            > = Vec::new();
+            let mut comp_runs: Vec<Vec<PushRuns>> = Vec::new();
             for cs in [&ls.compressor, &ls.indexer].into_iter().flatten() {
                 let pw = cs.proj_width();
                 let v = (0..n)
@@ -1422,8 +1455,7 @@ impl CudaDecoder {
                     log.before_row(li, pos, ls);
                 }
                 ls.push_raw(pos, &j[ring[r].clone()]);
-                let mut ci = 0;
-                for cs in [ls.compressor.as_mut(), ls.indexer.as_mut()].into_iter().flatten() {
+                for (ci, cs) in [ls.compressor.as_mut(), ls.indexer.as_mut()].into_iter().flatten().enumerate() {
                     let (kv, g, row) = &comp_runs[ci][r];
                     let pw = cs.proj_width();
                     let slot = pos % cs.ratio;
@@ -1431,7 +1463,6 @@ impl CudaDecoder {
                     score.extend(j[g.clone()].iter().zip(&apes[ci][slot * pw..(slot + 1) * pw]).map(|(g, a)| g + a));
                     let row = row.clone().map_or(&[][..], |rg| &j[rg]);
                     cs.push_computed(pos, &j[kv.clone()], &score, row);
-                    ci += 1;
                 }
             }
         }
@@ -1555,43 +1586,19 @@ impl DeviceDecoder for CudaDecoder {
         };
         run()?;
         let use_graphs = self.use_graphs && self.profile.is_none();
-        if self.profile.is_some() {
+        if let Some(prof) = self.profile.as_mut() {
             let prog = self.programs.get(&key).expect("built above");
             let times = Self::profile_ops(ctx, &prog.ops)?;
-            let (steps, table) = self.profile.as_mut().expect("checked");
-            for (op, secs) in prog.ops.iter().zip(times) {
-                let name = match op {
-                    Op::Launch { f, .. } => self
-                        .k
-                        .name_of(*f)
-                        .map(str::to_string)
-                        .or_else(|| ctx.product_kernel_name(*f))
-                        .unwrap_or_else(|| "?".into()),
-                    Op::Copy { .. } => "copy".into(),
-                };
-                let e = table.entry(format!("n={n} {name}")).or_insert((0, 0.0));
-                e.0 += 1;
-                e.1 += secs;
-            }
-            *steps += 1;
-            if (*steps).is_multiple_of(32) {
-                let mut v: Vec<_> = table.iter().collect();
-                v.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
-                let total: f64 = v.iter().map(|x| x.1 .1).sum();
-                eprintln!(
-                    "ds4 decode profile over {} steps: {:.3} ms of kernels per step",
-                    steps,
-                    1e3 * total / *steps as f64
-                );
-                for (name, (calls, secs)) in v.iter().take(24) {
-                    eprintln!(
-                        "  {name:32} {:7.1} us/step  {:6.1} launches/step  {:6.2} us/launch",
-                        1e6 * secs / *steps as f64,
-                        *calls as f64 / *steps as f64,
-                        1e6 * secs / *calls as f64
-                    );
-                }
-            }
+            let k = &self.k;
+            let names = prog.ops.iter().map(|op| match op {
+                Op::Launch { f, .. } => k
+                    .name_of(*f)
+                    .map(str::to_string)
+                    .or_else(|| ctx.product_kernel_name(*f))
+                    .unwrap_or_else(|| "?".into()),
+                Op::Copy { .. } => "copy".into(),
+            });
+            prof.record(n, names.zip(times));
         } else {
             let prog = self.programs.get_mut(&key).expect("built above");
             Self::replay(ctx, prog, use_graphs)?;
