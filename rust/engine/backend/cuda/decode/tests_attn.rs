@@ -7,7 +7,7 @@
 
 use half::f16;
 
-use super::testutil::{assert_close, context, randn, step, Arg, DevBuf};
+use super::testutil::{assert_bits, assert_close, context, randn, read, step, Arg, DevBuf};
 use crate::backend::cpu::{dot_f32, rms_norm};
 use crate::backend::cuda::context::Context;
 use crate::model::attention::{attend, raw_range, visible_compressed};
@@ -40,21 +40,6 @@ fn int(v: usize) -> Arg {
 fn launch(ctx: &Context, name: &str, grid: (usize, usize), block: u32, smem: usize, args: &[Arg]) {
     ctx.launch_named(name, (grid.0 as u32, grid.1 as u32, 1), block, smem as u32, args)
         .unwrap_or_else(|e| panic!("launching {name}: {e}"));
-}
-
-/// The first `len` values of `b`, after the stream's work.
-fn read<T: Copy + Default>(ctx: &Context, b: &DevBuf, len: usize) -> Vec<T> {
-    ctx.sync().expect("running the kernels");
-    b.read(0, len).expect("reading back")
-}
-
-/// Asserts bitwise equality, naming the first differing index.
-#[track_caller]
-fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    for (i, (a, b)) in got.iter().zip(want).enumerate() {
-        assert!(a.to_bits() == b.to_bits(), "{what}[{i}]: {a} ({:#x}) != {b} ({:#x})", a.to_bits(), b.to_bits());
-    }
 }
 
 /// For f16-rounded outputs: every value is a half, and within `tol` (as [`assert_close`]) plus

@@ -5,7 +5,7 @@
 
 use half::f16;
 
-use super::testutil::{assert_close, context, randn, step, Arg, DevBuf};
+use super::testutil::{assert_bits, assert_close, context, randn, read, step, Arg, DevBuf};
 use crate::backend::cpu::{rms_norm, rms_norm_plain, rms_norm_rows, silu};
 use crate::backend::cuda::context::Context;
 use crate::backend::{Cpu, Ops};
@@ -40,21 +40,6 @@ fn launch(ctx: &Context, name: &str, grid: (usize, usize), args: &[Arg]) {
     cudarc::driver::result::ctx::synchronize().expect("waiting for the buffers' uploads");
     ctx.launch_named(name, (grid.0 as u32, grid.1 as u32, 1), BLOCK, 0, args)
         .unwrap_or_else(|e| panic!("launching {name}: {e}"));
-}
-
-/// The first `len` floats of `b`, after the stream's work.
-fn read(ctx: &Context, b: &DevBuf, len: usize) -> Vec<f32> {
-    ctx.sync().expect("running the kernels");
-    b.read(0, len).expect("reading back")
-}
-
-/// Asserts bitwise equality, naming the first differing index.
-#[track_caller]
-fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    for (i, (a, b)) in got.iter().zip(want).enumerate() {
-        assert!(a.to_bits() == b.to_bits(), "{what}[{i}]: {a} ({:#x}) != {b} ({:#x})", a.to_bits(), b.to_bits());
-    }
 }
 
 /// For f16-rounded outputs: every value is a half, and within one half step of the reference

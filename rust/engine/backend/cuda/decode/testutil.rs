@@ -36,6 +36,21 @@ pub(crate) fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
     }
 }
 
+/// The first `len` values of `b`, after the stream's work.
+pub(crate) fn read<T: Copy + Default>(ctx: &Context, b: &DevBuf, len: usize) -> Vec<T> {
+    ctx.sync().expect("running the kernels");
+    b.read(0, len).expect("reading back")
+}
+
+/// Asserts bitwise equality, naming the first differing index.
+#[track_caller]
+pub(crate) fn assert_bits(what: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+        assert!(a.to_bits() == b.to_bits(), "{what}[{i}]: {a} ({:#x}) != {b} ({:#x})", a.to_bits(), b.to_bits());
+    }
+}
+
 /// Deterministic pseudo-random floats in [-scale, scale).
 pub(crate) fn randn(len: usize, seed: u64, scale: f32) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
