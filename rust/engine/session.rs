@@ -377,6 +377,119 @@ mod tests {
         }
     }
 
+    /// What a [`HostDecoder`] saw, shared with the test.
+    #[derive(Default)]
+    struct Seen {
+        forwards: AtomicUsize,
+        fail_at: AtomicUsize,
+        kept: AtomicUsize,
+        syncs: AtomicUsize,
+    }
+
+    /// A stand-in device decoder: the host forward pass behind the [`DeviceDecoder`] calls,
+    /// taking at most 4 rows a call, failing the forward call numbered `fail_at`.
+    struct HostDecoder(Arc<Seen>);
+
+    impl DeviceDecoder for HostDecoder {
+        fn forward(
+            &mut self,
+            model: &Model,
+            state: &mut State,
+            tokens: &[u32],
+            which: Logits,
+            log: Option<&mut BatchLog>,
+        ) -> Result<Vec<f32>> {
+            assert!(tokens.len() <= 4);
+            if self.0.forwards.fetch_add(1, Ordering::Relaxed) == self.0.fail_at.load(Ordering::Relaxed) {
+                return Err(Error::Backend("injected failure".into()));
+            }
+            model.forward(state, tokens, which, log)
+        }
+
+        fn kept(&mut self, _state: &mut State, _tag: u64, _keep: usize) -> Result<()> {
+            self.0.kept.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        }
+
+        fn sync(&mut self, _state: &mut State) -> Result<()> {
+            self.0.syncs.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        }
+
+        fn max_rows(&self) -> usize {
+            4
+        }
+    }
+
+    /// The CPU backend offering a [`HostDecoder`].
+    struct WithDecoder(Arc<Seen>);
+
+    impl Backend for WithDecoder {
+        fn name(&self) -> &'static str {
+            "with-decoder"
+        }
+
+        fn matmul_many(&self, raw: &[u8], specs: &[(&Mat, &[f32])]) -> Result<Vec<Vec<f32>>> {
+            Cpu.matmul_many(raw, specs)
+        }
+
+        fn decoder(
+            self: Arc<Self>,
+            _model: &Model,
+            _ctx: usize,
+            _precision: KvPrecision,
+        ) -> Option<Result<Box<dyn DeviceDecoder>>> {
+            Some(Ok(Box::new(HostDecoder(Arc::clone(&self.0)))))
+        }
+    }
+
+    /// The session's device path (chunks of the decoder's size, failures, cuts, restores)
+    /// gives what the host path gives, bit for bit, and tells the decoder about cuts and
+    /// restores.
+    #[test]
+    fn the_device_decoder_path_matches_the_host_path() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/tiny-l");
+        let plain = Arc::new(Model::load(dir.join("llamacpp-f32.gguf")).unwrap());
+        let mut m = Model::load(dir.join("llamacpp-f32.gguf")).unwrap();
+        let seen = Arc::new(Seen { fail_at: AtomicUsize::new(usize::MAX), ..Seen::default() });
+        m.set_backend(Arc::new(WithDecoder(Arc::clone(&seen))));
+        let m = Arc::new(m);
+        let mut h = Session::new(plain, 512, KvPrecision::F32).unwrap();
+        let mut d = Session::new(m, 512, KvPrecision::F32).unwrap();
+        assert_eq!((h.forward_kind(), d.forward_kind()), ("host", "device"));
+        let prompt: Vec<u32> = (0..131).map(|i| (i * 37 % 500 + 3) as u32).collect();
+        let (a, b) = (h.eval(&prompt[..127], Logits::All).unwrap(), d.eval(&prompt[..127], Logits::All).unwrap());
+        assert_eq!(a, b);
+        assert_eq!(seen.forwards.load(Ordering::Relaxed), 32);
+        assert_eq!(h.eval(&prompt[127..], Logits::Last).unwrap(), d.eval(&prompt[127..], Logits::Last).unwrap());
+        assert_eq!(h.digest(), d.digest());
+
+        // A failure in any chunk of a long batch changes nothing.
+        let digest = d.digest();
+        for k in 0..3 {
+            // 10 tokens are chunks of 4, 4 and 2: the k-th one fails.
+            seen.fail_at.store(seen.forwards.load(Ordering::Relaxed) + k, Ordering::Relaxed);
+            assert!(matches!(d.eval(&[5; 10], Logits::Last), Err(Error::Backend(_))));
+            assert_eq!(d.digest(), digest, "failing at chunk {k}");
+        }
+        seen.fail_at.store(usize::MAX, Ordering::Relaxed);
+
+        // Verify and cut: the decoder hears of the cut; the state is the host's.
+        let (rows, log) = d.verify(&[7, 8, 9]).unwrap();
+        let (hrows, hlog) = h.verify(&[7, 8, 9]).unwrap();
+        assert_eq!(rows, hrows);
+        d.keep(log, 1).unwrap();
+        h.keep(hlog, 1).unwrap();
+        assert_eq!(seen.kept.load(Ordering::Relaxed), 1);
+        assert_eq!(d.digest(), h.digest());
+        let snap = d.snapshot();
+        d.eval(&[9], Logits::Last).unwrap();
+        d.restore(&snap).unwrap();
+        assert_eq!(seen.syncs.load(Ordering::Relaxed), 1);
+        assert_eq!(d.eval(&[9], Logits::All).unwrap(), h.eval(&[9], Logits::All).unwrap());
+        assert_eq!(d.digest(), h.digest());
+    }
+
     #[test]
     fn a_pass_failing_anywhere_leaves_the_session_as_it_was() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/tiny-l");
