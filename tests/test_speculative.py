@@ -280,3 +280,4 @@ def test_cli_spec(models: dict[str, ds4.Model]) -> None:
             "--repetitive")
     assert b.returncode == 0, b.stderr
     assert "generate: speculative" in b.stdout and "plain" in b.stdout
+    assert "backend cpu, host forward pass" in b.stdout

@@ -35,6 +35,8 @@ class BenchResult:
     threads: int
     #: Where the matrix products ran ("cpu" or "cuda").
     backend: str = "cpu"
+    #: Where the rest of the forward pass ran: "device" (the whole pass on the GPU) or "host".
+    forward: str = "host"
     #: With ``speculative``: decode tokens/s of greedy generation with speculation, and its stats.
     spec_tok_s: float | None = None
     spec_stats: SpecStats | None = None
@@ -50,7 +52,8 @@ class BenchResult:
             f"  prefill  {self.prompt_tokens:5d} tokens  {self.prefill_tok_s:10.1f} tok/s\n"
             f"  decode   {self.decode_tokens:5d} tokens  {self.decode_tok_s:10.2f} tok/s  "
             f"{self.decode_weight_bytes / 1e6:,.1f} MB of weights/token  {self.decode_gb_s:6.2f} GB/s\n"
-            f"  (median of {self.runs} runs, {self.threads} threads, backend {self.backend})"
+            f"  (median of {self.runs} runs, {self.threads} threads, backend {self.backend}, "
+            f"{self.forward} forward pass)"
         ) + ("" if self.spec_stats is None or self.spec_tok_s is None else (
             f"\n  generate: speculative {self.spec_tok_s:.2f} tok/s, plain {self.plain_generate_tok_s or 0:.2f} tok/s "
             f"(x{self.spec_tok_s / (self.plain_generate_tok_s or self.decode_tok_s):.2f}); "
@@ -79,8 +82,10 @@ def bench(path: str | os.PathLike[str], *, prompt: int = 128, decode: int = 32, 
 
     prefill: list[float] = []
     decode_times: list[float] = []
+    forward = "host"
     for run in range(runs + 1):  # run 0 warms caches and page-ins, and is not counted
         s = model.session(ctx)
+        forward = s.forward_kind
         t0 = time.perf_counter()
         logits = s.eval(tokens, logits="last")
         t1 = time.perf_counter()
@@ -115,6 +120,7 @@ def bench(path: str | os.PathLike[str], *, prompt: int = 128, decode: int = 32, 
     return BenchResult(
         model=os.fspath(path), prompt_tokens=prompt, decode_tokens=decode, runs=runs,
         prefill_tok_s=prompt / pre_s, decode_tok_s=1.0 / dec_s, decode_weight_bytes=nbytes,
-        decode_gb_s=nbytes / dec_s / 1e9, threads=os.cpu_count() or 1, backend=model.backend, spec_tok_s=spec_rate,
+        decode_gb_s=nbytes / dec_s / 1e9, threads=os.cpu_count() or 1, backend=model.backend, forward=forward,
+        spec_tok_s=spec_rate,
         spec_stats=spec_stats, plain_generate_tok_s=plain_rate,
     )
