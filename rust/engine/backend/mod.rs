@@ -23,8 +23,9 @@ use crate::Result;
 /// digests, undo logs and drafters work on the host as before; the mirror is re-uploaded
 /// whenever the host state changed by other means (its `sync` tag tells).
 pub trait DeviceDecoder: Send {
-    /// [`Model::forward`] for `1..=max_rows()` tokens: the same contract (advances `state`,
-    /// logs every overwritten value in `log`, returns the requested rows' logits).
+    /// The host forward pass (`Model::forward`) for `1..=max_rows()` tokens, with its
+    /// contract: advances `state`, logs every overwritten value in `log`, returns the
+    /// requested rows' logits.
     fn forward(
         &mut self,
         model: &Model,

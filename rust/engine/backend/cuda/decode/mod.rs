@@ -3,10 +3,13 @@
 //!
 //! A step uploads the step parameters (position, tokens) and the rows' embeddings, replays the
 //! step's *program* (the launches of every layer, built once per batch size and logits choice,
-//! so every kernel argument and product descriptor is fixed), packs what the step wrote to the
-//! device state into one buffer, and brings that and the logits back in one wait. The host
-//! state is updated from the packed writes (with the undo log), so it stays the reference copy
-//! (see [`crate::backend::DeviceDecoder`]). Nothing in a step depends on the host between its
+//! so every kernel argument and product descriptor is fixed; captured once as a CUDA graph),
+//! packs what the host needs to follow the step (each row's raw K=V rows, compressor
+//! projections and emitted rows) into one buffer, and brings that and the logits back in one
+//! wait. The host replays the state writes from it (with the undo log), so the host state
+//! stays the reference copy (see [`crate::backend::DeviceDecoder`]); a speculative cut is
+//! followed on the device ([`DeviceDecoder::kept`]), anything else the host changes is
+//! re-uploaded (the state's sync tag tells). Nothing in a step depends on the host between its
 //! upload and its download: the routed experts' product descriptors are written on the device
 //! by the routing kernel, and each row's visible rows follow from its position.
 //!
