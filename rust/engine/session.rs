@@ -108,52 +108,35 @@ impl Session {
         }
         self.ensure_decoder();
         let device_rows = self.decoder.as_ref().map_or(0, |d| d.max_rows());
-        let logits = if tokens.len() <= device_rows {
-            let mut log = BatchLog::new(self.state.pos, tokens.len(), self.state.layers.len());
-            let dec = self.decoder.as_mut().expect("device_rows > 0");
-            match dec.forward(&self.model, &mut self.state, tokens, which, Some(&mut log)) {
-                Ok(l) => l,
-                Err(e) => {
-                    self.state.rollback(log);
-                    return Err(e);
-                }
-            }
-        } else if device_rows > 0 {
-            // A long batch through the device in chunks, on a copy of the state (the copy
-            // shares the compressed rows) so that a failure changes nothing.
-            let mut next = self.state.clone();
-            let dec = self.decoder.as_mut().expect("device_rows > 0");
-            let mut out = Vec::new();
-            let chunks: Vec<&[u32]> = tokens.chunks(device_rows).collect();
-            for (ci, chunk) in chunks.iter().enumerate() {
-                let last = ci + 1 == chunks.len();
-                let w = match which {
-                    Logits::All => Logits::All,
-                    Logits::Last if last => Logits::Last,
-                    _ => Logits::None,
-                };
-                out.extend(dec.forward(&self.model, &mut next, chunk, w, None)?);
-            }
-            self.state = next;
-            out
-        } else if tokens.len() <= crate::spec::MAX_DRAFT + 1 {
+        let logits = if tokens.len() <= device_rows || (device_rows == 0 && tokens.len() <= crate::spec::MAX_DRAFT + 1)
+        {
             // Decode-sized batches run in place with a log of what each row overwrites (a few
             // KB a layer), undone if the pass fails half-way.
-            let mut log = BatchLog::new(self.state.pos, tokens.len(), self.state.layers.len());
-            match self.model.forward(&mut self.state, tokens, which, Some(&mut log)) {
-                Ok(l) => l,
-                Err(e) => {
-                    self.state.rollback(log);
-                    return Err(e);
-                }
-            }
+            self.run_logged(tokens, which)?.0
         } else {
             // Longer batches work on a copy (it shares the compressed rows, so it costs the
-            // bounded state only, small next to the batch).
+            // bounded state only, small next to the batch), so that a failure changes nothing;
+            // on the device, in chunks of the most rows it takes.
             let mut next = self.state.clone();
-            let l = self.model.forward(&mut next, tokens, which, None)?;
+            let out = match self.decoder.as_mut() {
+                Some(dec) => {
+                    let mut out = Vec::new();
+                    let chunks: Vec<&[u32]> = tokens.chunks(device_rows).collect();
+                    for (ci, chunk) in chunks.iter().enumerate() {
+                        let last = ci + 1 == chunks.len();
+                        let w = match which {
+                            Logits::All => Logits::All,
+                            Logits::Last if last => Logits::Last,
+                            _ => Logits::None,
+                        };
+                        out.extend(dec.forward(&self.model, &mut next, chunk, w, None)?);
+                    }
+                    out
+                }
+                None => self.model.forward(&mut next, tokens, which, None)?,
+            };
             self.state = next;
-            l
+            out
         };
         let v = self.model.config.vocab;
         // Only a drafter's proposal reads it (the default anchor).
@@ -174,22 +157,28 @@ impl Session {
             )));
         }
         self.ensure_decoder();
+        let (logits, log) = self.run_logged(tokens, Logits::All)?;
+        self.last_greedy = None;
+        Ok((logits, log))
+    }
+
+    /// Runs `tokens` in place, on the device decoder when it takes that many rows, else on the
+    /// host, logging what each row overwrites; a failure half-way is undone from the log.
+    fn run_logged(&mut self, tokens: &[u32], which: Logits) -> Result<(Vec<f32>, BatchLog)> {
         let mut log = BatchLog::new(self.state.pos, tokens.len(), self.state.layers.len());
         let run = match self.decoder.as_mut() {
             Some(dec) if tokens.len() <= dec.max_rows() => {
-                dec.forward(&self.model, &mut self.state, tokens, Logits::All, Some(&mut log))
+                dec.forward(&self.model, &mut self.state, tokens, which, Some(&mut log))
             }
-            _ => self.model.forward(&mut self.state, tokens, Logits::All, Some(&mut log)),
+            _ => self.model.forward(&mut self.state, tokens, which, Some(&mut log)),
         };
-        let logits = match run {
-            Ok(l) => l,
+        match run {
+            Ok(logits) => Ok((logits, log)),
             Err(e) => {
                 self.state.rollback(log);
-                return Err(e);
+                Err(e)
             }
-        };
-        self.last_greedy = None;
-        Ok((logits, log))
+        }
     }
 
     /// Keeps the first `keep` rows of the batch just verified: afterwards the session is bit
