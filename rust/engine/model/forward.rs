@@ -85,13 +85,10 @@ impl Model {
             if let Some(j) = capture.iter().position(|&c| c == li) {
                 let k = capture.len();
                 for r in 0..n {
-                    let out = &mut captured[(r * k + j) * d..(r * k + j + 1) * d];
-                    for s in 0..hc {
-                        for (o, v) in out.iter_mut().zip(&x[(r * hc + s) * d..(r * hc + s + 1) * d]) {
-                            *o += v;
-                        }
-                    }
-                    out.iter_mut().for_each(|o| *o /= hc as f32);
+                    mean_of_streams(
+                        &x[r * hc * d..(r + 1) * hc * d],
+                        &mut captured[(r * k + j) * d..(r * k + j + 1) * d],
+                    );
                 }
             }
         }
@@ -219,6 +216,18 @@ impl Model {
     }
 }
 
+/// DSpark's capture of one row: the mean of its streams (`streams` holds them one after the
+/// other, each `out.len()` wide), added to `out` (zeroed) in stream order.
+pub(crate) fn mean_of_streams(streams: &[f32], out: &mut [f32]) {
+    let hc = streams.len() / out.len();
+    for stream in streams.chunks(out.len()) {
+        for (o, v) in out.iter_mut().zip(stream) {
+            *o += v;
+        }
+    }
+    out.iter_mut().for_each(|o| *o /= hc as f32);
+}
+
 /// The grouped low-rank output projection of attention outputs `o` (`n` rows of
 /// `n_heads * head_dim`): group g's heads through rows `g*R..` of `o_a`, then `o_b`.
 pub(crate) fn output_projection(
@@ -251,7 +260,7 @@ pub(crate) fn output_projection(
 /// Feeds row `r` of a compressor's projections to its state; an emitted row is normalized,
 /// rotated at its window's first position, rounded to the storage precision and appended.
 #[allow(clippy::too_many_arguments)]
-fn compress_step(
+pub(crate) fn compress_step(
     cs: &mut CompressorState,
     pos: usize,
     kv: &[f32],

@@ -43,6 +43,7 @@ use super::{slices, CudaBackend, Desc};
 use crate::backend::DeviceDecoder;
 use crate::model::config::AttentionKind;
 use crate::model::draft::DraftKind;
+use crate::model::forward::mean_of_streams;
 use crate::model::weights::{HyperWeights, Mat, Router};
 use crate::model::{Logits, Model};
 use crate::state::{BatchLog, KvPrecision, State};
@@ -95,12 +96,6 @@ enum PArg {
     Table(usize),
 }
 
-/// An operation of a program being built (table offsets not yet resolved).
-enum Pending {
-    Launch { f: sys::CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, args: Vec<PArg> },
-    Copy { dst: u64, src: u64, bytes: usize },
-}
-
 /// Per-kernel times of `DS4_DECODE_PROFILE=1`.
 #[derive(Default)]
 struct KernelProfile {
@@ -140,9 +135,11 @@ impl KernelProfile {
 /// The journal runs of one compressor push: kv, gate, and the emitted row when it closes.
 type PushRuns = (std::ops::Range<usize>, std::ops::Range<usize>, Option<std::ops::Range<usize>>);
 
+/// One operation of a program: a launch or a device copy. `A` is [`Arg`] in a built program
+/// and [`PArg`] while it is being built (descriptor table offsets not yet resolved).
 #[derive(Debug)]
-enum Op {
-    Launch { f: sys::CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, args: Vec<Arg> },
+enum Op<A = Arg> {
+    Launch { f: sys::CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, args: Vec<A> },
     Copy { dst: u64, src: u64, bytes: usize },
 }
 
@@ -208,11 +205,7 @@ struct Bufs {
     h: DevBuf,
     cq: DevBuf,
     kv: DevBuf,
-    ckv: DevBuf,
-    cg: DevBuf,
     ig: DevBuf,
-    ickv: DevBuf,
-    icg: DevBuf,
     q: DevBuf,
     iq: DevBuf,
     scores: DevBuf,
@@ -323,38 +316,24 @@ struct Kernels {
     gather: sys::CUfunction,
     combine: sys::CUfunction,
     pack: sys::CUfunction,
+    /// Every handle above with its name (profiles).
+    names: Vec<(sys::CUfunction, &'static str)>,
 }
 
 impl Kernels {
-    /// The name of one of these kernels (profiles).
+    /// The name of one of these kernels.
     fn name_of(&self, f: sys::CUfunction) -> Option<&'static str> {
-        let all = [
-            (self.rms_plain, "rms_plain"),
-            (self.rms_weight, "rms_weight"),
-            (self.hc_pre, "hc_pre"),
-            (self.hc_post, "hc_post"),
-            (self.hc_head, "hc_head"),
-            (self.finish_q, "finish_q"),
-            (self.finish_kv, "finish_kv"),
-            (self.finish_index, "finish_index"),
-            (self.swiglu, "swiglu"),
-            (self.group_to_rows, "group_to_rows"),
-            (self.ring_write, "ring_write"),
-            (self.compress, "compress"),
-            (self.index_scores, "index_scores"),
-            (self.index_topk, "index_topk"),
-            (self.attention, "attention"),
-            (self.route, "route"),
-            (self.gather, "gather"),
-            (self.combine, "combine"),
-            (self.pack, "pack"),
-        ];
-        all.iter().find(|(g, _)| *g == f).map(|(_, n)| *n)
+        self.names.iter().find(|(g, _)| *g == f).map(|(_, n)| *n)
     }
 
     fn load(ctx: &Context) -> Result<Self> {
-        let f = |n: &str| ctx.function(n);
-        Ok(Kernels {
+        let mut names = Vec::new();
+        let mut f = |n: &'static str| -> Result<sys::CUfunction> {
+            let h = ctx.function(n)?;
+            names.push((h, n));
+            Ok(h)
+        };
+        let k = Kernels {
             rms_plain: f("ds4_rms_plain")?,
             rms_weight: f("ds4_rms_weight")?,
             hc_pre: f("ds4_hc_pre")?,
@@ -374,7 +353,9 @@ impl Kernels {
             gather: f("ds4_gather")?,
             combine: f("ds4_moe_combine")?,
             pack: f("ds4_pack")?,
-        })
+            names: Vec::new(),
+        };
+        Ok(Kernels { names, ..k })
     }
 }
 
@@ -626,8 +607,6 @@ impl CudaDecoder {
         let l0 = &w.layers[0];
         let ff = l0.gate_exps.first.n_out;
         let ff_sh = l0.gate_sh.n_out;
-        let pw_main = 2 * hd;
-        let ipw = 2 * cfg.index_head_dim.max(1);
         let n_mix = (2 + hc) * hc;
         let capture_layers = match model.draft.as_ref().map(|dm| &dm.kind) {
             Some(DraftKind::DSpark(w)) => w.target_layers.len(),
@@ -644,11 +623,7 @@ impl CudaDecoder {
             h: f32_buf(N_MAX * d)?,
             cq: f32_buf(N_MAX * cfg.q_lora_rank)?,
             kv: f32_buf(N_MAX * hd)?,
-            ckv: f32_buf(N_MAX * pw_main)?,
-            cg: f32_buf(N_MAX * pw_main)?,
             ig: f32_buf(N_MAX * cfg.index_heads.max(1))?,
-            ickv: f32_buf(N_MAX * ipw)?,
-            icg: f32_buf(N_MAX * ipw)?,
             q: f32_buf(N_MAX * cfg.n_heads * hd)?,
             iq: f32_buf(N_MAX * cfg.index_heads.max(1) * cfg.index_head_dim.max(1))?,
             scores: f32_buf(N_MAX * score_stride)?,
@@ -745,7 +720,7 @@ impl CudaDecoder {
         let (d, hc, hd, nh) = (cfg.hidden, cfg.hc_mult, cfg.head_dim, cfg.n_heads);
         let n_mix = (2 + hc) * hc;
         let step = b.step.ptr;
-        let mut ops: Vec<Pending> = Vec::new();
+        let mut ops: Vec<Op<PArg>> = Vec::new();
         let mut table: Vec<u8> = Vec::new();
         let nn = n as u32;
         let p = |x: u64| PArg::A(Arg::Ptr(x));
@@ -754,7 +729,7 @@ impl CudaDecoder {
         let null = PArg::A(Arg::Ptr(0));
         let launch =
             |ops: &mut Vec<_>, f: sys::CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, args: Vec<PArg>| {
-                ops.push(Pending::Launch { f, grid, block, smem, args });
+                ops.push(Op::Launch { f, grid, block, smem, args });
             };
         // Products: (matrix, x, y, rows). One launch per format; partial sums and counters
         // laid out from 0 for each call (launches of different calls never overlap).
@@ -773,29 +748,16 @@ impl CudaDecoder {
                 let mut count = 0usize;
                 let mut nmax = 1;
                 for &(m, x, y, rows) in prods.iter().filter(|pr| pr.0.ty == ty) {
-                    let s = slices(&m);
-                    let rb = m.n_out.div_ceil(ROWS_PER_BLOCK);
                     let part = b.part.ptr + 4 * part_off as u64;
-                    let mut dsc = Desc {
-                        w: img.addr(m.start),
-                        x,
-                        y,
-                        part,
-                        row_bytes: m.row_bytes as i64,
-                        n_out: m.n_out as i32,
-                        n_in: m.n_in as i32,
-                        n: rows as i32,
-                        slices: s as i32,
-                        block_start: blocks as i32,
-                        counter: counter as i32,
-                    };
+                    let (mut dsc, nblocks) = CudaBackend::desc(img, &m, x, y, part, rows, counter);
+                    dsc.block_start = blocks as i32;
+                    // Only split products use partial sums and counters.
+                    let s = slices(&m);
                     if s > 1 {
                         part_off += s * rows * m.n_out;
-                        counter += rb;
-                    } else {
-                        dsc.part = 0;
+                        counter += m.n_out.div_ceil(ROWS_PER_BLOCK);
                     }
-                    blocks += rb * s;
+                    blocks += nblocks;
                     count += 1;
                     nmax = nmax.max(rows);
                     table.extend_from_slice(desc_bytes(&dsc));
@@ -804,7 +766,7 @@ impl CudaDecoder {
                     return Err(Error::Backend("CUDA decode: partial-sum buffer too small (internal)".into()));
                 }
                 let (f, smem) = ctx.kernel(ty, nmax).ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
-                ops.push(Pending::Launch {
+                ops.push(Op::Launch {
                     f,
                     grid: (blocks as u32, 1, 1),
                     block: THREADS,
@@ -873,18 +835,18 @@ impl CudaDecoder {
             // ---- attention
             hc_site(&mut ops, &mut table, &lw.hc_attn, &c.hc_attn, b.mix_a.ptr, c.attn_norm.ptr)?;
             // The compressors' projections go to the layer's own buffers, which the compressor
-            // reads and the journal packs for the host's replay of the step.
-            let comp_in = mm.comp.as_ref().map_or((b.ckv.ptr, b.cg.ptr), |cm| (cm.log_kv.ptr, cm.log_g.ptr));
-            let index_in = mm.index.as_ref().map_or((b.ickv.ptr, b.icg.ptr), |cm| (cm.log_kv.ptr, cm.log_g.ptr));
+            // reads and the journal packs for the host's replay of the step. (A layer has
+            // compressor weights exactly when its mirror has a compressor, and indexer weights
+            // exactly when it has an indexer: see `decoder_for`.)
             let mut g = vec![(lw.q_a, b.h.ptr, b.cq.ptr, n), (lw.kv, b.h.ptr, b.kv.ptr, n)];
-            if let Some(cw) = &lw.compressor {
-                g.extend([(cw.kv, b.h.ptr, comp_in.0, n), (cw.gate, b.h.ptr, comp_in.1, n)]);
+            if let (Some(cw), Some(cm)) = (&lw.compressor, &mm.comp) {
+                g.extend([(cw.kv, b.h.ptr, cm.log_kv.ptr, n), (cw.gate, b.h.ptr, cm.log_g.ptr, n)]);
             }
-            if let Some(iw) = &lw.indexer {
+            if let (Some(iw), Some(im)) = (&lw.indexer, &mm.index) {
                 g.extend([
                     (iw.proj, b.h.ptr, b.ig.ptr, n),
-                    (iw.compressor.kv, b.h.ptr, index_in.0, n),
-                    (iw.compressor.gate, b.h.ptr, index_in.1, n),
+                    (iw.compressor.kv, b.h.ptr, im.log_kv.ptr, n),
+                    (iw.compressor.gate, b.h.ptr, im.log_g.ptr, n),
                 ]);
             }
             products(&mut ops, &mut table, &g)?;
@@ -949,7 +911,7 @@ impl CudaDecoder {
                 );
             }
             launch(&mut ops, k.ring_write, g1, 256, 0, vec![p(b.kv.ptr), p(mm.ring.ptr), i(mm.slots), i(hd), p(step)]);
-            let compress = |ops: &mut Vec<_>, cm: &CompMirror, kv: u64, gate: u64, cc: &(DevBuf, DevBuf)| {
+            let compress = |ops: &mut Vec<_>, cm: &CompMirror, cc: &(DevBuf, DevBuf)| {
                 launch(
                     ops,
                     k.compress,
@@ -957,8 +919,8 @@ impl CudaDecoder {
                     256,
                     0,
                     vec![
-                        p(kv),
-                        p(gate),
+                        p(cm.log_kv.ptr),
+                        p(cm.log_g.ptr),
                         p(cc.0.ptr),
                         p(cc.1.ptr),
                         fl(cfg.rms_eps),
@@ -979,10 +941,10 @@ impl CudaDecoder {
                 );
             };
             if let (Some(cm), Some(cc)) = (&mm.comp, &c.comp) {
-                compress(&mut ops, cm, comp_in.0, comp_in.1, cc);
+                compress(&mut ops, cm, cc);
             }
             if let (Some(im), Some(ic)) = (&mm.index, &c.index) {
-                compress(&mut ops, im, index_in.0, index_in.1, ic);
+                compress(&mut ops, im, ic);
                 launch(
                     &mut ops,
                     k.index_scores,
@@ -1090,18 +1052,8 @@ impl CudaDecoder {
                 ],
             )?;
             // Templates of the routed products (ds4_route fills in expert, rows, offsets).
-            let templ = |m: Mat, x: u64, y: u64, part_base: usize, counter: usize| Desc {
-                w: img.addr(m.start),
-                x,
-                y,
-                part: b.part.ptr + 4 * part_base as u64,
-                row_bytes: m.row_bytes as i64,
-                n_out: m.n_out as i32,
-                n_in: m.n_in as i32,
-                n: 0,
-                slices: slices(&m) as i32,
-                block_start: 0,
-                counter: counter as i32,
+            let templ = |m: Mat, x: u64, y: u64, part_base: usize, counter: usize| {
+                CudaBackend::desc(img, &m, x, y, b.part.ptr + 4 * part_base as u64, 0, counter).0
             };
             let (gm, um, dm) = (lw.gate_exps.first, lw.up_exps.first, lw.down_exps.first);
             // Partial sums only for split products (as `products` lays them out).
@@ -1228,7 +1180,7 @@ impl CudaDecoder {
             );
             if let Some(j) = capture.iter().position(|&c| c == li) {
                 let bytes = n * hc * d * 4;
-                ops.push(Pending::Copy { dst: b.capture.ptr + (j * N_MAX * hc * d * 4) as u64, src: b.x.ptr, bytes });
+                ops.push(Op::Copy { dst: b.capture.ptr + (j * N_MAX * hc * d * 4) as u64, src: b.x.ptr, bytes });
             }
         }
 
@@ -1262,8 +1214,8 @@ impl CudaDecoder {
         let ops = ops
             .into_iter()
             .map(|op| match op {
-                Pending::Copy { dst, src, bytes } => Op::Copy { dst, src, bytes },
-                Pending::Launch { f, grid, block, smem, args } => Op::Launch {
+                Op::Copy { dst, src, bytes } => Op::Copy { dst, src, bytes },
+                Op::Launch { f, grid, block, smem, args } => Op::Launch {
                     f,
                     grid,
                     block,
@@ -1636,7 +1588,9 @@ impl DeviceDecoder for CudaDecoder {
         ctx.sync()?;
         drop(guard);
 
-        let dn = self.down.floats(0, down_floats).to_vec();
+        // SAFETY: the pinned download holds `down_floats` floats, all written by the copies
+        // waited for above; nothing writes `self.down` again before the next step.
+        let dn: &[f32] = unsafe { std::slice::from_raw_parts(self.down.ptr.cast::<f32>(), down_floats) };
         let (lg, rest) = dn.split_at(logit_rows * cfg.vocab);
         let (jr, xr) = rest.split_at(jfloats);
         self.apply(model, state, pos0, n, jr, log.as_deref_mut());
@@ -1646,14 +1600,9 @@ impl DeviceDecoder for CudaDecoder {
             let mut captured = vec![0f32; n * capture_layers * d];
             for j in 0..capture_layers {
                 for r in 0..n {
-                    let out = &mut captured[(r * capture_layers + j) * d..(r * capture_layers + j + 1) * d];
-                    for s in 0..hc {
-                        let src = &cap[j * n * hc * d + (r * hc + s) * d..j * n * hc * d + (r * hc + s + 1) * d];
-                        for (o, v) in out.iter_mut().zip(src) {
-                            *o += v;
-                        }
-                    }
-                    out.iter_mut().for_each(|o| *o /= hc as f32);
+                    let streams = &cap[(j * n + r) * hc * d..(j * n + r + 1) * hc * d];
+                    let k = capture_layers;
+                    mean_of_streams(streams, &mut captured[(r * k + j) * d..(r * k + j + 1) * d]);
                 }
             }
             model.draft_advance(state, xf, &captured, tokens, pos0, log)?;
