@@ -8,10 +8,11 @@
 use half::f16;
 
 use super::testutil::{assert_bits, assert_close, context, randn, read, step, Arg, DevBuf};
-use crate::backend::cpu::{dot_f32, rms_norm};
+use crate::backend::cpu::dot_f32;
 use crate::backend::cuda::context::Context;
 use crate::model::attention::{attend, raw_range, visible_compressed};
 use crate::model::config::Yarn;
+use crate::model::forward::compress_step;
 use crate::model::indexer;
 use crate::model::rope::Rope;
 use crate::state::{CompressorState, KvPrecision, LayerState, RowStore};
@@ -137,33 +138,6 @@ impl CompCase {
     }
 }
 
-/// rust/engine/model/forward.rs `compress_step` (private there), reproduced line for line: the
-/// score is the gate plus the slot's position bias; an emitted row is RMS-normalized with the
-/// weight, rotated at its window's first position, rounded and appended. The main compressor
-/// rounds with `round_kv`, the indexer's with `round_index` (the same for F32 and F16).
-#[allow(clippy::too_many_arguments)]
-fn compress_step(
-    cs: &mut CompressorState,
-    pos: usize,
-    kv: &[f32],
-    gate: &[f32],
-    ape: &[f32],
-    norm: &[f32],
-    rope: &Rope,
-    precision: KvPrecision,
-) {
-    let pw = cs.proj_width();
-    let slot = pos % cs.ratio;
-    let score: Vec<f32> = gate.iter().zip(&ape[slot * pw..(slot + 1) * pw]).map(|(g, a)| g + a).collect();
-    let mut row = vec![0f32; cs.width];
-    if cs.push(pos, kv, &score, &mut row) {
-        rms_norm(&mut row, norm, EPS);
-        rope.apply(&mut row, pos + 1 - cs.ratio, false);
-        precision.round_kv(&mut row, ROPE_DIM);
-        cs.rows.push(&row);
-    }
-}
-
 /// The device state of one compressor, initialized as `CompressorState::new`.
 struct DevComp {
     cur_kv: DevBuf,
@@ -257,7 +231,11 @@ fn run_compress(ctx: &Context, c: &CompCase, chunks: &[usize]) -> Vec<(&'static 
                 let area = 2 * ratio * w;
                 assert_bits(&format!("{what}: backup area {r} at position {p}"), &got[r * area..(r + 1) * area], &want);
             }
-            compress_step(&mut cs, p, &kv_all[i..j], &gate_all[i..j], &ape, &norm, &rope, c.precision);
+            // The host pass's push (the main compressor rounds with `round_kv`, the indexer's
+            // with `round_index`: the same for F32 and F16).
+            compress_step(&mut cs, p, &kv_all[i..j], &gate_all[i..j], &ape, &norm, 0, EPS, &rope, |row| {
+                c.precision.round_kv(row, ROPE_DIM)
+            });
         }
         ctx.sync().expect("compress");
         done += n;

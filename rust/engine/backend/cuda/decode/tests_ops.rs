@@ -32,12 +32,9 @@ fn ptr(b: &DevBuf) -> Arg {
     Arg::Ptr(b.ptr)
 }
 
-/// Launches `name` on the context's stream, after waiting for the whole context: DevBuf's
-/// zeroing and uploads (cuMemsetD8 / cuMemcpyHtoD) run on the legacy default stream, which the
-/// context's non-blocking stream does not wait for, so without this a kernel can read inputs
-/// not yet copied or have its output zeroed after it ran (seen on an H200 with 1 MiB buffers).
+/// Launches `name` on the context's stream (DevBuf's zeroing and uploads have finished when
+/// they return).
 fn launch(ctx: &Context, name: &str, grid: (usize, usize), args: &[Arg]) {
-    cudarc::driver::result::ctx::synchronize().expect("waiting for the buffers' uploads");
     ctx.launch_named(name, (grid.0 as u32, grid.1 as u32, 1), BLOCK, 0, args)
         .unwrap_or_else(|e| panic!("launching {name}: {e}"));
 }
