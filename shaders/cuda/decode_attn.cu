@@ -10,10 +10,11 @@
 //   prev [2 * R * width] (prev_kv then prev_score; overlap only), rows [cap, width]: row w is
 //   emitted when position w * R + R - 1 is processed.
 //
-// Dot products follow rust/engine/backend/cpu.rs dot_f32 on x86 (AVX2): 16 fused accumulators
-// (element i into accumulator i % 16), then the fixed lane sum (a[l] + a[l + 8], then + 4,
-// + 2, + 1), so the indexer's scores, which choose the top-k rows, agree with the CPU's bit
-// for bit. Lengths are multiples of 16.
+// The indexer's dot products follow rust/engine/backend/cpu.rs dot_f32 on x86 (AVX2): 16 fused
+// accumulators (element i into accumulator i % 16), then the fixed lane sum (a[l] + a[l + 8],
+// then + 4, + 2, + 1), so its scores, which choose the top-k rows, agree with the CPU's bit for
+// bit. (The attention's own sums, section 5, use other fixed orders.) Lengths are multiples of
+// 16.
 
 // ---- 1. raw window ring
 
@@ -420,124 +421,412 @@ extern "C" __global__ void __launch_bounds__(1024)
 
 // ---- 5. attention with sinks (rust/engine/model/attention.rs attend, then the inverse rope
 // of rust/engine/model/forward.rs Model::attention)
+//
+// The keys of batch row r: the raw rows of positions max(0, pos - window + 1) ..= pos (from
+// the ring), then, if crows: the selected compressed rows crows[sel[r * sel_stride + i]] for
+// i < nsel[r] when sel (CSA), else rows 0 .. (pos + 1) / ratio (HCA). Every key is also its
+// value, and all heads share them (one KV head), so a block takes DS4_ATTN_HEADS heads and
+// each key row it reads serves all of them. Two launches, each spread over many blocks so that
+// a one-row step still fills the GPU:
+// 1. ds4_attention_logits: lg[(r * n_heads + h) * lg_stride + j] = (q_h · k_j) / sqrt(head_dim),
+//    DS4_ATTN_KEYS keys per block;
+// 2. ds4_attention: the softmax with the sink, o_h = Σ_j w_hj k_j, the inverse rope and the
+//    grouped output, DS4_ATTN_COLS output columns per block.
+// Every sum runs in a fixed order that depends only on the row's own keys, head_dim and the
+// constants below (row invariance); it is not the CPU's order, so the results agree with the
+// CPU's to rounding, not bit for bit.
 
-// One (head, row) per block: keys are the raw rows of positions max(0, pos - window + 1) ..= pos
-// (from the ring), then, if crows: the selected compressed rows crows[sel[r * sel_stride + i]]
-// for i < nsel[r] when sel (CSA), else rows 0 .. (pos + 1) / ratio (HCA). Every key is also
-// its value. q [n, n_heads * head_dim]; sinks [n_heads]; out in the grouped layout
-// out[((g * n + r) * hpg + h % hpg) * head_dim + i], hpg = n_heads / groups, g = h / hpg.
-// Grid (n_heads, n); block a multiple of 32 (256 suggested); dynamic shared memory
-// (window + max_compressed + head_dim) * 4 bytes, max_compressed = the most compressed keys
-// any row has. head_dim a multiple of 16.
-extern "C" __global__ void ds4_attention(const float* __restrict__ q, const float* __restrict__ ring, int slots,
-                                         int window, const float* __restrict__ crows, int ratio,
-                                         const int* __restrict__ sel, const int* __restrict__ nsel, int sel_stride,
-                                         const float* __restrict__ sinks, int n_heads, int head_dim,
-                                         float* __restrict__ out, int groups, const float* __restrict__ inv_freq,
-                                         int rope_dim, const int* __restrict__ step) {
-    extern __shared__ __align__(16) float ds4_attn_smem[];
-    __shared__ double red[32];
-    const int h = blockIdx.x;
-    const int r = blockIdx.y;
-    const int n = gridDim.y;
-    const long long pos = (long long)step[0] + r;
-    float* qs = ds4_attn_smem;              // the query head, later the output
-    float* lg = ds4_attn_smem + head_dim;   // logits, later weights
-    const long long lo = pos + 1 > window ? pos + 1 - window : 0;
-    const int nraw = (int)(pos - lo + 1);
-    const int* selr = sel ? sel + (long long)r * sel_stride : nullptr;
+#define DS4_ATTN_THREADS 256  // block size of both kernels (8 warps)
+#define DS4_ATTN_HEADS 8      // heads per block of both kernels (ds4_warp_sum8: 8)
+#define DS4_ATTN_KEYS 64      // keys per block of ds4_attention_logits (8 per warp)
+#define DS4_ATTN_SLICES 4     // query columns a lane holds per pass: float4 slices of 128 columns
+#define DS4_ATTN_COLS 32      // output columns per block of ds4_attention (8 lanes of float4)
+#define DS4_ATTN_TILE 256     // keys per weight tile of ds4_attention (one per thread)
+
+// Where row r's keys are.
+struct Ds4AttnRow {
+    long long pos;
+    int nraw;         // raw rows: keys 0 .. nraw
+    int nk;           // all keys (raw, then compressed)
+    int lo_slot;      // ring slot of key 0
+    const int* selr;  // CSA: the row's selected compressed rows; else null
+};
+
+__device__ __forceinline__ Ds4AttnRow ds4_attn_row(int r, int slots, int window, const float* crows, int ratio,
+                                                   const int* sel, const int* nsel, int sel_stride,
+                                                   const int* step) {
+    Ds4AttnRow a;
+    a.pos = (long long)step[0] + r;
+    const long long lo = a.pos + 1 > window ? a.pos + 1 - window : 0;
+    a.nraw = (int)(a.pos - lo + 1);
+    a.lo_slot = (int)(lo % slots);
+    a.selr = sel ? sel + (long long)r * sel_stride : nullptr;
     int ncomp = 0;
     if (crows) {
-        ncomp = sel ? nsel[r] : (int)((pos + 1) / ratio);
+        ncomp = sel ? nsel[r] : (int)((a.pos + 1) / ratio);
     }
-    const int nk = nraw + ncomp;
-    const int lo_slot = (int)(lo % slots);
-    const float* qh = q + ((long long)r * n_heads + h) * head_dim;
-    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
-        qs[i] = qh[i];
-    }
-    __syncthreads();
+    a.nk = a.nraw + ncomp;
+    return a;
+}
 
-    // Logits: half a warp per key, lane l accumulates the elements i with i % 16 == l.
-    const float scale = 1.0f / sqrtf((float)head_dim);
+// The row of key j < nk.
+__device__ __forceinline__ const float* ds4_attn_key(const Ds4AttnRow& a, int j, const float* ring, int slots,
+                                                     const float* crows, int head_dim) {
+    if (j < a.nraw) {
+        int s = a.lo_slot + j;
+        if (s >= slots) {
+            s -= slots;
+        }
+        return ring + (long long)s * head_dim;
+    }
+    const int c = j - a.nraw;
+    return crows + (long long)(a.selr ? a.selr[c] : c) * head_dim;
+}
+
+// The float4 slices cb + 128 * i + 4 * lane of a row: zeros for a null row and past head_dim
+// (lanes without columns there). Rows are 16-byte aligned (head_dim a multiple of 16).
+__device__ __forceinline__ void ds4_attn_slices(float4 (&v)[DS4_ATTN_SLICES], const float* row, int cb, int lane,
+                                                int head_dim) {
+#pragma unroll
+    for (int i = 0; i < DS4_ATTN_SLICES; i++) {
+        const int c = cb + 128 * i + 4 * lane;
+        v[i] = row && c < head_dim ? __ldg((const float4*)(row + c)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+}
+
+// A lane's part of a dot product: one fused chain over its slices in order.
+__device__ __forceinline__ float ds4_attn_dot(const float4 (&a)[DS4_ATTN_SLICES], const float4 (&b)[DS4_ATTN_SLICES]) {
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < DS4_ATTN_SLICES; i++) {
+        s = fmaf(a[i].x, b[i].x, s);
+        s = fmaf(a[i].y, b[i].y, s);
+        s = fmaf(a[i].z, b[i].z, s);
+        s = fmaf(a[i].w, b[i].w, s);
+    }
+    return s;
+}
+
+// The warp sums of 8 values at once (a transposed butterfly: 9 shuffles instead of 40). Lane l
+// gets the sum over all lanes of v[(l >> 2) & 7]; each halving step adds the lane's own half to
+// its partner's, so the order is fixed.
+__device__ __forceinline__ float ds4_warp_sum8(const float (&v)[8]) {
+    const unsigned full = 0xffffffffu;
     const int lane = threadIdx.x & 31;
-    const int half = lane >> 4;
-    const int l16 = lane & 15;
+    const bool u4 = (lane & 16) != 0;
+    float a[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const float send = u4 ? v[k] : v[k + 4];
+        a[k] = (u4 ? v[k + 4] : v[k]) + __shfl_xor_sync(full, send, 16);
+    }
+    const bool u3 = (lane & 8) != 0;
+    float b[2];
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+        const float send = u3 ? a[k] : a[k + 2];
+        b[k] = (u3 ? a[k + 2] : a[k]) + __shfl_xor_sync(full, send, 8);
+    }
+    const bool u2 = (lane & 4) != 0;
+    float s = (u2 ? b[1] : b[0]) + __shfl_xor_sync(full, u2 ? b[0] : b[1], 4);
+    s = s + __shfl_xor_sync(full, s, 2);
+    s = s + __shfl_xor_sync(full, s, 1);
+    return s;
+}
+
+// Logits of row r (blockIdx.y) for heads h0 .. h0 + 8 and keys kb .. kb + DS4_ATTN_KEYS, with
+// blockIdx.x = (h0 / 8) * chunks + kb / DS4_ATTN_KEYS, chunks = ceil(lg_stride / DS4_ATTN_KEYS).
+// q [n, n_heads * head_dim]; lg [n, n_heads, lg_stride], lg_stride >= every row's key count
+// (window + the most compressed keys any row has); keys past the row's count are not written.
+// Grid (ceil(n_heads / 8) * chunks, n); block DS4_ATTN_THREADS; no dynamic shared memory.
+// head_dim a multiple of 16.
+//
+// Warp w takes keys kb + w + 8 t in order, the next key's loads in flight while it works on
+// one. A lane keeps the 8 queries' columns 128 * i + 4 * lane (i < 4) of a 512-column pass in
+// registers, loads the same columns of the key (a warp reads 512 contiguous bytes per load),
+// forms its 8 partial dot products (one fused chain each, slices in order), and ds4_warp_sum8
+// adds the lanes; passes (head_dim > 512) add in order.
+extern "C" __global__ void __launch_bounds__(DS4_ATTN_THREADS)
+    ds4_attention_logits(const float* __restrict__ q, const float* __restrict__ ring, int slots, int window,
+                         const float* __restrict__ crows, int ratio, const int* __restrict__ sel,
+                         const int* __restrict__ nsel, int sel_stride, int n_heads, int head_dim,
+                         float* __restrict__ lg, int lg_stride, const int* __restrict__ step) {
+    constexpr int NW = DS4_ATTN_THREADS / 32;
+    constexpr int KPW = DS4_ATTN_KEYS / NW;  // keys per warp
+    static_assert(DS4_ATTN_HEADS == 8 && DS4_ATTN_KEYS <= DS4_ATTN_THREADS && DS4_ATTN_KEYS % NW == 0,
+                  "ds4_warp_sum8 sums 8 heads; a thread per key row; whole keys per warp");
+    __shared__ const float* kp[DS4_ATTN_KEYS];
+    const int r = blockIdx.y;
+    const Ds4AttnRow a = ds4_attn_row(r, slots, window, crows, ratio, sel, nsel, sel_stride, step);
+    const int chunks = (lg_stride + DS4_ATTN_KEYS - 1) / DS4_ATTN_KEYS;
+    const int kb = (int)(blockIdx.x % chunks) * DS4_ATTN_KEYS;
+    const int h0 = (int)(blockIdx.x / chunks) * DS4_ATTN_HEADS;
+    if (kb >= a.nk) {
+        return;  // the whole block: no key of this row here
+    }
+    if (threadIdx.x < DS4_ATTN_KEYS) {
+        const int j = kb + threadIdx.x;
+        kp[threadIdx.x] = j < a.nk ? ds4_attn_key(a, j, ring, slots, crows, head_dim) : nullptr;
+    }
+    __syncthreads();
+    const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
-    const int nw = blockDim.x >> 5;
-    for (int jb = 2 * warp; jb < nk; jb += 2 * nw) {
-        const int j = jb + half;
-        float a = 0.0f;
-        if (j < nk) {
-            const float* k;
-            if (j < nraw) {
-                int s = lo_slot + j;
-                if (s >= slots) {
-                    s -= slots;
+    const float* qr = q + ((long long)r * n_heads + h0) * head_dim;
+    float dot[KPW];  // lane l: head h0 + ((l >> 2) & 7) of key kb + warp + 8 t
+#pragma unroll
+    for (int t = 0; t < KPW; t++) {
+        dot[t] = 0.0f;
+    }
+    for (int cb = 0; cb < head_dim; cb += 128 * DS4_ATTN_SLICES) {
+        float4 qv[DS4_ATTN_HEADS][DS4_ATTN_SLICES];
+#pragma unroll
+        for (int hh = 0; hh < DS4_ATTN_HEADS; hh++) {
+            ds4_attn_slices(qv[hh], h0 + hh < n_heads ? qr + (long long)hh * head_dim : nullptr, cb, lane, head_dim);
+        }
+        float4 kv[DS4_ATTN_SLICES];
+        ds4_attn_slices(kv, kp[warp], cb, lane, head_dim);
+#pragma unroll
+        for (int t = 0; t < KPW; t++) {
+            if (!kp[warp + NW * t]) {
+                break;  // past the row's keys (the same for the whole warp)
+            }
+            // The next key's loads go out before this key's products.
+            float4 kn[DS4_ATTN_SLICES];
+            if (t + 1 < KPW) {
+                ds4_attn_slices(kn, kp[warp + NW * (t + 1)], cb, lane, head_dim);
+            }
+            float d[DS4_ATTN_HEADS];
+#pragma unroll
+            for (int hh = 0; hh < DS4_ATTN_HEADS; hh++) {
+                d[hh] = ds4_attn_dot(qv[hh], kv);
+            }
+            dot[t] += ds4_warp_sum8(d);
+            if (t + 1 < KPW) {
+#pragma unroll
+                for (int i = 0; i < DS4_ATTN_SLICES; i++) {
+                    kv[i] = kn[i];
                 }
-                k = ring + (long long)s * head_dim;
-            } else {
-                const int c = j - nraw;
-                k = crows + (long long)(selr ? selr[c] : c) * head_dim;
-            }
-            for (int c = l16; c < head_dim; c += 16) {
-                a = fmaf(qs[c], k[c], a);
             }
         }
-        // The x86 lane sum: a[l] + a[l + 8], then + 4, + 2, + 1 (within each half warp).
-        a = a + __shfl_down_sync(0xffffffffu, a, 8);
-        a = a + __shfl_down_sync(0xffffffffu, a, 4);
-        a = a + __shfl_down_sync(0xffffffffu, a, 2);
-        a = a + __shfl_down_sync(0xffffffffu, a, 1);
-        if (l16 == 0 && j < nk) {
-            lg[j] = a * scale;
+    }
+    const int h = h0 + (lane >> 2);
+    if ((lane & 3) == 0 && h < n_heads) {
+        const float scale = 1.0f / sqrtf((float)head_dim);
+        float* out = lg + ((long long)r * n_heads + h) * lg_stride;
+#pragma unroll
+        for (int t = 0; t < KPW; t++) {
+            const int j = kb + warp + NW * t;
+            if (j < a.nk) {
+                out[j] = dot[t] * scale;
+            }
         }
     }
+}
+
+// ds4_attention's inputs for key j of a weight tile, loaded ahead of their use: its logits for
+// the block's heads and its row.
+struct Ds4AttnTileKey {
+    float l[DS4_ATTN_HEADS];
+    const float* row;
+};
+
+__device__ __forceinline__ Ds4AttnTileKey ds4_attn_tile_load(const Ds4AttnRow& a, int j, const float* lgr,
+                                                             int lg_stride, int nh, const float* ring, int slots,
+                                                             const float* crows, int head_dim) {
+    Ds4AttnTileKey t;
+    t.row = nullptr;
+#pragma unroll
+    for (int hh = 0; hh < DS4_ATTN_HEADS; hh++) {
+        t.l[hh] = 0.0f;
+    }
+    if (j < a.nk) {
+        t.row = ds4_attn_key(a, j, ring, slots, crows, head_dim);
+#pragma unroll
+        for (int hh = 0; hh < DS4_ATTN_HEADS; hh++) {
+            if (hh < nh) {
+                t.l[hh] = lgr[(long long)hh * lg_stride + j];
+            }
+        }
+    }
+    return t;
+}
+
+// Stores key t's weights w = e^{l - M} / denom (as attend; 0 for heads past n_heads) and row.
+__device__ __forceinline__ void ds4_attn_tile_store(const Ds4AttnTileKey& t, int nh, const float* st_m,
+                                                    const float* st_d, float* w, const float** row) {
+    if (!t.row) {
+        return;
+    }
+    float v[DS4_ATTN_HEADS];
+#pragma unroll
+    for (int hh = 0; hh < DS4_ATTN_HEADS; hh++) {
+        v[hh] = hh < nh ? expf(t.l[hh] - st_m[hh]) / st_d[hh] : 0.0f;
+    }
+    *(float4*)w = make_float4(v[0], v[1], v[2], v[3]);
+    *(float4*)(w + 4) = make_float4(v[4], v[5], v[6], v[7]);
+    *row = t.row;
+}
+
+// Attention output of row r (blockIdx.y) for heads h0 .. h0 + 8 and columns c0 .. c0 + 32, with
+// blockIdx.x = (h0 / 8) * slices + c0 / 32, slices = ceil(head_dim / 32), from the logits of
+// ds4_attention_logits (lg, lg_stride as there). sinks [n_heads]; out in the grouped layout
+// out[((g * n + r) * hpg + h % hpg) * head_dim + i], hpg = n_heads / groups, g = h / hpg.
+// Grid (ceil(n_heads / 8) * slices, n); block DS4_ATTN_THREADS; no dynamic shared memory.
+// head_dim a multiple of 16; rope_dim even, at most head_dim.
+//
+// 1. Softmax statistics, warp w for head h0 + w: M = max(sink, logits) (lane-strided, then a
+//    butterfly), denom = e^{sink - M} + Σ_j e^{l_j - M} (a double sum, lane-strided in key
+//    order, then a butterfly).
+// 2. o = Σ_j w_j k_j over tiles of DS4_ATTN_TILE keys: the weights and rows of a tile go to
+//    shared memory (thread i: key i of the tile; the next tile's are loaded while this one is
+//    summed). A lane owns columns c0 + 4 * (lane & 7) .. + 4 of all 8 heads and sums the keys
+//    j ≡ 4 w + (lane >> 3) (mod 32) in increasing j, one fused chain per value, so a warp reads
+//    4 key rows of 128 bytes per load. Then the 4 streams of a warp add by a butterfly, and the 8 warps' sums add
+//    in warp order.
+// 3. The inverse rope of the pairs in the slice, and the output.
+extern "C" __global__ void __launch_bounds__(DS4_ATTN_THREADS)
+    ds4_attention(const float* __restrict__ lg, int lg_stride, const float* __restrict__ ring, int slots, int window,
+                  const float* __restrict__ crows, int ratio, const int* __restrict__ sel,
+                  const int* __restrict__ nsel, int sel_stride, const float* __restrict__ sinks, int n_heads,
+                  int head_dim, float* __restrict__ out, int groups, const float* __restrict__ inv_freq,
+                  int rope_dim, const int* __restrict__ step) {
+    constexpr int NW = DS4_ATTN_THREADS / 32;
+    static_assert(NW == DS4_ATTN_HEADS && DS4_ATTN_TILE == DS4_ATTN_THREADS &&
+                      DS4_ATTN_HEADS * DS4_ATTN_COLS == DS4_ATTN_THREADS && DS4_ATTN_COLS == 32,
+                  "a warp per head; a key per thread; a value per thread; 8 lanes of float4 per key");
+    __shared__ __align__(16) float wt[2][DS4_ATTN_TILE][DS4_ATTN_HEADS];  // the weights, double buffered
+    __shared__ const float* kp[2][DS4_ATTN_TILE];                         // the key rows
+    __shared__ __align__(16) float part[NW][DS4_ATTN_HEADS][DS4_ATTN_COLS];
+    __shared__ float os[DS4_ATTN_HEADS][DS4_ATTN_COLS];
+    __shared__ float st_m[DS4_ATTN_HEADS];
+    __shared__ float st_d[DS4_ATTN_HEADS];
+    const unsigned full = 0xffffffffu;
+    const int r = blockIdx.y;
+    const int n = gridDim.y;
+    const Ds4AttnRow a = ds4_attn_row(r, slots, window, crows, ratio, sel, nsel, sel_stride, step);
+    const int slices = (head_dim + DS4_ATTN_COLS - 1) / DS4_ATTN_COLS;
+    const int c0 = (int)(blockIdx.x % slices) * DS4_ATTN_COLS;
+    const int h0 = (int)(blockIdx.x / slices) * DS4_ATTN_HEADS;
+    const int nh = min(DS4_ATTN_HEADS, n_heads - h0);  // heads of this block
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const float* lgr = lg + ((long long)r * n_heads + h0) * lg_stride;  // head h0 + hh at hh * lg_stride
+
+    // The first tile's inputs, loaded before the statistics so that the latencies overlap.
+    Ds4AttnTileKey next = ds4_attn_tile_load(a, threadIdx.x, lgr, lg_stride, nh, ring, slots, crows, head_dim);
+
+    // 1. Softmax statistics.
+    if (warp < nh) {
+        const float* l = lgr + (long long)warp * lg_stride;
+        const float sink = sinks[h0 + warp];
+        float m = sink;
+        for (int j = lane; j < a.nk; j += 32) {
+            m = fmaxf(m, l[j]);
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            m = fmaxf(m, __shfl_xor_sync(full, m, o));
+        }
+        double s = 0.0;
+        for (int j = lane; j < a.nk; j += 32) {
+            s += (double)expf(l[j] - m);
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            s += __shfl_xor_sync(full, s, o);
+        }
+        if (lane == 0) {
+            st_m[warp] = m;
+            st_d[warp] = (float)((double)expf(sink - m) + s);
+        }
+    }
+    __syncthreads();
+    ds4_attn_tile_store(next, nh, st_m, st_d, wt[0][threadIdx.x], &kp[0][threadIdx.x]);
     __syncthreads();
 
-    // Softmax with the sink: M = max(sink, logits); weights e^{l - M} / denom.
-    const float sink = sinks[h];
-    float m = sink;
-    for (int j = threadIdx.x; j < nk; j += blockDim.x) {
-        m = fmaxf(m, lg[j]);
+    // 2. The weighted sum.
+    const int ks = 4 * warp + (lane >> 3);  // this lane's key stream
+    const int c = c0 + 4 * (lane & 7);      // this lane's first column
+    const bool live = c < head_dim;
+    float4 acc[DS4_ATTN_HEADS];
+#pragma unroll
+    for (int hh = 0; hh < DS4_ATTN_HEADS; hh++) {
+        acc[hh] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
-    m = ds4_block_max(m, (float*)red);
-    double part = 0.0;
-    for (int j = threadIdx.x; j < nk; j += blockDim.x) {
-        const float e = expf(lg[j] - m);
-        lg[j] = e;
-        part += (double)e;
+    int b = 0;
+    for (int tb = 0; tb < a.nk; tb += DS4_ATTN_TILE) {
+        const int jn = tb + DS4_ATTN_TILE + threadIdx.x;
+        next = ds4_attn_tile_load(a, jn, lgr, lg_stride, nh, ring, slots, crows, head_dim);
+        const int tn = min(DS4_ATTN_TILE, a.nk - tb);
+        // All of the lane's key loads first, so that they are in flight together.
+        float4 kv[DS4_ATTN_TILE / 32];
+#pragma unroll
+        for (int u = 0; u < DS4_ATTN_TILE / 32; u++) {
+            const int jj = ks + 32 * u;
+            kv[u] = live && jj < tn ? __ldg((const float4*)(kp[b][jj] + c)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int u = 0; u < DS4_ATTN_TILE / 32; u++) {
+            const int jj = ks + 32 * u;
+            if (jj < tn) {
+                const float4 k = kv[u];
+                const float4 w0 = *(const float4*)&wt[b][jj][0];
+                const float4 w1 = *(const float4*)&wt[b][jj][4];
+                const float w[DS4_ATTN_HEADS] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+                for (int hh = 0; hh < DS4_ATTN_HEADS; hh++) {
+                    acc[hh].x = fmaf(w[hh], k.x, acc[hh].x);
+                    acc[hh].y = fmaf(w[hh], k.y, acc[hh].y);
+                    acc[hh].z = fmaf(w[hh], k.z, acc[hh].z);
+                    acc[hh].w = fmaf(w[hh], k.w, acc[hh].w);
+                }
+            }
+        }
+        // The next tile goes to the other buffer, which every warp finished with before the
+        // barrier of the previous tile.
+        ds4_attn_tile_store(next, nh, st_m, st_d, wt[b ^ 1][threadIdx.x], &kp[b ^ 1][threadIdx.x]);
+        __syncthreads();
+        b ^= 1;
     }
-    const double sum = ds4_block_sum_f64(part, red);
-    const float denom = (float)((double)expf(sink - m) + sum);
-    for (int j = threadIdx.x; j < nk; j += blockDim.x) {
-        lg[j] = lg[j] / denom;
+#pragma unroll
+    for (int hh = 0; hh < DS4_ATTN_HEADS; hh++) {
+#pragma unroll
+        for (int o = 8; o <= 16; o <<= 1) {
+            acc[hh].x += __shfl_xor_sync(full, acc[hh].x, o);
+            acc[hh].y += __shfl_xor_sync(full, acc[hh].y, o);
+            acc[hh].z += __shfl_xor_sync(full, acc[hh].z, o);
+            acc[hh].w += __shfl_xor_sync(full, acc[hh].w, o);
+        }
     }
+    if (lane < 8) {
+#pragma unroll
+        for (int hh = 0; hh < DS4_ATTN_HEADS; hh++) {
+            *(float4*)&part[warp][hh][4 * lane] = acc[hh];
+        }
+    }
+    __syncthreads();
+    const int hh = threadIdx.x / DS4_ATTN_COLS;
+    const int col = threadIdx.x % DS4_ATTN_COLS;
+    float v = part[0][hh][col];
+#pragma unroll
+    for (int w = 1; w < NW; w++) {
+        v += part[w][hh][col];
+    }
+    os[hh][col] = v;
     __syncthreads();
 
-    // o = Σ_j w_j k_j, keys in order, one fused multiply-add per key (cpu.rs weighted_sum).
-    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
-        float acc = 0.0f;
-        int s = lo_slot;
-        for (int j = 0; j < nraw; j++) {
-            acc = fmaf(lg[j], ring[(long long)s * head_dim + i], acc);
-            s = s + 1 == slots ? 0 : s + 1;
+    // 3. The inverse rope: thread t rotates pair t % 16 of the slice for head t / 16.
+    if (threadIdx.x < DS4_ATTN_HEADS * DS4_ATTN_COLS / 2) {
+        const int ph = threadIdx.x / (DS4_ATTN_COLS / 2);
+        const int pc = c0 + 2 * (threadIdx.x % (DS4_ATTN_COLS / 2));
+        const int rope0 = head_dim - rope_dim;  // the first rotary column (even)
+        if (ph < nh && pc >= rope0 && pc < head_dim) {
+            // os[ph] seen as the whole head: only this slice's columns are touched.
+            ds4_rope_pair(os[ph] - c0, head_dim, inv_freq, rope_dim, (int)a.pos, (pc - rope0) / 2, true);
         }
-        for (int c = 0; c < ncomp; c++) {
-            const long long w = selr ? selr[c] : c;
-            acc = fmaf(lg[nraw + c], crows[w * head_dim + i], acc);
-        }
-        qs[i] = acc;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < rope_dim / 2; i += blockDim.x) {
-        ds4_rope_pair(qs, head_dim, inv_freq, rope_dim, (int)pos, i, true);
-    }
-    __syncthreads();
-    const int hpg = n_heads / groups;
-    const int g = h / hpg;
-    float* o = out + (((long long)g * n + r) * hpg + (h % hpg)) * head_dim;
-    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
-        o[i] = qs[i];
+    if (hh < nh && c0 + col < head_dim) {
+        const int h = h0 + hh;
+        const int hpg = n_heads / groups;
+        out[(((long long)(h / hpg) * n + r) * hpg + (h % hpg)) * head_dim + c0 + col] = os[hh][col];
     }
 }

@@ -69,6 +69,16 @@ fn wide(width: usize) -> u32 {
     }
 }
 
+/// Blocks per row of the attention's two launches (decode_attn.cu section 5): groups of
+/// `DS4_ATTN_HEADS` = 8 heads, times `lg_stride` keys in chunks of `DS4_ATTN_KEYS` = 64 for
+/// `ds4_attention_logits` and `head_dim` columns in slices of `DS4_ATTN_COLS` = 32 for
+/// `ds4_attention`; both launch 256 threads (`DS4_ATTN_THREADS`).
+fn attention_blocks(n_heads: usize, head_dim: usize, lg_stride: usize) -> (u32, u32) {
+    let groups = n_heads.div_ceil(8);
+    let blocks = |x: usize| u32::try_from(x).expect("attention grid");
+    (blocks(groups * lg_stride.div_ceil(64)), blocks(groups * head_dim.div_ceil(32)))
+}
+
 /// A new sync tag (never 0).
 fn fresh_tag() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(1);
@@ -194,6 +204,19 @@ struct LayerMirror {
     index: Option<CompMirror>,
 }
 
+impl LayerMirror {
+    /// The most attention keys a row of this layer has: the window, then the selected (CSA)
+    /// or all visible (HCA) compressed rows.
+    fn max_keys(&self, window: usize, index_topk: usize) -> usize {
+        window
+            + match (&self.comp, &self.index) {
+                (Some(cm), Some(_)) => index_topk.min(cm.cap),
+                (Some(cm), None) => cm.cap,
+                _ => 0,
+            }
+    }
+}
+
 /// Activations of a step, each sized for 16 rows.
 struct Bufs {
     step: DevBuf,
@@ -212,6 +235,8 @@ struct Bufs {
     score_stride: usize,
     sel: DevBuf,
     nsel: DevBuf,
+    /// Attention logits [n, n_heads, keys], keys = the layer's [`LayerMirror::max_keys`].
+    lg: DevBuf,
     o: DevBuf,
     ug: DevBuf,
     u: DevBuf,
@@ -311,6 +336,7 @@ struct Kernels {
     compress: sys::CUfunction,
     index_scores: sys::CUfunction,
     index_topk: sys::CUfunction,
+    attention_logits: sys::CUfunction,
     attention: sys::CUfunction,
     route: sys::CUfunction,
     gather: sys::CUfunction,
@@ -348,6 +374,7 @@ impl Kernels {
             compress: f("ds4_compress")?,
             index_scores: f("ds4_index_scores")?,
             index_topk: f("ds4_index_topk")?,
+            attention_logits: f("ds4_attention_logits")?,
             attention: f("ds4_attention")?,
             route: f("ds4_route")?,
             gather: f("ds4_gather")?,
@@ -535,6 +562,7 @@ impl CudaDecoder {
         // The device state.
         let mut mirror = Vec::with_capacity(cfg.layers.len());
         let mut score_stride = 1;
+        let mut max_keys = 0;
         for (spec, l) in cfg.layers.iter().zip(&w.layers) {
             let slots = cfg.window + crate::spec::MAX_DRAFT + 1;
             let comp_mirror = |width: usize, overlap: bool| -> Result<CompMirror> {
@@ -567,7 +595,9 @@ impl CudaDecoder {
                 }
                 _ => None,
             };
-            mirror.push(LayerMirror { ring: f32_buf(slots * hd)?, slots, comp, index });
+            let m = LayerMirror { ring: f32_buf(slots * hd)?, slots, comp, index };
+            max_keys = max_keys.max(m.max_keys(cfg.window, cfg.index_topk));
+            mirror.push(m);
         }
 
         // Partial sums and counters: the most any launch group needs at 16 rows.
@@ -630,6 +660,7 @@ impl CudaDecoder {
             score_stride,
             sel: DevBuf::zeroed(4 * N_MAX * cfg.index_topk.max(1))?,
             nsel: DevBuf::zeroed(4 * N_MAX)?,
+            lg: f32_buf(N_MAX * cfg.n_heads * max_keys)?,
             o: f32_buf(N_MAX * cfg.n_heads * hd)?,
             ug: f32_buf(N_MAX * cfg.o_groups * cfg.o_lora_rank)?,
             u: f32_buf(N_MAX * cfg.o_groups * cfg.o_lora_rank)?,
@@ -981,20 +1012,45 @@ impl CudaDecoder {
                     ],
                 );
             }
-            let (crows, ratio, sel, nsel, max_comp) = match (&mm.comp, &mm.index) {
-                (Some(cm), Some(_)) => (cm.rows.ptr, cm.ratio, b.sel.ptr, b.nsel.ptr, cfg.index_topk.min(cm.cap)),
-                (Some(cm), None) => (cm.rows.ptr, cm.ratio, 0, 0, cm.cap),
-                _ => (0, 1, 0, 0, 0),
+            let (crows, ratio, sel, nsel) = match (&mm.comp, &mm.index) {
+                (Some(cm), Some(_)) => (cm.rows.ptr, cm.ratio, b.sel.ptr, b.nsel.ptr),
+                (Some(cm), None) => (cm.rows.ptr, cm.ratio, 0, 0),
+                _ => (0, 1, 0, 0),
             };
-            let smem = ((cfg.window + max_comp + hd) * 4) as u32;
+            let lgs = mm.max_keys(cfg.window, cfg.index_topk);
+            let (logit_blocks, out_blocks) = attention_blocks(nh, hd, lgs);
+            launch(
+                &mut ops,
+                k.attention_logits,
+                (logit_blocks, nn, 1),
+                256,
+                0,
+                vec![
+                    p(b.q.ptr),
+                    p(mm.ring.ptr),
+                    i(mm.slots),
+                    i(cfg.window),
+                    p(crows),
+                    i(ratio),
+                    p(sel),
+                    p(nsel),
+                    i(cfg.index_topk),
+                    i(nh),
+                    i(hd),
+                    p(b.lg.ptr),
+                    i(lgs),
+                    p(step),
+                ],
+            );
             launch(
                 &mut ops,
                 k.attention,
-                (nh as u32, nn, 1),
+                (out_blocks, nn, 1),
                 256,
-                smem,
+                0,
                 vec![
-                    p(b.q.ptr),
+                    p(b.lg.ptr),
+                    i(lgs),
                     p(mm.ring.ptr),
                     i(mm.slots),
                     i(cfg.window),

@@ -7,6 +7,7 @@
 
 use half::f16;
 
+use super::attention_blocks;
 use super::testutil::{assert_bits, assert_close, context, randn, read, step, Arg, DevBuf};
 use crate::backend::cpu::dot_f32;
 use crate::backend::cuda::context::Context;
@@ -644,11 +645,19 @@ enum Keys {
     Csa { ratio: usize, topk: usize },
 }
 
-const HEADS: usize = 16;
-const GROUPS: usize = 4;
-const HD: usize = 512;
+/// Heads, head dim and output groups of an attention test.
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    heads: usize,
+    hd: usize,
+    groups: usize,
+}
+
+/// The model's head dim, with 16 heads in 4 output groups (the model has 64 in 8).
+const MAIN: Shape = Shape { heads: 16, hd: 512, groups: 4 };
 
 struct AttnSetup {
+    shape: Shape,
     ls: LayerState,
     q: Vec<f32>,
     sinks: Vec<f32>,
@@ -657,20 +666,21 @@ struct AttnSetup {
     sel: Vec<Vec<usize>>,
 }
 
-fn attn_setup(keys: Keys, pos0: usize, n: usize) -> AttnSetup {
+fn attn_setup(shape: Shape, keys: Keys, pos0: usize, n: usize) -> AttnSetup {
+    let Shape { heads, hd, .. } = shape;
     let seed = (pos0 * 3 + n) as u64;
-    let mut ls = LayerState::new(WINDOW, HD, None, None);
+    let mut ls = LayerState::new(WINDOW, hd, None, None);
     let last = pos0 + n - 1;
     for p in (last + 1).saturating_sub(ls.slots)..=last {
-        ls.push_raw(p, &randn(HD, seed + 10 + p as u64, 1.0));
+        ls.push_raw(p, &randn(hd, seed + 10 + p as u64, 1.0));
     }
     let ratio = match keys {
         Keys::Sliding => 0,
         Keys::Hca { ratio } | Keys::Csa { ratio, .. } => ratio,
     };
-    let mut crows = RowStore::new(HD);
+    let mut crows = RowStore::new(hd);
     if ratio > 0 {
-        for row in randn(visible_compressed(last, ratio) * HD, seed + 1, 1.0).chunks(HD) {
+        for row in randn(visible_compressed(last, ratio) * hd, seed + 1, 1.0).chunks(hd) {
             crows.push(row);
         }
     }
@@ -683,33 +693,35 @@ fn attn_setup(keys: Keys, pos0: usize, n: usize) -> AttnSetup {
             .collect(),
         _ => Vec::new(),
     };
-    AttnSetup { ls, q: randn(n * HEADS * HD, seed + 2, 2.5), sinks: randn(HEADS, seed + 3, 2.0), crows, sel }
+    AttnSetup { shape, ls, q: randn(n * heads * hd, seed + 2, 2.5), sinks: randn(heads, seed + 3, 2.0), crows, sel }
 }
 
 /// rust/engine/model/forward.rs Model::attention's per-row attention: the raw window, then
 /// the selected (CSA) or all visible (HCA) compressed rows; attend, then the inverse rope.
 fn attn_cpu(s: &AttnSetup, keys: Keys, pos: usize, r: usize, rope: &Rope) -> Vec<f32> {
+    let Shape { heads, hd, .. } = s.shape;
     let mut k: Vec<&[f32]> = raw_range(pos, WINDOW).map(|p| s.ls.raw(p)).collect();
     match keys {
         Keys::Sliding => {}
         Keys::Hca { ratio } => k.extend((0..visible_compressed(pos, ratio)).map(|w| s.crows.row(w))),
         Keys::Csa { .. } => k.extend(s.sel[r].iter().map(|&w| s.crows.row(w))),
     }
-    let mut o = vec![0f32; HEADS * HD];
-    attend(&s.q[r * HEADS * HD..(r + 1) * HEADS * HD], &k, &s.sinks, HD, &mut o);
-    rope.apply_heads(&mut o, HD, pos, true);
+    let mut o = vec![0f32; heads * hd];
+    attend(&s.q[r * heads * hd..(r + 1) * heads * hd], &k, &s.sinks, hd, &mut o);
+    rope.apply_heads(&mut o, hd, pos, true);
     o
 }
 
-/// Runs `ds4_attention` for rows `rows` of the setup placed at `pos0..` (row i of the launch
-/// is setup row rows[i]); returns the output in row layout [n, HEADS * HD] (from the kernel's
-/// grouped layout).
+/// Runs `ds4_attention_logits` then `ds4_attention` for rows `rows` of the setup placed at
+/// `pos0..` (row i of the launch is setup row rows[i]); returns the output in row layout
+/// [n, heads * hd] (from the kernel's grouped layout).
 fn attn_device(ctx: &Context, s: &AttnSetup, keys: Keys, pos0: usize, rows: &[usize], rope: &Rope) -> Vec<f32> {
+    let Shape { heads, hd, groups } = s.shape;
     let n = rows.len();
-    let q: Vec<f32> = rows.iter().flat_map(|&r| s.q[r * HEADS * HD..(r + 1) * HEADS * HD].iter().copied()).collect();
+    let q: Vec<f32> = rows.iter().flat_map(|&r| s.q[r * heads * hd..(r + 1) * heads * hd].iter().copied()).collect();
     let (qb, ringb, sinkb, freqb) = (buf(&q), buf(&s.ls.ring), buf(&s.sinks), buf(rope.inv_freq()));
     let crows = buf(&s.crows.iter_values().chain([0.0]).collect::<Vec<_>>());
-    let out = buf(&vec![f32::NAN; n * HEADS * HD]);
+    let out = buf(&vec![f32::NAN; n * heads * hd]);
     let (ratio, topk) = match keys {
         Keys::Sliding => (1, 0),
         Keys::Hca { ratio } => (ratio, 0),
@@ -737,46 +749,42 @@ fn attn_device(ctx: &Context, s: &AttnSetup, keys: Keys, pos0: usize, rows: &[us
         Keys::Hca { .. } => (ptr(&crows), NULL, NULL),
         Keys::Csa { .. } => (ptr(&crows), ptr(&selb), ptr(&nselb)),
     };
-    let args = [
-        ptr(&qb),
-        ptr(&ringb),
-        int(s.ls.slots),
-        int(WINDOW),
-        crows_arg,
-        int(ratio),
-        sel_arg,
-        nsel_arg,
-        int(topk),
-        ptr(&sinkb),
-        int(HEADS),
-        int(HD),
-        ptr(&out),
-        int(GROUPS),
-        ptr(&freqb),
-        int(ROPE_DIM),
-        ptr(&st),
-    ];
-    launch(ctx, "ds4_attention", (HEADS, n), 256, (WINDOW + max_comp + HD) * 4, &args);
-    let grouped = read::<f32>(ctx, &out, n * HEADS * HD);
-    let hpg = HEADS / GROUPS;
-    let mut o = vec![0f32; n * HEADS * HD];
+    let lgs = WINDOW + max_comp;
+    let lg = zeroed(n * heads * lgs * 4);
+    let (logit_blocks, out_blocks) = attention_blocks(heads, hd, lgs);
+    let keys_args = [ptr(&ringb), int(s.ls.slots), int(WINDOW), crows_arg, int(ratio), sel_arg, nsel_arg, int(topk)];
+    let mut args = vec![ptr(&qb)];
+    args.extend(keys_args);
+    args.extend([int(heads), int(hd), ptr(&lg), int(lgs), ptr(&st)]);
+    launch(ctx, "ds4_attention_logits", (logit_blocks as usize, n), 256, 0, &args);
+    let mut args = vec![ptr(&lg), int(lgs)];
+    args.extend(keys_args);
+    args.extend([ptr(&sinkb), int(heads), int(hd), ptr(&out), int(groups), ptr(&freqb), int(ROPE_DIM), ptr(&st)]);
+    launch(ctx, "ds4_attention", (out_blocks as usize, n), 256, 0, &args);
+    let grouped = read::<f32>(ctx, &out, n * heads * hd);
+    let hpg = heads / groups;
+    let mut o = vec![0f32; n * heads * hd];
     for r in 0..n {
-        for h in 0..HEADS {
-            let src = ((h / hpg * n + r) * hpg + h % hpg) * HD;
-            o[(r * HEADS + h) * HD..(r * HEADS + h + 1) * HD].copy_from_slice(&grouped[src..src + HD]);
+        for h in 0..heads {
+            let src = ((h / hpg * n + r) * hpg + h % hpg) * hd;
+            o[(r * heads + h) * hd..(r * heads + h + 1) * hd].copy_from_slice(&grouped[src..src + hd]);
         }
     }
     o
 }
 
 fn check_attention(keys: Keys, pos0: usize, n: usize) {
+    check_attention_shaped(MAIN, keys, pos0, n);
+}
+
+fn check_attention_shaped(shape: Shape, keys: Keys, pos0: usize, n: usize) {
     let Some(ctx) = context() else { return };
-    let what = format!("ds4_attention {keys:?} positions {pos0}..+{n}");
+    let what = format!("ds4_attention {shape:?} {keys:?} positions {pos0}..+{n}");
     let rope = rope(!matches!(keys, Keys::Sliding));
-    let s = attn_setup(keys, pos0, n);
+    let s = attn_setup(shape, keys, pos0, n);
     let rows: Vec<usize> = (0..n).collect();
     let got = attn_device(&ctx, &s, keys, pos0, &rows, &rope);
-    let w = HEADS * HD;
+    let w = shape.heads * shape.hd;
     for r in 0..n {
         let pos = pos0 + r;
         let want = attn_cpu(&s, keys, pos, r, &rope);
@@ -809,4 +817,13 @@ fn attention_csa_matches_cpu() {
     check_attention(csa, 250, 16);
     check_attention(csa, 2000, 8);
     check_attention(Keys::Csa { ratio: 4, topk: 512 }, 20000, 3);
+}
+
+#[test]
+fn attention_other_shapes_match_cpu() {
+    // Head counts that are not a multiple of the kernels' groups of 8 heads, head dims below
+    // (the small test models: 2 heads of 128) and above one 512-column pass.
+    check_attention_shaped(Shape { heads: 2, hd: 128, groups: 2 }, Keys::Csa { ratio: 4, topk: 8 }, 300, 5);
+    check_attention_shaped(Shape { heads: 12, hd: 64, groups: 3 }, Keys::Hca { ratio: 8 }, 700, 4);
+    check_attention_shaped(Shape { heads: 4, hd: 1024, groups: 2 }, Keys::Sliding, 200, 3);
 }
