@@ -32,9 +32,10 @@ const FORMATS: [GgmlType; 8] = [
     GgmlType::IQ2_XXS,
     GgmlType::MXFP4,
 ];
-/// `(n_out, n_in)` of the decode-shaped products.
-const SHAPES: [(usize, usize); 2] = [(4096, 4096), (16384, 4096)];
-const BATCHES: [usize; 4] = [1, 4, 8, 16];
+/// `(n_out, n_in)` of decode-shaped products: square, Flash's query up-projection (many
+/// short rows) and one routed expert's gate (few long rows).
+const SHAPES: [(usize, usize); 3] = [(4096, 4096), (32768, 1024), (2048, 4096)];
+const BATCHES: [usize; 4] = [1, 2, 8, 16];
 /// Bytes of matrix copies cycled through (H200's L2 is 50 MB).
 const WORKING_SET: usize = 512 << 20;
 /// Where the matrices start in the fake file image.
@@ -113,7 +114,7 @@ fn bench(c: &mut Criterion) {
                 mats.push(Mat { ty, n_in, n_out, start: raw.len(), row_bytes });
                 raw.extend_from_slice(&one);
             }
-            backend.upload_image(&raw, DATA_OFFSET, |_, _| {}).unwrap();
+            backend.upload_image(&raw, DATA_OFFSET, &mats, |_, _| {}).unwrap();
             let mut g = c.benchmark_group(format!("kernel/{ty}/{n_out}x{n_in}"));
             g.sample_size(10).warm_up_time(Duration::from_millis(200)).measurement_time(Duration::from_millis(600));
             g.throughput(Throughput::Bytes(one.len() as u64));
@@ -161,7 +162,7 @@ fn bench_small(c: &mut Criterion) {
             mats.push(Mat { ty, n_in, n_out, start: raw.len(), row_bytes: one.len() / n_out });
             raw.extend_from_slice(&one);
         }
-        backend.upload_image(&raw, DATA_OFFSET, |_, _| {}).unwrap();
+        backend.upload_image(&raw, DATA_OFFSET, &mats, |_, _| {}).unwrap();
         let mut g = c.benchmark_group(format!("small/{ty}/{n_out}x{n_in}"));
         g.sample_size(10).warm_up_time(Duration::from_millis(200)).measurement_time(Duration::from_millis(400));
         g.throughput(Throughput::Bytes(one.len() as u64));
@@ -181,7 +182,7 @@ fn bench_small(c: &mut Criterion) {
         mats.push(Mat { ty, n_in, n_out, start: raw.len(), row_bytes: one.len() / n_out });
         raw.extend_from_slice(&one);
     }
-    backend.upload_image(&raw, DATA_OFFSET, |_, _| {}).unwrap();
+    backend.upload_image(&raw, DATA_OFFSET, &mats, |_, _| {}).unwrap();
     let x: Vec<f32> = (0..n_in).map(|_| rng.uniform()).collect();
     let mut g = c.benchmark_group(format!("call/{ty}"));
     g.sample_size(20).warm_up_time(Duration::from_millis(200)).measurement_time(Duration::from_millis(400));

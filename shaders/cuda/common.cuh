@@ -124,10 +124,6 @@ template <>
 struct VecT<16> {
     typedef uint4 T;
 };
-template <>
-struct VecT<8> {
-    typedef uint2 T;
-};
 
 // Sizes of the kernel of format F for NB batch rows.
 template <class F, int NB>
@@ -146,6 +142,68 @@ struct Mv {
     static constexpr int XS = 32 * XU;
     static constexpr int SMEM = F::LUT_BYTES + XS * 4 + MV_WARPS * MV_ROWS * WS;
 };
+
+// The end of every product kernel: each accumulator's warp sum (a fixed butterfly), written
+// to y, or to the slice's partial sums when the row's inputs are split over several blocks;
+// then the last block of a split row block to finish adds the slices' partial sums.
+template <int NB>
+__device__ __forceinline__ void mv_store(float (&acc)[MV_ROWS][NB], const MvDesc* D, int slice, int rb, int o0,
+                                         int nrows, int* __restrict__ counters) {
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int n = D->n;
+    const int n_out = D->n_out;
+    const int slices = D->slices;
+    float* y = slices > 1 ? D->part + (long long)slice * n * n_out : D->y;
+#pragma unroll
+    for (int q = 0; q < MV_ROWS; q++) {
+#pragma unroll
+        for (int r = 0; r < NB; r++) {
+            if (r < n && q < nrows) {
+                float v = acc[q][r];
+                v += __shfl_xor_sync(0xffffffffu, v, 16);
+                v += __shfl_xor_sync(0xffffffffu, v, 8);
+                v += __shfl_xor_sync(0xffffffffu, v, 4);
+                v += __shfl_xor_sync(0xffffffffu, v, 2);
+                v += __shfl_xor_sync(0xffffffffu, v, 1);
+                if (lane == 0) {
+                    y[(long long)r * n_out + o0 + q] = v;
+                }
+            }
+        }
+    }
+    if (slices == 1) {
+        return;
+    }
+    // The last block of this row block to finish adds the slices' partial sums, in slice
+    // order (a fixed order: row invariance), and re-arms the counter for the next launch.
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        const int prev = atomicAdd(counters + D->counter + rb, 1);
+        last = prev == slices - 1;
+    }
+    __syncthreads();
+    if (!last) {
+        return;
+    }
+    __threadfence();
+    const int ob = rb * MV_WARPS * MV_ROWS;
+    const int rows = imin(MV_WARPS * MV_ROWS, n_out - ob);
+    for (int i = tid; i < n * rows; i += 32 * MV_WARPS) {
+        const int r = i / rows;
+        const int o = ob + i % rows;
+        float v = 0.0f;
+        for (int s = 0; s < slices; s++) {
+            v += __ldcg(D->part + ((long long)s * n + r) * n_out + o);
+        }
+        D->y[(long long)r * n_out + o] = v;
+    }
+    if (tid == 0) {
+        counters[D->counter + rb] = 0;
+    }
+}
 
 template <class F, int NB>
 __device__ __forceinline__ void matvec(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters,
@@ -341,56 +399,146 @@ __device__ __forceinline__ void matvec(const MvDesc* __restrict__ descs, int cou
         __syncthreads();
     }
 
-    float* y = slices > 1 ? D->part + (long long)slice * n * n_out : D->y;
+    mv_store<NB>(acc, D, slice, rb, o0, nrows, counters);
+}
+
+// ---- Products of the split formats (Q8_0, Q2_K, IQ2_XXS; rust/engine/quant/split.rs)
+//
+// Their rows are stored split on the device: the blocks' payloads (quant bytes) first, one
+// contiguous run of 16-byte multiples, then the blocks' headers (scales) in block order. A
+// warp owns MV_ROWS output rows and walks the payload in *chunks* of 512 bytes: lane l loads
+// bytes 512 c + 16 l of each of its rows with one 16-byte load (the next chunk's loads are in
+// flight while the current one is computed), reads the headers of the blocks it touches, and
+// the x values of its elements straight from global memory (x is small and stays in L1/L2;
+// each float4 serves MV_ROWS rows). There is no shared-memory staging and no barrier.
+//
+// F provides: BLOCK_ELEMS, PAY (payload bytes per block), CB = 512 / PAY (blocks per chunk),
+// LUT_BYTES / init_lut, a Hdr type with hdr(row, hdr_off, c, lane, h), which loads the header
+// words lane l needs for chunk c (with the payload, so that both are in flight together), and
+// dot<NB>(v, h, c, lane, x, n_in, n, acc, smem), which adds lane l's part of chunk c of every
+// row to acc in a fixed order.
+//
+// The input split (slices) is by chunks; a row's chunks, lanes, fmaf chains and butterfly do
+// not depend on the batch size (row invariance), as in matvec.
+
+// 16 bytes at a 2-byte aligned address (eight 16-bit loads).
+__device__ __forceinline__ uint4 ld16_a2(const u8* p) {
+    return make_uint4(ld_u32_a2(p), ld_u32_a2(p + 4), ld_u32_a2(p + 8), ld_u32_a2(p + 12));
+}
+
+// Word i (0..3) of a uint4.
+__device__ __forceinline__ u32 word_of(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+template <class F, int NB>
+__device__ __forceinline__ void matvec_split(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters,
+                                             u8* smem) {
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int b = blockIdx.x;
+    int p = 0;
+    while (p + 1 < count && descs[p + 1].block_start <= b) {
+        p++;
+    }
+    const MvDesc* D = descs + p;
+    if (D->n == 0) {
+        return;  // an unused expert slot (see matvec)
+    }
+    const u8* w = D->w;
+    const float* x = D->x;
+    const long long row_bytes = D->row_bytes;
+    const int n_out = D->n_out;
+    const int n_in = D->n_in;
+    const int n = D->n;
+    const int slices = D->slices;
+    const int row_blocks = (n_out + MV_WARPS * MV_ROWS - 1) / (MV_WARPS * MV_ROWS);
+    const int local = b - D->block_start;
+    const int rb = local % row_blocks;
+    const int slice = local / row_blocks;
+    const int nb = n_in / F::BLOCK_ELEMS;
+    const long long hdr = (long long)nb * F::PAY;
+    const int chunks = (nb + F::CB - 1) / F::CB;
+    const int cps = (chunks + slices - 1) / slices;
+    const int c0 = slice * cps;
+    const int c1 = imin(chunks, c0 + cps);
+    const int o0 = rb * MV_WARPS * MV_ROWS + warp * MV_ROWS;
+    const int nrows = n_out - o0 < 0 ? 0 : imin(MV_ROWS, n_out - o0);
+
+    // Rows past n_out read the last row again (harmless loads; their sums are not stored).
+    const u8* rows[MV_ROWS];
+#pragma unroll
+    for (int q = 0; q < MV_ROWS; q++) {
+        rows[q] = w + (long long)imin(o0 + q, n_out - 1) * row_bytes;
+    }
+    const bool vec = (((unsigned long long)w | (unsigned long long)row_bytes) & 15ull) == 0;
+
+    float acc[MV_ROWS][NB];
 #pragma unroll
     for (int q = 0; q < MV_ROWS; q++) {
 #pragma unroll
         for (int r = 0; r < NB; r++) {
-            if (r < n && q < nrows) {
-                float v = acc[q][r];
-                v += __shfl_xor_sync(0xffffffffu, v, 16);
-                v += __shfl_xor_sync(0xffffffffu, v, 8);
-                v += __shfl_xor_sync(0xffffffffu, v, 4);
-                v += __shfl_xor_sync(0xffffffffu, v, 2);
-                v += __shfl_xor_sync(0xffffffffu, v, 1);
-                if (lane == 0) {
-                    y[(long long)r * n_out + o0 + q] = v;
-                }
+            acc[q][r] = 0.0f;
+        }
+    }
+    typedef typename F::Hdr H;
+    uint4 cur[MV_ROWS];
+    uint4 nxt[MV_ROWS];
+    H hcur[MV_ROWS];
+    H hnxt[MV_ROWS];
+    auto load = [&](int c, uint4 (&dst)[MV_ROWS], H (&hd)[MV_ROWS]) {
+        const long long off = 512ll * c + 16 * lane;
+        if (off < hdr) {
+#pragma unroll
+            for (int q = 0; q < MV_ROWS; q++) {
+                dst[q] = vec ? __ldg((const uint4*)(rows[q] + off)) : ld16_a2(rows[q] + off);
+                F::hdr(rows[q], hdr, c, lane, hd[q]);
+            }
+        }
+    };
+    const bool work = nrows > 0 && c0 < c1;
+    if (work) {
+        load(c0, cur, hcur);
+    }
+    // The lookup table is filled while the first loads are in flight.
+    if (F::LUT_BYTES > 0) {
+        F::init_lut(smem, tid);
+        __syncthreads();
+    }
+    if (work) {
+        for (int c = c0; c < c1; c++) {
+            if (c + 1 < c1) {
+                load(c + 1, nxt, hnxt);
+            }
+            if (512ll * c + 16 * lane < hdr) {
+                F::template dot<NB>(cur, hcur, c, lane, x, n_in, n, acc, smem);
+            }
+#pragma unroll
+            for (int q = 0; q < MV_ROWS; q++) {
+                cur[q] = nxt[q];
+                hcur[q] = hnxt[q];
             }
         }
     }
-    if (slices == 1) {
-        return;
-    }
-    // The last block of this row block to finish adds the slices' partial sums, in slice
-    // order (a fixed order: row invariance), and re-arms the counter for the next launch.
-    __shared__ int last;
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) {
-        const int prev = atomicAdd(counters + D->counter + rb, 1);
-        last = prev == slices - 1;
-    }
-    __syncthreads();
-    if (!last) {
-        return;
-    }
-    __threadfence();
-    const int ob = rb * MV_WARPS * MV_ROWS;
-    const int rows = imin(MV_WARPS * MV_ROWS, n_out - ob);
-    for (int i = tid; i < n * rows; i += 32 * MV_WARPS) {
-        const int r = i / rows;
-        const int o = ob + i % rows;
-        float v = 0.0f;
-        for (int s = 0; s < slices; s++) {
-            v += __ldcg(D->part + ((long long)s * n + r) * n_out + o);
-        }
-        D->y[(long long)r * n_out + o] = v;
-    }
-    if (tid == 0) {
-        counters[D->counter + rb] = 0;
-    }
+    mv_store<NB>(acc, D, slice, rb, o0, nrows, counters);
 }
+
+// The kernels of a split format: ds4_mv_<NAME>_<NB> and ds4_smem_<NAME>_<NB> as MV_KERNEL.
+#define MVS_KERNEL(NAME, F, NB)                                                                                   \
+    extern "C" __device__ int ds4_smem_##NAME##_##NB = F::LUT_BYTES;                                             \
+    extern "C" __global__ void __launch_bounds__(32 * MV_WARPS)                                                  \
+        ds4_mv_##NAME##_##NB(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters) {          \
+        extern __shared__ __align__(16) u8 smem[];                                                               \
+        matvec_split<F, NB>(descs, count, counters, smem);                                                       \
+    }
+
+#define MVS_KERNELS(NAME, F) \
+    MVS_KERNEL(NAME, F, 1)   \
+    MVS_KERNEL(NAME, F, 2)   \
+    MVS_KERNEL(NAME, F, 4)   \
+    MVS_KERNEL(NAME, F, 8)   \
+    MVS_KERNEL(NAME, F, 16)
 
 // The kernels of one format F: ds4_mv_<NAME>_<NB> for NB in 1, 2, 4, 8, 16 (the host picks
 // the smallest NB >= n), and ds4_smem_<NAME>_<NB>, the dynamic shared memory each needs.
@@ -410,6 +558,11 @@ __device__ __forceinline__ void matvec(const MvDesc* __restrict__ descs, int cou
     MV_KERNEL(NAME, F, 16)
 
 // Formats without lookup tables.
+// Formats without headers (the float formats in matvec_split).
+#define MV_NO_HDR                                                                       \
+    struct Hdr {};                                                                      \
+    static __device__ __forceinline__ void hdr(const u8*, long long, int, int, Hdr&) {}
+
 #define MV_NO_LUT                                                          \
     static constexpr int LUT_BYTES = 0;                                    \
     static __device__ __forceinline__ void init_lut(u8*, int) {}

@@ -1,75 +1,93 @@
-// F32, F16 and BF16 weights: plain little-endian floats, one element per "block". A lane's
-// unit is 8 consecutive elements: 32 bytes (F32) or 16 bytes (F16, BF16) at an aligned tile
-// offset. A row whose length is not a multiple of 8 ends in a partial unit (the kernel only
-// reads its first n_in % 8 elements, in chunks of 4).
+// F32, F16 and BF16 weights: plain little-endian floats, run by matvec_split as a "format"
+// of 1-element blocks with no header (the payload is the row). Lane l's 16 bytes of chunk c
+// hold 4 (F32) or 8 (F16, BF16) consecutive elements. Rows have n_in % 4 == 0 (the host
+// runs other shapes on the CPU); when n_in % 8 == 4 the last lane of a half-precision row
+// holds 4 elements, and the bytes it loads past the row are not used.
+
+// Adds sum_i w[i] * x[r][e0 + i] (i < 4) to each row's accumulators, one fmaf per element.
+template <int NB>
+__device__ __forceinline__ void float_dot4(const float (&wf)[MV_ROWS][4], const float* __restrict__ x, int n_in,
+                                           int n, int e0, float (&acc)[MV_ROWS][NB]) {
+#pragma unroll
+    for (int r = 0; r < NB; r++) {
+        if (r < n) {
+            const float4 xv = __ldg((const float4*)(x + (long long)r * n_in + e0));
+#pragma unroll
+            for (int q = 0; q < MV_ROWS; q++) {
+                float a = acc[q][r];
+                a = fmaf(wf[q][0], xv.x, a);
+                a = fmaf(wf[q][1], xv.y, a);
+                a = fmaf(wf[q][2], xv.z, a);
+                a = fmaf(wf[q][3], xv.w, a);
+                acc[q][r] = a;
+            }
+        }
+    }
+}
 
 struct FmtF32 {
     static constexpr int BLOCK_ELEMS = 1;
-    static constexpr int BLOCK_BYTES = 4;
-    static constexpr int UNIT = 8;
-    static constexpr int VEC = 16;
+    static constexpr int PAY = 4;
+    static constexpr int CB = 128;
     MV_NO_LUT
+    MV_NO_HDR
 
-    struct Unit {
-        float4 v[2];
-    };
-
-    static __device__ __forceinline__ void load(const u8* t, int u, Unit& s, const u8*) {
-        s.v[0] = *(const float4*)(t + 32 * u);
-        s.v[1] = *(const float4*)(t + 32 * u + 16);
-    }
-
-    static __device__ __forceinline__ float4 get(const Unit& s, int j, const u8*) {
-        return s.v[j];
+    template <int NB>
+    static __device__ __forceinline__ void dot(const uint4 (&v)[MV_ROWS], const Hdr (&)[MV_ROWS], int c, int lane,
+                                               const float* __restrict__ x, int n_in, int n,
+                                               float (&acc)[MV_ROWS][NB], const u8*) {
+        float wf[MV_ROWS][4];
+#pragma unroll
+        for (int q = 0; q < MV_ROWS; q++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                wf[q][i] = __uint_as_float(word_of(v[q], i));
+            }
+        }
+        float_dot4<NB>(wf, x, n_in, n, 128 * c + 4 * lane, acc);
     }
 };
 
-struct FmtF16 {
+// F16 (BF = false) and BF16 (BF = true).
+template <bool BF>
+struct FmtHalf {
     static constexpr int BLOCK_ELEMS = 1;
-    static constexpr int BLOCK_BYTES = 2;
-    static constexpr int UNIT = 8;
-    static constexpr int VEC = 16;
+    static constexpr int PAY = 2;
+    static constexpr int CB = 256;
     MV_NO_LUT
+    MV_NO_HDR
 
-    struct Unit {
-        uint4 h;
-    };
-
-    static __device__ __forceinline__ void load(const u8* t, int u, Unit& s, const u8*) {
-        s.h = *(const uint4*)(t + 16 * u);
+    static __device__ __forceinline__ float half_f(u32 h) {
+        return BF ? bf16_bits_to_f32(h) : f16_bits_to_f32(h);
     }
 
-    static __device__ __forceinline__ float4 get(const Unit& s, int j, const u8*) {
-        const u32 a = j == 0 ? s.h.x : s.h.z;
-        const u32 b = j == 0 ? s.h.y : s.h.w;
-        return make_float4(f16_bits_to_f32(a & 0xffffu), f16_bits_to_f32(a >> 16), f16_bits_to_f32(b & 0xffffu),
-                           f16_bits_to_f32(b >> 16));
+    template <int NB>
+    static __device__ __forceinline__ void dot(const uint4 (&v)[MV_ROWS], const Hdr (&)[MV_ROWS], int c, int lane,
+                                               const float* __restrict__ x, int n_in, int n,
+                                               float (&acc)[MV_ROWS][NB], const u8*) {
+        const int e0 = 256 * c + 8 * lane;
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            if (j == 0 || e0 + 4 < n_in) {
+                float wf[MV_ROWS][4];
+#pragma unroll
+                for (int q = 0; q < MV_ROWS; q++) {
+                    const u32 a = word_of(v[q], 2 * j);
+                    const u32 b = word_of(v[q], 2 * j + 1);
+                    wf[q][0] = half_f(a & 0xffffu);
+                    wf[q][1] = half_f(a >> 16);
+                    wf[q][2] = half_f(b & 0xffffu);
+                    wf[q][3] = half_f(b >> 16);
+                }
+                float_dot4<NB>(wf, x, n_in, n, e0 + 4 * j, acc);
+            }
+        }
     }
 };
 
-struct FmtBF16 {
-    static constexpr int BLOCK_ELEMS = 1;
-    static constexpr int BLOCK_BYTES = 2;
-    static constexpr int UNIT = 8;
-    static constexpr int VEC = 16;
-    MV_NO_LUT
+typedef FmtHalf<false> FmtF16;
+typedef FmtHalf<true> FmtBF16;
 
-    struct Unit {
-        uint4 h;
-    };
-
-    static __device__ __forceinline__ void load(const u8* t, int u, Unit& s, const u8*) {
-        s.h = *(const uint4*)(t + 16 * u);
-    }
-
-    static __device__ __forceinline__ float4 get(const Unit& s, int j, const u8*) {
-        const u32 a = j == 0 ? s.h.x : s.h.z;
-        const u32 b = j == 0 ? s.h.y : s.h.w;
-        return make_float4(__uint_as_float(a << 16), __uint_as_float(a & 0xffff0000u), __uint_as_float(b << 16),
-                           __uint_as_float(b & 0xffff0000u));
-    }
-};
-
-MV_KERNELS(f32, FmtF32)
-MV_KERNELS(f16, FmtF16)
-MV_KERNELS(bf16, FmtBF16)
+MVS_KERNELS(f32, FmtF32)
+MVS_KERNELS(f16, FmtF16)
+MVS_KERNELS(bf16, FmtBF16)

@@ -1,5 +1,5 @@
-// IQ2_XXS: super-blocks of 256 weights, 66 bytes: f16 d, then 8 groups of 32 weights, each
-// two little-endian u32 words. Word 0 holds four 8-bit indices into the lattice
+// IQ2_XXS: super-blocks of 256 weights, 66 bytes in GGUF: f16 d, then 8 groups of 32 weights,
+// each two little-endian u32 words. Word 0 holds four 8-bit indices into the lattice
 // `iq2xxs_grid` (8 coordinates each); word 1 four 7-bit sign indices (bits 0..28) and a 4-bit
 // scale s (bits 28..32). db = d * (0.5 + s) * 0.25; w = +-db * grid coordinate
 // (rust/engine/quant/iq2_xxs.rs). The sign table ksigns_iq2xs is `i | parity(i) << 7`,
@@ -7,15 +7,15 @@
 // the program, before this file; each block copies it to shared memory (random per-lane
 // indices into constant memory would serialize, and into global memory touch many lines).
 //
-// A lane's unit is one group of 32 weights: its scale is converted once and its four grid
-// rows fetched once. The tile (4 super-blocks, 264 bytes) is staged in 8-byte loads: 264 is
-// not a multiple of 16.
+// On the device rows are split (rust/engine/quant/split.rs): the 64-byte group runs of all
+// super-blocks, then the 2-byte d's. Lane l's 16 bytes of chunk c are groups 2 (l & 3) and
+// 2 (l & 3) + 1 of super-block 8 c + l / 4. Per 4 weights: sum (+-grid) * x in an fmaf
+// chain, then acc += db * sum.
 
 struct FmtIQ2_XXS {
     static constexpr int BLOCK_ELEMS = 256;
-    static constexpr int BLOCK_BYTES = 66;
-    static constexpr int UNIT = 32;
-    static constexpr int VEC = 8;
+    static constexpr int PAY = 64;
+    static constexpr int CB = 8;
     static constexpr int LUT_BYTES = 256 * 8;
 
     static __device__ __forceinline__ void init_lut(u8* smem, int tid) {
@@ -24,41 +24,77 @@ struct FmtIQ2_XXS {
         }
     }
 
-    struct Unit {
-        float db;
-        u32 sg;    // the 8 sign bits of each 8-weight part, in bytes 0..3
-        u64 g[4];  // the grid rows of the 4 parts
+    struct Hdr {
+        u32 d;  // the f16 bits of the super-block's d
     };
 
-    static __device__ __forceinline__ void load(const u8* t, int u, Unit& st, const u8* lut) {
-        const u8* b = t + 66 * (u >> 3);
-        const u8* q = b + 2 + 8 * (u & 7);
-        const u32 aux0 = ld_u32_a2(q);
-        const u32 aux1 = ld_u32_a2(q + 4);
-        st.db = f16_bits_to_f32(ld_u16(b)) * (0.5f + u8f(aux1 >> 28)) * 0.25f;
-        u32 sg = 0;
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            const u32 si = (aux1 >> (7 * k)) & 127u;
-            sg |= (si | ((__popc(si) & 1u) << 7)) << (8 * k);
-            st.g[k] = ((const u64*)lut)[(aux0 >> (8 * k)) & 0xffu];
-        }
-        st.sg = sg;
+    static __device__ __forceinline__ void hdr(const u8* row, long long hdr_off, int c, int lane, Hdr& h) {
+        h.d = ld_u16(row + hdr_off + 2 * (CB * c + (lane >> 2)));
     }
 
-    static __device__ __forceinline__ float4 get(const Unit& s, int j, const u8*) {
-        const int k = j >> 1;
-        const int half = j & 1;
-        const u32 coords = (u32)(s.g[k] >> (32 * half));
-        const int b0 = 8 * k + 4 * half;  // sign bit of the chunk's first weight
-        float w[4];
+    template <int NB>
+    static __device__ __forceinline__ void dot(const uint4 (&v)[MV_ROWS], const Hdr (&h)[MV_ROWS], int c, int lane,
+                                               const float* __restrict__ x, int n_in, int n,
+                                               float (&acc)[MV_ROWS][NB], const u8* lut) {
+        const int sb = CB * c + (lane >> 2);
+        float d[MV_ROWS];
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const float a = s.db * byte_f(coords, i);
-            w[i] = __uint_as_float(__float_as_uint(a) ^ ((s.sg << (31 - (b0 + i))) & 0x80000000u));
+        for (int q = 0; q < MV_ROWS; q++) {
+            d[q] = f16_bits_to_f32(h[q].d);
         }
-        return make_float4(w[0], w[1], w[2], w[3]);
+#pragma unroll
+        for (int gg = 0; gg < 2; gg++) {
+            const int e0 = 256 * sb + 32 * (2 * (lane & 3) + gg);
+            float db[MV_ROWS];
+            u32 aux0[MV_ROWS], aux1[MV_ROWS];
+#pragma unroll
+            for (int q = 0; q < MV_ROWS; q++) {
+                aux0[q] = word_of(v[q], 2 * gg);
+                aux1[q] = word_of(v[q], 2 * gg + 1);
+                db[q] = d[q] * (0.5f + u8f(aux1[q] >> 28)) * 0.25f;
+            }
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                u64 g[MV_ROWS];
+                u32 sg[MV_ROWS];
+#pragma unroll
+                for (int q = 0; q < MV_ROWS; q++) {
+                    g[q] = ((const u64*)lut)[(aux0[q] >> (8 * k)) & 0xffu];
+                    const u32 si = (aux1[q] >> (7 * k)) & 127u;
+                    sg[q] = si | ((__popc(si) & 1u) << 7);
+                }
+#pragma unroll
+                for (int half = 0; half < 2; half++) {
+                    float wf[MV_ROWS][4];
+#pragma unroll
+                    for (int q = 0; q < MV_ROWS; q++) {
+                        const u32 coords = (u32)(g[q] >> (32 * half));
+#pragma unroll
+                        for (int i = 0; i < 4; i++) {
+                            const float a = byte_f(coords, i);
+                            const int bit = 4 * half + i;
+                            wf[q][i] = __uint_as_float(__float_as_uint(a) ^ ((sg[q] << (31 - bit)) & 0x80000000u));
+                        }
+                    }
+#pragma unroll
+                    for (int r = 0; r < NB; r++) {
+                        if (r < n) {
+                            const float4 xv =
+                                __ldg((const float4*)(x + (long long)r * n_in + e0 + 8 * k + 4 * half));
+#pragma unroll
+                            for (int q = 0; q < MV_ROWS; q++) {
+                                float t = wf[q][0] * xv.x;
+                                t = fmaf(wf[q][1], xv.y, t);
+                                t = fmaf(wf[q][2], xv.z, t);
+                                t = fmaf(wf[q][3], xv.w, t);
+                                acc[q][r] = fmaf(db[q], t, acc[q][r]);
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 };
 
-MV_KERNELS(iq2_xxs, FmtIQ2_XXS)
+MVS_KERNELS(iq2_xxs, FmtIQ2_XXS)

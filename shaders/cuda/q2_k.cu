@@ -1,47 +1,87 @@
-// Q2_K: super-blocks of 256 weights, 84 bytes: 16 scale bytes (scale in the low nibble, min
-// in the high nibble), 64 bytes of 2-bit quants, then f16 d and f16 dmin. Weight
-// 128h + 32s + l is (qs[32h + l] >> 2s) & 3 with scale byte 8h + 2s + (l >= 16);
-// w = (d * sc) * q - dmin * m (rust/engine/quant/q2_k.rs). A lane's unit is the 32 weights
-// of one (h, s): two scale bytes, and the 32 aligned quant bytes of qs[32h..] shifted by 2s.
+// Q2_K: super-blocks of 256 weights, 84 bytes in GGUF: 16 scale bytes (scale in the low
+// nibble, min in the high nibble), 64 bytes of 2-bit quants qs, then f16 d and f16 dmin.
+// Weight 128 h + 32 s + l is (qs[32 h + l] >> 2 s) & 3 with scale byte 8 h + 2 s + (l >= 16);
+// w = (d * sc) * q - dmin * m (rust/engine/quant/q2_k.rs).
+//
+// On the device rows are split (rust/engine/quant/split.rs): the qs of all super-blocks, then
+// per super-block 20 header bytes: the scale bytes reordered so that byte 8 h + 4 f + s is
+// the scale of half h, shift s, quants 16 f..16 f + 16, then d and dmin. Lane l's 16 bytes of
+// chunk c are qs[16 (l & 3)..] of super-block 8 c + l / 4: half h = (l & 3) / 2, quants
+// 16 f.. with f = l & 1, all four shifts: 64 weights, four scales (one 32-bit word).
+// Per shift and 4 weights: acc += dl * sum(q * x) - ml * sum(x); sum(x) serves all rows.
 
 struct FmtQ2_K {
     static constexpr int BLOCK_ELEMS = 256;
-    static constexpr int BLOCK_BYTES = 84;
-    static constexpr int UNIT = 32;
-    static constexpr int VEC = 16;
+    static constexpr int PAY = 64;
+    static constexpr int CB = 8;
     MV_NO_LUT
 
-    struct Unit {
-        float dl[2], ml[2];
-        u32 q[8];
+    struct Hdr {
+        u32 sc;  // the four scale bytes of the lane's half and quants, shift s in byte s
+        u32 dd;  // the f16 bits of d (low half) and dmin (high half)
     };
 
-    static __device__ __forceinline__ void load(const u8* t, int u, Unit& st, const u8*) {
-        const u8* b = t + 84 * (u >> 3);
-        const int m = u & 7;  // 4h + s
-        const int h = m >> 2;
-        const int s = m & 3;
-        const float d = f16_bits_to_f32(ld_u16(b + 80));
-        const float dmin = f16_bits_to_f32(ld_u16(b + 82));
-        const u32 sc = ld_u16(b + 8 * h + 2 * s);
-        st.dl[0] = d * u8f(sc & 15u);
-        st.ml[0] = 0.0f - dmin * u8f((sc >> 4) & 15u);
-        st.dl[1] = d * u8f((sc >> 8) & 15u);
-        st.ml[1] = 0.0f - dmin * u8f(sc >> 12);
-        const u8* q = b + 16 + 32 * h;
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            st.q[i] = (ld_u32_a4(q + 4 * i) >> (2 * s)) & 0x03030303u;
-        }
+    static __device__ __forceinline__ void hdr(const u8* row, long long hdr_off, int c, int lane, Hdr& h) {
+        const u8* hp = row + hdr_off + 20ll * (CB * c + (lane >> 2));
+        h.sc = ld_u32_a2(hp + 8 * ((lane & 3) >> 1) + 4 * (lane & 1));
+        h.dd = ld_u32_a2(hp + 16);
     }
 
-    static __device__ __forceinline__ float4 get(const Unit& s, int j, const u8*) {
-        const u32 q = s.q[j];
-        const float dl = s.dl[j >> 2];
-        const float ml = s.ml[j >> 2];
-        return make_float4(fmaf(dl, byte_f(q, 0), ml), fmaf(dl, byte_f(q, 1), ml), fmaf(dl, byte_f(q, 2), ml),
-                           fmaf(dl, byte_f(q, 3), ml));
+    template <int NB>
+    static __device__ __forceinline__ void dot(const uint4 (&v)[MV_ROWS], const Hdr (&hh)[MV_ROWS], int c, int lane,
+                                               const float* __restrict__ x, int n_in, int n,
+                                               float (&acc)[MV_ROWS][NB], const u8*) {
+        const int sb = CB * c + (lane >> 2);
+        const int e0 = 256 * sb + 128 * ((lane & 3) >> 1) + 16 * (lane & 1);
+        u32 sc[MV_ROWS];
+        float d[MV_ROWS], dmin[MV_ROWS];
+#pragma unroll
+        for (int q = 0; q < MV_ROWS; q++) {
+            sc[q] = hh[q].sc;
+            d[q] = f16_bits_to_f32(hh[q].dd & 0xffffu);
+            dmin[q] = f16_bits_to_f32(hh[q].dd >> 16);
+        }
+#pragma unroll
+        for (int s = 0; s < 4; s++) {
+            float dl[MV_ROWS], nml[MV_ROWS];
+#pragma unroll
+            for (int q = 0; q < MV_ROWS; q++) {
+                const u32 b = (sc[q] >> (8 * s)) & 0xffu;
+                dl[q] = d[q] * u8f(b & 15u);
+                nml[q] = 0.0f - dmin[q] * u8f(b >> 4);
+            }
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                float qf[MV_ROWS][4];
+#pragma unroll
+                for (int q = 0; q < MV_ROWS; q++) {
+                    const u32 qw = (word_of(v[q], j) >> (2 * s)) & 0x03030303u;
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        qf[q][i] = byte_f(qw, i);
+                    }
+                }
+#pragma unroll
+                for (int r = 0; r < NB; r++) {
+                    if (r < n) {
+                        const float4 xv = __ldg((const float4*)(x + (long long)r * n_in + e0 + 32 * s + 4 * j));
+                        float sx = xv.x + xv.y;
+                        sx = sx + xv.z;
+                        sx = sx + xv.w;
+#pragma unroll
+                        for (int q = 0; q < MV_ROWS; q++) {
+                            float t = qf[q][0] * xv.x;
+                            t = fmaf(qf[q][1], xv.y, t);
+                            t = fmaf(qf[q][2], xv.z, t);
+                            t = fmaf(qf[q][3], xv.w, t);
+                            float a = fmaf(dl[q], t, acc[q][r]);
+                            acc[q][r] = fmaf(nml[q], sx, a);
+                        }
+                    }
+                }
+            }
+        }
     }
 };
 
-MV_KERNELS(q2_k, FmtQ2_K)
+MVS_KERNELS(q2_k, FmtQ2_K)

@@ -1,32 +1,60 @@
-// Q8_0: blocks of 32 weights, 34 bytes: an f16 scale d, then 32 signed bytes q; w = q * d
-// (the order of rust/engine/quant/q8_0.rs). A lane's unit is one block, at a 2-byte aligned
-// tile offset: its scale is converted once, its 32 bytes read as 16 halfwords.
+// Q8_0: blocks of 32 weights, 34 bytes in GGUF: an f16 scale d, then 32 signed bytes q;
+// w = q * d (rust/engine/quant/q8_0.rs). On the device rows are split
+// (rust/engine/quant/split.rs): the 32-byte quant runs of all blocks, then the 2-byte scales.
+// Lane l's 16 bytes of chunk c are half (l & 1) of block 16 c + l / 2: elements
+// 32 k + 16 (l & 1) + 0..15. Per 4 elements: sum q * x in an fmaf chain, then acc += d * sum.
 
 struct FmtQ8_0 {
     static constexpr int BLOCK_ELEMS = 32;
-    static constexpr int BLOCK_BYTES = 34;
-    static constexpr int UNIT = 32;
-    static constexpr int VEC = 16;
+    static constexpr int PAY = 32;
+    static constexpr int CB = 16;
     MV_NO_LUT
 
-    struct Unit {
-        float d;
-        u32 q[8];  // the quant words, each byte's sign bit flipped (see sbyte_f)
+    struct Hdr {
+        u32 d;  // the f16 bits of the block's scale
     };
 
-    static __device__ __forceinline__ void load(const u8* t, int u, Unit& s, const u8*) {
-        const u8* b = t + 34 * u;
-        s.d = f16_bits_to_f32(ld_u16(b));
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            s.q[i] = ld_u32_a2(b + 2 + 4 * i) ^ 0x80808080u;
-        }
+    static __device__ __forceinline__ void hdr(const u8* row, long long hdr_off, int c, int lane, Hdr& h) {
+        h.d = ld_u16(row + hdr_off + 2 * (CB * c + (lane >> 1)));
     }
 
-    static __device__ __forceinline__ float4 get(const Unit& s, int j, const u8*) {
-        const u32 q = s.q[j];
-        return make_float4(sbyte_f(q, 0) * s.d, sbyte_f(q, 1) * s.d, sbyte_f(q, 2) * s.d, sbyte_f(q, 3) * s.d);
+    template <int NB>
+    static __device__ __forceinline__ void dot(const uint4 (&v)[MV_ROWS], const Hdr (&h)[MV_ROWS], int c, int lane,
+                                               const float* __restrict__ x, int n_in, int n,
+                                               float (&acc)[MV_ROWS][NB], const u8*) {
+        const int e0 = 32 * (CB * c + (lane >> 1)) + 16 * (lane & 1);
+        float d[MV_ROWS];
+#pragma unroll
+        for (int q = 0; q < MV_ROWS; q++) {
+            d[q] = f16_bits_to_f32(h[q].d);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            float wf[MV_ROWS][4];
+#pragma unroll
+            for (int q = 0; q < MV_ROWS; q++) {
+                const u32 word = word_of(v[q], j) ^ 0x80808080u;
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    wf[q][i] = sbyte_f(word, i);
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < NB; r++) {
+                if (r < n) {
+                    const float4 xv = __ldg((const float4*)(x + (long long)r * n_in + e0 + 4 * j));
+#pragma unroll
+                    for (int q = 0; q < MV_ROWS; q++) {
+                        float t = wf[q][0] * xv.x;
+                        t = fmaf(wf[q][1], xv.y, t);
+                        t = fmaf(wf[q][2], xv.z, t);
+                        t = fmaf(wf[q][3], xv.w, t);
+                        acc[q][r] = fmaf(d[q], t, acc[q][r]);
+                    }
+                }
+            }
+        }
     }
 };
 
-MV_KERNELS(q8_0, FmtQ8_0)
+MVS_KERNELS(q8_0, FmtQ8_0)

@@ -24,6 +24,8 @@ mod q2_k;
 mod q4_k;
 mod q8_0;
 pub(crate) mod simd;
+#[cfg(any(feature = "cuda", test))]
+pub(crate) mod split;
 pub mod tables;
 pub mod types;
 

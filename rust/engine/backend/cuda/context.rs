@@ -45,11 +45,16 @@ pub(crate) const ROWS_PER_BLOCK: usize = 16;
 /// Threads per block (`32 * MV_WARPS`).
 pub(crate) const THREADS: u32 = 128;
 
-/// Elements of a kernel tile of format `ty` (`32 * F::UNIT` in shaders/cuda/): the unit of
-/// the input splits ([`crate::backend::cuda`] `slices`).
+/// Elements of a kernel tile of format `ty`, the unit of the input splits
+/// ([`crate::backend::cuda`] `slices`): one 512-byte payload chunk for the kernels that load
+/// rows directly (`matvec_split` in shaders/cuda/common.cuh: the float formats and the
+/// split formats), `32 * F::UNIT` for the staged ones (`matvec`: Q4_K, MXFP4).
 pub(crate) fn tile_elems(ty: GgmlType) -> usize {
     match ty {
-        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 256,
+        GgmlType::F32 => 128,
+        GgmlType::F16 | GgmlType::BF16 => 256,
+        GgmlType::Q8_0 => 512,
+        GgmlType::Q2_K | GgmlType::IQ2_XXS => 2048,
         _ => 1024,
     }
 }

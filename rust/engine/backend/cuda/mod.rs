@@ -197,8 +197,8 @@ struct Desc {
 /// Floats of scratch one [`Desc`] takes.
 const DESC_FLOATS: usize = std::mem::size_of::<Desc>() / 4;
 
-/// Blocks a launch should have at least to use every SM (two per SM of an H200).
-const TARGET_BLOCKS: usize = 264;
+/// Blocks a product should have at least to keep every SM busy (one per SM of an H200).
+const TARGET_BLOCKS: usize = 132;
 
 /// In how many slices of its input the kernels split the rows of `w`: 1 for matrices with
 /// enough rows to fill the GPU, more for few rows (the hyper-connection and router products,
@@ -208,7 +208,7 @@ const TARGET_BLOCKS: usize = 264;
 fn slices(w: &Mat) -> usize {
     let row_blocks = w.n_out.div_ceil(ROWS_PER_BLOCK);
     let tiles = w.n_in.div_ceil(tile_elems(w.ty));
-    let want = TARGET_BLOCKS.div_ceil(row_blocks).clamp(1, 32).min(tiles);
+    let want = (TARGET_BLOCKS / row_blocks).clamp(1, 32).min(tiles);
     // No empty slice: the kernels give each slice ceil(tiles / slices) tiles.
     tiles.div_ceil(tiles.div_ceil(want))
 }
@@ -273,18 +273,41 @@ impl CudaBackend {
     /// on `file.raw()` then run on the GPU. `file` must stay open (its image mapped at the
     /// same address) while the backend may see its image, or be [`CudaBackend::release`]d.
     pub fn upload(&self, file: &GgufFile, progress: impl FnMut(u64, u64)) -> Result<()> {
-        self.upload_image(file.raw(), file.data_offset() as usize, progress)
+        let base = file.data_offset() as usize;
+        let tensors: Vec<Mat> = file
+            .tensors()
+            .iter()
+            .filter_map(|t| {
+                Some(Mat {
+                    ty: t.ggml_type,
+                    n_in: t.row_len() as usize,
+                    n_out: t.n_rows() as usize,
+                    start: base + t.offset as usize,
+                    row_bytes: t.ggml_type.row_bytes(t.row_len())? as usize,
+                })
+            })
+            .collect();
+        self.upload_image(file.raw(), base, &tensors, progress)
     }
 
     /// [`CudaBackend::upload`] for any image: copies `raw[data_offset..]`; matrices must lie
-    /// in that range to run on the GPU.
-    pub fn upload_image(&self, raw: &[u8], data_offset: usize, progress: impl FnMut(u64, u64)) -> Result<()> {
+    /// in that range to run on the GPU. `tensors` lists the image's tensors (each as the
+    /// matrix of all its rows): those of the formats with a split device layout (Q8_0, Q2_K,
+    /// IQ2_XXS, see [`crate::quant::split`]) are stored split, and products of those formats
+    /// run on the GPU only on rows of a listed tensor (on the CPU otherwise).
+    pub fn upload_image(
+        &self,
+        raw: &[u8],
+        data_offset: usize,
+        tensors: &[Mat],
+        progress: impl FnMut(u64, u64),
+    ) -> Result<()> {
         let mut g = self.lock();
         if g.images.iter().any(|i| i.is(raw)) {
             return Ok(());
         }
         g.ctx.bind()?;
-        let img = DeviceImage::upload(raw, data_offset, progress)?;
+        let img = DeviceImage::upload(raw, data_offset, tensors, progress)?;
         g.images.push(img);
         Ok(())
     }
@@ -320,6 +343,7 @@ impl CudaBackend {
             && (!float || w.n_in.is_multiple_of(4))
             && w.ty.row_bytes(w.n_in as u64) == Some(w.row_bytes as u64)
             && img.holds(w.start, w.nbytes())
+            && (!crate::quant::split::is_split(w.ty) || img.holds_split(w))
     }
 
     /// Launches kernel `f` (`smem` bytes of shared memory) over the `count` descriptors at

@@ -118,7 +118,7 @@ fn no_device_is_an_error_not_a_panic() {
 /// `|gpu - cpu| <= 1e-4 * sum |w * x|` for every output, and row invariance.
 fn check_format(b: &CudaBackend, ty: GgmlType, n_out: usize, n_in: usize, rng: &mut Rng) {
     let (raw, w) = image(ty, n_out, n_in, rng);
-    b.upload_image(&raw, 32, |_, _| {}).unwrap();
+    b.upload_image(&raw, 32, &[w], |_, _| {}).unwrap();
     let mut deq = vec![0f32; n_out * n_in];
     quant::dequantize(ty, &raw[w.start..w.start + w.nbytes()], &mut deq).unwrap();
     let x: Vec<f32> = (0..17 * n_in).map(|_| rng.f32()).collect();
@@ -173,7 +173,7 @@ fn unaligned_rows_and_odd_float_shapes() {
     check_format(&b, GgmlType::F16, 9, 12, &mut rng);
     // F32 with n_in % 4 != 0: the CPU fallback, same values.
     let (raw, w) = image(GgmlType::F32, 3, 7, &mut rng);
-    b.upload_image(&raw, 32, |_, _| {}).unwrap();
+    b.upload_image(&raw, 32, &[w], |_, _| {}).unwrap();
     let x: Vec<f32> = (0..14).map(|_| rng.f32()).collect();
     let gpu = b.matmul(&raw, &w, &x).unwrap();
     assert_eq!(gpu, cpu::matmul_new(&raw, &w, &x).unwrap());
@@ -195,7 +195,7 @@ fn many_products_in_one_call_and_the_cpu_fallback() {
     let specs: Vec<(&Mat, &[f32])> = vec![(&w1, &x1), (&w2, &x2), (&w1, &x1[..512])];
     // Not uploaded: exactly the CPU reference.
     assert_eq!(b.matmul_many(&raw, &specs).unwrap(), cpu::matmul_many_new(&raw, &specs).unwrap());
-    b.upload_image(&raw, 32, |_, _| {}).unwrap();
+    b.upload_image(&raw, 32, &[w1, w2], |_, _| {}).unwrap();
     assert!(b.is_uploaded(&raw));
     let many = b.matmul_many(&raw, &specs).unwrap();
     for (i, &(w, x)) in specs.iter().enumerate() {
@@ -212,10 +212,33 @@ fn upload_reports_progress() {
     let Some(b) = backend() else { return };
     let raw = vec![1u8; (64 << 20) + 1000];
     let mut steps = Vec::new();
-    b.upload_image(&raw, 64, |d, t| steps.push((d, t))).unwrap();
+    b.upload_image(&raw, 64, &[], |d, t| steps.push((d, t))).unwrap();
     let total = (raw.len() - 64) as u64;
     assert_eq!(steps.first(), Some(&(0, total)));
     assert_eq!(steps.last(), Some(&(total, total)));
     assert_eq!(steps.len(), 3);
     b.release(&raw).unwrap();
+}
+
+#[test]
+fn split_formats_run_on_listed_tensors_only() {
+    let Some(b) = backend() else { return };
+    let mut rng = Rng(31);
+    for ty in [GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::IQ2_XXS] {
+        let (raw, w) = image(ty, 24, 4096, &mut rng);
+        let x: Vec<f32> = (0..3 * 4096).map(|_| rng.f32()).collect();
+        // Rows 8..16 of the tensor: a row offset inside a split tensor.
+        let part = Mat { n_out: 8, start: w.start + 8 * w.row_bytes, ..w };
+        b.upload_image(&raw, 32, &[w], |_, _| {}).unwrap();
+        let whole = b.matmul(&raw, &w, &x).unwrap();
+        let rows = b.matmul(&raw, &part, &x).unwrap();
+        for r in 0..3 {
+            assert_eq!(rows[r * 8..(r + 1) * 8], whole[r * 24 + 8..r * 24 + 16], "{ty}: rows 8..16, batch row {r}");
+        }
+        b.release(&raw).unwrap();
+        // Not listed at upload: stored as it is, so products on it run on the CPU.
+        b.upload_image(&raw, 32, &[], |_, _| {}).unwrap();
+        assert_eq!(b.matmul(&raw, &w, &x).unwrap(), cpu::matmul_new(&raw, &w, &x).unwrap(), "{ty}: unlisted");
+        b.release(&raw).unwrap();
+    }
 }

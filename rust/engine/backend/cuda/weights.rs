@@ -1,10 +1,14 @@
 //! Device copies of file images: the tensor data region of a GGUF file, copied once into one
-//! plain device allocation and found again by the host address range of the image.
+//! plain device allocation and found again by the host address range of the image. Tensors of
+//! the split formats are stored in their split row layout ([`crate::quant::split`]).
 
 use cudarc::driver::result as cu;
 use cudarc::driver::sys;
+use rayon::prelude::*;
 
 use super::context::driver_err;
+use crate::model::weights::Mat;
+use crate::quant::split::{is_split, split_rows};
 use crate::{Error, Result};
 
 /// Bytes past the end of every image copy: the kernels stage weights in 16-byte loads and may
@@ -23,6 +27,9 @@ pub(crate) struct DeviceImage {
     /// Offset in the image of the first byte copied.
     pub(crate) data_offset: usize,
     pub(crate) dptr: sys::CUdeviceptr,
+    /// The tensors stored split, sorted by start, not overlapping: image offsets
+    /// `start..start + nbytes()` of rows of `n_in` elements of `ty`.
+    split: Vec<Mat>,
 }
 
 impl DeviceImage {
@@ -41,9 +48,32 @@ impl DeviceImage {
         start >= self.data_offset && start.checked_add(len).is_some_and(|e| e <= self.host_len)
     }
 
+    /// Whether the rows of `w` (a split format) are stored split: inside one tensor of the
+    /// same format and row length that was split at upload, at a row boundary of it.
+    pub(crate) fn holds_split(&self, w: &Mat) -> bool {
+        let i = self.split.partition_point(|t| t.start <= w.start);
+        i > 0 && {
+            let t = &self.split[i - 1];
+            t.ty == w.ty
+                && t.n_in == w.n_in
+                && t.row_bytes == w.row_bytes
+                && (w.start - t.start).is_multiple_of(t.row_bytes)
+                && w.start + w.nbytes() <= t.start + t.nbytes()
+        }
+    }
+
     /// Copies `raw[data_offset..]` to a new device allocation, in chunks of [`CHUNK`] bytes,
-    /// calling `progress(done, total)` after each. The context must be bound.
-    pub(crate) fn upload(raw: &[u8], data_offset: usize, mut progress: impl FnMut(u64, u64)) -> Result<Self> {
+    /// calling `progress(done, total)` after each. The context must be bound. `tensors` are
+    /// the image's tensors (rows of `n_in` elements of `ty` each); those of a split format are
+    /// stored split, the others as they are. Tensors that overlap an earlier one, lie outside
+    /// the data or whose rows are not whole blocks are copied as they are (and products on
+    /// them of a split format then run on the CPU).
+    pub(crate) fn upload(
+        raw: &[u8],
+        data_offset: usize,
+        tensors: &[Mat],
+        mut progress: impl FnMut(u64, u64),
+    ) -> Result<Self> {
         let data = raw
             .get(data_offset..)
             .ok_or_else(|| Error::invalid(format!("CUDA upload: data offset {data_offset} past the image end")))?;
@@ -60,20 +90,66 @@ impl DeviceImage {
         }
         // SAFETY: a plain allocation; freed in Drop (or below on error).
         let dptr = unsafe { cu::malloc_sync(need) }.map_err(driver_err("allocating the weights"))?;
-        let img = DeviceImage { host_ptr: raw.as_ptr() as usize, host_len: raw.len(), data_offset, dptr };
+        let mut split: Vec<Mat> = tensors
+            .iter()
+            .filter(|t| {
+                is_split(t.ty)
+                    && t.n_out > 0
+                    && t.ty.row_bytes(t.n_in as u64) == Some(t.row_bytes as u64)
+                    && t.n_in.is_multiple_of(t.ty.block_elems())
+                    && t.start >= data_offset
+                    && t.start.checked_add(t.nbytes()).is_some_and(|e| e <= raw.len())
+            })
+            .copied()
+            .collect();
+        split.sort_by_key(|t| t.start);
+        let mut end = 0;
+        split.retain(|t| {
+            let keep = t.start >= end;
+            if keep {
+                end = t.start + t.nbytes();
+            }
+            keep
+        });
+        let mut img = DeviceImage { host_ptr: raw.as_ptr() as usize, host_len: raw.len(), data_offset, dptr, split };
         // The padding is zeroed so that what the kernels over-read is defined.
         // SAFETY: the PAD bytes after the data are inside the allocation.
         unsafe { cu::memset_d8_sync(dptr + data.len() as u64, 0, PAD) }.map_err(driver_err("clearing the padding"))?;
         let total_bytes = data.len() as u64;
-        let mut done = 0usize;
         progress(0, total_bytes);
-        for chunk in data.chunks(CHUNK) {
-            // SAFETY: the destination range is inside the allocation; the copy is synchronous,
-            // so the (memory-mapped) source only needs to live for the call.
-            unsafe { cu::memcpy_htod_sync(dptr + done as u64, chunk) }.map_err(driver_err("copying the weights"))?;
-            done += chunk.len();
-            progress(done as u64, total_bytes);
+        // Copies raw[from..to] as it is, or split when `rows` (row bytes, format) is given.
+        let mut stage: Vec<u8> = Vec::new();
+        let mut copy = |from: usize, to: usize, rows: Option<(usize, crate::quant::GgmlType)>| -> Result<()> {
+            let step = rows.map_or(CHUNK, |(rb, _)| (CHUNK / rb).max(1) * rb);
+            let mut at = from;
+            while at < to {
+                let next = (at + step).min(to);
+                let src: &[u8] = match rows {
+                    None => &raw[at..next],
+                    Some((rb, ty)) => {
+                        stage.clear();
+                        stage.extend_from_slice(&raw[at..next]);
+                        stage.par_chunks_mut(rb * 64).for_each(|c| split_rows(ty, rb, c));
+                        &stage
+                    }
+                };
+                // SAFETY: the destination range is inside the allocation; the copy is
+                // synchronous, so the source only needs to live for the call.
+                unsafe { cu::memcpy_htod_sync(dptr + (at - data_offset) as u64, src) }
+                    .map_err(driver_err("copying the weights"))?;
+                at = next;
+                progress((at - data_offset) as u64, total_bytes);
+            }
+            Ok(())
+        };
+        let mut at = data_offset;
+        for t in &img.split {
+            copy(at, t.start, None)?;
+            copy(t.start, t.start + t.nbytes(), Some((t.row_bytes, t.ty)))?;
+            at = t.start + t.nbytes();
         }
+        copy(at, raw.len(), None)?;
+        img.split.shrink_to_fit();
         // The copies ran on the legacy stream, which the backend's non-blocking stream does not
         // wait for: finish them before any kernel may read the weights.
         cu::ctx::synchronize().map_err(driver_err("copying the weights"))?;

@@ -4,7 +4,7 @@
 //! gather, gate/up products over the device-written table, SwiGLU, down products, combine.
 //! Without a GPU they print "skipped" and pass.
 
-use super::testutil::{assert_close, context, step, Arg, DevBuf};
+use super::testutil::{assert_close, context, split_image, step, Arg, DevBuf};
 use crate::backend::cuda::context::{Context, ROWS_PER_BLOCK, THREADS};
 use crate::backend::cuda::{slices, Desc};
 use crate::backend::{cpu, Cpu, Ops};
@@ -555,11 +555,14 @@ struct MoeLayer {
     cfg: ModelConfig,
     spec: LayerSpec,
     lw: LayerWeights,
+    /// Every tensor of `raw` (for the split device layout).
+    tensors: Vec<Mat>,
 }
 
 /// Random weights: rows uniform in ±3/sqrt(n_in), so that every product is of order 1.
 fn build_layer(rng: &mut Rng, hash: bool, n_exp: usize, k: usize, d: usize, ff: usize) -> MoeLayer {
     let mut raw = vec![0u8; 256];
+    let mut tensors = Vec::new();
     let mut add = |ty: GgmlType, n_in: usize, n_out: usize, rng: &mut Rng| -> Mat {
         let start = raw.len().next_multiple_of(256);
         raw.resize(start, 0);
@@ -575,6 +578,7 @@ fn build_layer(rng: &mut Rng, hash: bool, n_exp: usize, k: usize, d: usize, ff: 
             }
             _ => unreachable!(),
         }
+        tensors.push(Mat { ty, n_in, n_out, start, row_bytes });
         Mat { ty, n_in, n_out, start, row_bytes }
     };
     let router_proj = add(GgmlType::F32, d, n_exp, rng);
@@ -588,7 +592,7 @@ fn build_layer(rng: &mut Rng, hash: bool, n_exp: usize, k: usize, d: usize, ff: 
     let cfg = config(n_exp, k, d, ff, true, 1.5);
     let r = router(rng, hash, cfg.vocab, k, n_exp);
     let lw = layer_weights(router_proj, r, exps, sh);
-    MoeLayer { raw, cfg, spec: layer_spec(hash), lw }
+    MoeLayer { raw, cfg, spec: layer_spec(hash), lw, tensors }
 }
 
 /// The MoE output of the rows `h` on the device: every step queued on the stream in the
@@ -688,7 +692,7 @@ fn routed_experts_match_cpu_and_are_row_invariant() {
     let (n_exp, k, d, ff) = (32, 6, 2048, 256);
     for hash in [false, true] {
         let l = build_layer(&mut rng, hash, n_exp, k, d, ff);
-        let img = DevBuf::from_slice(&l.raw).expect("image");
+        let img = DevBuf::from_slice(&split_image(&l.raw, &l.tensors)).expect("image");
         let ops = Ops { raw: &l.raw, backend: &Cpu };
         let mut batch16 = None;
         for n in [1usize, 3, 16] {

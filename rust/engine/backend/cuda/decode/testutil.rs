@@ -63,3 +63,13 @@ pub(crate) fn randn(len: usize, seed: u64, scale: f32) -> Vec<f32> {
         })
         .collect()
 }
+
+/// A copy of the image `raw` with the rows of each of `tensors` that has a split format in the
+/// split device layout, as [`super::super::CudaBackend::upload`] stores them.
+pub(crate) fn split_image(raw: &[u8], tensors: &[crate::model::weights::Mat]) -> Vec<u8> {
+    let mut out = raw.to_vec();
+    for t in tensors.iter().filter(|t| crate::quant::split::is_split(t.ty)) {
+        crate::quant::split::split_rows(t.ty, t.row_bytes, &mut out[t.start..t.start + t.nbytes()]);
+    }
+    out
+}
