@@ -13,6 +13,12 @@
 // a contiguous range of the row's tiles (the host splits the inputs of matrices with few rows
 // so that they do not serialize on a few SMs; the slice count depends only on the shape).
 //
+// Two kernel bodies share this launch shape and the store at the end (mv_store):
+// - matvec_split (below, "Products of the split formats"): the float formats and the formats
+//   whose rows the upload stores split (Q8_0, Q2_K, IQ2_XXS): direct 16-byte loads per lane,
+//   no shared-memory staging.
+// - matvec, the staged kernel: Q4_K and MXFP4, whose rows stay in GGUF order. Its work split:
+//
 // Work split inside a block: the row is walked in tiles of 32 * F::UNIT elements. For each
 // tile the block copies the x values of every batch row into shared memory once (all warps
 // and rows use them), and each warp stages the tile's weight bytes of its MV_ROWS rows with
