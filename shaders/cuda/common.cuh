@@ -211,6 +211,42 @@ __device__ __forceinline__ void mv_store(float (&acc)[MV_ROWS][NB], const MvDesc
     }
 }
 
+// Where block blockIdx.x of a launch works: its product D (the one whose block_start is the
+// last one <= the block), its row block rb and input slice, and its warp's first output row
+// o0 and row count nrows (0 for a warp past n_out).
+struct MvBlock {
+    const MvDesc* D;
+    int rb;
+    int slice;
+    int o0;
+    int nrows;
+};
+
+__device__ __forceinline__ MvBlock mv_block(const MvDesc* __restrict__ descs, int count) {
+    const int b = blockIdx.x;
+    int p = 0;
+    while (p + 1 < count && descs[p + 1].block_start <= b) {
+        p++;
+    }
+    MvBlock B;
+    B.D = descs + p;
+    const int n_out = B.D->n_out;
+    const int row_blocks = (n_out + MV_WARPS * MV_ROWS - 1) / (MV_WARPS * MV_ROWS);
+    const int local = b - B.D->block_start;
+    B.rb = local % row_blocks;
+    B.slice = local / row_blocks;
+    B.o0 = B.rb * MV_WARPS * MV_ROWS + (threadIdx.x >> 5) * MV_ROWS;
+    B.nrows = n_out - B.o0 < 0 ? 0 : imin(MV_ROWS, n_out - B.o0);
+    return B;
+}
+
+// The units (tiles or chunks) [u0, u1) of slice `slice` of `units`, split in `slices`.
+__device__ __forceinline__ void mv_slice(int units, int slices, int slice, int& u0, int& u1) {
+    const int per = (units + slices - 1) / slices;
+    u0 = slice * per;
+    u1 = imin(units, u0 + per);
+}
+
 template <class F, int NB>
 __device__ __forceinline__ void matvec(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters,
                                        u8* smem) {
@@ -220,12 +256,8 @@ __device__ __forceinline__ void matvec(const MvDesc* __restrict__ descs, int cou
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
-    const int b = blockIdx.x;
-    int p = 0;
-    while (p + 1 < count && descs[p + 1].block_start <= b) {
-        p++;
-    }
-    const MvDesc* D = descs + p;
+    const MvBlock B = mv_block(descs, count);
+    const MvDesc* D = B.D;
     // A product with no rows (an unused expert slot of a routed batch) does nothing; all of
     // its blocks return here, so its arrival counters are never touched.
     if (D->n == 0) {
@@ -234,20 +266,12 @@ __device__ __forceinline__ void matvec(const MvDesc* __restrict__ descs, int cou
     const u8* w = D->w;
     const float* x = D->x;
     const long long row_bytes = D->row_bytes;
-    const int n_out = D->n_out;
     const int n_in = D->n_in;
     const int n = D->n;
-    const int slices = D->slices;
-    const int row_blocks = (n_out + MV_WARPS * MV_ROWS - 1) / (MV_WARPS * MV_ROWS);
-    const int local = b - D->block_start;
-    const int rb = local % row_blocks;
-    const int slice = local / row_blocks;
-    const int tiles = (n_in + M::TILE - 1) / M::TILE;
-    const int tps = (tiles + slices - 1) / slices;
-    const int t0 = slice * tps;
-    const int t1 = imin(tiles, t0 + tps);
-    const int o0 = rb * MV_WARPS * MV_ROWS + warp * MV_ROWS;
-    const int nrows = n_out - o0 < 0 ? 0 : imin(MV_ROWS, n_out - o0);
+    const int o0 = B.o0;
+    const int nrows = B.nrows;
+    int t0, t1;
+    mv_slice((n_in + M::TILE - 1) / M::TILE, D->slices, B.slice, t0, t1);
 
     F::init_lut(smem, tid);
     float* xs = (float*)(smem + F::LUT_BYTES);
@@ -405,7 +429,7 @@ __device__ __forceinline__ void matvec(const MvDesc* __restrict__ descs, int cou
         __syncthreads();
     }
 
-    mv_store<NB>(acc, D, slice, rb, o0, nrows, counters);
+    mv_store<NB>(acc, D, B.slice, B.rb, o0, nrows, counters);
 }
 
 // ---- Products of the split formats (Q8_0, Q2_K, IQ2_XXS; rust/engine/quant/split.rs)
@@ -437,18 +461,35 @@ __device__ __forceinline__ u32 word_of(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
+// For each row r < n: acc[q][r] += s[q] * (w[q] . x[r][e..e + 4]), the dot an fmaf chain from
+// the first product (the scaled step of the quantized formats of matvec_split).
+template <int NB>
+__device__ __forceinline__ void scaled_dot4(const float (&wf)[MV_ROWS][4], const float (&s)[MV_ROWS],
+                                            const float* __restrict__ x, int n_in, int n, int e,
+                                            float (&acc)[MV_ROWS][NB]) {
+#pragma unroll
+    for (int r = 0; r < NB; r++) {
+        if (r < n) {
+            const float4 xv = __ldg((const float4*)(x + (long long)r * n_in + e));
+#pragma unroll
+            for (int q = 0; q < MV_ROWS; q++) {
+                float t = wf[q][0] * xv.x;
+                t = fmaf(wf[q][1], xv.y, t);
+                t = fmaf(wf[q][2], xv.z, t);
+                t = fmaf(wf[q][3], xv.w, t);
+                acc[q][r] = fmaf(s[q], t, acc[q][r]);
+            }
+        }
+    }
+}
+
 template <class F, int NB>
 __device__ __forceinline__ void matvec_split(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters,
                                              u8* smem) {
     const int tid = threadIdx.x;
     const int lane = tid & 31;
-    const int warp = tid >> 5;
-    const int b = blockIdx.x;
-    int p = 0;
-    while (p + 1 < count && descs[p + 1].block_start <= b) {
-        p++;
-    }
-    const MvDesc* D = descs + p;
+    const MvBlock B = mv_block(descs, count);
+    const MvDesc* D = B.D;
     if (D->n == 0) {
         return;  // an unused expert slot (see matvec)
     }
@@ -458,19 +499,12 @@ __device__ __forceinline__ void matvec_split(const MvDesc* __restrict__ descs, i
     const int n_out = D->n_out;
     const int n_in = D->n_in;
     const int n = D->n;
-    const int slices = D->slices;
-    const int row_blocks = (n_out + MV_WARPS * MV_ROWS - 1) / (MV_WARPS * MV_ROWS);
-    const int local = b - D->block_start;
-    const int rb = local % row_blocks;
-    const int slice = local / row_blocks;
+    const int o0 = B.o0;
+    const int nrows = B.nrows;
     const int nb = n_in / F::BLOCK_ELEMS;
     const long long hdr = (long long)nb * F::PAY;
-    const int chunks = (nb + F::CB - 1) / F::CB;
-    const int cps = (chunks + slices - 1) / slices;
-    const int c0 = slice * cps;
-    const int c1 = imin(chunks, c0 + cps);
-    const int o0 = rb * MV_WARPS * MV_ROWS + warp * MV_ROWS;
-    const int nrows = n_out - o0 < 0 ? 0 : imin(MV_ROWS, n_out - o0);
+    int c0, c1;
+    mv_slice((nb + F::CB - 1) / F::CB, D->slices, B.slice, c0, c1);
 
     // Rows past n_out read the last row again (harmless loads; their sums are not stored).
     const u8* rows[MV_ROWS];
@@ -527,7 +561,7 @@ __device__ __forceinline__ void matvec_split(const MvDesc* __restrict__ descs, i
             }
         }
     }
-    mv_store<NB>(acc, D, slice, rb, o0, nrows, counters);
+    mv_store<NB>(acc, D, B.slice, B.rb, o0, nrows, counters);
 }
 
 // The kernels of a split format: ds4_mv_<NAME>_<NB> and ds4_smem_<NAME>_<NB> as MV_KERNEL.

@@ -76,21 +76,7 @@ struct FmtIQ2_XXS {
                             wf[q][i] = __uint_as_float(__float_as_uint(a) ^ ((sg[q] << (31 - bit)) & 0x80000000u));
                         }
                     }
-#pragma unroll
-                    for (int r = 0; r < NB; r++) {
-                        if (r < n) {
-                            const float4 xv =
-                                __ldg((const float4*)(x + (long long)r * n_in + e0 + 8 * k + 4 * half));
-#pragma unroll
-                            for (int q = 0; q < MV_ROWS; q++) {
-                                float t = wf[q][0] * xv.x;
-                                t = fmaf(wf[q][1], xv.y, t);
-                                t = fmaf(wf[q][2], xv.z, t);
-                                t = fmaf(wf[q][3], xv.w, t);
-                                acc[q][r] = fmaf(db[q], t, acc[q][r]);
-                            }
-                        }
-                    }
+                    scaled_dot4<NB>(wf, db, x, n_in, n, e0 + 8 * k + 4 * half, acc);
                 }
             }
         }

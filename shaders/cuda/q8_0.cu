@@ -39,20 +39,7 @@ struct FmtQ8_0 {
                     wf[q][i] = sbyte_f(word, i);
                 }
             }
-#pragma unroll
-            for (int r = 0; r < NB; r++) {
-                if (r < n) {
-                    const float4 xv = __ldg((const float4*)(x + (long long)r * n_in + e0 + 4 * j));
-#pragma unroll
-                    for (int q = 0; q < MV_ROWS; q++) {
-                        float t = wf[q][0] * xv.x;
-                        t = fmaf(wf[q][1], xv.y, t);
-                        t = fmaf(wf[q][2], xv.z, t);
-                        t = fmaf(wf[q][3], xv.w, t);
-                        acc[q][r] = fmaf(d[q], t, acc[q][r]);
-                    }
-                }
-            }
+            scaled_dot4<NB>(wf, d, x, n_in, n, e0 + 4 * j, acc);
         }
     }
 };

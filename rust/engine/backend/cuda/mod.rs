@@ -365,12 +365,13 @@ impl CudaBackend {
             .map_err(driver_err("launching a kernel"))
     }
 
-    /// The descriptor of the product of `w` with `n <= 16` rows at device `x` into device `y`
-    /// (partial sums at `part` when split, counters from `counter`), and its block count.
-    fn desc(img: &DeviceImage, w: &Mat, x: u64, y: u64, part: u64, n: usize, counter: usize) -> (Desc, usize) {
+    /// The descriptor of the product of `w` (its rows at device address `w_at`) with `n <= 16`
+    /// rows at device `x` into device `y` (partial sums at `part` when split, counters from
+    /// `counter`), and its block count.
+    fn desc(w_at: u64, w: &Mat, x: u64, y: u64, part: u64, n: usize, counter: usize) -> (Desc, usize) {
         let s = slices(w);
         let d = Desc {
-            w: img.addr(w.start),
+            w: w_at,
             x,
             y,
             part,
@@ -414,7 +415,8 @@ impl CudaBackend {
         let x = dev + 4 * table_len as u64;
         let y = x + 4 * x_len as u64;
         let part = y + 4 * y_len as u64;
-        let descs: Vec<(Desc, usize)> = mats.iter().map(|m| Self::desc(img, m, x, y, part, n, 0)).collect();
+        let descs: Vec<(Desc, usize)> =
+            mats.iter().map(|m| Self::desc(img.addr(m.start), m, x, y, part, n, 0)).collect();
         let table: Vec<Desc> = descs.iter().map(|d| d.0).collect();
         // SAFETY: inside the scratch allocation; synchronous.
         unsafe {
@@ -587,7 +589,7 @@ impl CudaBackend {
                 let nb = context::BATCH_SIZES.iter().copied().find(|&b| b >= c).expect("c <= 16");
                 let x = at(p.x_off + r * w.n_in);
                 let y = at(p.y_off + r * w.n_out);
-                let (d, blocks) = Self::desc(img, w, x, y, at(part), c, counter);
+                let (d, blocks) = Self::desc(img.addr(w.start), w, x, y, at(part), c, counter);
                 if d.slices > 1 {
                     part += d.slices as usize * c * w.n_out;
                     counter += w.n_out.div_ceil(ROWS_PER_BLOCK);

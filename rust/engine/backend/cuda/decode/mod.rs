@@ -780,7 +780,7 @@ impl CudaDecoder {
                 let mut nmax = 1;
                 for &(m, x, y, rows) in prods.iter().filter(|pr| pr.0.ty == ty) {
                     let part = b.part.ptr + 4 * part_off as u64;
-                    let (mut dsc, nblocks) = CudaBackend::desc(img, &m, x, y, part, rows, counter);
+                    let (mut dsc, nblocks) = CudaBackend::desc(img.addr(m.start), &m, x, y, part, rows, counter);
                     dsc.block_start = blocks as i32;
                     // Only split products use partial sums and counters.
                     let s = slices(&m);
@@ -1019,28 +1019,16 @@ impl CudaDecoder {
             };
             let lgs = mm.max_keys(cfg.window, cfg.index_topk);
             let (logit_blocks, out_blocks) = attention_blocks(nh, hd, lgs);
+            // The keys of each row, as both kernels take them.
+            let keys =
+                [p(mm.ring.ptr), i(mm.slots), i(cfg.window), p(crows), i(ratio), p(sel), p(nsel), i(cfg.index_topk)];
             launch(
                 &mut ops,
                 k.attention_logits,
                 (logit_blocks, nn, 1),
                 256,
                 0,
-                vec![
-                    p(b.q.ptr),
-                    p(mm.ring.ptr),
-                    i(mm.slots),
-                    i(cfg.window),
-                    p(crows),
-                    i(ratio),
-                    p(sel),
-                    p(nsel),
-                    i(cfg.index_topk),
-                    i(nh),
-                    i(hd),
-                    p(b.lg.ptr),
-                    i(lgs),
-                    p(step),
-                ],
+                [vec![p(b.q.ptr)], keys.to_vec(), vec![i(nh), i(hd), p(b.lg.ptr), i(lgs), p(step)]].concat(),
             );
             launch(
                 &mut ops,
@@ -1048,26 +1036,21 @@ impl CudaDecoder {
                 (out_blocks, nn, 1),
                 256,
                 0,
-                vec![
-                    p(b.lg.ptr),
-                    i(lgs),
-                    p(mm.ring.ptr),
-                    i(mm.slots),
-                    i(cfg.window),
-                    p(crows),
-                    i(ratio),
-                    p(sel),
-                    p(nsel),
-                    i(cfg.index_topk),
-                    p(c.sinks.ptr),
-                    i(nh),
-                    i(hd),
-                    p(b.o.ptr),
-                    i(cfg.o_groups),
-                    p(c.inv_freq.ptr),
-                    i(rope_dim),
-                    p(step),
-                ],
+                [
+                    vec![p(b.lg.ptr), i(lgs)],
+                    keys.to_vec(),
+                    vec![
+                        p(c.sinks.ptr),
+                        i(nh),
+                        i(hd),
+                        p(b.o.ptr),
+                        i(cfg.o_groups),
+                        p(c.inv_freq.ptr),
+                        i(rope_dim),
+                        p(step),
+                    ],
+                ]
+                .concat(),
             );
             let (groups, rank) = (cfg.o_groups, cfg.o_lora_rank);
             let gin = nh * hd / groups;
@@ -1109,7 +1092,7 @@ impl CudaDecoder {
             )?;
             // Templates of the routed products (ds4_route fills in expert, rows, offsets).
             let templ = |m: Mat, x: u64, y: u64, part_base: usize, counter: usize| {
-                CudaBackend::desc(img, &m, x, y, b.part.ptr + 4 * part_base as u64, 0, counter).0
+                CudaBackend::desc(img.addr(m.start), &m, x, y, b.part.ptr + 4 * part_base as u64, 0, counter).0
             };
             let (gm, um, dm) = (lw.gate_exps.first, lw.up_exps.first, lw.down_exps.first);
             // Partial sums only for split products (as `products` lays them out).

@@ -6,7 +6,7 @@
 
 use super::testutil::{assert_close, context, split_image, step, Arg, DevBuf};
 use crate::backend::cuda::context::{Context, ROWS_PER_BLOCK, THREADS};
-use crate::backend::cuda::{slices, Desc};
+use crate::backend::cuda::{slices, CudaBackend, Desc};
 use crate::backend::{cpu, Cpu, Ops};
 use crate::model::config::{AttentionKind, LayerSpec, ModelConfig};
 use crate::model::moe;
@@ -120,23 +120,9 @@ fn router(rng: &mut Rng, hash: bool, vocab: usize, k: usize, n_experts: usize) -
 // ---- the device side of the routing: launches, as the decode host code does them
 
 /// The product of `w` (in the device image `img`) with `n` rows at `x` into `y` (partial sums
-/// at `part`, counters from `counter`), and its block count (as CudaBackend::desc).
+/// at `part`, counters from `counter`), and its block count.
 fn product(img: &DevBuf, w: &Mat, x: u64, y: u64, part: u64, n: usize, counter: usize) -> (Desc, usize) {
-    let s = slices(w);
-    let d = Desc {
-        w: img.at(w.start),
-        x,
-        y,
-        part,
-        row_bytes: w.row_bytes as i64,
-        n_out: w.n_out as i32,
-        n_in: w.n_in as i32,
-        n: n as i32,
-        slices: s as i32,
-        block_start: 0,
-        counter: counter as i32,
-    };
-    (d, w.n_out.div_ceil(ROWS_PER_BLOCK) * s)
+    CudaBackend::desc(img.at(w.start), w, x, y, part, n, counter)
 }
 
 /// Launches the product kernel of `ty` for `n` batch rows over `count` descriptors at `table`.
