@@ -73,10 +73,11 @@ fn wide(width: usize) -> u32 {
 /// `DS4_ATTN_HEADS` = 8 heads, times `lg_stride` keys in chunks of `DS4_ATTN_KEYS` = 64 for
 /// `ds4_attention_logits` and `head_dim` columns in slices of `DS4_ATTN_COLS` = 32 for
 /// `ds4_attention`; both launch 256 threads (`DS4_ATTN_THREADS`).
-fn attention_blocks(n_heads: usize, head_dim: usize, lg_stride: usize) -> (u32, u32) {
+fn attention_blocks(n_heads: usize, head_dim: usize, lg_stride: usize) -> Result<(u32, u32)> {
     let groups = n_heads.div_ceil(8);
-    let blocks = |x: usize| u32::try_from(x).expect("attention grid");
-    (blocks(groups * lg_stride.div_ceil(64)), blocks(groups * head_dim.div_ceil(32)))
+    let blocks =
+        |x: usize| u32::try_from(x).map_err(|_| Error::Backend("CUDA decode: attention grid too large".into()));
+    Ok((blocks(groups * lg_stride.div_ceil(64))?, blocks(groups * head_dim.div_ceil(32))?))
 }
 
 /// A new sync tag (never 0).
@@ -1018,7 +1019,7 @@ impl CudaDecoder {
                 _ => (0, 1, 0, 0),
             };
             let lgs = mm.max_keys(cfg.window, cfg.index_topk);
-            let (logit_blocks, out_blocks) = attention_blocks(nh, hd, lgs);
+            let (logit_blocks, out_blocks) = attention_blocks(nh, hd, lgs)?;
             // The keys of each row, as both kernels take them.
             let keys =
                 [p(mm.ring.ptr), i(mm.slots), i(cfg.window), p(crows), i(ratio), p(sel), p(nsel), i(cfg.index_topk)];

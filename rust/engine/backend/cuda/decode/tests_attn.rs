@@ -751,7 +751,7 @@ fn attn_device(ctx: &Context, s: &AttnSetup, keys: Keys, pos0: usize, rows: &[us
     };
     let lgs = WINDOW + max_comp;
     let lg = zeroed(n * heads * lgs * 4);
-    let (logit_blocks, out_blocks) = attention_blocks(heads, hd, lgs);
+    let (logit_blocks, out_blocks) = attention_blocks(heads, hd, lgs).expect("attention grid");
     let keys_args = [ptr(&ringb), int(s.ls.slots), int(WINDOW), crows_arg, int(ratio), sel_arg, nsel_arg, int(topk)];
     let mut args = vec![ptr(&qb)];
     args.extend(keys_args);
