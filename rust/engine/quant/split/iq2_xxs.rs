@@ -1,0 +1,39 @@
+//! IQ2_XXS (super-blocks of 66 bytes: f16 d, then 8 groups of 8 bytes) split: the 64 group
+//! bytes of every super-block, then the 2-byte d's, both in super-block order.
+
+/// GGUF row `src` to the split row `dst`.
+pub(super) fn split(src: &[u8], dst: &mut [u8]) {
+    let nb = src.len() / 66;
+    let (pay, hdr) = dst.split_at_mut(64 * nb);
+    for (k, b) in src.chunks_exact(66).enumerate() {
+        hdr[2 * k..2 * k + 2].copy_from_slice(&b[..2]);
+        pay[64 * k..64 * k + 64].copy_from_slice(&b[2..]);
+    }
+}
+
+/// The inverse of [`split`].
+#[cfg(test)]
+pub(super) fn unsplit(src: &[u8], dst: &mut [u8]) {
+    let nb = src.len() / 66;
+    let (pay, hdr) = src.split_at(64 * nb);
+    for (k, b) in dst.chunks_exact_mut(66).enumerate() {
+        b[..2].copy_from_slice(&hdr[2 * k..2 * k + 2]);
+        b[2..].copy_from_slice(&pay[64 * k..64 * k + 64]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::split::random_rows;
+    use crate::quant::GgmlType;
+
+    #[test]
+    fn groups_then_scales_in_block_order() {
+        let (src, rb) = random_rows(GgmlType::IQ2_XXS, 19 * 256, 1, 6);
+        let mut dst = vec![0u8; rb];
+        split(&src, &mut dst);
+        assert_eq!(&dst[64 * 17..64 * 18], &src[66 * 17 + 2..66 * 18]);
+        assert_eq!(&dst[64 * 19 + 2 * 17..][..2], &src[66 * 17..66 * 17 + 2]);
+    }
+}

@@ -1,0 +1,88 @@
+//! The split row layouts of Q8_0, Q2_K and IQ2_XXS that the CUDA backend keeps in device
+//! memory: each row's blocks split into their payloads (the quant bytes, 16-byte multiples)
+//! and their headers (scales), payloads first, each format arranged for its kernel
+//! (`shaders/cuda/<format>.cu`, read by `matvec_split` in `shaders/cuda/common.cuh`).
+//!
+//! In GGUF order the blocks of these formats are 34, 84 and 66 bytes, so a block's quant
+//! bytes are only 2- or 4-byte aligned and a kernel must either stage rows through shared
+//! memory or read them in small pieces. Split, the payloads of a row are one contiguous run of
+//! 32- or 64-byte pieces that a warp reads in 512-byte *chunks* (16 Q8_0 blocks, 8 super-blocks
+//! of the others), lane `l` bytes `512 c + 16 l` with one 16-byte load, and the headers follow
+//! at `n_blocks * payload`. A row keeps its size, so the split happens in place at upload and
+//! every product, row or expert offset the host computes stays valid.
+//!
+//! Each format's file (`q8_0.rs`, `q2_k.rs`, `iq2_xxs.rs`) defines its layout: `split`, from a
+//! GGUF row to a split one, and, for the tests, `unsplit`, its inverse.
+
+mod iq2_xxs;
+mod q2_k;
+mod q8_0;
+
+use crate::quant::GgmlType;
+
+/// Whether `ty` has a split layout (rows of it are stored split on the device).
+pub(crate) fn is_split(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q8_0 | GgmlType::Q2_K | GgmlType::IQ2_XXS)
+}
+
+/// Rewrites `rows` (whole rows of `ty`, GGUF order) in the split layout, in place.
+/// `row_bytes` must be the format's row size for a whole number of blocks.
+pub(crate) fn split_rows(ty: GgmlType, row_bytes: usize, rows: &mut [u8]) {
+    let nb = row_bytes / ty.block_bytes();
+    debug_assert!(row_bytes == nb * ty.block_bytes() && rows.len().is_multiple_of(row_bytes));
+    let mut src = vec![0u8; row_bytes];
+    for row in rows.chunks_exact_mut(row_bytes) {
+        src.copy_from_slice(row);
+        match ty {
+            GgmlType::Q8_0 => q8_0::split(&src, row),
+            GgmlType::Q2_K => q2_k::split(&src, row),
+            GgmlType::IQ2_XXS => iq2_xxs::split(&src, row),
+            _ => unreachable!("no split layout for {ty}"),
+        }
+    }
+}
+
+/// The inverse of [`split_rows`] (tests: the layout loses nothing).
+#[cfg(test)]
+pub(crate) fn unsplit_rows(ty: GgmlType, row_bytes: usize, rows: &mut [u8]) {
+    let mut src = vec![0u8; row_bytes];
+    for row in rows.chunks_exact_mut(row_bytes) {
+        src.copy_from_slice(row);
+        match ty {
+            GgmlType::Q8_0 => q8_0::unsplit(&src, row),
+            GgmlType::Q2_K => q2_k::unsplit(&src, row),
+            GgmlType::IQ2_XXS => iq2_xxs::unsplit(&src, row),
+            _ => unreachable!("no split layout for {ty}"),
+        }
+    }
+}
+
+/// Test rows: `count` rows of `n_in` random bytes' worth of blocks of `ty`, and their size.
+#[cfg(test)]
+pub(crate) fn random_rows(ty: GgmlType, n_in: usize, count: usize, seed: u64) -> (Vec<u8>, usize) {
+    let mut rng = crate::quant::testutil::Rng(seed);
+    let row_bytes = ty.row_bytes(n_in as u64).expect("row bytes") as usize;
+    ((0..count * row_bytes).map(|_| rng.next_u64() as u8).collect(), row_bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splitting_is_undone_by_unsplitting() {
+        assert!(!is_split(GgmlType::F16) && !is_split(GgmlType::Q4_K));
+        for ty in [GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::IQ2_XXS] {
+            assert!(is_split(ty));
+            // One block, a partial chunk after whole ones, whole chunks only.
+            for n_in in [ty.block_elems(), 7 * ty.block_elems(), 19 * ty.block_elems(), 4096] {
+                let (orig, row_bytes) = random_rows(ty, n_in, 3, n_in as u64);
+                let mut m = orig.clone();
+                split_rows(ty, row_bytes, &mut m);
+                assert_ne!(m, orig, "{ty} x {n_in}");
+                unsplit_rows(ty, row_bytes, &mut m);
+                assert_eq!(m, orig, "{ty} x {n_in}");
+            }
+        }
+    }
+}
