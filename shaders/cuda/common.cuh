@@ -43,8 +43,15 @@ typedef unsigned long long u64;
 
 // Warps per thread block.
 #define MV_WARPS 4
-// Output rows per warp (ROWS_PER_BLOCK = MV_WARPS * MV_ROWS on the host).
+// Output rows per row group: the rows one warp holds (MV_ROWS on the host).
 #define MV_ROWS 4
+// The fewest blocks per SM the product kernels' register budget must allow (at most 128
+// registers a thread: left alone, ptxas gives the kernels of 2..16 batch rows up to 250 and
+// halves their occupancy, which costs more than the few spills of the 8- and 16-row ones).
+// A -D option may override it (scripts/kernel_lab).
+#ifndef MV_MIN_BLOCKS
+#define MV_MIN_BLOCKS 4
+#endif
 // Most batch rows one product chunk has.
 #define MV_MAX_BATCH 16
 
@@ -61,7 +68,19 @@ struct MvDesc {
     int slices;
     int block_start;    // first block of this product in the launch
     int counter;        // first of its row_blocks arrival counters (slices > 1)
+    int group;          // warps that share a row group (matvec_split; 1, 2 or 4; 1 in matvec)
+    int pad[3];
 };
+
+// Output rows per block of a product: MV_WARPS / group row groups of MV_ROWS rows.
+__device__ __forceinline__ int mv_block_rows(const MvDesc& D) {
+    return MV_WARPS / D.group * MV_ROWS;
+}
+
+// Row blocks of a product (the host's `row_blocks`).
+__device__ __forceinline__ int mv_row_blocks(const MvDesc& D) {
+    return (D.n_out + mv_block_rows(D) - 1) / mv_block_rows(D);
+}
 
 __device__ __forceinline__ int imin(int a, int b) {
     return a < b ? a : b;
@@ -149,23 +168,28 @@ struct Mv {
     static constexpr int SMEM = F::LUT_BYTES + XS * 4 + MV_WARPS * MV_ROWS * WS;
 };
 
-// The end of every product kernel: each accumulator's warp sum (a fixed butterfly), written
-// to y, or to the slice's partial sums when the row's inputs are split over several blocks;
-// then the last block of a split row block to finish adds the slices' partial sums.
+// The end of every product kernel: each accumulator's warp sum (a fixed butterfly); when the
+// G = D->group warps of a row group split its chunks, their sums added in warp order (warp
+// p of the group holds chunks p, p + G, ...); the result written to y, or to the slice's
+// partial sums when the row's inputs are split over several blocks; then the last block of a
+// split row block to finish adds the slices' partial sums. Every thread of the block calls it.
 template <int NB>
 __device__ __forceinline__ void mv_store(float (&acc)[MV_ROWS][NB], const MvDesc* D, int slice, int rb, int o0,
                                          int nrows, int* __restrict__ counters) {
     const int tid = threadIdx.x;
     const int lane = tid & 31;
+    const int warp = tid >> 5;
     const int n = D->n;
     const int n_out = D->n_out;
     const int slices = D->slices;
+    const int G = D->group;
     float* y = slices > 1 ? D->part + (long long)slice * n * n_out : D->y;
+    __shared__ float red[MV_WARPS][MV_ROWS][NB];
 #pragma unroll
     for (int q = 0; q < MV_ROWS; q++) {
 #pragma unroll
         for (int r = 0; r < NB; r++) {
-            if (r < n && q < nrows) {
+            if (r < n) {
                 float v = acc[q][r];
                 v += __shfl_xor_sync(0xffffffffu, v, 16);
                 v += __shfl_xor_sync(0xffffffffu, v, 8);
@@ -173,6 +197,26 @@ __device__ __forceinline__ void mv_store(float (&acc)[MV_ROWS][NB], const MvDesc
                 v += __shfl_xor_sync(0xffffffffu, v, 2);
                 v += __shfl_xor_sync(0xffffffffu, v, 1);
                 if (lane == 0) {
+                    if (G == 1) {
+                        if (q < nrows) {
+                            y[(long long)r * n_out + o0 + q] = v;
+                        }
+                    } else {
+                        red[warp][q][r] = v;
+                    }
+                }
+            }
+        }
+    }
+    if (G > 1) {
+        __syncthreads();
+        if (warp % G == 0 && lane == 0) {
+            for (int q = 0; q < nrows; q++) {
+                for (int r = 0; r < n; r++) {
+                    float v = red[warp][q][r];
+                    for (int p = 1; p < G; p++) {
+                        v += red[warp + p][q][r];
+                    }
                     y[(long long)r * n_out + o0 + q] = v;
                 }
             }
@@ -195,8 +239,8 @@ __device__ __forceinline__ void mv_store(float (&acc)[MV_ROWS][NB], const MvDesc
         return;
     }
     __threadfence();
-    const int ob = rb * MV_WARPS * MV_ROWS;
-    const int rows = imin(MV_WARPS * MV_ROWS, n_out - ob);
+    const int ob = rb * mv_block_rows(*D);
+    const int rows = imin(mv_block_rows(*D), n_out - ob);
     for (int i = tid; i < n * rows; i += 32 * MV_WARPS) {
         const int r = i / rows;
         const int o = ob + i % rows;
@@ -212,14 +256,15 @@ __device__ __forceinline__ void mv_store(float (&acc)[MV_ROWS][NB], const MvDesc
 }
 
 // Where block blockIdx.x of a launch works: its product D (the one whose block_start is the
-// last one <= the block), its row block rb and input slice, and its warp's first output row
-// o0 and row count nrows (0 for a warp past n_out).
+// last one <= the block), its row block rb and input slice, its warp's first output row o0
+// and row count nrows (0 for a warp past n_out), and the warp's place p in its row group.
 struct MvBlock {
     const MvDesc* D;
     int rb;
     int slice;
     int o0;
     int nrows;
+    int p;
 };
 
 __device__ __forceinline__ MvBlock mv_block(const MvDesc* __restrict__ descs, int count) {
@@ -231,12 +276,15 @@ __device__ __forceinline__ MvBlock mv_block(const MvDesc* __restrict__ descs, in
     MvBlock B;
     B.D = descs + p;
     const int n_out = B.D->n_out;
-    const int row_blocks = (n_out + MV_WARPS * MV_ROWS - 1) / (MV_WARPS * MV_ROWS);
+    const int G = B.D->group;
+    const int row_blocks = mv_row_blocks(*B.D);
     const int local = b - B.D->block_start;
+    const int warp = threadIdx.x >> 5;
     B.rb = local % row_blocks;
     B.slice = local / row_blocks;
-    B.o0 = B.rb * MV_WARPS * MV_ROWS + (threadIdx.x >> 5) * MV_ROWS;
+    B.o0 = B.rb * mv_block_rows(*B.D) + (warp / G) * MV_ROWS;
     B.nrows = n_out - B.o0 < 0 ? 0 : imin(MV_ROWS, n_out - B.o0);
+    B.p = warp % G;
     return B;
 }
 
@@ -432,24 +480,30 @@ __device__ __forceinline__ void matvec(const MvDesc* __restrict__ descs, int cou
     mv_store<NB>(acc, D, B.slice, B.rb, o0, nrows, counters);
 }
 
-// ---- Products of the split formats (Q8_0, Q2_K, IQ2_XXS; rust/engine/quant/split.rs)
+// ---- Products of the split formats (Q8_0, Q2_K, IQ2_XXS; rust/engine/quant/split/) and the
+// float formats
 //
-// Their rows are stored split on the device: the blocks' payloads (quant bytes) first, one
-// contiguous run of 16-byte multiples, then the blocks' headers (scales) in block order. A
-// warp owns MV_ROWS output rows and walks the payload in *chunks* of 512 bytes: lane l loads
-// bytes 512 c + 16 l of each of its rows with one 16-byte load (the next chunk's loads are in
-// flight while the current one is computed), reads the headers of the blocks it touches, and
-// the x values of its elements straight from global memory (x is small and stays in L1/L2;
-// each float4 serves MV_ROWS rows). There is no shared-memory staging and no barrier.
+// Their rows are read straight from global memory, in *chunks* of 512 payload bytes (the
+// split formats store each row's payloads, the quant bytes, first and the headers after them:
+// rust/engine/quant/split/). Each row group of MV_ROWS rows belongs to G = D->group warps
+// of a block (1, 2 or 4, chosen by the host from the shape so that short rows are not split
+// and long ones are walked by several warps at once): warp p of the group takes chunks
+// p, p + G, p + 2 G, ... of the block's slice, and mv_store adds the G warps' sums in warp
+// order. A lane holds its part of a chunk of each of its rows in registers (F::Chunk); with
+// F::PREFETCH the next chunk's loads are issued before the current one is computed. x is read
+// straight from global memory (it is small and stays in L1/L2; each float4 serves MV_ROWS
+// rows). There is no shared-memory staging and no barrier in the loop.
 //
 // F provides: BLOCK_ELEMS, PAY (payload bytes per block), CB = 512 / PAY (blocks per chunk),
-// LUT_BYTES / init_lut, a Hdr type with hdr(row, hdr_off, c, lane, h), which loads the header
-// words lane l needs for chunk c (with the payload, so that both are in flight together), and
-// dot<NB>(v, h, c, lane, x, n_in, n, acc, smem), which adds lane l's part of chunk c of every
-// row to acc in a fixed order.
+// LUT_BYTES / init_lut, PREFETCH, a Chunk type, load(row, nb, c, lane, vec, ch), which issues
+// the loads of lane l's part of chunk c of a row of nb blocks (vec: the row is 16-byte
+// aligned), and dot<NB>(ch, nb, c, lane, x, n_in, n, acc, smem), which adds lane l's part of
+// chunk c of every row to acc in a fixed order. Both are called by every lane of the warp for
+// every chunk of the slice (a last partial chunk included); they skip the lanes with no data
+// themselves, so that dot may use warp-wide operations.
 //
-// The input split (slices) is by chunks; a row's chunks, lanes, fmaf chains and butterfly do
-// not depend on the batch size (row invariance), as in matvec.
+// The input split (slices, groups) is by chunks; a row's chunks, lanes, fmaf chains, butterfly
+// and group order do not depend on the batch size (row invariance), as in matvec.
 
 // 16 bytes at a 2-byte aligned address (eight 16-bit loads).
 __device__ __forceinline__ uint4 ld16_a2(const u8* p) {
@@ -459,6 +513,15 @@ __device__ __forceinline__ uint4 ld16_a2(const u8* p) {
 // Word i (0..3) of a uint4.
 __device__ __forceinline__ u32 word_of(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Lane l's 16 bytes of chunk c of a row whose payload is `pay` bytes: bytes 512 c + 16 l
+// (no load past the payload).
+__device__ __forceinline__ void ld_lane16(const u8* row, long long pay, int c, int lane, bool vec, uint4& v) {
+    const long long off = 512ll * c + 16 * lane;
+    if (off < pay) {
+        v = vec ? __ldg((const uint4*)(row + off)) : ld16_a2(row + off);
+    }
 }
 
 // For each row r < n: acc[q][r] += s[q] * (w[q] . x[r][e..e + 4]), the dot an fmaf chain from
@@ -487,7 +550,6 @@ template <class F, int NB>
 __device__ __forceinline__ void matvec_split(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters,
                                              u8* smem) {
     const int tid = threadIdx.x;
-    const int lane = tid & 31;
     const MvBlock B = mv_block(descs, count);
     const MvDesc* D = B.D;
     if (D->n == 0) {
@@ -499,10 +561,9 @@ __device__ __forceinline__ void matvec_split(const MvDesc* __restrict__ descs, i
     const int n_out = D->n_out;
     const int n_in = D->n_in;
     const int n = D->n;
-    const int o0 = B.o0;
-    const int nrows = B.nrows;
+    const int G = D->group;
+    const int lane = tid & 31;
     const int nb = n_in / F::BLOCK_ELEMS;
-    const long long hdr = (long long)nb * F::PAY;
     int c0, c1;
     mv_slice((nb + F::CB - 1) / F::CB, D->slices, B.slice, c0, c1);
 
@@ -510,7 +571,7 @@ __device__ __forceinline__ void matvec_split(const MvDesc* __restrict__ descs, i
     const u8* rows[MV_ROWS];
 #pragma unroll
     for (int q = 0; q < MV_ROWS; q++) {
-        rows[q] = w + (long long)imin(o0 + q, n_out - 1) * row_bytes;
+        rows[q] = w + (long long)imin(B.o0 + q, n_out - 1) * row_bytes;
     }
     const bool vec = (((unsigned long long)w | (unsigned long long)row_bytes) & 15ull) == 0;
 
@@ -522,24 +583,18 @@ __device__ __forceinline__ void matvec_split(const MvDesc* __restrict__ descs, i
             acc[q][r] = 0.0f;
         }
     }
-    typedef typename F::Hdr H;
-    uint4 cur[MV_ROWS];
-    uint4 nxt[MV_ROWS];
-    H hcur[MV_ROWS];
-    H hnxt[MV_ROWS];
-    auto load = [&](int c, uint4 (&dst)[MV_ROWS], H (&hd)[MV_ROWS]) {
-        const long long off = 512ll * c + 16 * lane;
-        if (off < hdr) {
+    typedef typename F::Chunk C;
+    C cur[MV_ROWS];
+    auto load = [&](int c, C (&dst)[MV_ROWS]) {
 #pragma unroll
-            for (int q = 0; q < MV_ROWS; q++) {
-                dst[q] = vec ? __ldg((const uint4*)(rows[q] + off)) : ld16_a2(rows[q] + off);
-                F::hdr(rows[q], hdr, c, lane, hd[q]);
-            }
+        for (int q = 0; q < MV_ROWS; q++) {
+            F::load(rows[q], nb, c, lane, vec, dst[q]);
         }
     };
-    const bool work = nrows > 0 && c0 < c1;
+    const int first = c0 + B.p;
+    const bool work = B.nrows > 0 && first < c1;
     if (work) {
-        load(c0, cur, hcur);
+        load(first, cur);
     }
     // The lookup table is filled while the first loads are in flight.
     if (F::LUT_BYTES > 0) {
@@ -547,27 +602,34 @@ __device__ __forceinline__ void matvec_split(const MvDesc* __restrict__ descs, i
         __syncthreads();
     }
     if (work) {
-        for (int c = c0; c < c1; c++) {
-            if (c + 1 < c1) {
-                load(c + 1, nxt, hnxt);
-            }
-            if (512ll * c + 16 * lane < hdr) {
-                F::template dot<NB>(cur, hcur, c, lane, x, n_in, n, acc, smem);
-            }
+        if (F::PREFETCH) {
+            C nxt[MV_ROWS];
+            for (int c = first; c < c1; c += G) {
+                if (c + G < c1) {
+                    load(c + G, nxt);
+                }
+                F::template dot<NB>(cur, nb, c, lane, x, n_in, n, acc, smem);
 #pragma unroll
-            for (int q = 0; q < MV_ROWS; q++) {
-                cur[q] = nxt[q];
-                hcur[q] = hnxt[q];
+                for (int q = 0; q < MV_ROWS; q++) {
+                    cur[q] = nxt[q];
+                }
+            }
+        } else {
+            for (int c = first; c < c1; c += G) {
+                if (c != first) {
+                    load(c, cur);
+                }
+                F::template dot<NB>(cur, nb, c, lane, x, n_in, n, acc, smem);
             }
         }
     }
-    mv_store<NB>(acc, D, B.slice, B.rb, o0, nrows, counters);
+    mv_store<NB>(acc, D, B.slice, B.rb, B.o0, B.nrows, counters);
 }
 
 // The kernels of a split format: ds4_mv_<NAME>_<NB> and ds4_smem_<NAME>_<NB> as MV_KERNEL.
 #define MVS_KERNEL(NAME, F, NB)                                                                                   \
     extern "C" __device__ int ds4_smem_##NAME##_##NB = F::LUT_BYTES;                                             \
-    extern "C" __global__ void __launch_bounds__(32 * MV_WARPS)                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * MV_WARPS, MV_MIN_BLOCKS)                                   \
         ds4_mv_##NAME##_##NB(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters) {          \
         extern __shared__ __align__(16) u8 smem[];                                                               \
         matvec_split<F, NB>(descs, count, counters, smem);                                                       \
@@ -598,11 +660,6 @@ __device__ __forceinline__ void matvec_split(const MvDesc* __restrict__ descs, i
     MV_KERNEL(NAME, F, 16)
 
 // Formats without lookup tables.
-// Formats without headers (the float formats in matvec_split).
-#define MV_NO_HDR                                                                       \
-    struct Hdr {};                                                                      \
-    static __device__ __forceinline__ void hdr(const u8*, long long, int, int, Hdr&) {}
-
 #define MV_NO_LUT                                                          \
     static constexpr int LUT_BYTES = 0;                                    \
     static __device__ __forceinline__ void init_lut(u8*, int) {}

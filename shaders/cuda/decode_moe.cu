@@ -320,7 +320,7 @@ extern "C" __global__ void __launch_bounds__(256)
     }
     __syncthreads();
     const int used = s_dstart[m];
-    const int bpd_gate = ((templ[0].n_out + MV_WARPS * MV_ROWS - 1) / (MV_WARPS * MV_ROWS)) * templ[0].slices;
+    const int bpd_gate = mv_row_blocks(templ[0]) * templ[0].slices;
     for (int q = tid; q < max_descs; q += blockDim.x) {
         int e = 0;
         int off = 0;
@@ -337,18 +337,14 @@ extern "C" __global__ void __launch_bounds__(256)
         }
         for (int t = 0; t < 3; t++) {
             const MvDesc T = templ[t];
-            const int rb = (T.n_out + MV_WARPS * MV_ROWS - 1) / (MV_WARPS * MV_ROWS);
+            const int rb = mv_row_blocks(T);
             const int bpd = rb * T.slices;
-            MvDesc D;
+            MvDesc D = T;
             D.w = T.w + (long long)e * T.row_bytes * T.n_out;
             D.x = T.x + (long long)off * T.n_in;
             D.y = T.y + (long long)off * T.n_out;
             D.part = T.part + (long long)q * T.slices * chunk * T.n_out;
-            D.row_bytes = T.row_bytes;
-            D.n_out = T.n_out;
-            D.n_in = T.n_in;
             D.n = c;
-            D.slices = T.slices;
             D.counter = T.counter + q * rb;
             if (t == 0) {
                 D.block_start = q * bpd;

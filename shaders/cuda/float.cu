@@ -4,6 +4,17 @@
 // runs other shapes on the CPU); when n_in % 8 == 4 the last lane of a half-precision row
 // holds 4 elements, and the bytes it loads past the row are not used.
 
+// The chunk of a float format: lane l's 16 bytes, loaded with the next chunk in flight.
+#define MV_FLOAT_CHUNK                                                                                        \
+    MV_NO_LUT                                                                                                 \
+    static constexpr int PREFETCH = 1;                                                                        \
+    struct Chunk {                                                                                            \
+        uint4 v;                                                                                              \
+    };                                                                                                        \
+    static __device__ __forceinline__ void load(const u8* row, int nb, int c, int lane, bool vec, Chunk& ch) { \
+        ld_lane16(row, (long long)nb * PAY, c, lane, vec, ch.v);                                              \
+    }
+
 // Adds sum_i w[i] * x[r][e0 + i] (i < 4) to each row's accumulators, one fmaf per element.
 template <int NB>
 __device__ __forceinline__ void float_dot4(const float (&wf)[MV_ROWS][4], const float* __restrict__ x, int n_in,
@@ -29,19 +40,21 @@ struct FmtF32 {
     static constexpr int BLOCK_ELEMS = 1;
     static constexpr int PAY = 4;
     static constexpr int CB = 128;
-    MV_NO_LUT
-    MV_NO_HDR
+    MV_FLOAT_CHUNK
 
     template <int NB>
-    static __device__ __forceinline__ void dot(const uint4 (&v)[MV_ROWS], const Hdr (&)[MV_ROWS], int c, int lane,
+    static __device__ __forceinline__ void dot(const Chunk (&v)[MV_ROWS], int nb, int c, int lane,
                                                const float* __restrict__ x, int n_in, int n,
                                                float (&acc)[MV_ROWS][NB], const u8*) {
+        if (128 * c + 4 * lane >= nb) {
+            return;
+        }
         float wf[MV_ROWS][4];
 #pragma unroll
         for (int q = 0; q < MV_ROWS; q++) {
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                wf[q][i] = __uint_as_float(word_of(v[q], i));
+                wf[q][i] = __uint_as_float(word_of(v[q].v, i));
             }
         }
         float_dot4<NB>(wf, x, n_in, n, 128 * c + 4 * lane, acc);
@@ -54,26 +67,28 @@ struct FmtHalf {
     static constexpr int BLOCK_ELEMS = 1;
     static constexpr int PAY = 2;
     static constexpr int CB = 256;
-    MV_NO_LUT
-    MV_NO_HDR
+    MV_FLOAT_CHUNK
 
     static __device__ __forceinline__ float half_f(u32 h) {
         return BF ? bf16_bits_to_f32(h) : f16_bits_to_f32(h);
     }
 
     template <int NB>
-    static __device__ __forceinline__ void dot(const uint4 (&v)[MV_ROWS], const Hdr (&)[MV_ROWS], int c, int lane,
+    static __device__ __forceinline__ void dot(const Chunk (&v)[MV_ROWS], int nb, int c, int lane,
                                                const float* __restrict__ x, int n_in, int n,
                                                float (&acc)[MV_ROWS][NB], const u8*) {
         const int e0 = 256 * c + 8 * lane;
+        if (e0 >= nb) {
+            return;
+        }
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             if (j == 0 || e0 + 4 < n_in) {
                 float wf[MV_ROWS][4];
 #pragma unroll
                 for (int q = 0; q < MV_ROWS; q++) {
-                    const u32 a = word_of(v[q], 2 * j);
-                    const u32 b = word_of(v[q], 2 * j + 1);
+                    const u32 a = word_of(v[q].v, 2 * j);
+                    const u32 b = word_of(v[q].v, 2 * j + 1);
                     wf[q][0] = half_f(a & 0xffffu);
                     wf[q][1] = half_f(a >> 16);
                     wf[q][2] = half_f(b & 0xffffu);

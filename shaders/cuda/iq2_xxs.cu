@@ -7,7 +7,7 @@
 // the program, before this file; each block copies it to shared memory (random per-lane
 // indices into constant memory would serialize, and into global memory touch many lines).
 //
-// On the device rows are split (rust/engine/quant/split.rs): the 64-byte group runs of all
+// On the device rows are split (rust/engine/quant/split/): the 64-byte group runs of all
 // super-blocks, then the 2-byte d's. Lane l's 16 bytes of chunk c are groups 2 (l & 3) and
 // 2 (l & 3) + 1 of super-block 8 c + l / 4. Per 4 weights: sum (+-grid) * x in an fmaf
 // chain, then acc += db * sum.
@@ -24,18 +24,28 @@ struct FmtIQ2_XXS {
         }
     }
 
-    struct Hdr {
+    static constexpr int PREFETCH = 1;
+
+    struct Chunk {
+        uint4 v;
         u32 d;  // the f16 bits of the super-block's d
     };
 
-    static __device__ __forceinline__ void hdr(const u8* row, long long hdr_off, int c, int lane, Hdr& h) {
-        h.d = ld_u16(row + hdr_off + 2 * (CB * c + (lane >> 2)));
+    static __device__ __forceinline__ void load(const u8* row, int nb, int c, int lane, bool vec, Chunk& h) {
+        const long long pay = (long long)nb * PAY;
+        ld_lane16(row, pay, c, lane, vec, h.v);
+        if (512ll * c + 16 * lane < pay) {
+            h.d = ld_u16(row + pay + 2 * (CB * c + (lane >> 2)));
+        }
     }
 
     template <int NB>
-    static __device__ __forceinline__ void dot(const uint4 (&v)[MV_ROWS], const Hdr (&h)[MV_ROWS], int c, int lane,
+    static __device__ __forceinline__ void dot(const Chunk (&h)[MV_ROWS], int nb, int c, int lane,
                                                const float* __restrict__ x, int n_in, int n,
                                                float (&acc)[MV_ROWS][NB], const u8* lut) {
+        if (512ll * c + 16 * lane >= (long long)nb * PAY) {
+            return;
+        }
         const int sb = CB * c + (lane >> 2);
         float d[MV_ROWS];
 #pragma unroll
@@ -49,8 +59,8 @@ struct FmtIQ2_XXS {
             u32 aux0[MV_ROWS], aux1[MV_ROWS];
 #pragma unroll
             for (int q = 0; q < MV_ROWS; q++) {
-                aux0[q] = word_of(v[q], 2 * gg);
-                aux1[q] = word_of(v[q], 2 * gg + 1);
+                aux0[q] = word_of(h[q].v, 2 * gg);
+                aux1[q] = word_of(h[q].v, 2 * gg + 1);
                 db[q] = d[q] * (0.5f + u8f(aux1[q] >> 28)) * 0.25f;
             }
 #pragma unroll

@@ -3,7 +3,7 @@
 // Weight 128 h + 32 s + l is (qs[32 h + l] >> 2 s) & 3 with scale byte 8 h + 2 s + (l >= 16);
 // w = (d * sc) * q - dmin * m (rust/engine/quant/q2_k.rs).
 //
-// On the device rows are split (rust/engine/quant/split.rs): the qs of all super-blocks, then
+// On the device rows are split (rust/engine/quant/split/): the qs of all super-blocks, then
 // per super-block 20 header bytes: the scale bytes reordered so that byte 8 h + 4 f + s is
 // the scale of half h, shift s, quants 16 f..16 f + 16, then d and dmin. Lane l's 16 bytes of
 // chunk c are qs[16 (l & 3)..] of super-block 8 c + l / 4: half h = (l & 3) / 2, quants
@@ -16,21 +16,33 @@ struct FmtQ2_K {
     static constexpr int CB = 8;
     MV_NO_LUT
 
-    struct Hdr {
+    // Rows of expert products are short (one or two chunks): more resident warps pay more
+    // than holding the next chunk (a Q2_K chunk and its headers are 6 registers per row).
+    static constexpr int PREFETCH = 0;
+
+    struct Chunk {
+        uint4 v;
         u32 sc;  // the four scale bytes of the lane's half and quants, shift s in byte s
         u32 dd;  // the f16 bits of d (low half) and dmin (high half)
     };
 
-    static __device__ __forceinline__ void hdr(const u8* row, long long hdr_off, int c, int lane, Hdr& h) {
-        const u8* hp = row + hdr_off + 20ll * (CB * c + (lane >> 2));
-        h.sc = ld_u32_a2(hp + 8 * ((lane & 3) >> 1) + 4 * (lane & 1));
-        h.dd = ld_u32_a2(hp + 16);
+    static __device__ __forceinline__ void load(const u8* row, int nb, int c, int lane, bool vec, Chunk& h) {
+        const long long pay = (long long)nb * PAY;
+        ld_lane16(row, pay, c, lane, vec, h.v);
+        if (512ll * c + 16 * lane < pay) {
+            const u8* hp = row + pay + 20ll * (CB * c + (lane >> 2));
+            h.sc = ld_u32_a2(hp + 8 * ((lane & 3) >> 1) + 4 * (lane & 1));
+            h.dd = ld_u32_a2(hp + 16);
+        }
     }
 
     template <int NB>
-    static __device__ __forceinline__ void dot(const uint4 (&v)[MV_ROWS], const Hdr (&hh)[MV_ROWS], int c, int lane,
+    static __device__ __forceinline__ void dot(const Chunk (&hh)[MV_ROWS], int nb, int c, int lane,
                                                const float* __restrict__ x, int n_in, int n,
                                                float (&acc)[MV_ROWS][NB], const u8*) {
+        if (512ll * c + 16 * lane >= (long long)nb * PAY) {
+            return;
+        }
         const int sb = CB * c + (lane >> 2);
         const int e0 = 256 * sb + 128 * ((lane & 3) >> 1) + 16 * (lane & 1);
         u32 sc[MV_ROWS];
@@ -55,7 +67,7 @@ struct FmtQ2_K {
                 float qf[MV_ROWS][4];
 #pragma unroll
                 for (int q = 0; q < MV_ROWS; q++) {
-                    const u32 qw = (word_of(v[q], j) >> (2 * s)) & 0x03030303u;
+                    const u32 qw = (word_of(hh[q].v, j) >> (2 * s)) & 0x03030303u;
 #pragma unroll
                     for (int i = 0; i < 4; i++) {
                         qf[q][i] = byte_f(qw, i);

@@ -1,6 +1,6 @@
 // Q8_0: blocks of 32 weights, 34 bytes in GGUF: an f16 scale d, then 32 signed bytes q;
 // w = q * d (rust/engine/quant/q8_0.rs). On the device rows are split
-// (rust/engine/quant/split.rs): the 32-byte quant runs of all blocks, then the 2-byte scales.
+// (rust/engine/quant/split/): the 32-byte quant runs of all blocks, then the 2-byte scales.
 // Lane l's 16 bytes of chunk c are half (l & 1) of block 16 c + l / 2: elements
 // 32 k + 16 (l & 1) + 0..15. Per 4 elements: sum q * x in an fmaf chain, then acc += d * sum.
 
@@ -8,20 +8,29 @@ struct FmtQ8_0 {
     static constexpr int BLOCK_ELEMS = 32;
     static constexpr int PAY = 32;
     static constexpr int CB = 16;
+    static constexpr int PREFETCH = 1;
     MV_NO_LUT
 
-    struct Hdr {
-        u32 d;  // the f16 bits of the block's scale
+    struct Chunk {
+        uint4 v;
+        u32 d;
     };
 
-    static __device__ __forceinline__ void hdr(const u8* row, long long hdr_off, int c, int lane, Hdr& h) {
-        h.d = ld_u16(row + hdr_off + 2 * (CB * c + (lane >> 1)));
+    static __device__ __forceinline__ void load(const u8* row, int nb, int c, int lane, bool vec, Chunk& h) {
+        const long long pay = (long long)nb * PAY;
+        ld_lane16(row, pay, c, lane, vec, h.v);
+        if (512ll * c + 16 * lane < pay) {
+            h.d = ld_u16(row + pay + 2 * (CB * c + (lane >> 1)));
+        }
     }
 
     template <int NB>
-    static __device__ __forceinline__ void dot(const uint4 (&v)[MV_ROWS], const Hdr (&h)[MV_ROWS], int c, int lane,
+    static __device__ __forceinline__ void dot(const Chunk (&h)[MV_ROWS], int nb, int c, int lane,
                                                const float* __restrict__ x, int n_in, int n,
                                                float (&acc)[MV_ROWS][NB], const u8*) {
+        if (512ll * c + 16 * lane >= (long long)nb * PAY) {
+            return;
+        }
         const int e0 = 32 * (CB * c + (lane >> 1)) + 16 * (lane & 1);
         float d[MV_ROWS];
 #pragma unroll
@@ -33,7 +42,7 @@ struct FmtQ8_0 {
             float wf[MV_ROWS][4];
 #pragma unroll
             for (int q = 0; q < MV_ROWS; q++) {
-                const u32 word = word_of(v[q], j) ^ 0x80808080u;
+                const u32 word = word_of(h[q].v, j) ^ 0x80808080u;
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
                     wf[q][i] = sbyte_f(word, i);

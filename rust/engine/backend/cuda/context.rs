@@ -40,8 +40,10 @@ pub(crate) const SOURCES: &[(&str, &str)] = &[
 pub(crate) const BATCH_SIZES: [usize; 5] = [1, 2, 4, 8, 16];
 /// Most batch rows one launch computes.
 pub(crate) const MAX_BATCH: usize = 16;
-/// Output rows per thread block (`MV_WARPS * MV_ROWS` in common.cuh).
-pub(crate) const ROWS_PER_BLOCK: usize = 16;
+/// Warps per product block (`MV_WARPS` in common.cuh).
+pub(crate) const MV_WARPS: usize = 4;
+/// Output rows per row group, the rows one warp holds (`MV_ROWS` in common.cuh).
+pub(crate) const MV_ROWS: usize = 4;
 /// Threads per block (`32 * MV_WARPS`).
 pub(crate) const THREADS: u32 = 128;
 

@@ -36,10 +36,10 @@ use std::sync::Arc;
 use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 
-use super::context::{driver_err, Context, MAX_BATCH, ROWS_PER_BLOCK, THREADS};
+use super::context::{driver_err, Context, MAX_BATCH, THREADS};
 use super::device::{Arg, DevBuf};
 use super::weights::DeviceImage;
-use super::{slices, CudaBackend, Desc};
+use super::{row_blocks, slices, CudaBackend, Desc};
 use crate::backend::DeviceDecoder;
 use crate::model::config::AttentionKind;
 use crate::model::draft::DraftKind;
@@ -444,7 +444,7 @@ fn split_need(mats: &[Mat], n: usize) -> (usize, usize) {
         let s = slices(w);
         if s > 1 {
             part += s * n * w.n_out;
-            counters += w.n_out.div_ceil(ROWS_PER_BLOCK);
+            counters += row_blocks(w);
         }
     }
     (part, counters)
@@ -787,7 +787,7 @@ impl CudaDecoder {
                     let s = slices(&m);
                     if s > 1 {
                         part_off += s * rows * m.n_out;
-                        counter += m.n_out.div_ceil(ROWS_PER_BLOCK);
+                        counter += row_blocks(&m);
                     }
                     blocks += nblocks;
                     count += 1;
@@ -1099,7 +1099,7 @@ impl CudaDecoder {
             // Partial sums only for split products (as `products` lays them out).
             let part_of = |m: &Mat| if slices(m) > 1 { max_descs * slices(m) * chunk * m.n_out } else { 0 };
             let gate_part = part_of(&gm);
-            let gate_counters = max_descs * gm.n_out.div_ceil(ROWS_PER_BLOCK);
+            let gate_counters = max_descs * row_blocks(&gm);
             let up_part = part_of(&um);
             let down_part = part_of(&dm);
             if gate_part + up_part > b.part_floats || down_part > b.part_floats {
@@ -1154,7 +1154,7 @@ impl CudaDecoder {
                 0,
                 vec![p(b.h.ptr), p(b.xg.ptr), p(b.gather_src.ptr), i(d)],
             );
-            let bpd = |m: &Mat| m.n_out.div_ceil(ROWS_PER_BLOCK) * slices(m);
+            let bpd = |m: &Mat| row_blocks(m) * slices(m);
             let (fg, sg) = ctx.kernel(gm.ty, chunk).ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
             if um.ty != gm.ty || um.n_out != gm.n_out || um.n_in != gm.n_in {
                 return Err(Error::Backend("CUDA decode: expert gate and up differ in shape (unsupported)".into()));

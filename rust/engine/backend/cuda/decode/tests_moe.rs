@@ -5,8 +5,8 @@
 //! Without a GPU they print "skipped" and pass.
 
 use super::testutil::{assert_close, context, split_image, step, Arg, DevBuf};
-use crate::backend::cuda::context::{Context, ROWS_PER_BLOCK, THREADS};
-use crate::backend::cuda::{slices, CudaBackend, Desc};
+use crate::backend::cuda::context::{Context, THREADS};
+use crate::backend::cuda::{row_blocks, slices, CudaBackend, Desc};
 use crate::backend::{cpu, Cpu, Ops};
 use crate::model::config::{AttentionKind, LayerSpec, ModelConfig};
 use crate::model::moe;
@@ -295,7 +295,7 @@ fn expected_routing(routes: &[(Vec<usize>, Vec<f32>)], n_experts: usize, k: usiz
         }
         comb_cnt[r] = j as i32;
     }
-    let rb = |t: &Desc| (t.n_out as usize).div_ceil(ROWS_PER_BLOCK) as i32;
+    let rb = |t: &Desc| t.row_blocks() as i32;
     let bpd = |t: &Desc| rb(t) * t.slices;
     let slot = |t: &Desc, i: usize| {
         let (e, off, c) = if i < used.len() { (used[i].0, off[i], used[i].1.len()) } else { (0, 0, 0) };
@@ -353,6 +353,8 @@ fn fake_templates(d: usize, ff: usize) -> [Desc; 3] {
         slices,
         block_start: 12345,
         counter,
+        group: 2,
+        pad: [0; 3],
     };
     [t(0x1000_0000_0000, d, ff, 2, 100), t(0x2000_0000_0000, d, ff, 3, 5000), t(0x3000_0000_0000, ff, d, 1, 9000)]
 }
@@ -607,7 +609,7 @@ fn moe_on_device(ctx: &Context, l: &MoeLayer, img: &DevBuf, h: &[f32], tokens: &
     let (g_out, u_out, act_sh, sh_out) = (f32s(n * gs.n_out), f32s(n * us.n_out), f32s(n * gs.n_out), f32s(n * d));
     let (pg, pu, pd) = (f32s(slices(gs) * n * gs.n_out), f32s(slices(us) * n * us.n_out), f32s(slices(ds) * n * d));
     let (dg, bg) = product(img, gs, hb.at(0), g_out.at(0), pg.at(0), n, 0);
-    let (mut du, bu) = product(img, us, hb.at(0), u_out.at(0), pu.at(0), n, gs.n_out.div_ceil(ROWS_PER_BLOCK));
+    let (mut du, bu) = product(img, us, hb.at(0), u_out.at(0), pu.at(0), n, row_blocks(gs));
     du.block_start = bg as i32;
     let table = DevBuf::from_slice(&[dg, du]).expect("table");
     launch_products(ctx, q8, n, table.at(0), 2, bg + bu, &counters);
@@ -628,9 +630,9 @@ fn moe_on_device(ctx: &Context, l: &MoeLayer, img: &DevBuf, h: &[f32], tokens: &
         (f32s(rows * d), f32s(rows * ff), f32s(rows * ff), f32s(rows * ff), f32s(rows * d));
     let (part_g, part_u, part_d) = (f32s(md * sg * n * ff), f32s(md * su * n * ff), f32s(md * sd * n * d));
     let c_gate = 64;
-    let c_up = c_gate + md * ff.div_ceil(ROWS_PER_BLOCK);
-    let c_down = c_up + md * ff.div_ceil(ROWS_PER_BLOCK);
-    assert!(c_down + md * d.div_ceil(ROWS_PER_BLOCK) <= COUNTERS, "counters");
+    let c_up = c_gate + md * row_blocks(&gate);
+    let c_down = c_up + md * row_blocks(&up);
+    assert!(c_down + md * row_blocks(&down) <= COUNTERS, "counters");
     let templ = [
         product(img, &gate, xg.at(0), gout.at(0), part_g.at(0), 0, c_gate).0,
         product(img, &up, xg.at(0), uout.at(0), part_u.at(0), 0, c_up).0,
@@ -640,7 +642,7 @@ fn moe_on_device(ctx: &Context, l: &MoeLayer, img: &DevBuf, h: &[f32], tokens: &
     launch_route(ctx, cfg, &lw.router, &logits, n, &st, &templ_buf, &route, &mut keep);
     let args = [Arg::Ptr(hb.at(0)), Arg::Ptr(xg.at(0)), Arg::Ptr(route.gather_src.at(0)), Arg::I32(d as i32)];
     ctx.launch_named("ds4_gather", (rows as u32, 1, 1), 256, 0, &args).expect("ds4_gather");
-    let bpd = |m: &Mat, s: usize| m.n_out.div_ceil(ROWS_PER_BLOCK) * s;
+    let bpd = |m: &Mat, s: usize| row_blocks(m) * s;
     launch_products(ctx, q8, n, route.gu.at(0), 2 * md, md * (bpd(&gate, sg) + bpd(&up, su)), &counters);
     swiglu(ctx, &gout, &uout, &act, rows * ff, l.spec.clamp_routed);
     launch_products(ctx, q8, n, route.down.at(0), md, md * bpd(&down, sd), &counters);
