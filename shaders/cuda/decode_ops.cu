@@ -109,15 +109,60 @@ __device__ __forceinline__ float ds4_round_store(float x, int mode) {
 // (n)); its block size must be a multiple of 32 of at most 1024 (the host launches 256). The
 // static `red` scratch holds one double per warp.
 
+// Values per thread that the RMS norms keep in registers between their two passes.
+#define DS4_RMS_REGS 16
+
+// ds4_rms_scale with x[threadIdx.x + k * blockDim.x] (k < DS4_RMS_REGS) loaded into v first:
+// all of a thread's loads are in flight at once (the one-at-a-time loop waited for each), and
+// the second pass reads them from registers. Same sum, in the same order, as ds4_rms_scale.
+__device__ __forceinline__ float ds4_rms_scale_regs(const float* x, int width, float eps, double* red,
+                                                    float (&v)[DS4_RMS_REGS]) {
+#pragma unroll
+    for (int k = 0; k < DS4_RMS_REGS; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        v[k] = i < width ? x[i] : 0.0f;
+    }
+    double ss = 0.0;
+#pragma unroll
+    for (int k = 0; k < DS4_RMS_REGS; k++) {
+        if (threadIdx.x + k * blockDim.x < width) {
+            const double d = (double)v[k];
+            ss += d * d;
+        }
+    }
+    for (int i = threadIdx.x + DS4_RMS_REGS * blockDim.x; i < width; i += blockDim.x) {
+        const double d = (double)x[i];
+        ss += d * d;
+    }
+    ss = ds4_block_sum_f64(ss, red);
+    const float mean = (float)(ss / (double)width);
+    return 1.0f / sqrtf(mean + eps);
+}
+
+// y = w * (x * rms_scale(x)) (w = nullptr: y = x * rms_scale(x)) of one row, v from
+// ds4_rms_scale_regs; the caller has synchronized after every read of x (x may be y).
+__device__ __forceinline__ void ds4_rms_store(const float* x, float* y, const float* w, int width, float s,
+                                              const float (&v)[DS4_RMS_REGS]) {
+#pragma unroll
+    for (int k = 0; k < DS4_RMS_REGS; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < width) {
+            y[i] = w ? w[i] * (v[k] * s) : v[k] * s;
+        }
+    }
+    for (int i = threadIdx.x + DS4_RMS_REGS * blockDim.x; i < width; i += blockDim.x) {
+        y[i] = w ? w[i] * (x[i] * s) : x[i] * s;
+    }
+}
+
 // y = x * rms_scale(x), row by row (rust/engine/backend/cpu.rs rms_norm_plain). Grid (n);
 // x and y are [n, width] and may be the same buffer.
 extern "C" __global__ void ds4_rms_plain(const float* x, float* y, int width, float eps) {
     __shared__ double red[32];
     const long long off = (long long)blockIdx.x * width;
-    const float s = ds4_rms_scale(x + off, width, eps, red);
-    for (int i = threadIdx.x; i < width; i += blockDim.x) {
-        y[off + i] = x[off + i] * s;
-    }
+    float v[DS4_RMS_REGS];
+    const float s = ds4_rms_scale_regs(x + off, width, eps, red, v);
+    ds4_rms_store(x + off, y + off, nullptr, width, s, v);
 }
 
 // y = w * (x * rms_scale(x)), row by row (cpu.rs rms_norm: the weight after the scaling).
@@ -125,10 +170,9 @@ extern "C" __global__ void ds4_rms_plain(const float* x, float* y, int width, fl
 extern "C" __global__ void ds4_rms_weight(const float* x, float* y, const float* w, int width, float eps) {
     __shared__ double red[32];
     const long long off = (long long)blockIdx.x * width;
-    const float s = ds4_rms_scale(x + off, width, eps, red);
-    for (int i = threadIdx.x; i < width; i += blockDim.x) {
-        y[off + i] = w[i] * (x[off + i] * s);
-    }
+    float v[DS4_RMS_REGS];
+    const float s = ds4_rms_scale_regs(x + off, width, eps, red, v);
+    ds4_rms_store(x + off, y + off, w, width, s, v);
 }
 
 // 1 / (1 + e^-x) (cpu.rs sigmoid).
@@ -139,17 +183,26 @@ __device__ __forceinline__ float ds4_sigmoid(float x) {
 // Most hyper-connection streams the kernels below handle.
 #define DS4_HC_MAX 8
 
+// Collapse values per thread that ds4_hc_pre keeps in registers for its fused norm.
+#define DS4_HC_REGS 8
+
 // The hyper-connection collapse of one row after its mixing logits (rust/engine/model/hyper.rs
 // pre): logits [n, n_mix] (n_mix = (2 + hc) * hc), x [n, hc * d] streams, y [n, d] the
 // collapse, mix [n, hc + hc * hc] the row's Mix (post[0..hc], then comb[i * hc + j] = weight
 // of input stream i in output stream j, after Sinkhorn). base and scale are the site's
-// HyperWeights base (n_mix floats) and scale (3 floats). Grid (n); hc <= DS4_HC_MAX.
+// HyperWeights base (n_mix floats) and scale (3 floats). With `norm` (d floats, may be null)
+// y is then replaced by its RMS norm with that weight, as ds4_rms_weight (the sublayer's input
+// norm, fused). Grid (n); hc <= DS4_HC_MAX.
+//
+// The collapse needs only pre, not the Sinkhorn iterations: when the mixing math fits in warp
+// 0 (hc * hc <= 32), warp 0 runs it while the other warps collapse the streams.
 extern "C" __global__ void ds4_hc_pre(const float* logits, int n_mix, const float* x, float* y, float* mix,
                                       const float* base, const float* scale, int hc, int d, float hc_eps,
-                                      int iters) {
+                                      int iters, const float* norm, float eps) {
     __shared__ float pre[DS4_HC_MAX];
     __shared__ float post[DS4_HC_MAX];
     __shared__ float comb[DS4_HC_MAX * DS4_HC_MAX];
+    __shared__ double red[32];
     const int r = blockIdx.x;
     const float* m = logits + (long long)r * n_mix;
     // The small mixing math, one thread per element of comb (thread k < hc also makes pre[k]
@@ -160,7 +213,7 @@ extern "C" __global__ void ds4_hc_pre(const float* logits, int n_mix, const floa
     const bool mine = k < hc * hc;
     // With hc * hc <= 32 every element belongs to warp 0: warp barriers order the steps (a
     // block barrier over 1024 threads, 80 times per row, cost more than the math).
-    const bool one_warp = hc * hc <= 32;
+    const bool one_warp = hc * hc <= 32 && blockDim.x > 32;
     auto sync = [&]() {
         if (one_warp) {
             __syncwarp();
@@ -179,33 +232,48 @@ extern "C" __global__ void ds4_hc_pre(const float* logits, int n_mix, const floa
         v = m[2 * hc + k] * scale[2] + base[2 * hc + k];
         comb[k] = v;
     }
-    sync();
-    // Softmax of each row, then + hc_eps.
-    if (mine) {
-        const float* row = comb + ci * hc;
-        float mx = -__int_as_float(0x7f800000);
-        for (int j = 0; j < hc; j++) {
-            mx = fmaxf(mx, row[j]);
+    __syncthreads();
+    auto sinkhorn = [&]() {
+        // Softmax of each row, then + hc_eps.
+        if (mine) {
+            const float* row = comb + ci * hc;
+            float mx = -__int_as_float(0x7f800000);
+            for (int j = 0; j < hc; j++) {
+                mx = fmaxf(mx, row[j]);
+            }
+            float sum = 0.0f;
+            for (int j = 0; j < hc; j++) {
+                sum += expf(row[j] - mx);
+            }
+            v = expf(v - mx) / sum + hc_eps;
         }
-        float sum = 0.0f;
-        for (int j = 0; j < hc; j++) {
-            sum += expf(row[j] - mx);
+        sync();
+        if (mine) {
+            comb[k] = v;
         }
-        v = expf(v - mx) / sum + hc_eps;
-    }
-    sync();
-    if (mine) {
-        comb[k] = v;
-    }
-    sync();
-    // Sinkhorn (hyper.rs sinkhorn): one column normalization, then iters - 1 rounds of row then
-    // column normalization; sums in index order, then + hc_eps.
-    for (int it = 0; it < iters; it++) {
-        if (it > 0) {
+        sync();
+        // Sinkhorn (hyper.rs sinkhorn): one column normalization, then iters - 1 rounds of row
+        // then column normalization; sums in index order, then + hc_eps.
+        for (int it = 0; it < iters; it++) {
+            if (it > 0) {
+                if (mine) {
+                    float s = 0.0f;
+                    for (int j = 0; j < hc; j++) {
+                        s += comb[ci * hc + j];
+                    }
+                    s += hc_eps;
+                    v = comb[k] / s;
+                }
+                sync();
+                if (mine) {
+                    comb[k] = v;
+                }
+                sync();
+            }
             if (mine) {
                 float s = 0.0f;
-                for (int j = 0; j < hc; j++) {
-                    s += comb[ci * hc + j];
+                for (int i = 0; i < hc; i++) {
+                    s += comb[i * hc + cj];
                 }
                 s += hc_eps;
                 v = comb[k] / s;
@@ -216,33 +284,86 @@ extern "C" __global__ void ds4_hc_pre(const float* logits, int n_mix, const floa
             }
             sync();
         }
-        if (mine) {
-            float s = 0.0f;
-            for (int i = 0; i < hc; i++) {
-                s += comb[i * hc + cj];
-            }
-            s += hc_eps;
-            v = comb[k] / s;
-        }
-        sync();
-        if (mine) {
-            comb[k] = v;
-        }
-        sync();
-    }
-    __syncthreads();
+    };
+    // The collapse, by threads c0.. (all of them, or all but warp 0): thread t owns elements
+    // t + j * workers; the first DS4_HC_REGS of them stay in registers for the norm.
+    const int c0 = one_warp ? 32 : 0;
+    const int workers = blockDim.x - c0;
+    const int t = threadIdx.x - c0;
     const float* xs = x + (long long)r * hc * d;
     float* yr = y + (long long)r * d;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        float acc = 0.0f;
-        for (int s = 0; s < hc; s++) {
-            acc += pre[s] * xs[(long long)s * d + i];
+    float yv[DS4_HC_REGS];
+    auto collapse = [&]() {
+#pragma unroll
+        for (int j = 0; j < DS4_HC_REGS; j++) {
+            const int i = t + j * workers;
+            yv[j] = 0.0f;
+            if (i < d) {
+                float acc = 0.0f;
+                for (int s = 0; s < hc; s++) {
+                    acc += pre[s] * xs[(long long)s * d + i];
+                }
+                yv[j] = acc;
+                if (!norm) {
+                    yr[i] = acc;
+                }
+            }
         }
-        yr[i] = acc;
+        for (int i = t + DS4_HC_REGS * workers; i < d; i += workers) {
+            float acc = 0.0f;
+            for (int s = 0; s < hc; s++) {
+                acc += pre[s] * xs[(long long)s * d + i];
+            }
+            yr[i] = acc;
+        }
+    };
+    if (one_warp) {
+        if (threadIdx.x < 32) {
+            sinkhorn();
+        } else {
+            collapse();
+        }
+    } else {
+        sinkhorn();
+        collapse();
     }
+    __syncthreads();
     float* mr = mix + (long long)r * (hc + hc * hc);
     for (int k = threadIdx.x; k < hc + hc * hc; k += blockDim.x) {
         mr[k] = k < hc ? post[k] : comb[k - hc];
+    }
+    if (!norm) {
+        return;
+    }
+    // The norm: the sum of squares in double over the thread's elements in order, the block
+    // sum, then y = norm * (y * scale) (ds4_rms_scale, ds4_rms_weight).
+    double ss = 0.0;
+    if (t >= 0) {
+#pragma unroll
+        for (int j = 0; j < DS4_HC_REGS; j++) {
+            if (t + j * workers < d) {
+                const double q = (double)yv[j];
+                ss += q * q;
+            }
+        }
+        for (int i = t + DS4_HC_REGS * workers; i < d; i += workers) {
+            const double q = (double)yr[i];
+            ss += q * q;
+        }
+    }
+    ss = ds4_block_sum_f64(ss, red);
+    const float sc = 1.0f / sqrtf((float)(ss / (double)d) + eps);
+    if (t >= 0) {
+#pragma unroll
+        for (int j = 0; j < DS4_HC_REGS; j++) {
+            const int i = t + j * workers;
+            if (i < d) {
+                yr[i] = norm[i] * (yv[j] * sc);
+            }
+        }
+        for (int i = t + DS4_HC_REGS * workers; i < d; i += workers) {
+            yr[i] = norm[i] * (yr[i] * sc);
+        }
     }
 }
 

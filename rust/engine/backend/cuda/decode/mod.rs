@@ -859,9 +859,10 @@ impl CudaDecoder {
                         i(d),
                         fl(cfg.hc_eps),
                         i(cfg.sinkhorn_iters),
+                        p(norm),
+                        fl(cfg.rms_eps),
                     ],
                 );
-                launch(ops, k.rms_weight, g1, wide(d), 0, vec![p(b.h.ptr), p(b.h.ptr), p(norm), i(d), fl(cfg.rms_eps)]);
                 Ok(())
             };
             // ---- attention

@@ -199,11 +199,20 @@ fn mix_logits(ops: Ops<'_>, w: &HyperWeights, x: &[f32]) -> Vec<f32> {
     ops.matmul(&w.proj, &flat).expect("mixing logits")
 }
 
-/// `ds4_hc_pre` over the rows of `logits`: (y, mix).
-fn run_hc_pre(ctx: &Context, logits: &[f32], x: &[f32], w: &HyperWeights, d: usize) -> (Vec<f32>, Vec<f32>) {
+/// `ds4_hc_pre` over the rows of `logits`, its collapse normed with weight `norm` when given:
+/// (y, mix).
+fn run_hc_pre(
+    ctx: &Context,
+    logits: &[f32],
+    x: &[f32],
+    w: &HyperWeights,
+    d: usize,
+    norm: Option<&[f32]>,
+) -> (Vec<f32>, Vec<f32>) {
     let n_mix = (2 + HC) * HC;
     let n = logits.len() / n_mix;
     let (lb, xb, bb, sb) = (buf(logits), buf(x), buf(&w.base), buf(&w.scale));
+    let nb = norm.map(buf);
     let yb = DevBuf::zeroed(n * d * 4).expect("y");
     let mb = DevBuf::zeroed(n * (HC + HC * HC) * 4).expect("mix");
     launch(
@@ -222,6 +231,8 @@ fn run_hc_pre(ctx: &Context, logits: &[f32], x: &[f32], w: &HyperWeights, d: usi
             Arg::I32(d as i32),
             Arg::F32(HC_EPS),
             Arg::I32(ITERS as i32),
+            nb.as_ref().map_or(Arg::Ptr(0), ptr),
+            Arg::F32(EPS),
         ],
     );
     (read(ctx, &yb, n * d), read(ctx, &mb, n * (HC + HC * HC)))
@@ -239,18 +250,31 @@ fn hc_pre_matches_cpu() {
         let cfg = config(d, 1, 64);
         let (want_y, mixes) = hyper::pre(ops, &w, &x, &cfg).expect("hyper::pre");
         let logits = mix_logits(ops, &w, &x);
-        let (y, mix) = run_hc_pre(&ctx, &logits, &x, &w, d);
+        let (y, mix) = run_hc_pre(&ctx, &logits, &x, &w, d, None);
         assert_close(&format!("ds4_hc_pre y, d {d}"), &y, &want_y, 1e-5);
+        // With the sublayer's norm fused: the CPU's rms_norm of the collapse.
+        let nw = randn(d, 60 + k as u64, 1.0);
+        let mut want_normed = want_y.clone();
+        for row in want_normed.chunks_mut(d) {
+            rms_norm(row, &nw, EPS);
+        }
+        let (normed, mix2) = run_hc_pre(&ctx, &logits, &x, &w, d, Some(&nw));
+        assert_close(&format!("ds4_hc_pre normed y, d {d}"), &normed, &want_normed, 1e-5);
+        assert_eq!(mix2, mix, "ds4_hc_pre mix with the norm, d {d}");
+        assert_rows_invariant(&format!("ds4_hc_pre normed y, d {d}"), &normed, n, |r| {
+            let (lr, xr) = (&logits[r * n_mix..(r + 1) * n_mix], &x[r * HC * d..(r + 1) * HC * d]);
+            run_hc_pre(&ctx, lr, xr, &w, d, Some(&nw)).0
+        });
         for (r, m) in mixes.iter().enumerate() {
             let got = &mix[r * (HC + HC * HC)..(r + 1) * (HC + HC * HC)];
             assert_close(&format!("ds4_hc_pre post, d {d}, row {r}"), &got[..HC], &m.post, 1e-5);
             assert_close(&format!("ds4_hc_pre comb, d {d}, row {r}"), &got[HC..], &m.comb, 5e-5);
         }
         assert_rows_invariant(&format!("ds4_hc_pre y, d {d}"), &y, n, |r| {
-            run_hc_pre(&ctx, &logits[r * n_mix..(r + 1) * n_mix], &x[r * HC * d..(r + 1) * HC * d], &w, d).0
+            run_hc_pre(&ctx, &logits[r * n_mix..(r + 1) * n_mix], &x[r * HC * d..(r + 1) * HC * d], &w, d, None).0
         });
         assert_rows_invariant(&format!("ds4_hc_pre mix, d {d}"), &mix, n, |r| {
-            run_hc_pre(&ctx, &logits[r * n_mix..(r + 1) * n_mix], &x[r * HC * d..(r + 1) * HC * d], &w, d).1
+            run_hc_pre(&ctx, &logits[r * n_mix..(r + 1) * n_mix], &x[r * HC * d..(r + 1) * HC * d], &w, d, None).1
         });
     }
 }
