@@ -82,6 +82,19 @@ __device__ __forceinline__ int mv_row_blocks(const MvDesc& D) {
     return (D.n_out + mv_block_rows(D) - 1) / mv_block_rows(D);
 }
 
+// Programmatic dependent launch (sm_90 and later, when the host launches with the attribute:
+// rust/engine/backend/cuda/device.rs): every kernel first lets the next kernel of the stream
+// start placing its blocks, which then wait here until this grid has finished and its writes
+// are visible. The wait comes before any global memory access, so each kernel sees exactly
+// what plain stream order gives it; what is saved is the launch gap between kernels. Every
+// __global__ kernel of the program calls this first. Elsewhere both are no-ops.
+__device__ __forceinline__ void ds4_grid_deps() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ int imin(int a, int b) {
     return a < b ? a : b;
 }
@@ -631,6 +644,7 @@ __device__ __forceinline__ void matvec_split(const MvDesc* __restrict__ descs, i
     extern "C" __device__ int ds4_smem_##NAME##_##NB = F::LUT_BYTES;                                             \
     extern "C" __global__ void __launch_bounds__(32 * MV_WARPS, MV_MIN_BLOCKS)                                   \
         ds4_mv_##NAME##_##NB(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters) {          \
+        ds4_grid_deps();                                                                                         \
         extern __shared__ __align__(16) u8 smem[];                                                               \
         matvec_split<F, NB>(descs, count, counters, smem);                                                       \
     }
@@ -648,6 +662,7 @@ __device__ __forceinline__ void matvec_split(const MvDesc* __restrict__ descs, i
     extern "C" __device__ int ds4_smem_##NAME##_##NB = Mv<F, NB>::SMEM;                                          \
     extern "C" __global__ void __launch_bounds__(32 * MV_WARPS)                                                  \
         ds4_mv_##NAME##_##NB(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters) {          \
+        ds4_grid_deps();                                                                                         \
         extern __shared__ __align__(16) u8 smem[];                                                               \
         matvec<F, NB>(descs, count, counters, smem);                                                             \
     }

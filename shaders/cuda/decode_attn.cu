@@ -21,6 +21,7 @@
 // ring[((step[0] + r) % slots) * head_dim + i] = kv[r * head_dim + i]. Grid (n), any block.
 extern "C" __global__ void ds4_ring_write(const float* __restrict__ kv, float* __restrict__ ring, int slots,
                                           int head_dim, const int* __restrict__ step) {
+    ds4_grid_deps();
     const int r = blockIdx.x;
     const long long pos = (long long)step[0] + r;
     float* dst = ring + (pos % slots) * head_dim;
@@ -47,6 +48,7 @@ extern "C" __global__ void ds4_compress(const float* __restrict__ kv, const floa
                                         float* cur_kv, float* cur_score, float* prev, float* backup, float* rows,
                                         int width, int ratio, int overlap, const float* __restrict__ inv_freq,
                                         int rope_dim, int round_mode, int n, const int* __restrict__ step) {
+    ds4_grid_deps();
     __shared__ double red[32];
     __shared__ float row[DS4_COMP_MAX_WIDTH];
     const int R = ratio;
@@ -221,6 +223,7 @@ extern "C" __global__ void __launch_bounds__(256)
     ds4_index_scores(const float* __restrict__ iq, const float* __restrict__ g, const float* __restrict__ irows,
                      int heads, int head_dim, int ratio, int topk, float* __restrict__ scores, int score_stride,
                      const int* __restrict__ step) {
+    ds4_grid_deps();
     __shared__ __align__(16) float q_sh[DS4_INDEX_MAX_Q];
     __shared__ float g_sh[DS4_INDEX_MAX_HEADS];
     const int r = blockIdx.y;
@@ -332,6 +335,7 @@ __device__ __forceinline__ u32 ds4_block_scan_u32(u32 v, u32* ws, u32* total) {
 extern "C" __global__ void __launch_bounds__(1024)
     ds4_index_topk(const float* __restrict__ scores, int score_stride, int ratio, int topk, int* __restrict__ sel,
                    int* __restrict__ nsel, const int* __restrict__ step) {
+    ds4_grid_deps();
     __shared__ u32 hist[256];
     __shared__ u32 ws[33];
     __shared__ u32 s_digit;
@@ -551,6 +555,7 @@ extern "C" __global__ void __launch_bounds__(DS4_ATTN_THREADS)
                          const float* __restrict__ crows, int ratio, const int* __restrict__ sel,
                          const int* __restrict__ nsel, int sel_stride, int n_heads, int head_dim,
                          float* __restrict__ lg, int lg_stride, const int* __restrict__ step) {
+    ds4_grid_deps();
     constexpr int NW = DS4_ATTN_THREADS / 32;
     constexpr int KPW = DS4_ATTN_KEYS / NW;  // keys per warp
     static_assert(DS4_ATTN_HEADS == 8 && DS4_ATTN_KEYS <= DS4_ATTN_THREADS && DS4_ATTN_KEYS % NW == 0,
@@ -690,6 +695,7 @@ extern "C" __global__ void __launch_bounds__(DS4_ATTN_THREADS)
                   const int* __restrict__ nsel, int sel_stride, const float* __restrict__ sinks, int n_heads,
                   int head_dim, float* __restrict__ out, int groups, const float* __restrict__ inv_freq,
                   int rope_dim, const int* __restrict__ step) {
+    ds4_grid_deps();
     constexpr int NW = DS4_ATTN_THREADS / 32;
     static_assert(NW == DS4_ATTN_HEADS && DS4_ATTN_TILE == DS4_ATTN_THREADS &&
                       DS4_ATTN_HEADS * DS4_ATTN_COLS == DS4_ATTN_THREADS && DS4_ATTN_COLS == 32,

@@ -80,6 +80,7 @@ extern "C" __global__ void __launch_bounds__(256)
               MvDesc* __restrict__ gu, MvDesc* __restrict__ down, int max_descs, const MvDesc* __restrict__ templ,
               int* __restrict__ gather_src, int* __restrict__ comb_slot, float* __restrict__ comb_w,
               int* __restrict__ comb_cnt, int chunk) {
+    ds4_grid_deps();
     // Each warp's scores of its current row, and the experts it has picked.
     __shared__ float sc[MOE_MAX_WARPS][MOE_MAX_EXPERTS];
     __shared__ u32 taken[MOE_MAX_WARPS][MOE_WORDS];
@@ -364,6 +365,7 @@ extern "C" __global__ void __launch_bounds__(256)
 // Grid (n * k), block 256 (any size).
 extern "C" __global__ void ds4_gather(const float* __restrict__ h, float* __restrict__ xg,
                                       const int* __restrict__ gather_src, int d) {
+    ds4_grid_deps();
     const int j = blockIdx.x;
     const int src = gather_src[j];
     if (src < 0) {
@@ -390,6 +392,7 @@ extern "C" __global__ void ds4_gather(const float* __restrict__ h, float* __rest
 extern "C" __global__ void ds4_moe_combine(const float* __restrict__ down_out, const int* __restrict__ comb_slot,
                                            const float* __restrict__ comb_w, const int* __restrict__ comb_cnt,
                                            const float* __restrict__ shared, float* __restrict__ out, int k, int d) {
+    ds4_grid_deps();
     const int r = blockIdx.y;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= d) {

@@ -158,6 +158,7 @@ __device__ __forceinline__ void ds4_rms_store(const float* x, float* y, const fl
 // y = x * rms_scale(x), row by row (rust/engine/backend/cpu.rs rms_norm_plain). Grid (n);
 // x and y are [n, width] and may be the same buffer.
 extern "C" __global__ void ds4_rms_plain(const float* x, float* y, int width, float eps) {
+    ds4_grid_deps();
     __shared__ double red[32];
     const long long off = (long long)blockIdx.x * width;
     float v[DS4_RMS_REGS];
@@ -168,6 +169,7 @@ extern "C" __global__ void ds4_rms_plain(const float* x, float* y, int width, fl
 // y = w * (x * rms_scale(x)), row by row (cpu.rs rms_norm: the weight after the scaling).
 // Grid (n); x and y are [n, width] and may be the same buffer; w has width floats.
 extern "C" __global__ void ds4_rms_weight(const float* x, float* y, const float* w, int width, float eps) {
+    ds4_grid_deps();
     __shared__ double red[32];
     const long long off = (long long)blockIdx.x * width;
     float v[DS4_RMS_REGS];
@@ -199,6 +201,7 @@ __device__ __forceinline__ float ds4_sigmoid(float x) {
 extern "C" __global__ void ds4_hc_pre(const float* logits, int n_mix, const float* x, float* y, float* mix,
                                       const float* base, const float* scale, int hc, int d, float hc_eps,
                                       int iters, const float* norm, float eps) {
+    ds4_grid_deps();
     __shared__ float pre[DS4_HC_MAX];
     __shared__ float post[DS4_HC_MAX];
     __shared__ float comb[DS4_HC_MAX * DS4_HC_MAX];
@@ -371,6 +374,7 @@ extern "C" __global__ void ds4_hc_pre(const float* logits, int n_mix, const floa
 // x_j = post_j * f + sum_i comb[i * hc + j] * old x_i, with f [n, d] the sublayer output and
 // mix [n, hc + hc * hc] from ds4_hc_pre. Grid (ceil(d / blockDim.x), n); hc <= DS4_HC_MAX.
 extern "C" __global__ void ds4_hc_post(float* x, const float* f, const float* mix, int hc, int d) {
+    ds4_grid_deps();
     const int r = blockIdx.y;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= d) {
@@ -401,6 +405,7 @@ extern "C" __global__ void ds4_hc_post(float* x, const float* f, const float* mi
 // base (hc floats) and scale (scale[0] used) of hc_head. Grid (n); hc <= DS4_HC_MAX.
 extern "C" __global__ void ds4_hc_head(const float* logits, const float* x, float* y, const float* base,
                                        const float* scale, int hc, int d, float hc_eps) {
+    ds4_grid_deps();
     __shared__ float pre[DS4_HC_MAX];
     const int r = blockIdx.x;
     if (threadIdx.x < hc) {
@@ -424,6 +429,7 @@ extern "C" __global__ void ds4_hc_head(const float* logits, const float* x, floa
 // rotated at position step[0] + r. inv_freq: rope_dim / 2 floats. Grid (n_heads, n).
 extern "C" __global__ void ds4_finish_q(float* q, int n_heads, int head_dim, float eps, const float* inv_freq,
                                         int rope_dim, const int* step) {
+    ds4_grid_deps();
     __shared__ double red[32];
     const int h = blockIdx.x;
     const int r = blockIdx.y;
@@ -444,6 +450,7 @@ extern "C" __global__ void ds4_finish_q(float* q, int n_heads, int head_dim, flo
 // every feature rounded to the storage precision (round_mode: 0 f32, 1 f16). Grid (n).
 extern "C" __global__ void ds4_finish_kv(float* kv, const float* w, int head_dim, float eps, const float* inv_freq,
                                          int rope_dim, int round_mode, const int* step) {
+    ds4_grid_deps();
     __shared__ double red[32];
     const int r = blockIdx.x;
     float* v = kv + (long long)r * head_dim;
@@ -468,6 +475,7 @@ extern "C" __global__ void ds4_finish_kv(float* kv, const float* w, int head_dim
 // (1 / sqrt(heads)), the block of head h doing g[r * heads + h]. Grid (heads, n).
 extern "C" __global__ void ds4_finish_index(float* iq, float* g, int heads, int head_dim, const float* inv_freq,
                                             int rope_dim, int round_mode, float g_scale, const int* step) {
+    ds4_grid_deps();
     const int h = blockIdx.x;
     const int r = blockIdx.y;
     float* v = iq + ((long long)r * heads + h) * head_dim;
@@ -488,6 +496,7 @@ extern "C" __global__ void ds4_finish_index(float* iq, float* g, int heads, int 
 // clamp(u, -clamp, clamp), silu(x) = x / (1 + e^-x) (cpu.rs silu), over count elements.
 // Grid (ceil(count / blockDim.x)).
 extern "C" __global__ void ds4_swiglu(const float* g, const float* u, float* out, int count, float clamp) {
+    ds4_grid_deps();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= count) {
         return;
@@ -506,6 +515,7 @@ extern "C" __global__ void ds4_swiglu(const float* g, const float* u, float* out
 // Group-major to row-major: src [groups, n, rank] (group g's product over the n rows) to
 // dst [n, groups * rank]. Grid (ceil(groups * rank / blockDim.x), n): n = gridDim.y.
 extern "C" __global__ void ds4_group_to_rows(const float* src, float* dst, int groups, int n, int rank) {
+    ds4_grid_deps();
     const int r = blockIdx.y;
     const int k = blockIdx.x * blockDim.x + threadIdx.x;
     if (k >= groups * rank) {

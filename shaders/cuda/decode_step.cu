@@ -12,6 +12,7 @@ struct Ds4Copy {
 // Block i copies run i of `runs` into `dst`: what a step wrote to the device state (ring rows,
 // compressor slots, emitted rows), packed for one device-to-host copy.
 extern "C" __global__ void ds4_pack(const Ds4Copy* __restrict__ runs, float* __restrict__ dst) {
+    ds4_grid_deps();
     const Ds4Copy c = runs[blockIdx.x];
     for (long long i = threadIdx.x; i < c.len; i += blockDim.x) {
         dst[c.off + i] = c.src[i];

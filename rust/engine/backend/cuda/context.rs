@@ -226,6 +226,9 @@ pub(crate) struct Context {
     pub(crate) name: String,
     pub(crate) compute_capability: (i32, i32),
     pub(crate) multiprocessors: i32,
+    /// Whether decode launches allow programmatic dependent launch (sm_90 and later, unless
+    /// `DS4_CUDA_PDL=0`; see `Context::launch_args`).
+    pub(crate) pdl: bool,
 }
 
 // SAFETY: the raw handles (stream, module, functions) are plain driver handles, valid in any
@@ -267,8 +270,9 @@ impl Context {
                 return Err(Error::Backend(format!("CUDA: loading the kernels' PTX on {name}: {e}")));
             }
         };
+        let pdl = major >= 9 && !std::env::var("DS4_CUDA_PDL").is_ok_and(|v| v == "0");
         let mut me =
-            Context { ctx, stream, module, kernels: HashMap::new(), name, compute_capability, multiprocessors };
+            Context { ctx, stream, module, kernels: HashMap::new(), name, compute_capability, multiprocessors, pdl };
         for (ty, stem) in FORMATS {
             for nb in BATCH_SIZES {
                 let fname = CString::new(format!("ds4_mv_{stem}_{nb}")).expect("no NUL in kernel names");

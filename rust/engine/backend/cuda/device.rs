@@ -113,7 +113,10 @@ impl Context {
     }
 
     /// Launches `f` on the context's stream over `grid` blocks of `block` threads with `smem`
-    /// bytes of dynamic shared memory (more than 48 KiB is opted into here).
+    /// bytes of dynamic shared memory (more than 48 KiB is opted into here). On sm_90 and
+    /// later the launch allows programmatic dependent launch: the kernel's blocks may be placed
+    /// while the previous kernel finishes, and wait for it in `ds4_grid_deps`
+    /// (shaders/cuda/common.cuh), which every kernel calls first; `DS4_CUDA_PDL=0` turns it off.
     pub(crate) fn launch_args(
         &self,
         f: sys::CUfunction,
@@ -147,7 +150,27 @@ impl Context {
                 )
                 .map_err(driver_err("allowing a kernel its shared memory"))?;
             }
-            cu::launch_kernel(f, grid, (block, 1, 1), smem, self.stream, &mut params)
+            if !self.pdl {
+                return cu::launch_kernel(f, grid, (block, 1, 1), smem, self.stream, &mut params)
+                    .map_err(driver_err("launching a kernel"));
+            }
+            let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let cfg = sys::CUlaunchConfig {
+                gridDimX: grid.0,
+                gridDimY: grid.1,
+                gridDimZ: grid.2,
+                blockDimX: block,
+                blockDimY: 1,
+                blockDimZ: 1,
+                sharedMemBytes: smem,
+                hStream: self.stream,
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            sys::cuLaunchKernelEx(&cfg, f, params.as_mut_ptr(), std::ptr::null_mut())
+                .result()
                 .map_err(driver_err("launching a kernel"))
         }
     }
