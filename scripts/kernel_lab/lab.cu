@@ -1,0 +1,179 @@
+// Kernel lab: times ds4's product kernels outside the engine, from a cubin (or PTX) of the
+// kernel program made by build_ptx.py, with the descriptor settings given on each input line,
+// so that kernel variants (other -D values, other .cu files, other warp groups) can be compared
+// in one short run on a GPU machine that has no Rust. See README.md.
+//
+//   nvcc -O2 -o lab lab.cu -lcuda && ./lab < configs.txt
+//
+// A line: MODULE DESC_BYTES FORMAT NB N_OUT N_IN GROUP ROWS_PER_WARP TILE_ELEMS BLOCK_ELEMS
+// BLOCK_BYTES EXPERTS. DESC_BYTES is the size of MvDesc in that program (80 now, 64 before
+// warp groups); EXPERTS is how many products of the shape one launch runs (as the routed
+// experts do). Every product reads a matrix of its own, and enough copies are cycled that the
+// launches read DRAM, not L2. Prints per line: registers, blocks, slices, microseconds per
+// launch (mean of 200 back-to-back launches after 20 warm-up ones, CUDA events), GB/s.
+#include <cuda.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#define CK(x)                                                   \
+    do {                                                        \
+        CUresult r_ = (x);                                      \
+        if (r_ != CUDA_SUCCESS) {                               \
+            const char* s_;                                     \
+            cuGetErrorString(r_, &s_);                          \
+            printf("error in %s: %s\n", #x, s_);                \
+            exit(1);                                            \
+        }                                                       \
+    } while (0)
+
+// MvDesc of shaders/cuda/common.cuh (the first DESC_BYTES bytes are copied).
+struct Desc {
+    unsigned long long w, x, y, part;
+    long long row_bytes;
+    int n_out, n_in, n, slices, block_start, counter, group, pad[3];
+};
+
+struct Config {
+    char module[256];
+    int desc_bytes;
+    char format[32];
+    int nb;
+    long long n_out, n_in;
+    int group, rows_per_warp, tile, block_elems, block_bytes, experts;
+};
+
+static std::map<std::string, CUmodule> modules;
+
+// The host's slice count (rust/engine/backend/cuda/mod.rs `slices`) for this shape.
+static int slice_count(int row_blocks, int tiles, int group) {
+    int want = 132 / row_blocks;
+    want = want < 1 ? 1 : want > 32 ? 32 : want;
+    const int most = tiles / group < 1 ? 1 : tiles / group;
+    want = want > most ? most : want;
+    const int per = (tiles + want - 1) / want;
+    return (tiles + per - 1) / per;
+}
+
+static void run(const Config& c) {
+    if (!modules.count(c.module)) {
+        CUmodule m;
+        CK(cuModuleLoad(&m, c.module));
+        modules[c.module] = m;
+    }
+    CUmodule mod = modules[c.module];
+    char name[96];
+    snprintf(name, sizeof name, "ds4_mv_%s_%d", c.format, c.nb);
+    CUfunction f;
+    CK(cuModuleGetFunction(&f, mod, name));
+    int regs = 0;
+    CK(cuFuncGetAttribute(&regs, CU_FUNC_ATTRIBUTE_NUM_REGS, f));
+    int smem = 0;
+    {
+        CUdeviceptr g;
+        size_t size;
+        char sym[96];
+        snprintf(sym, sizeof sym, "ds4_smem_%s_%d", c.format, c.nb);
+        if (cuModuleGetGlobal(&g, &size, mod, sym) == CUDA_SUCCESS) {
+            CK(cuMemcpyDtoH(&smem, g, 4));
+        }
+    }
+    if (smem > 48 * 1024) {
+        CK(cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem));
+    }
+
+    const long long row_bytes = c.n_in / c.block_elems * c.block_bytes;
+    const long long mat = row_bytes * c.n_out;
+    const int copies = (int)((400ll << 20) / (mat * c.experts)) + 1;
+    const int rows_per_block = 4 / c.group * c.rows_per_warp;
+    const int row_blocks = (int)((c.n_out + rows_per_block - 1) / rows_per_block);
+    const int tiles = (int)((c.n_in + c.tile - 1) / c.tile);
+    const int slices = slice_count(row_blocks, tiles, c.group);
+    const int blocks = row_blocks * slices * c.experts;
+
+    CUdeviceptr W, X, Y, P, C, T;
+    CK(cuMemAlloc(&W, mat * c.experts * copies));
+    CK(cuMemsetD8(W, 0x11, mat * c.experts * copies));
+    CK(cuMemAlloc(&X, 4ll * 16 * c.n_in));
+    CK(cuMemsetD8(X, 0, 4ll * 16 * c.n_in));
+    CK(cuMemAlloc(&Y, 4ll * 16 * c.n_out * c.experts));
+    CK(cuMemAlloc(&P, 4ll * slices * 16 * c.n_out * c.experts + 16));
+    CK(cuMemAlloc(&C, 4ll * row_blocks * c.experts + 16));
+    CK(cuMemsetD8(C, 0, 4ll * row_blocks * c.experts + 16));
+    std::vector<char> table((size_t)c.desc_bytes * c.experts * copies);
+    for (int cp = 0; cp < copies; cp++) {
+        for (int e = 0; e < c.experts; e++) {
+            Desc d;
+            memset(&d, 0, sizeof d);
+            d.w = W + (unsigned long long)(cp * c.experts + e) * mat;
+            d.x = X;
+            d.y = Y + 4ull * e * c.nb * c.n_out;
+            d.part = P + 4ull * e * slices * c.nb * c.n_out;
+            d.row_bytes = row_bytes;
+            d.n_out = (int)c.n_out;
+            d.n_in = (int)c.n_in;
+            d.n = c.nb;
+            d.slices = slices;
+            d.block_start = e * row_blocks * slices;
+            d.counter = e * row_blocks;
+            d.group = c.group;
+            memcpy(&table[(size_t)(cp * c.experts + e) * c.desc_bytes], &d, c.desc_bytes);
+        }
+    }
+    CK(cuMemAlloc(&T, table.size()));
+    CK(cuMemcpyHtoD(T, table.data(), table.size()));
+
+    auto launch = [&](int cp) {
+        CUdeviceptr t = T + (size_t)cp * c.experts * c.desc_bytes;
+        int count = c.experts;
+        void* args[] = {&t, &count, &C};
+        CK(cuLaunchKernel(f, blocks, 1, 1, 128, 1, 1, smem, 0, args, 0));
+    };
+    for (int i = 0; i < 20; i++) {
+        launch(i % copies);
+    }
+    CUevent a, b;
+    CK(cuEventCreate(&a, 0));
+    CK(cuEventCreate(&b, 0));
+    const int iters = 200;
+    CK(cuEventRecord(a, 0));
+    for (int i = 0; i < iters; i++) {
+        launch(i % copies);
+    }
+    CK(cuEventRecord(b, 0));
+    CK(cuEventSynchronize(b));
+    float ms = 0;
+    CK(cuEventElapsedTime(&ms, a, b));
+    const double us = 1000.0 * ms / iters;
+    printf("%-24s %-8s nb=%-2d %6lldx%-6lld x%-2d G=%d rpw=%d regs=%3d blocks=%6d slices=%2d %8.2f us %6.0f GB/s\n",
+           c.module, c.format, c.nb, c.n_out, c.n_in, c.experts, c.group, c.rows_per_warp, regs, blocks, slices, us,
+           mat * c.experts / us / 1e3);
+    fflush(stdout);
+    cuMemFree(W);
+    cuMemFree(X);
+    cuMemFree(Y);
+    cuMemFree(P);
+    cuMemFree(C);
+    cuMemFree(T);
+    cuEventDestroy(a);
+    cuEventDestroy(b);
+}
+
+int main() {
+    CK(cuInit(0));
+    CUdevice dev;
+    CK(cuDeviceGet(&dev, 0));
+    CUcontext ctx;
+    CK(cuDevicePrimaryCtxRetain(&ctx, dev));
+    CK(cuCtxSetCurrent(ctx));
+    Config c;
+    while (scanf("%255s %d %31s %d %lld %lld %d %d %d %d %d %d", c.module, &c.desc_bytes, c.format, &c.nb, &c.n_out,
+                 &c.n_in, &c.group, &c.rows_per_warp, &c.tile, &c.block_elems, &c.block_bytes, &c.experts) == 12) {
+        run(c);
+    }
+    return 0;
+}
