@@ -9,9 +9,11 @@
 //
 // One launch runs a table of products (MvDesc) of one format and one batch size: block b
 // belongs to the product whose `block_start` is the last one <= b. A product's blocks are
-// `row_blocks * slices`: a row block is MV_WARPS warps of MV_ROWS output rows each; a slice is
-// a contiguous range of the row's tiles (the host splits the inputs of matrices with few rows
-// so that they do not serialize on a few SMs; the slice count depends only on the shape).
+// `row_blocks * slices`: a row block is MV_WARPS warps; each row group of MV_ROWS output rows
+// belongs to `group` of them (1 in matvec; 1, 2 or 4 in matvec_split, which splits a group's
+// chunks between its warps); a slice is a contiguous range of the row's tiles (the host splits
+// the inputs of matrices with few rows so that they do not serialize on a few SMs). The group
+// and slice counts depend only on the shape.
 //
 // Two kernel bodies share this launch shape and the store at the end (mv_store):
 // - matvec_split (below, "Products of the split formats"): the float formats and the formats
@@ -30,8 +32,9 @@
 // MV_ROWS rows and every dequantized weight serves NB batch rows.
 //
 // Row invariance: the elements a lane accumulates, their order (units in tile order, chunks
-// in unit order, an explicit fmaf chain per chunk), the warp butterfly, and the sum of the
-// slices in slice order depend only on the shape, never on the batch size: a kernel
+// in unit order, an explicit fmaf chain per chunk), the warp butterfly, the sum of a group's
+// warps in warp order and the sum of the slices in slice order depend only on the shape,
+// never on the batch size: a kernel
 // instantiated for NB batch rows runs the same operations on each accumulator as the one for
 // 1 row. The host compiles with --fmad=false so that no expression is contracted differently
 // in different instantiations; the kernels write the fused multiply-adds they want as fmaf.
