@@ -3,23 +3,13 @@
 
 /// GGUF row `src` to the split row `dst`.
 pub(super) fn split(src: &[u8], dst: &mut [u8]) {
-    let nb = src.len() / 66;
-    let (pay, hdr) = dst.split_at_mut(64 * nb);
-    for (k, b) in src.chunks_exact(66).enumerate() {
-        hdr[2 * k..2 * k + 2].copy_from_slice(&b[..2]);
-        pay[64 * k..64 * k + 64].copy_from_slice(&b[2..]);
-    }
+    super::split_scale_first(66, src, dst);
 }
 
 /// The inverse of [`split`].
 #[cfg(test)]
 pub(super) fn unsplit(src: &[u8], dst: &mut [u8]) {
-    let nb = src.len() / 66;
-    let (pay, hdr) = src.split_at(64 * nb);
-    for (k, b) in dst.chunks_exact_mut(66).enumerate() {
-        b[..2].copy_from_slice(&hdr[2 * k..2 * k + 2]);
-        b[2..].copy_from_slice(&pay[64 * k..64 * k + 64]);
-    }
+    super::unsplit_scale_first(66, src, dst);
 }
 
 #[cfg(test)]

@@ -57,6 +57,29 @@ pub(crate) fn unsplit_rows(ty: GgmlType, row_bytes: usize, rows: &mut [u8]) {
     }
 }
 
+/// The split of a format whose blocks are a 2-byte scale, then the payload (Q8_0, IQ2_XXS):
+/// the payloads of all blocks of GGUF row `src` (blocks of `block` bytes), then the scales,
+/// both in block order, into `dst`.
+fn split_scale_first(block: usize, src: &[u8], dst: &mut [u8]) {
+    let nb = src.len() / block;
+    let (pay, hdr) = dst.split_at_mut((block - 2) * nb);
+    for (k, (b, p)) in src.chunks_exact(block).zip(pay.chunks_exact_mut(block - 2)).enumerate() {
+        hdr[2 * k..2 * k + 2].copy_from_slice(&b[..2]);
+        p.copy_from_slice(&b[2..]);
+    }
+}
+
+/// The inverse of [`split_scale_first`].
+#[cfg(test)]
+fn unsplit_scale_first(block: usize, src: &[u8], dst: &mut [u8]) {
+    let nb = src.len() / block;
+    let (pay, hdr) = src.split_at((block - 2) * nb);
+    for (k, (b, p)) in dst.chunks_exact_mut(block).zip(pay.chunks_exact(block - 2)).enumerate() {
+        b[..2].copy_from_slice(&hdr[2 * k..2 * k + 2]);
+        b[2..].copy_from_slice(p);
+    }
+}
+
 /// Test rows: `count` rows of `n_in` random bytes' worth of blocks of `ty`, and their size.
 #[cfg(test)]
 pub(crate) fn random_rows(ty: GgmlType, n_in: usize, count: usize, seed: u64) -> (Vec<u8>, usize) {
