@@ -256,27 +256,13 @@ extern "C" __global__ void ds4_hc_pre(const float* logits, int n_mix, const floa
         }
         sync();
         // Sinkhorn (hyper.rs sinkhorn): one column normalization, then iters - 1 rounds of row
-        // then column normalization; sums in index order, then + hc_eps.
-        for (int it = 0; it < iters; it++) {
-            if (it > 0) {
-                if (mine) {
-                    float s = 0.0f;
-                    for (int j = 0; j < hc; j++) {
-                        s += comb[ci * hc + j];
-                    }
-                    s += hc_eps;
-                    v = comb[k] / s;
-                }
-                sync();
-                if (mine) {
-                    comb[k] = v;
-                }
-                sync();
-            }
+        // then column normalization; sums in index order, then + hc_eps. `normalize` divides
+        // each element by the sum of the hc elements first, first + step, ... of its line.
+        auto normalize = [&](int first, int step) {
             if (mine) {
                 float s = 0.0f;
-                for (int i = 0; i < hc; i++) {
-                    s += comb[i * hc + cj];
+                for (int j = 0; j < hc; j++) {
+                    s += comb[first + j * step];
                 }
                 s += hc_eps;
                 v = comb[k] / s;
@@ -286,6 +272,12 @@ extern "C" __global__ void ds4_hc_pre(const float* logits, int n_mix, const floa
                 comb[k] = v;
             }
             sync();
+        };
+        for (int it = 0; it < iters; it++) {
+            if (it > 0) {
+                normalize(ci * hc, 1);
+            }
+            normalize(cj, hc);
         }
     };
     // The collapse, by threads c0.. (all of them, or all but warp 0): thread t owns elements
