@@ -72,7 +72,7 @@ struct MvDesc {
     int block_start;    // first block of this product in the launch
     int counter;        // first of its row_blocks arrival counters (slices > 1)
     int group;          // warps that share a row group (matvec_split; 1, 2 or 4; 1 in matvec)
-    int pad[3];
+    int pad[3];         // the size a multiple of 16 bytes (the host's Desc)
 };
 
 // Output rows per block of a product: MV_WARPS / group row groups of MV_ROWS rows.
@@ -531,12 +531,35 @@ __device__ __forceinline__ u32 word_of(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
+// Whether lane l has bytes in chunk c of a row whose payload is `pay` bytes (its bytes are
+// 512 c + 16 l ..; only a last partial chunk leaves lanes without).
+__device__ __forceinline__ bool mv_lane_in(long long pay, int c, int lane) {
+    return 512ll * c + 16 * lane < pay;
+}
+
 // Lane l's 16 bytes of chunk c of a row whose payload is `pay` bytes: bytes 512 c + 16 l
 // (no load past the payload).
 __device__ __forceinline__ void ld_lane16(const u8* row, long long pay, int c, int lane, bool vec, uint4& v) {
-    const long long off = 512ll * c + 16 * lane;
-    if (off < pay) {
-        v = vec ? __ldg((const uint4*)(row + off)) : ld16_a2(row + off);
+    if (mv_lane_in(pay, c, lane)) {
+        const u8* p = row + 512ll * c + 16 * lane;
+        v = vec ? __ldg((const uint4*)p) : ld16_a2(p);
+    }
+}
+
+// The chunk of a format whose blocks are a 2-byte f16 scale and PAY payload bytes (Q8_0,
+// IQ2_XXS; `split_scale_first` in rust/engine/quant/split/): lane l's 16 payload bytes and
+// the scale of their block (PAY / 16 lanes share one), loaded together.
+struct ScaleChunk {
+    uint4 v;
+    u32 d;  // the f16 bits of the block's scale
+};
+
+template <int PAY>
+__device__ __forceinline__ void ld_scale_chunk(const u8* row, int nb, int c, int lane, bool vec, ScaleChunk& h) {
+    const long long pay = (long long)nb * PAY;
+    ld_lane16(row, pay, c, lane, vec, h.v);
+    if (mv_lane_in(pay, c, lane)) {
+        h.d = ld_u16(row + pay + 2 * ((512 / PAY) * c + lane / (PAY / 16)));
     }
 }
 

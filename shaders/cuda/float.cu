@@ -46,7 +46,7 @@ struct FmtF32 {
     static __device__ __forceinline__ void dot(const Chunk (&v)[MV_ROWS], int nb, int c, int lane,
                                                const float* __restrict__ x, int n_in, int n,
                                                float (&acc)[MV_ROWS][NB], const u8*) {
-        if (128 * c + 4 * lane >= nb) {
+        if (!mv_lane_in((long long)nb * PAY, c, lane)) {
             return;
         }
         float wf[MV_ROWS][4];
@@ -77,10 +77,10 @@ struct FmtHalf {
     static __device__ __forceinline__ void dot(const Chunk (&v)[MV_ROWS], int nb, int c, int lane,
                                                const float* __restrict__ x, int n_in, int n,
                                                float (&acc)[MV_ROWS][NB], const u8*) {
-        const int e0 = 256 * c + 8 * lane;
-        if (e0 >= nb) {
+        if (!mv_lane_in((long long)nb * PAY, c, lane)) {
             return;
         }
+        const int e0 = 256 * c + 8 * lane;
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             if (j == 0 || e0 + 4 < n_in) {

@@ -26,24 +26,17 @@ struct FmtIQ2_XXS {
 
     static constexpr int PREFETCH = 1;
 
-    struct Chunk {
-        uint4 v;
-        u32 d;  // the f16 bits of the super-block's d
-    };
+    typedef ScaleChunk Chunk;
 
     static __device__ __forceinline__ void load(const u8* row, int nb, int c, int lane, bool vec, Chunk& h) {
-        const long long pay = (long long)nb * PAY;
-        ld_lane16(row, pay, c, lane, vec, h.v);
-        if (512ll * c + 16 * lane < pay) {
-            h.d = ld_u16(row + pay + 2 * (CB * c + (lane >> 2)));
-        }
+        ld_scale_chunk<PAY>(row, nb, c, lane, vec, h);
     }
 
     template <int NB>
     static __device__ __forceinline__ void dot(const Chunk (&h)[MV_ROWS], int nb, int c, int lane,
                                                const float* __restrict__ x, int n_in, int n,
                                                float (&acc)[MV_ROWS][NB], const u8* lut) {
-        if (512ll * c + 16 * lane >= (long long)nb * PAY) {
+        if (!mv_lane_in((long long)nb * PAY, c, lane)) {
             return;
         }
         const int sb = CB * c + (lane >> 2);

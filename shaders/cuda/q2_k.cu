@@ -29,7 +29,7 @@ struct FmtQ2_K {
     static __device__ __forceinline__ void load(const u8* row, int nb, int c, int lane, bool vec, Chunk& h) {
         const long long pay = (long long)nb * PAY;
         ld_lane16(row, pay, c, lane, vec, h.v);
-        if (512ll * c + 16 * lane < pay) {
+        if (mv_lane_in(pay, c, lane)) {
             const u8* hp = row + pay + 20ll * (CB * c + (lane >> 2));
             h.sc = ld_u32_a2(hp + 8 * ((lane & 3) >> 1) + 4 * (lane & 1));
             h.dd = ld_u32_a2(hp + 16);
@@ -40,7 +40,7 @@ struct FmtQ2_K {
     static __device__ __forceinline__ void dot(const Chunk (&hh)[MV_ROWS], int nb, int c, int lane,
                                                const float* __restrict__ x, int n_in, int n,
                                                float (&acc)[MV_ROWS][NB], const u8*) {
-        if (512ll * c + 16 * lane >= (long long)nb * PAY) {
+        if (!mv_lane_in((long long)nb * PAY, c, lane)) {
             return;
         }
         const int sb = CB * c + (lane >> 2);
