@@ -193,6 +193,8 @@ struct Desc {
     block_start: i32,
     counter: i32,
     group: i32,
+    /// Keeps the size (80 bytes) a multiple of 16: the x rows placed after a table of
+    /// descriptors must stay 16-byte aligned.
     pad: [i32; 3],
 }
 

@@ -865,6 +865,11 @@ impl CudaDecoder {
                 );
                 Ok(())
             };
+            // The hyper-connection expansion of a sublayer's output `f` with its site's mix.
+            let hc_post = |ops: &mut Vec<_>, f: u64, mix: u64| {
+                let args = vec![p(b.x.ptr), p(f), p(mix), i(hc), i(d)];
+                launch(ops, k.hc_post, rows_grid(d.div_ceil(256)), 256, 0, args);
+            };
             // ---- attention
             hc_site(&mut ops, &mut table, &lw.hc_attn, &c.hc_attn, b.mix_a.ptr, c.attn_norm.ptr)?;
             // The compressors' projections go to the layer's own buffers, which the compressor
@@ -1072,14 +1077,7 @@ impl CudaDecoder {
                 vec![p(b.ug.ptr), p(b.u.ptr), i(groups), i(n), i(rank)],
             );
             products(&mut ops, &mut table, &[(lw.o_b, b.u.ptr, b.attn_out.ptr, n)])?;
-            launch(
-                &mut ops,
-                k.hc_post,
-                rows_grid(d.div_ceil(256)),
-                256,
-                0,
-                vec![p(b.x.ptr), p(b.attn_out.ptr), p(b.mix_a.ptr), i(hc), i(d)],
-            );
+            hc_post(&mut ops, b.attn_out.ptr, b.mix_a.ptr);
 
             // ---- MoE
             hc_site(&mut ops, &mut table, &lw.hc_ffn, &c.hc_ffn, b.mix_f.ptr, c.ffn_norm.ptr)?;
@@ -1211,14 +1209,7 @@ impl CudaDecoder {
                     i(d),
                 ],
             );
-            launch(
-                &mut ops,
-                k.hc_post,
-                rows_grid(d.div_ceil(256)),
-                256,
-                0,
-                vec![p(b.x.ptr), p(b.ffn_out.ptr), p(b.mix_f.ptr), i(hc), i(d)],
-            );
+            hc_post(&mut ops, b.ffn_out.ptr, b.mix_f.ptr);
             if let Some(j) = capture.iter().position(|&c| c == li) {
                 let bytes = n * hc * d * 4;
                 ops.push(Op::Copy { dst: b.capture.ptr + (j * N_MAX * hc * d * 4) as u64, src: b.x.ptr, bytes });
@@ -1467,7 +1458,8 @@ impl CudaDecoder {
 
 /// The bytes of a descriptor as the kernels read it.
 fn desc_bytes(d: &Desc) -> &[u8] {
-    // SAFETY: Desc is repr(C) plain data without padding (four u64, one i64, six i32).
+    // SAFETY: Desc is repr(C) plain data without implicit padding (four u64, one i64, ten i32,
+    // the last three an explicit pad that keeps its size a multiple of 16).
     unsafe { std::slice::from_raw_parts((d as *const Desc).cast::<u8>(), std::mem::size_of::<Desc>()) }
 }
 
