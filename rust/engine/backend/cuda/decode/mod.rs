@@ -1456,6 +1456,12 @@ impl CudaDecoder {
     }
 }
 
+/// The error for a step program missing from the cache right after it was built (cannot
+/// happen; an error rather than a panic in library code).
+fn lost_program() -> Error {
+    Error::Backend("CUDA decode: a step program went missing from its cache".into())
+}
+
 /// The bytes of a descriptor as the kernels read it.
 fn desc_bytes(d: &Desc) -> &[u8] {
     // SAFETY: Desc is repr(C) plain data without implicit padding (four u64, one i64, ten i32,
@@ -1575,7 +1581,7 @@ impl DeviceDecoder for CudaDecoder {
         run()?;
         let use_graphs = self.use_graphs && self.profile.is_none();
         if let Some(prof) = self.profile.as_mut() {
-            let prog = self.programs.get(&key).expect("built above");
+            let prog = self.programs.get(&key).ok_or_else(lost_program)?;
             let times = Self::profile_ops(ctx, &prog.ops)?;
             let k = &self.k;
             let names = prog.ops.iter().map(|op| match op {
@@ -1588,7 +1594,7 @@ impl DeviceDecoder for CudaDecoder {
             });
             prof.record(n, names.zip(times));
         } else {
-            let prog = self.programs.get_mut(&key).expect("built above");
+            let prog = self.programs.get_mut(&key).ok_or_else(lost_program)?;
             Self::replay(ctx, prog, use_graphs)?;
         }
         let k = &self.k;
