@@ -35,7 +35,7 @@
 struct Desc {
     unsigned long long w, x, y, part;
     long long row_bytes;
-    int n_out, n_in, n, slices, block_start, counter, group, pad[3];
+    int n_out, n_in, n, slices, block_start, counter, group, y_stride, pad[2];
 };
 
 struct Config {
@@ -121,6 +121,7 @@ static void run(const Config& c) {
             d.block_start = e * row_blocks * slices;
             d.counter = e * row_blocks;
             d.group = c.group;
+            d.y_stride = (int)c.n_out;
             memcpy(&table[(size_t)(cp * c.experts + e) * c.desc_bytes], &d, c.desc_bytes);
         }
     }

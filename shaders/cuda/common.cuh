@@ -72,7 +72,9 @@ struct MvDesc {
     int block_start;    // first block of this product in the launch
     int counter;        // first of its row_blocks arrival counters (slices > 1)
     int group;          // warps that share a row group (matvec_split; 1, 2 or 4; 1 in matvec)
-    int pad[3];         // the size a multiple of 16 bytes (the host's Desc)
+    int y_stride;       // floats from one row of y to the next (n_out, or more when the
+                        // product fills columns of wider rows)
+    int pad[2];         // the size a multiple of 16 bytes (the host's Desc)
 };
 
 // Output rows per block of a product: MV_WARPS / group row groups of MV_ROWS rows.
@@ -200,6 +202,7 @@ __device__ __forceinline__ void mv_store(float (&acc)[MV_ROWS][NB], const MvDesc
     const int slices = D->slices;
     const int G = D->group;
     float* y = slices > 1 ? D->part + (long long)slice * n * n_out : D->y;
+    const int ys = slices > 1 ? n_out : D->y_stride;
     __shared__ float red[MV_WARPS][MV_ROWS][NB];
 #pragma unroll
     for (int q = 0; q < MV_ROWS; q++) {
@@ -215,7 +218,7 @@ __device__ __forceinline__ void mv_store(float (&acc)[MV_ROWS][NB], const MvDesc
                 if (lane == 0) {
                     if (G == 1) {
                         if (q < nrows) {
-                            y[(long long)r * n_out + o0 + q] = v;
+                            y[(long long)r * ys + o0 + q] = v;
                         }
                     } else {
                         red[warp][q][r] = v;
@@ -233,7 +236,7 @@ __device__ __forceinline__ void mv_store(float (&acc)[MV_ROWS][NB], const MvDesc
                     for (int p = 1; p < G; p++) {
                         v += red[warp + p][q][r];
                     }
-                    y[(long long)r * n_out + o0 + q] = v;
+                    y[(long long)r * ys + o0 + q] = v;
                 }
             }
         }
@@ -264,7 +267,7 @@ __device__ __forceinline__ void mv_store(float (&acc)[MV_ROWS][NB], const MvDesc
         for (int s = 0; s < slices; s++) {
             v += __ldcg(D->part + ((long long)s * n + r) * n_out + o);
         }
-        D->y[(long long)r * n_out + o] = v;
+        D->y[(long long)r * D->y_stride + o] = v;
     }
     if (tid == 0) {
         counters[D->counter + rb] = 0;

@@ -503,17 +503,3 @@ extern "C" __global__ void ds4_swiglu(const float* g, const float* u, float* out
     }
     out[i] = a / (1.0f + expf(-a)) * b;
 }
-
-// Group-major to row-major: src [groups, n, rank] (group g's product over the n rows) to
-// dst [n, groups * rank]. Grid (ceil(groups * rank / blockDim.x), n): n = gridDim.y.
-extern "C" __global__ void ds4_group_to_rows(const float* src, float* dst, int groups, int n, int rank) {
-    ds4_grid_deps();
-    const int r = blockIdx.y;
-    const int k = blockIdx.x * blockDim.x + threadIdx.x;
-    if (k >= groups * rank) {
-        return;
-    }
-    const int g = k / rank;
-    const int j = k - g * rank;
-    dst[(long long)r * groups * rank + k] = src[((long long)g * n + r) * rank + j];
-}

@@ -193,9 +193,12 @@ struct Desc {
     block_start: i32,
     counter: i32,
     group: i32,
+    /// Floats from one row of y to the next: `n_out`, or more when the product fills some
+    /// columns of wider rows (the decode's o_a groups write their ranks side by side).
+    y_stride: i32,
     /// Keeps the size (80 bytes) a multiple of 16: the x rows placed after a table of
     /// descriptors must stay 16-byte aligned.
-    pad: [i32; 3],
+    pad: [i32; 2],
 }
 
 impl Desc {
@@ -427,7 +430,8 @@ impl CudaBackend {
             block_start: 0,
             counter: counter as i32,
             group: group(w) as i32,
-            pad: [0; 3],
+            y_stride: w.n_out as i32,
+            pad: [0; 2],
         };
         (d, row_blocks(w) * s)
     }

@@ -1,6 +1,7 @@
 //! CUDA backend tests. Without NVRTC (compile test) or without a GPU (the others) they print
 //! why and pass: CI has neither. On a GPU machine: `cargo test --release --features cuda cuda`.
 
+use super::device::{Arg, DevBuf};
 use super::*;
 use crate::backend::cpu;
 use crate::quant::testutil::{random_blocks, Rng};
@@ -239,6 +240,80 @@ fn split_formats_run_on_listed_tensors_only() {
         // Not listed at upload: stored as it is, so products on it run on the CPU.
         b.upload_image(&raw, 32, &[], |_, _| {}).unwrap();
         assert_eq!(b.matmul(&raw, &w, &x).unwrap(), cpu::matmul_new(&raw, &w, &x).unwrap(), "{ty}: unlisted");
+        b.release(&raw).unwrap();
+    }
+}
+
+/// Products whose outputs go to some columns of wider rows (`Desc::y_stride`, as the decode's
+/// o_a groups write their ranks side by side): each group's columns equal its own product
+/// bitwise, and the columns no product owns are left alone. Split (several input slices) and
+/// unsplit shapes, 1..3 batch rows.
+#[test]
+fn strided_outputs_fill_columns_of_wider_rows() {
+    let Some(b) = backend() else { return };
+    let mut rng = Rng(0x57);
+    for (ty, rank, n_in) in [(GgmlType::Q8_0, 40, 4096 + 512), (GgmlType::F16, 300, 256), (GgmlType::Q8_0, 130, 1024)] {
+        let groups = 3;
+        let (raw, all) = image(ty, groups * rank, n_in, &mut rng);
+        b.upload_image(&raw, 32, &[all], |_, _| {}).unwrap();
+        let mats: Vec<Mat> =
+            (0..groups).map(|g| Mat { n_out: rank, start: all.start + g * rank * all.row_bytes, ..all }).collect();
+        let stride = groups * rank + 5;
+        for n in 1..=3 {
+            let xs: Vec<Vec<f32>> = (0..groups).map(|_| (0..n * n_in).map(|_| rng.f32()).collect()).collect();
+            let want: Vec<Vec<f32>> = (0..groups).map(|g| b.matmul(&raw, &mats[g], &xs[g]).unwrap()).collect();
+            let sentinel = -12345.5f32;
+            let got: Vec<f32> = {
+                let g = b.lock();
+                g.ctx.bind().unwrap();
+                let img = g.images.iter().find(|i| i.is(&raw)).unwrap();
+                let xb: Vec<DevBuf> = xs.iter().map(|x| DevBuf::from_slice(x).unwrap()).collect();
+                let y = DevBuf::from_slice(&vec![sentinel; n * stride]).unwrap();
+                let part = DevBuf::zeroed(4 * groups * 32 * n * rank).unwrap();
+                let counters = DevBuf::zeroed(4 * 4096).unwrap();
+                let (mut table, mut blocks, mut part_off, mut counter) = (Vec::new(), 0, 0, 0);
+                for (gi, m) in mats.iter().enumerate() {
+                    let (mut d, nb) = CudaBackend::desc(
+                        img.addr(m.start),
+                        m,
+                        xb[gi].at(0),
+                        y.at(4 * gi * rank),
+                        part.at(4 * part_off),
+                        n,
+                        counter,
+                    );
+                    d.block_start = blocks as i32;
+                    d.y_stride = stride as i32;
+                    assert!(slices(m) <= 32);
+                    if slices(m) > 1 {
+                        part_off += slices(m) * n * rank;
+                        counter += row_blocks(m);
+                    }
+                    blocks += nb;
+                    table.push(d);
+                }
+                let tb = DevBuf::from_slice(&table).unwrap();
+                let (f, smem) = g.ctx.kernel(ty, n).unwrap();
+                let args = [Arg::Ptr(tb.at(0)), Arg::I32(groups as i32), Arg::Ptr(counters.at(0))];
+                g.ctx.launch_args(f, (blocks as u32, 1, 1), THREADS, smem, &args).unwrap();
+                g.ctx.sync().unwrap();
+                y.read(0, n * stride).unwrap()
+            };
+            for r in 0..n {
+                for (gi, w) in want.iter().enumerate() {
+                    let at = r * stride + gi * rank;
+                    assert_eq!(
+                        got[at..at + rank],
+                        w[r * rank..(r + 1) * rank],
+                        "{ty} rank {rank} n={n}: row {r} group {gi}"
+                    );
+                }
+                assert!(
+                    got[r * stride + groups * rank..(r + 1) * stride].iter().all(|&v| v == sentinel),
+                    "{ty}: gap of row {r}"
+                );
+            }
+        }
         b.release(&raw).unwrap();
     }
 }

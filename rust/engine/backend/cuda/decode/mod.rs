@@ -239,7 +239,6 @@ struct Bufs {
     /// Attention logits [n, n_heads, keys], keys = the layer's [`LayerMirror::max_keys`].
     lg: DevBuf,
     o: DevBuf,
-    ug: DevBuf,
     u: DevBuf,
     attn_out: DevBuf,
     rl: DevBuf,
@@ -332,7 +331,6 @@ struct Kernels {
     finish_kv: sys::CUfunction,
     finish_index: sys::CUfunction,
     swiglu: sys::CUfunction,
-    group_to_rows: sys::CUfunction,
     ring_write: sys::CUfunction,
     compress: sys::CUfunction,
     index_scores: sys::CUfunction,
@@ -370,7 +368,6 @@ impl Kernels {
             finish_kv: f("ds4_finish_kv")?,
             finish_index: f("ds4_finish_index")?,
             swiglu: f("ds4_swiglu")?,
-            group_to_rows: f("ds4_group_to_rows")?,
             ring_write: f("ds4_ring_write")?,
             compress: f("ds4_compress")?,
             index_scores: f("ds4_index_scores")?,
@@ -663,7 +660,6 @@ impl CudaDecoder {
             nsel: DevBuf::zeroed(4 * N_MAX)?,
             lg: f32_buf(N_MAX * cfg.n_heads * max_keys)?,
             o: f32_buf(N_MAX * cfg.n_heads * hd)?,
-            ug: f32_buf(N_MAX * cfg.o_groups * cfg.o_lora_rank)?,
             u: f32_buf(N_MAX * cfg.o_groups * cfg.o_lora_rank)?,
             attn_out: f32_buf(N_MAX * d)?,
             rl: f32_buf(N_MAX * cfg.n_experts)?,
@@ -763,9 +759,14 @@ impl CudaDecoder {
             |ops: &mut Vec<_>, f: sys::CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, args: Vec<PArg>| {
                 ops.push(Op::Launch { f, grid, block, smem, args });
             };
-        // Products: (matrix, x, y, rows). One launch per format; partial sums and counters
-        // laid out from 0 for each call (launches of different calls never overlap).
-        let products = |ops: &mut Vec<_>, table: &mut Vec<u8>, prods: &[(Mat, u64, u64, usize)]| -> Result<()> {
+        // Products: (matrix, x, y, rows), y's rows `y_stride` floats apart (None: n_out). One
+        // launch per format; partial sums and counters laid out from 0 for each call (launches
+        // of different calls never overlap).
+        let products_strided = |ops: &mut Vec<_>,
+                                table: &mut Vec<u8>,
+                                prods: &[(Mat, u64, u64, usize)],
+                                y_stride: Option<usize>|
+         -> Result<()> {
             let mut part_off = 0usize;
             let mut counter = 0usize;
             let mut fmts: Vec<crate::quant::GgmlType> = Vec::new();
@@ -783,6 +784,9 @@ impl CudaDecoder {
                     let part = b.part.ptr + 4 * part_off as u64;
                     let (mut dsc, nblocks) = CudaBackend::desc(img.addr(m.start), &m, x, y, part, rows, counter);
                     dsc.block_start = blocks as i32;
+                    if let Some(ys) = y_stride {
+                        dsc.y_stride = ys as i32;
+                    }
                     // Only split products use partial sums and counters.
                     let s = slices(&m);
                     if s > 1 {
@@ -807,6 +811,9 @@ impl CudaDecoder {
                 });
             }
             Ok(())
+        };
+        let products = |ops: &mut Vec<_>, table: &mut Vec<u8>, prods: &[(Mat, u64, u64, usize)]| {
+            products_strided(ops, table, prods, None)
         };
         let g1 = (nn, 1, 1);
         let rows_grid = |blocks_x: usize| (blocks_x as u32, nn, 1);
@@ -1059,23 +1066,16 @@ impl CudaDecoder {
                 ]
                 .concat(),
             );
+            // Each group's product fills its rank columns of u's rows [n, groups * rank].
             let (groups, rank) = (cfg.o_groups, cfg.o_lora_rank);
             let gin = nh * hd / groups;
             let oa: Vec<(Mat, u64, u64, usize)> = (0..groups)
                 .map(|gi| {
                     let m = Mat { n_out: rank, start: lw.o_a.start + gi * rank * lw.o_a.row_bytes, ..lw.o_a };
-                    (m, b.o.ptr + 4 * (gi * n * gin) as u64, b.ug.ptr + 4 * (gi * n * rank) as u64, n)
+                    (m, b.o.ptr + 4 * (gi * n * gin) as u64, b.u.ptr + 4 * (gi * rank) as u64, n)
                 })
                 .collect();
-            products(&mut ops, &mut table, &oa)?;
-            launch(
-                &mut ops,
-                k.group_to_rows,
-                rows_grid((groups * rank).div_ceil(256)),
-                256,
-                0,
-                vec![p(b.ug.ptr), p(b.u.ptr), i(groups), i(n), i(rank)],
-            );
+            products_strided(&mut ops, &mut table, &oa, Some(groups * rank))?;
             products(&mut ops, &mut table, &[(lw.o_b, b.u.ptr, b.attn_out.ptr, n)])?;
             hc_post(&mut ops, b.attn_out.ptr, b.mix_a.ptr);
 
@@ -1465,7 +1465,7 @@ fn lost_program() -> Error {
 /// The bytes of a descriptor as the kernels read it.
 fn desc_bytes(d: &Desc) -> &[u8] {
     // SAFETY: Desc is repr(C) plain data without implicit padding (four u64, one i64, ten i32,
-    // the last three an explicit pad that keeps its size a multiple of 16).
+    // the last two an explicit pad that keeps its size a multiple of 16).
     unsafe { std::slice::from_raw_parts((d as *const Desc).cast::<u8>(), std::mem::size_of::<Desc>()) }
 }
 

@@ -354,7 +354,8 @@ fn fake_templates(d: usize, ff: usize) -> [Desc; 3] {
         block_start: 12345,
         counter,
         group: 2,
-        pad: [0; 3],
+        y_stride: n_out as i32,
+        pad: [0; 2],
     };
     [t(0x1000_0000_0000, d, ff, 2, 100), t(0x2000_0000_0000, d, ff, 3, 5000), t(0x3000_0000_0000, ff, d, 1, 9000)]
 }

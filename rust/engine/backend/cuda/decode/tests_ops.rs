@@ -580,39 +580,3 @@ fn swiglu_matches_cpu() {
         });
     }
 }
-
-fn run_group_to_rows(ctx: &Context, src: &[f32], groups: usize, n: usize, rank: usize) -> Vec<f32> {
-    let sb = buf(src);
-    let db = DevBuf::zeroed(src.len() * 4).expect("dst");
-    launch(
-        ctx,
-        "ds4_group_to_rows",
-        ((groups * rank).div_ceil(BLOCK as usize), n),
-        &[ptr(&sb), ptr(&db), Arg::I32(groups as i32), Arg::I32(n as i32), Arg::I32(rank as i32)],
-    );
-    read(ctx, &db, src.len())
-}
-
-#[test]
-fn group_to_rows_matches_cpu() {
-    let Some(ctx) = context() else { return };
-    for &(groups, rank, n) in &[(8usize, 1024usize, 5usize), (16, 1024, 16), (3, 100, 7)] {
-        let what = format!("ds4_group_to_rows groups {groups} rank {rank} n {n}");
-        let src = randn(groups * n * rank, 500 + groups as u64, 1.0);
-        // As forward.rs output_projection gathers u: group g of row r is row r of group g's product.
-        let mut want = vec![0f32; n * groups * rank];
-        for g in 0..groups {
-            for r in 0..n {
-                want[r * groups * rank + g * rank..r * groups * rank + (g + 1) * rank]
-                    .copy_from_slice(&src[(g * n + r) * rank..(g * n + r + 1) * rank]);
-            }
-        }
-        let got = run_group_to_rows(&ctx, &src, groups, n, rank);
-        assert_bits(&what, &got, &want);
-        assert_rows_invariant(&what, &got, n, |r| {
-            let one: Vec<f32> =
-                (0..groups).flat_map(|g| src[(g * n + r) * rank..(g * n + r + 1) * rank].iter().copied()).collect();
-            run_group_to_rows(&ctx, &one, groups, 1, rank)
-        });
-    }
-}
