@@ -27,6 +27,8 @@
 #define MOE_MAX_ROWS 16
 #define MOE_MAX_WARPS 8
 #define MOE_WORDS (MOE_MAX_EXPERTS / 32)
+// Scores ds4_route holds at once (rows of E).
+#define MOE_SCORES (MOE_MAX_WARPS * MOE_MAX_EXPERTS)
 
 // A float's key under Rust's f32::total_cmp: keys compare as signed ints in the total order
 // (-NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN).
@@ -81,9 +83,8 @@ extern "C" __global__ void __launch_bounds__(256)
               int* __restrict__ gather_src, int* __restrict__ comb_slot, float* __restrict__ comb_w,
               int* __restrict__ comb_cnt, int chunk) {
     ds4_grid_deps();
-    // Each warp's scores of its current row, and the experts it has picked.
-    __shared__ float sc[MOE_MAX_WARPS][MOE_MAX_EXPERTS];
-    __shared__ u32 taken[MOE_MAX_WARPS][MOE_WORDS];
+    // The scores of up to MOE_SCORES / E rows at a time.
+    __shared__ float sc[MOE_SCORES];
     // Each row's chosen experts (ascending, repeats kept) and their weights.
     __shared__ int ch[MOE_MAX_ROWS][MOE_MAX_K];
     __shared__ float wt[MOE_MAX_ROWS][MOE_MAX_K];
@@ -115,89 +116,103 @@ extern "C" __global__ void __launch_bounds__(256)
     }
     __syncthreads();
 
-    // ---- 1. each row's experts and weights (moe::route), one warp per row
-    for (int r = warp; r < n; r += nw) {
-        const float* z = logits + (long long)r * E;
-        for (int e = lane; e < E; e += 32) {
-            sc[warp][e] = sqrtf(ds4_softplus(z[e]));
+    // ---- 1. each row's experts and weights (moe::route): the scores of a round of rows by
+    // all threads (the softplus in double is the routing's longest chain: with one warp per
+    // row, a lone row left the other warps idle), then one warp per row.
+    const int per_round = MOE_SCORES / E;
+    for (int r0 = 0; r0 < n; r0 += per_round) {
+        const int rows = min(per_round, n - r0);
+        for (int i = tid; i < rows * E; i += blockDim.x) {
+            sc[i] = sqrtf(ds4_softplus(logits[(long long)r0 * E + i]));
         }
-        for (int w = lane; w < W; w += 32) {
-            taken[warp][w] = 0u;
-        }
-        __syncwarp();
-        if (hash != nullptr) {
-            const long long token = step[2 + r];
-            if (lane < k) {
-                ch[r][lane] = (int)hash[token * k + lane];
-            }
-        } else {
-            // Top-k of scores + bias by descending total_cmp, ties to the lower index: k
-            // rounds of an arg-max over the experts not yet taken.
-            for (int j = 0; j < k; j++) {
-                bool have = false;
-                int key = 0;
-                int idx = 0;
-                for (int e = lane; e < E; e += 32) {
-                    if (!((taken[warp][e >> 5] >> (e & 31)) & 1u)) {
-                        const int kk = ds4_total_key(sc[warp][e] + bias[e]);
-                        // Increasing e per lane: equal keys keep the lower index.
-                        if (!have || kk > key) {
+        __syncthreads();
+        for (int r = r0 + warp; r < r0 + rows; r += nw) {
+            const float* rs = sc + (r - r0) * E;
+            if (hash != nullptr) {
+                const long long token = step[2 + r];
+                if (lane < k) {
+                    ch[r][lane] = (int)hash[token * k + lane];
+                }
+            } else {
+                // Top-k of scores + bias by descending total_cmp, ties to the lower index: k
+                // rounds of an arg-max over the experts not yet taken. Each lane keeps the keys
+                // of its experts lane, lane + 32, ... in registers, and which are still free.
+                int keys[MOE_WORDS];
+                u32 free_ = 0u;
+#pragma unroll
+                for (int i = 0; i < MOE_WORDS; i++) {
+                    const int e = lane + 32 * i;
+                    keys[i] = 0;
+                    if (e < E) {
+                        keys[i] = ds4_total_key(rs[e] + bias[e]);
+                        free_ |= 1u << i;
+                    }
+                }
+                for (int j = 0; j < k; j++) {
+                    bool have = false;
+                    int key = 0;
+                    int idx = 0;
+#pragma unroll
+                    for (int i = 0; i < MOE_WORDS; i++) {
+                        // Increasing expert per lane: equal keys keep the lower index.
+                        if (((free_ >> i) & 1u) && (!have || keys[i] > key)) {
                             have = true;
-                            key = kk;
-                            idx = e;
+                            key = keys[i];
+                            idx = lane + 32 * i;
                         }
                     }
-                }
-                for (int o = 16; o > 0; o >>= 1) {
-                    const int oh = __shfl_xor_sync(0xffffffffu, (int)have, o);
-                    const int ok = __shfl_xor_sync(0xffffffffu, key, o);
-                    const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-                    if (oh && (!have || ok > key || (ok == key && oi < idx))) {
-                        have = true;
-                        key = ok;
-                        idx = oi;
+                    for (int o = 16; o > 0; o >>= 1) {
+                        const int oh = __shfl_xor_sync(0xffffffffu, (int)have, o);
+                        const int ok = __shfl_xor_sync(0xffffffffu, key, o);
+                        const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+                        if (oh && (!have || ok > key || (ok == key && oi < idx))) {
+                            have = true;
+                            key = ok;
+                            idx = oi;
+                        }
+                    }
+                    if (lane == (idx & 31)) {
+                        free_ &= ~(1u << (idx >> 5));
+                    }
+                    if (lane == 0) {
+                        ch[r][j] = idx;
                     }
                 }
-                if (lane == 0) {
-                    ch[r][j] = idx;
-                    taken[warp][idx >> 5] |= 1u << (idx & 31);
-                }
-                __syncwarp();
             }
-        }
-        __syncwarp();
-        if (lane == 0) {
-            // Ascending expert ids (the fixed order of the sums over experts).
-            for (int j = 1; j < k; j++) {
-                const int v = ch[r][j];
-                int q = j - 1;
-                while (q >= 0 && ch[r][q] > v) {
-                    ch[r][q + 1] = ch[r][q];
-                    q--;
-                }
-                ch[r][q + 1] = v;
-            }
-            for (int j = 0; j < k; j++) {
-                wt[r][j] = sc[warp][ch[r][j]];
-                bits[r][ch[r][j] >> 5] |= 1u << (ch[r][j] & 31);
-            }
-            if (norm) {
-                float sum = wt[r][0];
+            __syncwarp();
+            if (lane == 0) {
+                // Ascending expert ids (the fixed order of the sums over experts).
                 for (int j = 1; j < k; j++) {
-                    sum += wt[r][j];
+                    const int v = ch[r][j];
+                    int q = j - 1;
+                    while (q >= 0 && ch[r][q] > v) {
+                        ch[r][q + 1] = ch[r][q];
+                        q--;
+                    }
+                    ch[r][q + 1] = v;
                 }
-                sum = sum + 1e-20f;
                 for (int j = 0; j < k; j++) {
-                    wt[r][j] = wt[r][j] / sum;
+                    wt[r][j] = rs[ch[r][j]];
+                    bits[r][ch[r][j] >> 5] |= 1u << (ch[r][j] & 31);
+                }
+                if (norm) {
+                    float sum = wt[r][0];
+                    for (int j = 1; j < k; j++) {
+                        sum += wt[r][j];
+                    }
+                    sum = sum + 1e-20f;
+                    for (int j = 0; j < k; j++) {
+                        wt[r][j] = wt[r][j] / sum;
+                    }
+                }
+                for (int j = 0; j < k; j++) {
+                    wt[r][j] = wt[r][j] * wscale;
                 }
             }
-            for (int j = 0; j < k; j++) {
-                wt[r][j] = wt[r][j] * wscale;
-            }
+            __syncwarp();
         }
-        __syncwarp();
+        __syncthreads();
     }
-    __syncthreads();
 
     // ---- 2. prefix popcounts: warp 0 the union, the other warps the rows (lane = word)
     if (warp == 0) {
