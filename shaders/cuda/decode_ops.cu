@@ -188,144 +188,108 @@ __device__ __forceinline__ float ds4_sigmoid(float x) {
 // Collapse values per thread that ds4_hc_pre keeps in registers for its fused norm.
 #define DS4_HC_REGS 8
 
-// The hyper-connection collapse of one row after its mixing logits (rust/engine/model/hyper.rs
-// pre): logits [n, n_mix] (n_mix = (2 + hc) * hc), x [n, hc * d] streams, y [n, d] the
-// collapse, mix [n, hc + hc * hc] the row's Mix (post[0..hc], then comb[i * hc + j] = weight
-// of input stream i in output stream j, after Sinkhorn). base and scale are the site's
-// HyperWeights base (n_mix floats) and scale (3 floats). With `norm` (d floats, may be null)
-// y is then replaced by its RMS norm with that weight, as ds4_rms_weight (the sublayer's input
-// norm, fused). Grid (n); hc <= DS4_HC_MAX.
+// Most streams ds4_hc_pre handles: its mixing matrix (hc * hc) fits one warp.
+#define DS4_HC_PRE_MAX 5
+
+// One row of ds4_hc_pre with its pointers at the row: warp 0 computes the mix while the other
+// warps collapse the streams (the collapse needs only pre, not the Sinkhorn iterations).
 //
-// The collapse needs only pre, not the Sinkhorn iterations: when the mixing math fits in warp
-// 0 (hc * hc <= 32), warp 0 runs it while the other warps collapse the streams.
-extern "C" __global__ void ds4_hc_pre(const float* logits, int n_mix, const float* x, float* y, float* mix,
-                                      const float* base, const float* scale, int hc, int d, float hc_eps,
-                                      int iters, const float* norm, float eps) {
-    ds4_grid_deps();
-    __shared__ float pre[DS4_HC_MAX];
-    __shared__ float post[DS4_HC_MAX];
-    __shared__ float comb[DS4_HC_MAX * DS4_HC_MAX];
+// The mixing math keeps comb in warp 0's registers (lane k < HC * HC holds element k) and
+// reads other elements with shuffles. HC is a template parameter so that every loop over
+// streams unrolls into straight code: with hc a runtime value each shuffle, and each load of
+// the collapse, waited out its latency behind branches (about 280 cycles per normalization
+// step, 40 steps per row: most of the kernel's time).
+template <int HC>
+__device__ __forceinline__ void hc_pre_row(const float* m, const float* x, float* y, float* mix, const float* base,
+                                           const float* scale, int d, float hc_eps, int iters, const float* norm,
+                                           float eps) {
+    __shared__ float pre[HC];
     __shared__ double red[32];
-    const int r = blockIdx.x;
-    const float* m = logits + (long long)r * n_mix;
-    // The small mixing math, one thread per element of comb (thread k < hc also makes pre[k]
-    // and post[k]): each thread sums its row or column itself, in the reference's order, so
-    // the result is the single-thread one, with hc * hc threads instead of one (a lone thread's
-    // chain of divisions and exponentials took tens of microseconds per row).
-    const int k = threadIdx.x;
-    const bool mine = k < hc * hc;
-    // With hc * hc <= 32 every element belongs to warp 0: warp barriers order the steps (a
-    // block barrier over 1024 threads, 80 times per row, cost more than the math).
-    const bool one_warp = hc * hc <= 32 && blockDim.x > 32;
-    auto sync = [&]() {
-        if (one_warp) {
-            __syncwarp();
-        } else {
-            __syncthreads();
-        }
-    };
-    const int ci = mine ? k / hc : 0;
-    const int cj = mine ? k - ci * hc : 0;
-    if (k < hc) {
-        pre[k] = ds4_sigmoid(m[k] * scale[0] + base[k]) + hc_eps;
-        post[k] = 2.0f * ds4_sigmoid(m[hc + k] * scale[1] + base[hc + k]);
-    }
-    float v = 0.0f;
-    if (mine) {
-        v = m[2 * hc + k] * scale[2] + base[2 * hc + k];
-        comb[k] = v;
+    const int tid = threadIdx.x;
+    if (tid < HC) {
+        pre[tid] = ds4_sigmoid(m[tid] * scale[0] + base[tid]) + hc_eps;
     }
     __syncthreads();
-    auto sinkhorn = [&]() {
+    // Collapse threads: thread t owns elements t + j * workers; the first DS4_HC_REGS of them
+    // stay in registers for the norm.
+    const int workers = blockDim.x - 32;
+    const int t = tid - 32;
+    float yv[DS4_HC_REGS];
+    if (tid < 32) {
+        const int k = tid;
+        const bool mine = k < HC * HC;
+        const int ci = mine ? k / HC : 0;
+        const int cj = mine ? k - ci * HC : 0;
+        if (k < HC) {
+            mix[k] = 2.0f * ds4_sigmoid(m[HC + k] * scale[1] + base[HC + k]);
+        }
+        float v = mine ? m[2 * HC + k] * scale[2] + base[2 * HC + k] : 0.0f;
+        // The HC elements first, first + step, ... of a line of comb.
+        float e[HC];
+        auto line = [&](int first, int step) {
+#pragma unroll
+            for (int j = 0; j < HC; j++) {
+                e[j] = __shfl_sync(0xffffffffu, v, first + j * step);
+            }
+        };
         // Softmax of each row, then + hc_eps.
-        if (mine) {
-            const float* row = comb + ci * hc;
-            float mx = -__int_as_float(0x7f800000);
-            for (int j = 0; j < hc; j++) {
-                mx = fmaxf(mx, row[j]);
-            }
-            float sum = 0.0f;
-            for (int j = 0; j < hc; j++) {
-                sum += expf(row[j] - mx);
-            }
-            v = expf(v - mx) / sum + hc_eps;
+        line(ci * HC, 1);
+        float mx = -__int_as_float(0x7f800000);
+#pragma unroll
+        for (int j = 0; j < HC; j++) {
+            mx = fmaxf(mx, e[j]);
         }
-        sync();
-        if (mine) {
-            comb[k] = v;
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < HC; j++) {
+            sum += expf(e[j] - mx);
         }
-        sync();
+        v = mine ? expf(v - mx) / sum + hc_eps : 0.0f;
         // Sinkhorn (hyper.rs sinkhorn): one column normalization, then iters - 1 rounds of row
         // then column normalization; sums in index order, then + hc_eps. `normalize` divides
-        // each element by the sum of the hc elements first, first + step, ... of its line.
+        // each element by the sum of its line first, first + step, ...
         auto normalize = [&](int first, int step) {
-            if (mine) {
-                float s = 0.0f;
-                for (int j = 0; j < hc; j++) {
-                    s += comb[first + j * step];
-                }
-                s += hc_eps;
-                v = comb[k] / s;
+            line(first, step);
+            float s = 0.0f;
+#pragma unroll
+            for (int j = 0; j < HC; j++) {
+                s += e[j];
             }
-            sync();
-            if (mine) {
-                comb[k] = v;
-            }
-            sync();
+            s += hc_eps;
+            v = v / s;  // lanes past HC * HC hold 0 and keep it (no divergent branch)
         };
         for (int it = 0; it < iters; it++) {
             if (it > 0) {
-                normalize(ci * hc, 1);
+                normalize(ci * HC, 1);
             }
-            normalize(cj, hc);
+            normalize(cj, HC);
         }
-    };
-    // The collapse, by threads c0.. (all of them, or all but warp 0): thread t owns elements
-    // t + j * workers; the first DS4_HC_REGS of them stay in registers for the norm.
-    const int c0 = one_warp ? 32 : 0;
-    const int workers = blockDim.x - c0;
-    const int t = threadIdx.x - c0;
-    const float* xs = x + (long long)r * hc * d;
-    float* yr = y + (long long)r * d;
-    float yv[DS4_HC_REGS];
-    auto collapse = [&]() {
+        if (mine) {
+            mix[HC + k] = v;
+        }
+    } else {
+        auto one = [&](int i) {
+            float acc = 0.0f;
+#pragma unroll
+            for (int s = 0; s < HC; s++) {
+                acc += pre[s] * x[(long long)s * d + i];
+            }
+            return acc;
+        };
 #pragma unroll
         for (int j = 0; j < DS4_HC_REGS; j++) {
             const int i = t + j * workers;
             yv[j] = 0.0f;
             if (i < d) {
-                float acc = 0.0f;
-                for (int s = 0; s < hc; s++) {
-                    acc += pre[s] * xs[(long long)s * d + i];
-                }
-                yv[j] = acc;
+                yv[j] = one(i);
                 if (!norm) {
-                    yr[i] = acc;
+                    y[i] = yv[j];
                 }
             }
         }
         for (int i = t + DS4_HC_REGS * workers; i < d; i += workers) {
-            float acc = 0.0f;
-            for (int s = 0; s < hc; s++) {
-                acc += pre[s] * xs[(long long)s * d + i];
-            }
-            yr[i] = acc;
+            y[i] = one(i);
         }
-    };
-    if (one_warp) {
-        if (threadIdx.x < 32) {
-            sinkhorn();
-        } else {
-            collapse();
-        }
-    } else {
-        sinkhorn();
-        collapse();
-    }
-    __syncthreads();
-    float* mr = mix + (long long)r * (hc + hc * hc);
-    for (int k = threadIdx.x; k < hc + hc * hc; k += blockDim.x) {
-        mr[k] = k < hc ? post[k] : comb[k - hc];
     }
     if (!norm) {
         return;
@@ -342,7 +306,7 @@ extern "C" __global__ void ds4_hc_pre(const float* logits, int n_mix, const floa
             }
         }
         for (int i = t + DS4_HC_REGS * workers; i < d; i += workers) {
-            const double q = (double)yr[i];
+            const double q = (double)y[i];
             ss += q * q;
         }
     }
@@ -353,12 +317,52 @@ extern "C" __global__ void ds4_hc_pre(const float* logits, int n_mix, const floa
         for (int j = 0; j < DS4_HC_REGS; j++) {
             const int i = t + j * workers;
             if (i < d) {
-                yr[i] = norm[i] * (yv[j] * sc);
+                y[i] = norm[i] * (yv[j] * sc);
             }
         }
         for (int i = t + DS4_HC_REGS * workers; i < d; i += workers) {
-            yr[i] = norm[i] * (yr[i] * sc);
+            y[i] = norm[i] * (y[i] * sc);
         }
+    }
+}
+
+// The hyper-connection collapse of one row after its mixing logits (rust/engine/model/hyper.rs
+// pre): logits [n, n_mix] (n_mix = (2 + hc) * hc), x [n, hc * d] streams, y [n, d] the
+// collapse, mix [n, hc + hc * hc] the row's Mix (post[0..hc], then comb[i * hc + j] = weight
+// of input stream i in output stream j, after Sinkhorn). base and scale are the site's
+// HyperWeights base (n_mix floats) and scale (3 floats). With `norm` (d floats, may be null)
+// y is then replaced by its RMS norm with that weight, as ds4_rms_weight (the sublayer's input
+// norm, fused). Grid (n), at least 64 threads; 1 <= hc <= DS4_HC_PRE_MAX.
+extern "C" __global__ void ds4_hc_pre(const float* logits, int n_mix, const float* x, float* y, float* mix,
+                                      const float* base, const float* scale, int hc, int d, float hc_eps,
+                                      int iters, const float* norm, float eps) {
+    ds4_grid_deps();
+    if (blockDim.x < 64) {
+        __trap();  // no collapse warps (a host bug)
+    }
+    const long long r = blockIdx.x;
+    const float* m = logits + r * n_mix;
+    const float* xr = x + r * hc * d;
+    float* yr = y + r * d;
+    float* mr = mix + r * (hc + hc * hc);
+    switch (hc) {
+        case 1:
+            hc_pre_row<1>(m, xr, yr, mr, base, scale, d, hc_eps, iters, norm, eps);
+            break;
+        case 2:
+            hc_pre_row<2>(m, xr, yr, mr, base, scale, d, hc_eps, iters, norm, eps);
+            break;
+        case 3:
+            hc_pre_row<3>(m, xr, yr, mr, base, scale, d, hc_eps, iters, norm, eps);
+            break;
+        case 4:
+            hc_pre_row<4>(m, xr, yr, mr, base, scale, d, hc_eps, iters, norm, eps);
+            break;
+        case 5:
+            hc_pre_row<5>(m, xr, yr, mr, base, scale, d, hc_eps, iters, norm, eps);
+            break;
+        default:
+            __trap();  // the host checks hc (a host bug)
     }
 }
 

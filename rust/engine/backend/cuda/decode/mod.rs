@@ -493,7 +493,8 @@ pub(crate) fn decoder_for(
     let cfg = &model.config;
     let csa_without_indexer =
         cfg.layers.iter().zip(&model.weights.layers).any(|(s, l)| s.kind == AttentionKind::Csa && l.indexer.is_none());
-    if cfg.hc_mult > 8
+    // ds4_hc_pre keeps a site's hc x hc mixing matrix in one warp (DS4_HC_PRE_MAX).
+    if cfg.hc_mult > 5
         || cfg.hc_mult == 0
         || !cfg.n_heads.is_multiple_of(cfg.o_groups)
         || csa_without_indexer

@@ -176,8 +176,8 @@ fn rms_weight_matches_cpu() {
 
 /// A hyper-connection site with an F32 projection of `n_out` rows over `hc * d` inputs, in
 /// its own file image; scaled so that the mixing logits are of order one.
-fn hyper_site(n_out: usize, d: usize, seed: u64) -> (Vec<u8>, HyperWeights) {
-    let n_in = HC * d;
+fn hyper_site(n_out: usize, hc: usize, d: usize, seed: u64) -> (Vec<u8>, HyperWeights) {
+    let n_in = hc * d;
     let proj = randn(n_out * n_in, seed, 3.0 / (n_in as f32).sqrt());
     let raw: Vec<u8> = proj.iter().flat_map(|v| v.to_le_bytes()).collect();
     let row_bytes = GgmlType::F32.row_bytes(n_in as u64).expect("f32 row") as usize;
@@ -199,22 +199,23 @@ fn mix_logits(ops: Ops<'_>, w: &HyperWeights, x: &[f32]) -> Vec<f32> {
     ops.matmul(&w.proj, &flat).expect("mixing logits")
 }
 
-/// `ds4_hc_pre` over the rows of `logits`, its collapse normed with weight `norm` when given:
-/// (y, mix).
+/// `ds4_hc_pre` with `hc` streams over the rows of `logits`, its collapse normed with weight
+/// `norm` when given: (y, mix).
 fn run_hc_pre(
     ctx: &Context,
+    hc: usize,
     logits: &[f32],
     x: &[f32],
     w: &HyperWeights,
     d: usize,
     norm: Option<&[f32]>,
 ) -> (Vec<f32>, Vec<f32>) {
-    let n_mix = (2 + HC) * HC;
+    let n_mix = (2 + hc) * hc;
     let n = logits.len() / n_mix;
     let (lb, xb, bb, sb) = (buf(logits), buf(x), buf(&w.base), buf(&w.scale));
     let nb = norm.map(buf);
     let yb = DevBuf::zeroed(n * d * 4).expect("y");
-    let mb = DevBuf::zeroed(n * (HC + HC * HC) * 4).expect("mix");
+    let mb = DevBuf::zeroed(n * (hc + hc * hc) * 4).expect("mix");
     launch(
         ctx,
         "ds4_hc_pre",
@@ -227,7 +228,7 @@ fn run_hc_pre(
             ptr(&mb),
             ptr(&bb),
             ptr(&sb),
-            Arg::I32(HC as i32),
+            Arg::I32(hc as i32),
             Arg::I32(d as i32),
             Arg::F32(HC_EPS),
             Arg::I32(ITERS as i32),
@@ -235,46 +236,53 @@ fn run_hc_pre(
             Arg::F32(EPS),
         ],
     );
-    (read(ctx, &yb, n * d), read(ctx, &mb, n * (HC + HC * HC)))
+    (read(ctx, &yb, n * d), read(ctx, &mb, n * (hc + hc * hc)))
 }
 
+/// The Flash case (4 streams) at several widths, then every other stream count the kernel
+/// takes (it is compiled once per count).
 #[test]
 fn hc_pre_matches_cpu() {
     let Some(ctx) = context() else { return };
-    let n_mix = (2 + HC) * HC;
-    for (k, &d) in [64usize, 1000, 4096].iter().enumerate() {
+    let cases = [(HC, 64usize), (HC, 1000), (HC, 4096), (1, 300), (2, 1000), (3, 512), (5, 700)];
+    for (k, &(hc, d)) in cases.iter().enumerate() {
+        let what = format!("ds4_hc_pre hc {hc} d {d}");
         let n = 5;
-        let (raw, w) = hyper_site(n_mix, d, 40 + k as u64);
+        let n_mix = (2 + hc) * hc;
+        let (raw, w) = hyper_site(n_mix, hc, d, 40 + k as u64);
         let ops = Ops { raw: &raw, backend: &Cpu };
-        let x = randn(n * HC * d, 50 + k as u64, 2.0);
-        let cfg = config(d, 1, 64);
+        let x = randn(n * hc * d, 50 + k as u64, 2.0);
+        let cfg = ModelConfig { hc_mult: hc, ..config(d, 1, 64) };
         let (want_y, mixes) = hyper::pre(ops, &w, &x, &cfg).expect("hyper::pre");
         let logits = mix_logits(ops, &w, &x);
-        let (y, mix) = run_hc_pre(&ctx, &logits, &x, &w, d, None);
-        assert_close(&format!("ds4_hc_pre y, d {d}"), &y, &want_y, 1e-5);
+        let row = |r: usize| (&logits[r * n_mix..(r + 1) * n_mix], &x[r * hc * d..(r + 1) * hc * d]);
+        let (y, mix) = run_hc_pre(&ctx, hc, &logits, &x, &w, d, None);
+        assert_close(&format!("{what}: y"), &y, &want_y, 1e-5);
         // With the sublayer's norm fused: the CPU's rms_norm of the collapse.
         let nw = randn(d, 60 + k as u64, 1.0);
         let mut want_normed = want_y.clone();
         for row in want_normed.chunks_mut(d) {
             rms_norm(row, &nw, EPS);
         }
-        let (normed, mix2) = run_hc_pre(&ctx, &logits, &x, &w, d, Some(&nw));
-        assert_close(&format!("ds4_hc_pre normed y, d {d}"), &normed, &want_normed, 1e-5);
-        assert_eq!(mix2, mix, "ds4_hc_pre mix with the norm, d {d}");
-        assert_rows_invariant(&format!("ds4_hc_pre normed y, d {d}"), &normed, n, |r| {
-            let (lr, xr) = (&logits[r * n_mix..(r + 1) * n_mix], &x[r * HC * d..(r + 1) * HC * d]);
-            run_hc_pre(&ctx, lr, xr, &w, d, Some(&nw)).0
+        let (normed, mix2) = run_hc_pre(&ctx, hc, &logits, &x, &w, d, Some(&nw));
+        assert_close(&format!("{what}: normed y"), &normed, &want_normed, 1e-5);
+        assert_eq!(mix2, mix, "{what}: mix with the norm");
+        assert_rows_invariant(&format!("{what}: normed y"), &normed, n, |r| {
+            let (lr, xr) = row(r);
+            run_hc_pre(&ctx, hc, lr, xr, &w, d, Some(&nw)).0
         });
         for (r, m) in mixes.iter().enumerate() {
-            let got = &mix[r * (HC + HC * HC)..(r + 1) * (HC + HC * HC)];
-            assert_close(&format!("ds4_hc_pre post, d {d}, row {r}"), &got[..HC], &m.post, 1e-5);
-            assert_close(&format!("ds4_hc_pre comb, d {d}, row {r}"), &got[HC..], &m.comb, 5e-5);
+            let got = &mix[r * (hc + hc * hc)..(r + 1) * (hc + hc * hc)];
+            assert_close(&format!("{what}: post, row {r}"), &got[..hc], &m.post, 1e-5);
+            assert_close(&format!("{what}: comb, row {r}"), &got[hc..], &m.comb, 5e-5);
         }
-        assert_rows_invariant(&format!("ds4_hc_pre y, d {d}"), &y, n, |r| {
-            run_hc_pre(&ctx, &logits[r * n_mix..(r + 1) * n_mix], &x[r * HC * d..(r + 1) * HC * d], &w, d, None).0
+        assert_rows_invariant(&format!("{what}: y"), &y, n, |r| {
+            let (lr, xr) = row(r);
+            run_hc_pre(&ctx, hc, lr, xr, &w, d, None).0
         });
-        assert_rows_invariant(&format!("ds4_hc_pre mix, d {d}"), &mix, n, |r| {
-            run_hc_pre(&ctx, &logits[r * n_mix..(r + 1) * n_mix], &x[r * HC * d..(r + 1) * HC * d], &w, d, None).1
+        assert_rows_invariant(&format!("{what}: mix"), &mix, n, |r| {
+            let (lr, xr) = row(r);
+            run_hc_pre(&ctx, hc, lr, xr, &w, d, None).1
         });
     }
 }
@@ -339,7 +347,7 @@ fn hc_head_matches_cpu() {
     let Some(ctx) = context() else { return };
     for (k, &d) in [64usize, 1000, 4096].iter().enumerate() {
         let n = 5;
-        let (raw, w) = hyper_site(HC, d, 90 + k as u64);
+        let (raw, w) = hyper_site(HC, HC, d, 90 + k as u64);
         let ops = Ops { raw: &raw, backend: &Cpu };
         let x = randn(n * HC * d, 95 + k as u64, 2.0);
         let want = hyper::head(ops, &w, &x, HC, d, EPS, HC_EPS).expect("hyper::head");
