@@ -132,7 +132,7 @@ impl KernelProfile {
         v.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
         let total: f64 = v.iter().map(|x| x.1 .1).sum();
         eprintln!("ds4 decode profile over {} steps: {:.3} ms of kernels per step", self.steps, 1e3 * total / steps);
-        for (name, (calls, secs)) in v.iter().take(24) {
+        for (name, (calls, secs)) in v.iter().take(48) {
             eprintln!(
                 "  {name:32} {:7.1} us/step  {:6.1} launches/step  {:6.2} us/launch",
                 1e6 * secs / steps,
