@@ -12,7 +12,8 @@
 //   5. SwiGLU of the gate and up outputs (decode_ops.cu);
 //   6. the down products over the max_descs descriptors of `down` (one launch);
 //   7. ds4_moe_combine: out = sum over the row's experts of weight * down output, then plus
-//      the shared expert's output.
+//      the shared expert's output; in the decode it goes straight into the FFN site's
+//      hyper-connection expansion (ds4_hc_post_at, decode_ops.cu).
 // Unused descriptor slots (the batch uses m <= max_descs experts) have n = 0: their blocks
 // return at once in matvec.
 //
@@ -403,10 +404,13 @@ extern "C" __global__ void ds4_gather(const float* __restrict__ h, float* __rest
 // out[r, i] = sum over j < comb_cnt[r] (ascending) of down_out[comb_slot[r, j], i] *
 // comb_w[r, j], starting from 0, then + shared[r, i] (the end of moe::forward: the row's
 // experts in increasing id, then the shared expert). down_out: [n * k, d] gathered rows.
-// Grid (ceil(d / 256), n), block 256.
+// With x (not null) the row's output is not stored: it goes straight into the FFN site's
+// hyper-connection expansion of x with mix (ds4_hc_post_at, hc streams), as ds4_hc_post
+// would do with it. Grid (ceil(d / 256), n), block 256.
 extern "C" __global__ void ds4_moe_combine(const float* __restrict__ down_out, const int* __restrict__ comb_slot,
                                            const float* __restrict__ comb_w, const int* __restrict__ comb_cnt,
-                                           const float* __restrict__ shared, float* __restrict__ out, int k, int d) {
+                                           const float* __restrict__ shared, float* __restrict__ out, int k, int d,
+                                           float* x, const float* mix, int hc) {
     ds4_grid_deps();
     const int r = blockIdx.y;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -420,5 +424,9 @@ extern "C" __global__ void ds4_moe_combine(const float* __restrict__ down_out, c
         o = o + u * comb_w[r * k + j];
     }
     o = o + shared[(long long)r * d + i];
-    out[(long long)r * d + i] = o;
+    if (x != nullptr) {
+        ds4_hc_post_at(x, o, mix, hc, d, r, i);
+    } else {
+        out[(long long)r * d + i] = o;
+    }
 }

@@ -366,16 +366,10 @@ extern "C" __global__ void ds4_hc_pre(const float* logits, int n_mix, const floa
     }
 }
 
-// The hyper-connection expansion (hyper.rs post), in place on x [n, hc * d]:
-// x_j = post_j * f + sum_i comb[i * hc + j] * old x_i, with f [n, d] the sublayer output and
-// mix [n, hc + hc * hc] from ds4_hc_pre. Grid (ceil(d / blockDim.x), n); hc <= DS4_HC_MAX.
-extern "C" __global__ void ds4_hc_post(float* x, const float* f, const float* mix, int hc, int d) {
-    ds4_grid_deps();
-    const int r = blockIdx.y;
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= d) {
-        return;
-    }
+// The hyper-connection expansion (hyper.rs post) of element i of row r, in place on x
+// [n, hc * d]: x_j = post_j * fk + sum_i comb[i * hc + j] * old x_i, with fk element i of the
+// row's sublayer output and mix [n, hc + hc * hc] from ds4_hc_pre; hc <= DS4_HC_MAX.
+__device__ __forceinline__ void ds4_hc_post_at(float* x, float fk, const float* mix, int hc, int d, int r, int i) {
     const float* mr = mix + (long long)r * (hc + hc * hc);
     const float* comb = mr + hc;
     float* xs = x + (long long)r * hc * d;
@@ -385,7 +379,6 @@ extern "C" __global__ void ds4_hc_post(float* x, const float* f, const float* mi
             old[s] = xs[(long long)s * d + i];
         }
     }
-    const float fk = f[(long long)r * d + i];
     for (int j = 0; j < hc; j++) {
         float acc = 0.0f;
         for (int s = 0; s < DS4_HC_MAX; s++) {
@@ -394,6 +387,16 @@ extern "C" __global__ void ds4_hc_post(float* x, const float* f, const float* mi
             }
         }
         xs[(long long)j * d + i] = mr[j] * fk + acc;
+    }
+}
+
+// ds4_hc_post_at over rows of f [n, d], the sublayer output. Grid (ceil(d / blockDim.x), n).
+extern "C" __global__ void ds4_hc_post(float* x, const float* f, const float* mix, int hc, int d) {
+    ds4_grid_deps();
+    const int r = blockIdx.y;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < d) {
+        ds4_hc_post_at(x, f[(long long)r * d + i], mix, hc, d, r, i);
     }
 }
 

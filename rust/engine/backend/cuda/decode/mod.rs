@@ -255,7 +255,6 @@ struct Bufs {
     comb_slot: DevBuf,
     comb_w: DevBuf,
     comb_cnt: DevBuf,
-    ffn_out: DevBuf,
     y: DevBuf,
     logits: DevBuf,
     part: DevBuf,
@@ -677,7 +676,6 @@ impl CudaDecoder {
             comb_slot: DevBuf::zeroed(4 * N_MAX * kk)?,
             comb_w: f32_buf(N_MAX * kk)?,
             comb_cnt: DevBuf::zeroed(4 * N_MAX)?,
-            ffn_out: f32_buf(N_MAX * d)?,
             y: f32_buf(N_MAX * d)?,
             logits: f32_buf(N_MAX * cfg.vocab)?,
             part: f32_buf(part_floats)?,
@@ -872,11 +870,6 @@ impl CudaDecoder {
                     ],
                 );
                 Ok(())
-            };
-            // The hyper-connection expansion of a sublayer's output `f` with its site's mix.
-            let hc_post = |ops: &mut Vec<_>, f: u64, mix: u64| {
-                let args = vec![p(b.x.ptr), p(f), p(mix), i(hc), i(d)];
-                launch(ops, k.hc_post, rows_grid(d.div_ceil(256)), 256, 0, args);
             };
             // ---- attention
             hc_site(&mut ops, &mut table, &lw.hc_attn, &c.hc_attn, b.mix_a.ptr, c.attn_norm.ptr)?;
@@ -1078,7 +1071,10 @@ impl CudaDecoder {
                 .collect();
             products_strided(&mut ops, &mut table, &oa, Some(groups * rank))?;
             products(&mut ops, &mut table, &[(lw.o_b, b.u.ptr, b.attn_out.ptr, n)])?;
-            hc_post(&mut ops, b.attn_out.ptr, b.mix_a.ptr);
+            // The attention site's hyper-connection expansion of x (the FFN site's is fused
+            // into ds4_moe_combine).
+            let args = vec![p(b.x.ptr), p(b.attn_out.ptr), p(b.mix_a.ptr), i(hc), i(d)];
+            launch(&mut ops, k.hc_post, rows_grid(d.div_ceil(256)), 256, 0, args);
 
             // ---- MoE
             hc_site(&mut ops, &mut table, &lw.hc_ffn, &c.hc_ffn, b.mix_f.ptr, c.ffn_norm.ptr)?;
@@ -1205,12 +1201,15 @@ impl CudaDecoder {
                     p(b.comb_w.ptr),
                     p(b.comb_cnt.ptr),
                     p(b.dsh.ptr),
-                    p(b.ffn_out.ptr),
+                    null,
                     i(kk),
                     i(d),
+                    // The FFN site's expansion of x, fused (no separate ds4_hc_post).
+                    p(b.x.ptr),
+                    p(b.mix_f.ptr),
+                    i(hc),
                 ],
             );
-            hc_post(&mut ops, b.ffn_out.ptr, b.mix_f.ptr);
             if let Some(j) = capture.iter().position(|&c| c == li) {
                 let bytes = n * hc * d * 4;
                 ops.push(Op::Copy { dst: b.capture.ptr + (j * N_MAX * hc * d * 4) as u64, src: b.x.ptr, bytes });

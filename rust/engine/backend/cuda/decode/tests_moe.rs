@@ -1,5 +1,5 @@
 //! Tests of the routed-expert kernels (shaders/cuda/decode_moe.cu: ds4_route, ds4_gather,
-//! ds4_moe_combine) against the CPU reference (rust/engine/model/moe.rs `route` and
+//! ds4_moe_combine, alone and fused with the hyper-connection expansion) against the CPU reference (rust/engine/model/moe.rs `route` and
 //! `forward`), and of the whole routed-expert path on the device: router product, routing,
 //! gather, gate/up products over the device-written table, SwiGLU, down products, combine.
 //! Without a GPU they print "skipped" and pass.
@@ -525,13 +525,37 @@ fn gather_and_combine_match_reference() {
             Arg::I32(k as i32),
             Arg::I32(d as i32),
         ];
-        ctx.launch_named("ds4_moe_combine", (d.div_ceil(256) as u32, n as u32, 1), 256, 0, &args)
-            .expect("ds4_moe_combine");
+        let grid = (d.div_ceil(256) as u32, n as u32, 1);
+        let alone = [Arg::Ptr(0), Arg::Ptr(0), Arg::I32(0)];
+        ctx.launch_named("ds4_moe_combine", grid, 256, 0, &[&args[..], &alone].concat()).expect("ds4_moe_combine");
         ctx.sync().expect("ds4_moe_combine");
         let got: Vec<f32> = out.read(0, n * d).expect("read");
         // The same float operations in the same order: bitwise.
         for (i, (a, b)) in got.iter().zip(&want).enumerate() {
             assert_eq!(a.to_bits(), b.to_bits(), "{what}: combine out[{}, {}]: got {a}, want {b}", i / d, i % d);
+        }
+
+        // Fused with the FFN site's hyper-connection expansion: bitwise ds4_hc_post of x with
+        // the combined output.
+        let hc = 4;
+        let x = rng.f32s(n * hc * d);
+        let mix = rng.f32s(n * (hc + hc * hc));
+        let (xa, xb, mb) = (
+            DevBuf::from_slice(&x).expect("x"),
+            DevBuf::from_slice(&x).expect("x"),
+            DevBuf::from_slice(&mix).expect("mix"),
+        );
+        let post =
+            [Arg::Ptr(xa.at(0)), Arg::Ptr(out.at(0)), Arg::Ptr(mb.at(0)), Arg::I32(hc as i32), Arg::I32(d as i32)];
+        ctx.launch_named("ds4_hc_post", grid, 256, 0, &post).expect("ds4_hc_post");
+        let fused = [Arg::Ptr(xb.at(0)), Arg::Ptr(mb.at(0)), Arg::I32(hc as i32)];
+        ctx.launch_named("ds4_moe_combine", grid, 256, 0, &[&args[..], &fused].concat())
+            .expect("fused ds4_moe_combine");
+        ctx.sync().expect("ds4_moe_combine with ds4_hc_post");
+        let (want_x, got_x): (Vec<f32>, Vec<f32>) = (xa.read(0, x.len()).expect("x"), xb.read(0, x.len()).expect("x"));
+        assert_ne!(want_x, x, "{what}: ds4_hc_post changed nothing");
+        for (i, (a, b)) in got_x.iter().zip(&want_x).enumerate() {
+            assert_eq!(a.to_bits(), b.to_bits(), "{what}: fused expansion x[{i}]: got {a}, want {b}");
         }
     }
 }
@@ -657,6 +681,9 @@ fn moe_on_device(ctx: &Context, l: &MoeLayer, img: &DevBuf, h: &[f32], tokens: &
         Arg::Ptr(out.at(0)),
         Arg::I32(k as i32),
         Arg::I32(d as i32),
+        Arg::Ptr(0),
+        Arg::Ptr(0),
+        Arg::I32(0),
     ];
     ctx.launch_named("ds4_moe_combine", (d.div_ceil(256) as u32, n as u32, 1), 256, 0, &args).expect("ds4_moe_combine");
     ctx.sync().expect("running the MoE kernels");
