@@ -18,16 +18,46 @@
 
 // ---- 1. raw window ring
 
-// ring[((step[0] + r) % slots) * head_dim + i] = kv[r * head_dim + i]. Grid (n), any block.
-extern "C" __global__ void ds4_ring_write(const float* __restrict__ kv, float* __restrict__ ring, int slots,
-                                          int head_dim, const int* __restrict__ step) {
-    ds4_grid_deps();
-    const int r = blockIdx.x;
+// ring[((step[0] + r) % slots) * head_dim + i] = kv[r * head_dim + i], by one block.
+__device__ __forceinline__ void ds4_ring_write_row(const float* __restrict__ kv, float* __restrict__ ring, int slots,
+                                                   int head_dim, const int* __restrict__ step, int r) {
     const long long pos = (long long)step[0] + r;
     float* dst = ring + (pos % slots) * head_dim;
     const float* src = kv + (long long)r * head_dim;
     for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
         dst[i] = src[i];
+    }
+}
+
+// ds4_ring_write_row alone (its test). Grid (n), any block.
+extern "C" __global__ void ds4_ring_write(const float* __restrict__ kv, float* __restrict__ ring, int slots,
+                                          int head_dim, const int* __restrict__ step) {
+    ds4_grid_deps();
+    ds4_ring_write_row(kv, ring, slots, head_dim, step, blockIdx.x);
+}
+
+// The decode's one launch after the projections of a layer, row r = blockIdx.y: blocks
+// x < n_heads finish query head x (decode_ops.cu ds4_finish_q_head); block n_heads finishes the
+// K=V row (ds4_finish_kv_row) and then writes it to the ring; blocks n_heads + 1 + h finish
+// indexer head h (ds4_finish_index_head; index_heads 0: no indexer). The same block size for
+// every launch (the RMS sums' trees depend on it). Grid (n_heads + 1 + index_heads, n).
+extern "C" __global__ void ds4_finish_rows(float* q, int n_heads, int head_dim, float eps, const float* inv_freq,
+                                           int rope_dim, const int* step, float* kv, const float* kv_norm,
+                                           int round_mode, float* ring, int slots, float* iq, float* ig,
+                                           int index_heads, int index_dim, float g_scale) {
+    ds4_grid_deps();
+    __shared__ double red[32];
+    const int x = blockIdx.x;
+    const int r = blockIdx.y;
+    if (x < n_heads) {
+        ds4_finish_q_head(q, n_heads, head_dim, eps, inv_freq, rope_dim, step, x, r, red);
+    } else if (x == n_heads) {
+        ds4_finish_kv_row(kv, kv_norm, head_dim, eps, inv_freq, rope_dim, round_mode, step, r, red);
+        __syncthreads();
+        ds4_ring_write_row(kv, ring, slots, head_dim, step, r);
+    } else {
+        ds4_finish_index_head(iq, ig, index_heads, index_dim, inv_freq, rope_dim, round_mode, g_scale, step,
+                              x - n_heads - 1, r);
     }
 }
 

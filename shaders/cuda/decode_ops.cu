@@ -425,13 +425,10 @@ extern "C" __global__ void ds4_hc_head(const float* logits, const float* x, floa
 
 // Query rows after q_b, in place (rust/engine/model/block.rs finish_queries): head h of row r
 // (q [n, n_heads * head_dim]) RMS-normalized without weight, then its last rope_dim features
-// rotated at position step[0] + r. inv_freq: rope_dim / 2 floats. Grid (n_heads, n).
-extern "C" __global__ void ds4_finish_q(float* q, int n_heads, int head_dim, float eps, const float* inv_freq,
-                                        int rope_dim, const int* step) {
-    ds4_grid_deps();
-    __shared__ double red[32];
-    const int h = blockIdx.x;
-    const int r = blockIdx.y;
+// rotated at position step[0] + r. inv_freq: rope_dim / 2 floats. One block per (h, r).
+__device__ __forceinline__ void ds4_finish_q_head(float* q, int n_heads, int head_dim, float eps,
+                                                  const float* inv_freq, int rope_dim, const int* step, int h,
+                                                  int r, double* red) {
     float* v = q + ((long long)r * n_heads + h) * head_dim;
     const float s = ds4_rms_scale(v, head_dim, eps, red);
     for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
@@ -446,12 +443,10 @@ extern "C" __global__ void ds4_finish_q(float* q, int n_heads, int head_dim, flo
 
 // K=V rows after the kv projection, in place (block.rs finish_kv): kv [n, head_dim], each row
 // RMS-normalized with the weight w (kv_norm, head_dim floats), rotated at step[0] + r, then
-// every feature rounded to the storage precision (round_mode: 0 f32, 1 f16). Grid (n).
-extern "C" __global__ void ds4_finish_kv(float* kv, const float* w, int head_dim, float eps, const float* inv_freq,
-                                         int rope_dim, int round_mode, const int* step) {
-    ds4_grid_deps();
-    __shared__ double red[32];
-    const int r = blockIdx.x;
+// every feature rounded to the storage precision (round_mode: 0 f32, 1 f16). One block per r.
+__device__ __forceinline__ void ds4_finish_kv_row(float* kv, const float* w, int head_dim, float eps,
+                                                  const float* inv_freq, int rope_dim, int round_mode,
+                                                  const int* step, int r, double* red) {
     float* v = kv + (long long)r * head_dim;
     const float s = ds4_rms_scale(v, head_dim, eps, red);
     for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
@@ -470,13 +465,11 @@ extern "C" __global__ void ds4_finish_kv(float* kv, const float* w, int head_dim
 
 // Indexer queries and weights of a CSA layer, in place (the `idx` part of Model::attention in
 // rust/engine/model/forward.rs): head h of row r (iq [n, heads * head_dim]) rotated at
-// step[0] + r and rounded (round_mode as ds4_finish_kv); g [n, heads] scaled by g_scale
-// (1 / sqrt(heads)), the block of head h doing g[r * heads + h]. Grid (heads, n).
-extern "C" __global__ void ds4_finish_index(float* iq, float* g, int heads, int head_dim, const float* inv_freq,
-                                            int rope_dim, int round_mode, float g_scale, const int* step) {
-    ds4_grid_deps();
-    const int h = blockIdx.x;
-    const int r = blockIdx.y;
+// step[0] + r and rounded (round_mode as ds4_finish_kv_row); g [n, heads] scaled by g_scale
+// (1 / sqrt(heads)), the block of head h doing g[r * heads + h]. One block per (h, r).
+__device__ __forceinline__ void ds4_finish_index_head(float* iq, float* g, int heads, int head_dim,
+                                                      const float* inv_freq, int rope_dim, int round_mode,
+                                                      float g_scale, const int* step, int h, int r) {
     float* v = iq + ((long long)r * heads + h) * head_dim;
     const int pos = step[0] + r;
     for (int i = threadIdx.x; i < rope_dim / 2; i += blockDim.x) {
@@ -489,6 +482,29 @@ extern "C" __global__ void ds4_finish_index(float* iq, float* g, int heads, int 
     if (threadIdx.x == 0) {
         g[(long long)r * heads + h] *= g_scale;
     }
+}
+
+// Each of the three alone (their tests; the decode runs them in one launch, ds4_finish_rows in
+// decode_attn.cu). Grid (n_heads, n), (n), (heads, n).
+extern "C" __global__ void ds4_finish_q(float* q, int n_heads, int head_dim, float eps, const float* inv_freq,
+                                        int rope_dim, const int* step) {
+    ds4_grid_deps();
+    __shared__ double red[32];
+    ds4_finish_q_head(q, n_heads, head_dim, eps, inv_freq, rope_dim, step, blockIdx.x, blockIdx.y, red);
+}
+
+extern "C" __global__ void ds4_finish_kv(float* kv, const float* w, int head_dim, float eps, const float* inv_freq,
+                                         int rope_dim, int round_mode, const int* step) {
+    ds4_grid_deps();
+    __shared__ double red[32];
+    ds4_finish_kv_row(kv, w, head_dim, eps, inv_freq, rope_dim, round_mode, step, blockIdx.x, red);
+}
+
+extern "C" __global__ void ds4_finish_index(float* iq, float* g, int heads, int head_dim, const float* inv_freq,
+                                            int rope_dim, int round_mode, float g_scale, const int* step) {
+    ds4_grid_deps();
+    ds4_finish_index_head(iq, g, heads, head_dim, inv_freq, rope_dim, round_mode, g_scale, step, blockIdx.x,
+                          blockIdx.y);
 }
 
 // SwiGLU with clamps (rust/engine/model/moe.rs swiglu): out = silu(min(g, clamp)) *

@@ -326,11 +326,8 @@ struct Kernels {
     hc_pre: sys::CUfunction,
     hc_post: sys::CUfunction,
     hc_head: sys::CUfunction,
-    finish_q: sys::CUfunction,
-    finish_kv: sys::CUfunction,
-    finish_index: sys::CUfunction,
+    finish_rows: sys::CUfunction,
     swiglu: sys::CUfunction,
-    ring_write: sys::CUfunction,
     compress: sys::CUfunction,
     index_scores: sys::CUfunction,
     index_topk: sys::CUfunction,
@@ -363,11 +360,8 @@ impl Kernels {
             hc_pre: f("ds4_hc_pre")?,
             hc_post: f("ds4_hc_post")?,
             hc_head: f("ds4_hc_head")?,
-            finish_q: f("ds4_finish_q")?,
-            finish_kv: f("ds4_finish_kv")?,
-            finish_index: f("ds4_finish_index")?,
+            finish_rows: f("ds4_finish_rows")?,
             swiglu: f("ds4_swiglu")?,
-            ring_write: f("ds4_ring_write")?,
             compress: f("ds4_compress")?,
             index_scores: f("ds4_index_scores")?,
             index_topk: f("ds4_index_topk")?,
@@ -903,53 +897,34 @@ impl CudaDecoder {
             }
             products(&mut ops, &mut table, &g)?;
             let rope_dim = cfg.rope_dim;
+            // Query heads, the K=V row (then its ring slot) and the indexer heads: one launch.
+            let ih = if lw.indexer.is_some() { cfg.index_heads } else { 0 };
             launch(
                 &mut ops,
-                k.finish_q,
-                (nh as u32, nn, 1),
+                k.finish_rows,
+                ((nh + 1 + ih) as u32, nn, 1),
                 128,
                 0,
-                vec![p(b.q.ptr), i(nh), i(hd), fl(cfg.rms_eps), p(c.inv_freq.ptr), i(rope_dim), p(step)],
-            );
-            launch(
-                &mut ops,
-                k.finish_kv,
-                g1,
-                256,
-                0,
                 vec![
-                    p(b.kv.ptr),
-                    p(c.kv_norm.ptr),
+                    p(b.q.ptr),
+                    i(nh),
                     i(hd),
                     fl(cfg.rms_eps),
                     p(c.inv_freq.ptr),
                     i(rope_dim),
-                    i(self.round_mode as usize),
                     p(step),
+                    p(b.kv.ptr),
+                    p(c.kv_norm.ptr),
+                    i(self.round_mode as usize),
+                    p(mm.ring.ptr),
+                    i(mm.slots),
+                    p(b.iq.ptr),
+                    p(b.ig.ptr),
+                    i(ih),
+                    i(cfg.index_head_dim),
+                    fl(1.0 / (cfg.index_heads.max(1) as f32).sqrt()),
                 ],
             );
-            if lw.indexer.is_some() {
-                let gs = 1.0 / (cfg.index_heads as f32).sqrt();
-                launch(
-                    &mut ops,
-                    k.finish_index,
-                    (cfg.index_heads as u32, nn, 1),
-                    128,
-                    0,
-                    vec![
-                        p(b.iq.ptr),
-                        p(b.ig.ptr),
-                        i(cfg.index_heads),
-                        i(cfg.index_head_dim),
-                        p(c.inv_freq.ptr),
-                        i(rope_dim),
-                        i(self.round_mode as usize),
-                        fl(gs),
-                        p(step),
-                    ],
-                );
-            }
-            launch(&mut ops, k.ring_write, g1, 256, 0, vec![p(b.kv.ptr), p(mm.ring.ptr), i(mm.slots), i(hd), p(step)]);
             let compress = |ops: &mut Vec<_>, cm: &CompMirror, cc: &(DevBuf, DevBuf)| {
                 launch(
                     ops,

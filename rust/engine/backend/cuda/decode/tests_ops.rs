@@ -466,6 +466,84 @@ fn finish_kv_matches_cpu() {
     }
 }
 
+/// `ds4_finish_rows` (decode_attn.cu), the decode's one launch, is bitwise the finishing
+/// kernels and the ring write launched one after the other at its block size, with and without
+/// indexer heads.
+#[test]
+fn finish_rows_is_the_kernels_in_one_launch() {
+    let Some(ctx) = context() else { return };
+    let (nh, hd, idim, slots, n, pos0, mode) = (4usize, 512usize, 128usize, 8usize, 5usize, 13usize, 1);
+    let [_, (_, rope)] = ropes();
+    let rd = Arg::I32(rope.dim() as i32);
+    let (wb, fb, sb) = (buf(&randn(hd, 8, 1.5)), buf(rope.inv_freq()), step(&ctx, pos0, &[0; 5]));
+    let run = |name: &str, grid: (usize, usize), args: &[Arg]| {
+        ctx.launch_named(name, (grid.0 as u32, grid.1 as u32, 1), 128, 0, args)
+            .unwrap_or_else(|e| panic!("launching {name}: {e}"));
+    };
+    for ih in [0usize, 3] {
+        let what = format!("ds4_finish_rows, {ih} indexer heads");
+        let gs = 1.0 / (ih.max(1) as f32).sqrt();
+        let inputs = [
+            randn(n * nh * hd, 400, 3.0),
+            randn(n * hd, 401, 3.0),
+            randn(slots * hd, 402, 1.0),
+            randn(n * ih.max(1) * idim, 403, 3.0),
+            randn(n * ih.max(1), 404, 2.0),
+        ];
+        // q, kv, ring, iq, g: one by one, then in one launch.
+        let one: Vec<DevBuf> = inputs.iter().map(|v| buf(v)).collect();
+        let [q, kv, ring, iq, g] = &one[..] else { unreachable!() };
+        run(
+            "ds4_finish_q",
+            (nh, n),
+            &[ptr(q), Arg::I32(nh as i32), Arg::I32(hd as i32), Arg::F32(EPS), ptr(&fb), rd, ptr(&sb)],
+        );
+        let kv_args = [ptr(kv), ptr(&wb), Arg::I32(hd as i32), Arg::F32(EPS), ptr(&fb), rd, Arg::I32(mode), ptr(&sb)];
+        run("ds4_finish_kv", (n, 1), &kv_args);
+        run("ds4_ring_write", (n, 1), &[ptr(kv), ptr(ring), Arg::I32(slots as i32), Arg::I32(hd as i32), ptr(&sb)]);
+        if ih > 0 {
+            let (h, d) = (Arg::I32(ih as i32), Arg::I32(idim as i32));
+            run(
+                "ds4_finish_index",
+                (ih, n),
+                &[ptr(iq), ptr(g), h, d, ptr(&fb), rd, Arg::I32(mode), Arg::F32(gs), ptr(&sb)],
+            );
+        }
+        let fused: Vec<DevBuf> = inputs.iter().map(|v| buf(v)).collect();
+        let [q2, kv2, ring2, iq2, g2] = &fused[..] else { unreachable!() };
+        run(
+            "ds4_finish_rows",
+            (nh + 1 + ih, n),
+            &[
+                ptr(q2),
+                Arg::I32(nh as i32),
+                Arg::I32(hd as i32),
+                Arg::F32(EPS),
+                ptr(&fb),
+                rd,
+                ptr(&sb),
+                ptr(kv2),
+                ptr(&wb),
+                Arg::I32(mode),
+                ptr(ring2),
+                Arg::I32(slots as i32),
+                ptr(iq2),
+                ptr(g2),
+                Arg::I32(ih as i32),
+                Arg::I32(idim as i32),
+                Arg::F32(gs),
+            ],
+        );
+        for (k, name) in ["q", "kv", "ring", "iq", "g"].iter().enumerate() {
+            let len = inputs[k].len();
+            let (want, got): (Vec<f32>, Vec<f32>) = (read(&ctx, &one[k], len), read(&ctx, &fused[k], len));
+            assert_bits(&format!("{what}: {name}"), &got, &want);
+            let changed = want != inputs[k];
+            assert!(changed == (ih > 0 || k < 3), "{what}: {name} changed: {changed}");
+        }
+    }
+}
+
 /// The reference of the indexer-query part of Model::attention (rust/engine/model/forward.rs):
 /// each row's heads rotated at the row's position and rounded, the weights scaled by gs.
 fn finish_index_ref(iq: &mut [f32], g: &mut [f32], heads: usize, id: usize, rope: &Rope, p: KvPrecision, pos0: usize) {
