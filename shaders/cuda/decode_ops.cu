@@ -199,15 +199,28 @@ __device__ __forceinline__ float ds4_sigmoid(float x) {
 // streams unrolls into straight code: with hc a runtime value each shuffle, and each load of
 // the collapse, waited out its latency behind branches (about 280 cycles per normalization
 // step, 40 steps per row: most of the kernel's time).
+//
+// The mixing logits come in unnormalized (the product of the raw streams): the row's RMS scale
+// fs over its hc * d stream values is computed here and applied to each logit, m = raw * fs,
+// where hyper.rs mix_logits scales the streams before the product. The two agree to float
+// rounding (the decode's parity tests); doing it here saves a norm launch per site.
 template <int HC>
-__device__ __forceinline__ void hc_pre_row(const float* m, const float* x, float* y, float* mix, const float* base,
+__device__ __forceinline__ void hc_pre_row(const float* raw, const float* x, float* y, float* mix, const float* base,
                                            const float* scale, int d, float hc_eps, int iters, const float* norm,
                                            float eps) {
     __shared__ float pre[HC];
+    __shared__ float m[(2 + HC) * HC];
     __shared__ double red[32];
     const int tid = threadIdx.x;
-    if (tid < HC) {
-        pre[tid] = ds4_sigmoid(m[tid] * scale[0] + base[tid]) + hc_eps;
+    {
+        float v[DS4_RMS_REGS];
+        const float fs = ds4_rms_scale_regs(x, HC * d, eps, red, v);
+        if (tid < (2 + HC) * HC) {
+            m[tid] = raw[tid] * fs;
+        }
+        if (tid < HC) {
+            pre[tid] = ds4_sigmoid(m[tid] * scale[0] + base[tid]) + hc_eps;
+        }
     }
     __syncthreads();
     // Collapse threads: thread t owns elements t + j * workers; the first DS4_HC_REGS of them
@@ -327,7 +340,8 @@ __device__ __forceinline__ void hc_pre_row(const float* m, const float* x, float
 }
 
 // The hyper-connection collapse of one row after its mixing logits (rust/engine/model/hyper.rs
-// pre): logits [n, n_mix] (n_mix = (2 + hc) * hc), x [n, hc * d] streams, y [n, d] the
+// pre): logits [n, n_mix] (n_mix = (2 + hc) * hc) the product of the site's projection with
+// the raw streams (see hc_pre_row), x [n, hc * d] streams, y [n, d] the
 // collapse, mix [n, hc + hc * hc] the row's Mix (post[0..hc], then comb[i * hc + j] = weight
 // of input stream i in output stream j, after Sinkhorn). base and scale are the site's
 // HyperWeights base (n_mix floats) and scale (3 floats). With `norm` (d floats, may be null)

@@ -832,15 +832,8 @@ impl CudaDecoder {
                            mix: u64,
                            norm: u64|
              -> Result<()> {
-                launch(
-                    ops,
-                    k.rms_plain,
-                    g1,
-                    wide(hc * d),
-                    0,
-                    vec![p(b.x.ptr), p(b.flat.ptr), i(hc * d), fl(cfg.rms_eps)],
-                );
-                products(ops, table, &[(hw.proj, b.flat.ptr, b.mixl.ptr, n)])?;
+                // The mixing logits of the raw streams; ds4_hc_pre applies their RMS scale.
+                products(ops, table, &[(hw.proj, b.x.ptr, b.mixl.ptr, n)])?;
                 launch(
                     ops,
                     k.hc_pre,

@@ -199,8 +199,8 @@ fn mix_logits(ops: Ops<'_>, w: &HyperWeights, x: &[f32]) -> Vec<f32> {
     ops.matmul(&w.proj, &flat).expect("mixing logits")
 }
 
-/// `ds4_hc_pre` with `hc` streams over the rows of `logits`, its collapse normed with weight
-/// `norm` when given: (y, mix).
+/// `ds4_hc_pre` with `hc` streams over the rows of `logits` (the raw streams' mixing logits),
+/// its collapse normed with weight `norm` when given: (y, mix).
 fn run_hc_pre(
     ctx: &Context,
     hc: usize,
@@ -254,7 +254,8 @@ fn hc_pre_matches_cpu() {
         let x = randn(n * hc * d, 50 + k as u64, 2.0);
         let cfg = ModelConfig { hc_mult: hc, ..config(d, 1, 64) };
         let (want_y, mixes) = hyper::pre(ops, &w, &x, &cfg).expect("hyper::pre");
-        let logits = mix_logits(ops, &w, &x);
+        // ds4_hc_pre takes the product of the raw streams and applies their RMS scale itself.
+        let logits = ops.matmul(&w.proj, &x).expect("raw mixing logits");
         let row = |r: usize| (&logits[r * n_mix..(r + 1) * n_mix], &x[r * hc * d..(r + 1) * hc * d]);
         let (y, mix) = run_hc_pre(&ctx, hc, &logits, &x, &w, d, None);
         assert_close(&format!("{what}: y"), &y, &want_y, 1e-5);
