@@ -339,6 +339,20 @@ __device__ __forceinline__ void hc_pre_row(const float* raw, const float* x, flo
     }
 }
 
+// hc_pre_row for the runtime stream count hc <= H (one instance per count).
+template <int H>
+__device__ __forceinline__ void hc_pre_streams(int hc, const float* raw, const float* x, float* y, float* mix,
+                                               const float* base, const float* scale, int d, float hc_eps, int iters,
+                                               const float* norm, float eps) {
+    if (hc == H) {
+        hc_pre_row<H>(raw, x, y, mix, base, scale, d, hc_eps, iters, norm, eps);
+    } else if constexpr (H > 1) {
+        hc_pre_streams<H - 1>(hc, raw, x, y, mix, base, scale, d, hc_eps, iters, norm, eps);
+    } else {
+        __trap();  // the host checks hc (a host bug)
+    }
+}
+
 // The hyper-connection collapse of one row after its mixing logits (rust/engine/model/hyper.rs
 // pre): logits [n, n_mix] (n_mix = (2 + hc) * hc) the product of the site's projection with
 // the raw streams (see hc_pre_row), x [n, hc * d] streams, y [n, d] the
@@ -359,25 +373,7 @@ extern "C" __global__ void ds4_hc_pre(const float* logits, int n_mix, const floa
     const float* xr = x + r * hc * d;
     float* yr = y + r * d;
     float* mr = mix + r * (hc + hc * hc);
-    switch (hc) {
-        case 1:
-            hc_pre_row<1>(m, xr, yr, mr, base, scale, d, hc_eps, iters, norm, eps);
-            break;
-        case 2:
-            hc_pre_row<2>(m, xr, yr, mr, base, scale, d, hc_eps, iters, norm, eps);
-            break;
-        case 3:
-            hc_pre_row<3>(m, xr, yr, mr, base, scale, d, hc_eps, iters, norm, eps);
-            break;
-        case 4:
-            hc_pre_row<4>(m, xr, yr, mr, base, scale, d, hc_eps, iters, norm, eps);
-            break;
-        case 5:
-            hc_pre_row<5>(m, xr, yr, mr, base, scale, d, hc_eps, iters, norm, eps);
-            break;
-        default:
-            __trap();  // the host checks hc (a host bug)
-    }
+    hc_pre_streams<DS4_HC_PRE_MAX>(hc, m, xr, yr, mr, base, scale, d, hc_eps, iters, norm, eps);
 }
 
 // The hyper-connection expansion (hyper.rs post) of element i of row r, in place on x
