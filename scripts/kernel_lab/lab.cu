@@ -11,25 +11,12 @@
 // experts do). Every product reads a matrix of its own, and enough copies are cycled that the
 // launches read DRAM, not L2. Prints per line: registers, blocks, slices, microseconds per
 // launch (mean of 200 back-to-back launches after 20 warm-up ones, CUDA events), GB/s.
-#include <cuda.h>
-
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <string>
 #include <vector>
 
-#define CK(x)                                                   \
-    do {                                                        \
-        CUresult r_ = (x);                                      \
-        if (r_ != CUDA_SUCCESS) {                               \
-            const char* s_;                                     \
-            cuGetErrorString(r_, &s_);                          \
-            printf("error in %s: %s\n", #x, s_);                \
-            exit(1);                                            \
-        }                                                       \
-    } while (0)
+#include "lab_util.h"
 
 // MvDesc of shaders/cuda/common.cuh (the first DESC_BYTES bytes are copied).
 struct Desc {
@@ -128,28 +115,13 @@ static void run(const Config& c) {
     CK(cuMemAlloc(&T, table.size()));
     CK(cuMemcpyHtoD(T, table.data(), table.size()));
 
-    auto launch = [&](int cp) {
-        CUdeviceptr t = T + (size_t)cp * c.experts * c.desc_bytes;
+    auto launch = [&](int i) {
+        CUdeviceptr t = T + (size_t)(i % copies) * c.experts * c.desc_bytes;
         int count = c.experts;
         void* args[] = {&t, &count, &C};
         CK(cuLaunchKernel(f, blocks, 1, 1, 128, 1, 1, smem, 0, args, 0));
     };
-    for (int i = 0; i < 20; i++) {
-        launch(i % copies);
-    }
-    CUevent a, b;
-    CK(cuEventCreate(&a, 0));
-    CK(cuEventCreate(&b, 0));
-    const int iters = 200;
-    CK(cuEventRecord(a, 0));
-    for (int i = 0; i < iters; i++) {
-        launch(i % copies);
-    }
-    CK(cuEventRecord(b, 0));
-    CK(cuEventSynchronize(b));
-    float ms = 0;
-    CK(cuEventElapsedTime(&ms, a, b));
-    const double us = 1000.0 * ms / iters;
+    const double us = lab_us_per_launch(launch, 20, 200);
     printf("%-24s %-8s nb=%-2d %6lldx%-6lld x%-2d G=%d rpw=%d regs=%3d blocks=%6d slices=%2d %8.2f us %6.0f GB/s\n",
            c.module, c.format, c.nb, c.n_out, c.n_in, c.experts, c.group, c.rows_per_warp, regs, blocks, slices, us,
            mat * c.experts / us / 1e3);
@@ -160,17 +132,10 @@ static void run(const Config& c) {
     cuMemFree(P);
     cuMemFree(C);
     cuMemFree(T);
-    cuEventDestroy(a);
-    cuEventDestroy(b);
 }
 
 int main() {
-    CK(cuInit(0));
-    CUdevice dev;
-    CK(cuDeviceGet(&dev, 0));
-    CUcontext ctx;
-    CK(cuDevicePrimaryCtxRetain(&ctx, dev));
-    CK(cuCtxSetCurrent(ctx));
+    lab_init();
     Config c;
     while (scanf("%255s %d %31s %d %lld %lld %d %d %d %d %d %d", c.module, &c.desc_bytes, c.format, &c.nb, &c.n_out,
                  &c.n_in, &c.group, &c.rows_per_warp, &c.tile, &c.block_elems, &c.block_bytes, &c.experts) == 12) {

@@ -9,22 +9,9 @@
 // launch (mean of 500 back-to-back launches after 20 warm-up ones, CUDA events, no
 // programmatic dependent launch: each includes the launch gap, about 3.5 us for an empty
 // kernel, the "swiglu of 6 values" line), registers and local memory.
-#include <cuda.h>
-
-#include <cstdio>
-#include <cstdlib>
 #include <vector>
 
-#define CK(x)                                                   \
-    do {                                                        \
-        CUresult r_ = (x);                                      \
-        if (r_ != CUDA_SUCCESS) {                               \
-            const char* s_;                                     \
-            cuGetErrorString(r_, &s_);                          \
-            printf("error in %s: %s\n", #x, s_);                \
-            exit(1);                                            \
-        }                                                       \
-    } while (0)
+#include "lab_util.h"
 
 // A device buffer of `floats` values around `v`.
 static CUdeviceptr buf(size_t floats, float v) {
@@ -39,26 +26,12 @@ static CUdeviceptr buf(size_t floats, float v) {
 }
 
 static void time_kernel(const char* what, CUfunction f, int grid_x, int grid_y, int block, void** args) {
-    auto launch = [&]() { CK(cuLaunchKernel(f, grid_x, grid_y, 1, block, 1, 1, 0, 0, args, 0)); };
-    for (int i = 0; i < 20; i++) {
-        launch();
-    }
-    CUevent a, b;
-    CK(cuEventCreate(&a, 0));
-    CK(cuEventCreate(&b, 0));
-    const int iters = 500;
-    CK(cuEventRecord(a, 0));
-    for (int i = 0; i < iters; i++) {
-        launch();
-    }
-    CK(cuEventRecord(b, 0));
-    CK(cuEventSynchronize(b));
-    float ms = 0;
-    CK(cuEventElapsedTime(&ms, a, b));
+    auto launch = [&](int) { CK(cuLaunchKernel(f, grid_x, grid_y, 1, block, 1, 1, 0, 0, args, 0)); };
+    const float us = lab_us_per_launch(launch, 20, 500);
     int regs = 0, local = 0;
     CK(cuFuncGetAttribute(&regs, CU_FUNC_ATTRIBUTE_NUM_REGS, f));
     CK(cuFuncGetAttribute(&local, CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, f));
-    printf("  %-40s %7.2f us/launch  %3d registers  %4d B local\n", what, 1000.0f * ms / iters, regs, local);
+    printf("  %-40s %7.2f us/launch  %3d registers  %4d B local\n", what, us, regs, local);
 }
 
 int main(int argc, char** argv) {
@@ -66,12 +39,7 @@ int main(int argc, char** argv) {
         printf("usage: %s CUBIN...\n", argv[0]);
         return 2;
     }
-    CK(cuInit(0));
-    CUdevice dev;
-    CK(cuDeviceGet(&dev, 0));
-    CUcontext ctx;
-    CK(cuDevicePrimaryCtxRetain(&ctx, dev));
-    CK(cuCtxSetCurrent(ctx));
+    lab_init();
     int hc = 4, d = 4096, n_mix = (2 + hc) * hc, hc_d = hc * d;
     float hc_eps = 1e-6f, eps = 1e-6f;
     CUdeviceptr logits = buf(16 * n_mix, 0.1f), x = buf(16 * hc_d, 0.5f), y = buf(16 * d, 0.0f),
