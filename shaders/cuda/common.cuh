@@ -668,40 +668,33 @@ __device__ __forceinline__ void matvec_split(const MvDesc* __restrict__ descs, i
     mv_store<NB>(acc, D, B.slice, B.rb, B.o0, B.nrows, counters);
 }
 
-// The kernels of a split format: ds4_mv_<NAME>_<NB> and ds4_smem_<NAME>_<NB> as MV_KERNEL.
-#define MVS_KERNEL(NAME, F, NB)                                                                                   \
-    extern "C" __device__ int ds4_smem_##NAME##_##NB = F::LUT_BYTES;                                             \
-    extern "C" __global__ void __launch_bounds__(32 * MV_WARPS, MV_MIN_BLOCKS)                                   \
+// One product kernel, ds4_mv_<NAME>_<NB>, which runs RUN<F, NB> (matvec or matvec_split)
+// under the launch bounds BOUNDS (parenthesized), and ds4_smem_<NAME>_<NB> = SMEM, the dynamic
+// shared memory it needs.
+#define MV_KERNEL_RUN(NAME, F, NB, RUN, BOUNDS, SMEM)                                                             \
+    extern "C" __device__ int ds4_smem_##NAME##_##NB = SMEM;                                                     \
+    extern "C" __global__ void __launch_bounds__ BOUNDS                                                          \
         ds4_mv_##NAME##_##NB(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters) {          \
         ds4_grid_deps();                                                                                         \
         extern __shared__ __align__(16) u8 smem[];                                                               \
-        matvec_split<F, NB>(descs, count, counters, smem);                                                       \
+        RUN<F, NB>(descs, count, counters, smem);                                                                \
     }
 
-#define MVS_KERNELS(NAME, F) \
-    MVS_KERNEL(NAME, F, 1)   \
-    MVS_KERNEL(NAME, F, 2)   \
-    MVS_KERNEL(NAME, F, 4)   \
-    MVS_KERNEL(NAME, F, 8)   \
-    MVS_KERNEL(NAME, F, 16)
+// KERNEL(NAME, F, NB) for NB in 1, 2, 4, 8, 16 (the host picks the smallest NB >= n).
+#define MV_BATCHES(KERNEL, NAME, F) \
+    KERNEL(NAME, F, 1)              \
+    KERNEL(NAME, F, 2)              \
+    KERNEL(NAME, F, 4)              \
+    KERNEL(NAME, F, 8)              \
+    KERNEL(NAME, F, 16)
 
-// The kernels of one format F: ds4_mv_<NAME>_<NB> for NB in 1, 2, 4, 8, 16 (the host picks
-// the smallest NB >= n), and ds4_smem_<NAME>_<NB>, the dynamic shared memory each needs.
-#define MV_KERNEL(NAME, F, NB)                                                                                    \
-    extern "C" __device__ int ds4_smem_##NAME##_##NB = Mv<F, NB>::SMEM;                                          \
-    extern "C" __global__ void __launch_bounds__(32 * MV_WARPS)                                                  \
-        ds4_mv_##NAME##_##NB(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters) {          \
-        ds4_grid_deps();                                                                                         \
-        extern __shared__ __align__(16) u8 smem[];                                                               \
-        matvec<F, NB>(descs, count, counters, smem);                                                             \
-    }
-
-#define MV_KERNELS(NAME, F) \
-    MV_KERNEL(NAME, F, 1)   \
-    MV_KERNEL(NAME, F, 2)   \
-    MV_KERNEL(NAME, F, 4)   \
-    MV_KERNEL(NAME, F, 8)   \
-    MV_KERNEL(NAME, F, 16)
+// The kernels of one format F through matvec, and of a split format through matvec_split
+// (register-capped: see MV_MIN_BLOCKS).
+#define MV_KERNEL(NAME, F, NB) MV_KERNEL_RUN(NAME, F, NB, matvec, (32 * MV_WARPS), (Mv<F, NB>::SMEM))
+#define MVS_KERNEL(NAME, F, NB) \
+    MV_KERNEL_RUN(NAME, F, NB, matvec_split, (32 * MV_WARPS, MV_MIN_BLOCKS), F::LUT_BYTES)
+#define MV_KERNELS(NAME, F) MV_BATCHES(MV_KERNEL, NAME, F)
+#define MVS_KERNELS(NAME, F) MV_BATCHES(MVS_KERNEL, NAME, F)
 
 // Formats without lookup tables.
 #define MV_NO_LUT                                                          \
