@@ -288,9 +288,18 @@ struct MvBlock {
 
 __device__ __forceinline__ MvBlock mv_block(const MvDesc* __restrict__ descs, int count) {
     const int b = blockIdx.x;
+    // Binary search (block starts never decrease; descs[0] starts at block 0): a routed
+    // launch of 16 rows has up to 192 products, and a walk from the first is one dependent
+    // load per product (a 16-row prefill ran at 158 tok/s with it, 187 with this).
     int p = 0;
-    while (p + 1 < count && descs[p + 1].block_start <= b) {
-        p++;
+    int hi = count - 1;
+    while (p < hi) {
+        const int mid = (p + hi + 1) >> 1;
+        if (descs[mid].block_start <= b) {
+            p = mid;
+        } else {
+            hi = mid - 1;
+        }
     }
     MvBlock B;
     B.D = descs + p;
