@@ -5,7 +5,8 @@
 // that order. No CUDA headers are used: the program is plain C++ over NVRTC's builtins.
 //
 // Shape of every product: `y[r, o] = W[o] . x[r]` for output rows o < n_out and batch rows
-// r < n (n <= NB <= 16 per product chunk; the host cuts larger batches into chunks of 16).
+// r < n (n <= NB <= 16 per product chunk; the host cuts larger batches into chunks of 16, or
+// of 8 for the quantized split formats: rust/engine/backend/cuda/mod.rs `chunk_rows`).
 //
 // One launch runs a table of products (MvDesc) of one format and one batch size: block b
 // belongs to the product whose `block_start` is the last one <= b. A product's blocks are

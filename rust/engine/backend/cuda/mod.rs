@@ -242,6 +242,20 @@ pub(crate) fn group(w: &Mat) -> usize {
     by_rows.min(by_chunks)
 }
 
+/// Most batch rows of one product chunk of a `ty` matrix: 8 for the quantized formats of
+/// `matvec_split` (Q8_0, Q2_K, IQ2_XXS), whose 16-row kernels run slower per row than two
+/// 8-row chunks (on an H200 a Q8_0 4096 x 8192 product takes 140.6 us for 16 rows and 61.6 us
+/// for 8, a Q2_K 6 x 4096 x 2048 one 275 us against 82 us; at 128 registers the 16-row
+/// kernels spill in their inner loop, and with more registers fewer warps fit and they were
+/// slower still), 16 for the others. Every chunk size computes a row the same way (row
+/// invariance), so this changes only the speed.
+pub(crate) fn chunk_rows(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::Q8_0 | GgmlType::Q2_K | GgmlType::IQ2_XXS => MAX_BATCH / 2,
+        _ => MAX_BATCH,
+    }
+}
+
 /// Row blocks of `w`'s products: blocks of `MV_WARPS / group` row groups of `MV_ROWS` rows.
 pub(crate) fn row_blocks(w: &Mat) -> usize {
     w.n_out.div_ceil(MV_WARPS / group(w) * MV_ROWS)
@@ -557,7 +571,8 @@ impl Backend for CudaBackend {
         }
         // Scratch layout, in floats: the descriptor table, the inputs, the outputs, the partial
         // sums of split products. The table and the inputs go over in one copy.
-        let table_len = DESC_FLOATS * placed.iter().map(|p| p.n.div_ceil(MAX_BATCH)).sum::<usize>();
+        let table_len =
+            DESC_FLOATS * placed.iter().map(|p| p.n.div_ceil(chunk_rows(specs[p.spec].0.ty))).sum::<usize>();
         let x_end = table_len + x_len;
         let mut total = x_end;
         let mut counters = 0;
@@ -571,7 +586,7 @@ impl Backend for CudaBackend {
             let w = specs[p.spec].0;
             if slices(w) > 1 {
                 total += slices(w) * p.n * w.n_out;
-                counters += p.n.div_ceil(MAX_BATCH) * row_blocks(w);
+                counters += p.n.div_ceil(chunk_rows(w.ty)) * row_blocks(w);
             }
         }
         if !placed.is_empty() {
@@ -613,7 +628,7 @@ impl CudaBackend {
     /// the scratch buffers (floats): the descriptor table `0..table_len`, the inputs up to
     /// `x_end`, the outputs up to `y_end`, then the partial sums.
     ///
-    /// The product chunks (at most 16 batch rows each) are grouped by kernel (format and
+    /// The product chunks (at most `chunk_rows` batch rows each) are grouped by kernel (format and
     /// batch size): one launch per group runs all of its products, its blocks finding their
     /// product in the table. A decode step's call has one to three groups.
     fn queue(
@@ -635,7 +650,7 @@ impl CudaBackend {
             let fi = context::FORMATS.iter().position(|&(t, _)| t == w.ty).expect("a GPU format");
             let mut r = 0;
             while r < p.n {
-                let c = (p.n - r).min(MAX_BATCH);
+                let c = (p.n - r).min(chunk_rows(w.ty));
                 let nb = context::BATCH_SIZES.iter().copied().find(|&b| b >= c).expect("c <= 16");
                 let x = at(p.x_off + r * w.n_in);
                 let y = at(p.y_off + r * w.n_out);

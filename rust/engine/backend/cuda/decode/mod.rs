@@ -39,7 +39,7 @@ use cudarc::driver::sys;
 use super::context::{driver_err, Context, MAX_BATCH, THREADS};
 use super::device::{Arg, DevBuf};
 use super::weights::DeviceImage;
-use super::{row_blocks, slices, CudaBackend, Desc};
+use super::{chunk_rows, row_blocks, slices, CudaBackend, Desc};
 use crate::backend::DeviceDecoder;
 use crate::model::config::AttentionKind;
 use crate::model::draft::DraftKind;
@@ -434,7 +434,7 @@ fn split_need(mats: &[Mat], n: usize) -> (usize, usize) {
         let s = slices(w);
         if s > 1 {
             part += s * n * w.n_out;
-            counters += row_blocks(w);
+            counters += n.div_ceil(chunk_rows(w.ty)) * row_blocks(w);
         }
     }
     (part, counters)
@@ -774,22 +774,27 @@ impl CudaDecoder {
                 let mut count = 0usize;
                 let mut nmax = 1;
                 for &(m, x, y, rows) in prods.iter().filter(|pr| pr.0.ty == ty) {
-                    let part = b.part.ptr + 4 * part_off as u64;
-                    let (mut dsc, nblocks) = CudaBackend::desc(img.addr(m.start), &m, x, y, part, rows, counter);
-                    dsc.block_start = blocks as i32;
-                    if let Some(ys) = y_stride {
+                    let ys = y_stride.unwrap_or(m.n_out);
+                    let mut r0 = 0;
+                    while r0 < rows {
+                        let c = (rows - r0).min(chunk_rows(ty));
+                        let part = b.part.ptr + 4 * part_off as u64;
+                        let (xc, yc) = (x + 4 * (r0 * m.n_in) as u64, y + 4 * (r0 * ys) as u64);
+                        let (mut dsc, nblocks) = CudaBackend::desc(img.addr(m.start), &m, xc, yc, part, c, counter);
+                        dsc.block_start = blocks as i32;
                         dsc.y_stride = ys as i32;
+                        // Only split products use partial sums and counters.
+                        let s = slices(&m);
+                        if s > 1 {
+                            part_off += s * c * m.n_out;
+                            counter += row_blocks(&m);
+                        }
+                        blocks += nblocks;
+                        count += 1;
+                        nmax = nmax.max(c);
+                        table.extend_from_slice(desc_bytes(&dsc));
+                        r0 += c;
                     }
-                    // Only split products use partial sums and counters.
-                    let s = slices(&m);
-                    if s > 1 {
-                        part_off += s * rows * m.n_out;
-                        counter += row_blocks(&m);
-                    }
-                    blocks += nblocks;
-                    count += 1;
-                    nmax = nmax.max(rows);
-                    table.extend_from_slice(desc_bytes(&dsc));
                 }
                 if part_off > b.part_floats || counter > b.counters_len {
                     return Err(Error::Backend("CUDA decode: partial-sum buffer too small (internal)".into()));
