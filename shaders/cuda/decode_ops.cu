@@ -191,15 +191,53 @@ __device__ __forceinline__ float ds4_sigmoid(float x) {
 // Most streams ds4_hc_pre handles: its mixing matrix (hc * hc) fits one warp.
 #define DS4_HC_PRE_MAX 5
 
+// The HC elements first, first + step, ... of a line of comb, held by warp 0 (lane k holds
+// element k; every lane calls this).
+template <int HC>
+__device__ __forceinline__ void hc_line(float v, int first, int step, float (&e)[HC]) {
+#pragma unroll
+    for (int j = 0; j < HC; j++) {
+        e[j] = __shfl_sync(0xffffffffu, v, first + j * step);
+    }
+}
+
+// Sinkhorn (hyper.rs sinkhorn) on comb in warp 0, lane k < HC * HC holding element
+// k = ci * HC + cj in v (the other lanes 0, which they keep): one column normalization, then
+// iters - 1 rounds of row then column normalization; each divides an element by the sum of its
+// line (in index order) + hc_eps. No iteration at all for iters = 0.
+template <int HC>
+__device__ __forceinline__ float hc_sinkhorn_warp(float v, int ci, int cj, float hc_eps, int iters) {
+    float e[HC];
+    auto normalize = [&](int first, int step) {
+        hc_line<HC>(v, first, step, e);
+        float s = 0.0f;
+#pragma unroll
+        for (int j = 0; j < HC; j++) {
+            s += e[j];
+        }
+        s += hc_eps;
+        v = v / s;  // lanes past HC * HC hold 0 and keep it (no divergent branch)
+    };
+    for (int it = 0; it < iters; it++) {
+        if (it > 0) {
+            normalize(ci * HC, 1);
+        }
+        normalize(cj, HC);
+    }
+    return v;
+}
+
 // One row of ds4_hc_pre with its pointers at the row: warp 0 computes the mix while the other
 // warps collapse the streams (the collapse needs only pre, not the Sinkhorn iterations).
 //
 // The mixing math keeps comb in warp 0's registers (lane k < HC * HC holds element k) and
 // reads other elements with shuffles. HC is a template parameter so that every loop over
 // streams unrolls into straight code (with hc a runtime value the loops branched around each
-// shuffle and load). The Sinkhorn remains the longest part: 2 * iters - 1 dependent steps in
-// one warp, each shuffles, adds and an IEEE division, about 6 of the kernel's 12 us at the
-// Flash shape on an H200 (scripts/kernel_lab/ops_lab.cu, 20 against 1 iteration).
+// shuffle and load). The Sinkhorn iterations are the longest part: 2 * iters - 1 dependent
+// steps in one warp, each shuffles, adds and an IEEE division, about 6 of the kernel's 12 us
+// at the Flash shape on an H200 (scripts/kernel_lab/ops_lab.cu, 20 against 1 iteration);
+// with DS4_CUDA_FORK=1 the decode passes iters = 0 and runs them in ds4_hc_sinkhorn, off its
+// critical path.
 //
 // The mixing logits come in unnormalized (the product of the raw streams): the row's RMS scale
 // fs over its hc * d stream values is computed here and applied to each logit, m = raw * fs,
@@ -238,16 +276,9 @@ __device__ __forceinline__ void hc_pre_row(const float* raw, const float* x, flo
             mix[k] = 2.0f * ds4_sigmoid(m[HC + k] * scale[1] + base[HC + k]);
         }
         float v = mine ? m[2 * HC + k] * scale[2] + base[2 * HC + k] : 0.0f;
-        // The HC elements first, first + step, ... of a line of comb.
-        float e[HC];
-        auto line = [&](int first, int step) {
-#pragma unroll
-            for (int j = 0; j < HC; j++) {
-                e[j] = __shfl_sync(0xffffffffu, v, first + j * step);
-            }
-        };
         // Softmax of each row, then + hc_eps.
-        line(ci * HC, 1);
+        float e[HC];
+        hc_line<HC>(v, ci * HC, 1, e);
         float mx = -__int_as_float(0x7f800000);
 #pragma unroll
         for (int j = 0; j < HC; j++) {
@@ -259,25 +290,7 @@ __device__ __forceinline__ void hc_pre_row(const float* raw, const float* x, flo
             sum += expf(e[j] - mx);
         }
         v = mine ? expf(v - mx) / sum + hc_eps : 0.0f;
-        // Sinkhorn (hyper.rs sinkhorn): one column normalization, then iters - 1 rounds of row
-        // then column normalization; sums in index order, then + hc_eps. `normalize` divides
-        // each element by the sum of its line first, first + step, ...
-        auto normalize = [&](int first, int step) {
-            line(first, step);
-            float s = 0.0f;
-#pragma unroll
-            for (int j = 0; j < HC; j++) {
-                s += e[j];
-            }
-            s += hc_eps;
-            v = v / s;  // lanes past HC * HC hold 0 and keep it (no divergent branch)
-        };
-        for (int it = 0; it < iters; it++) {
-            if (it > 0) {
-                normalize(ci * HC, 1);
-            }
-            normalize(cj, HC);
-        }
+        v = hc_sinkhorn_warp<HC>(v, ci, cj, hc_eps, iters);
         if (mine) {
             mix[HC + k] = v;
         }
@@ -338,6 +351,42 @@ __device__ __forceinline__ void hc_pre_row(const float* raw, const float* x, flo
             y[i] = norm[i] * (y[i] * sc);
         }
     }
+}
+
+// The Sinkhorn iterations of one row's comb (mix + hc) in warp 0, in place.
+template <int HC>
+__device__ __forceinline__ void hc_sinkhorn_row(float* comb, float hc_eps, int iters) {
+    const int k = threadIdx.x;
+    const bool mine = k < HC * HC;
+    const int ci = mine ? k / HC : 0;
+    const int cj = mine ? k - ci * HC : 0;
+    const float v = hc_sinkhorn_warp<HC>(mine ? comb[k] : 0.0f, ci, cj, hc_eps, iters);
+    if (mine) {
+        comb[k] = v;
+    }
+}
+
+template <int H>
+__device__ __forceinline__ void hc_sinkhorn_streams(int hc, float* comb, float hc_eps, int iters) {
+    if (hc == H) {
+        hc_sinkhorn_row<H>(comb, hc_eps, iters);
+    } else if constexpr (H > 1) {
+        hc_sinkhorn_streams<H - 1>(hc, comb, hc_eps, iters);
+    } else {
+        __trap();  // the host checks hc (a host bug)
+    }
+}
+
+// The Sinkhorn iterations of a hyper-connection site, apart from ds4_hc_pre: launched with
+// iters = 0, ds4_hc_pre leaves each row's comb after the softmax, and this kernel finishes it
+// in place with the same operations as ds4_hc_pre's warp 0 (so the two ways agree bitwise).
+// Only the site's expansion reads comb, so the decode can run this on a side branch of its
+// graph while the sublayer runs (DS4_CUDA_FORK=1; the iterations are a chain of dependent
+// steps in one warp, about half of ds4_hc_pre's time). mix [n, hc + hc * hc]. Grid (n), block 32; hc <= DS4_HC_PRE_MAX.
+extern "C" __global__ void ds4_hc_sinkhorn(float* mix, int hc, float hc_eps, int iters) {
+    ds4_grid_deps();
+    float* comb = mix + (long long)blockIdx.x * (hc + hc * hc) + hc;
+    hc_sinkhorn_streams<DS4_HC_PRE_MAX>(hc, comb, hc_eps, iters);
 }
 
 // hc_pre_row for the runtime stream count hc <= H (one instance per count).

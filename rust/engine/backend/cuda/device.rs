@@ -125,6 +125,22 @@ impl Context {
         smem: u32,
         args: &[Arg],
     ) -> Result<()> {
+        self.launch_on(self.stream, self.pdl, f, grid, block, smem, args)
+    }
+
+    /// [`Context::launch_args`] on `stream` (of this context), with programmatic dependent
+    /// launch only if `pdl`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn launch_on(
+        &self,
+        stream: sys::CUstream,
+        pdl: bool,
+        f: sys::CUfunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &[Arg],
+    ) -> Result<()> {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
@@ -150,8 +166,8 @@ impl Context {
                 )
                 .map_err(driver_err("allowing a kernel its shared memory"))?;
             }
-            if !self.pdl {
-                return cu::launch_kernel(f, grid, (block, 1, 1), smem, self.stream, &mut params)
+            if !pdl {
+                return cu::launch_kernel(f, grid, (block, 1, 1), smem, stream, &mut params)
                     .map_err(driver_err("launching a kernel"));
             }
             let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
@@ -165,7 +181,7 @@ impl Context {
                 blockDimY: 1,
                 blockDimZ: 1,
                 sharedMemBytes: smem,
-                hStream: self.stream,
+                hStream: stream,
                 attrs: &mut attr,
                 numAttrs: 1,
             };

@@ -150,8 +150,75 @@ type PushRuns = (std::ops::Range<usize>, std::ops::Range<usize>, Option<std::ops
 /// and [`PArg`] while it is being built (descriptor table offsets not yet resolved).
 #[derive(Debug)]
 enum Op<A = Arg> {
-    Launch { f: sys::CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, args: Vec<A> },
-    Copy { dst: u64, src: u64, bytes: usize },
+    Launch {
+        f: sys::CUfunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: Vec<A>,
+    },
+    Copy {
+        dst: u64,
+        src: u64,
+        bytes: usize,
+    },
+    /// A launch on the side branch: it depends on everything queued before it, and nothing
+    /// queued after it waits for it until the next [`Op::Join`].
+    Side {
+        f: sys::CUfunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: Vec<A>,
+    },
+    /// What comes after waits for the side branch's launches.
+    Join,
+}
+
+/// The side branch of the decode's programs: a second stream that forks from the context's
+/// stream at each [`Op::Side`] and joins it at each [`Op::Join`] (in a captured graph, a
+/// parallel branch). With `DS4_CUDA_FORK=1` it runs the hyper-connections' Sinkhorn
+/// iterations (ds4_hc_sinkhorn), which only the site's expansion reads, while the sublayer
+/// runs; otherwise they run inside ds4_hc_pre (the same operations: the results are bitwise
+/// equal). Opt-in for now: with it on by default the Rust CUDA suite passed and a Flash decode
+/// step at 2K went from 11.77 to 11.12 ms on an H200, but the Python suite crashed (a segfault
+/// in a golden test), most likely because the side stream was destroyed after its context
+/// when a session outlived its model; `CudaDecoder`'s drop now destroys it first, which has
+/// not run on a GPU yet.
+struct SideBranch {
+    stream: sys::CUstream,
+    fork: sys::CUevent,
+    join: sys::CUevent,
+}
+
+impl SideBranch {
+    /// With the context bound on this thread.
+    fn new() -> Result<Self> {
+        let ev =
+            || cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(driver_err("creating an event"));
+        let stream =
+            cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(driver_err("creating a stream"))?;
+        let mut side = SideBranch { stream, fork: std::ptr::null_mut(), join: std::ptr::null_mut() };
+        side.fork = ev()?;
+        side.join = ev()?;
+        Ok(side)
+    }
+}
+
+impl Drop for SideBranch {
+    fn drop(&mut self) {
+        // SAFETY: created by `new` on the context the decoder binds before dropping its parts;
+        // each destroyed once (null when its creation failed).
+        unsafe {
+            for e in [self.fork, self.join] {
+                if !e.is_null() {
+                    cu::event::destroy(e).ok();
+                }
+            }
+            cu::stream::synchronize(self.stream).ok();
+            cu::stream::destroy(self.stream).ok();
+        }
+    }
 }
 
 /// The launches of one step shape, with its descriptor tables.
@@ -325,6 +392,7 @@ struct Kernels {
     rms_weight: sys::CUfunction,
     hc_pre: sys::CUfunction,
     hc_post: sys::CUfunction,
+    hc_sinkhorn: sys::CUfunction,
     hc_head: sys::CUfunction,
     finish_rows: sys::CUfunction,
     swiglu: sys::CUfunction,
@@ -359,6 +427,7 @@ impl Kernels {
             rms_weight: f("ds4_rms_weight")?,
             hc_pre: f("ds4_hc_pre")?,
             hc_post: f("ds4_hc_post")?,
+            hc_sinkhorn: f("ds4_hc_sinkhorn")?,
             hc_head: f("ds4_hc_head")?,
             finish_rows: f("ds4_finish_rows")?,
             swiglu: f("ds4_swiglu")?,
@@ -404,6 +473,8 @@ pub(crate) struct CudaDecoder {
     /// `DS4_DECODE_RESYNC=1`: re-upload the state after every cut instead of following it
     /// on the device (a debugging switch).
     resync_after_cut: bool,
+    /// The side branch (None unless `DS4_CUDA_FORK=1`).
+    side: Option<SideBranch>,
 }
 
 // SAFETY: the raw handles (functions, graphs, pinned pointers) are only used by the thread
@@ -421,6 +492,13 @@ impl Drop for CudaDecoder {
                     unsafe { cu::graph::exec_destroy(exec).ok() };
                 }
             }
+            // The side stream and its events go now, while the context surely lives: `backend`
+            // is the first field to drop after this, and when it is the last reference the
+            // context goes with it (a stream destroyed after its context crashes the driver).
+            drop(self.side.take());
+        } else {
+            // No context to destroy them in.
+            std::mem::forget(self.side.take());
         }
         // The buffers are freed after this, with the context still bound on this thread.
     }
@@ -698,6 +776,7 @@ impl CudaDecoder {
             use_graphs: !std::env::var("DS4_CUDA_GRAPHS").is_ok_and(|v| v == "0"),
             profile: std::env::var("DS4_DECODE_PROFILE").is_ok_and(|v| v == "1").then(KernelProfile::default),
             resync_after_cut: std::env::var("DS4_DECODE_RESYNC").is_ok_and(|v| v == "1"),
+            side: if std::env::var("DS4_CUDA_FORK").is_ok_and(|v| v == "1") { Some(SideBranch::new()?) } else { None },
         })
     }
 
@@ -748,6 +827,7 @@ impl CudaDecoder {
         let i = |x: usize| PArg::A(Arg::I32(x as i32));
         let fl = |x: f32| PArg::A(Arg::F32(x));
         let null = PArg::A(Arg::Ptr(0));
+        let fork = self.side.is_some();
         let launch =
             |ops: &mut Vec<_>, f: sys::CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, args: Vec<PArg>| {
                 ops.push(Op::Launch { f, grid, block, smem, args });
@@ -856,11 +936,20 @@ impl CudaDecoder {
                         i(hc),
                         i(d),
                         fl(cfg.hc_eps),
-                        i(cfg.sinkhorn_iters),
+                        i(if fork { 0 } else { cfg.sinkhorn_iters }),
                         p(norm),
                         fl(cfg.rms_eps),
                     ],
                 );
+                if fork {
+                    ops.push(Op::Side {
+                        f: k.hc_sinkhorn,
+                        grid: g1,
+                        block: 32,
+                        smem: 0,
+                        args: vec![p(mix), i(hc), fl(cfg.hc_eps), i(cfg.sinkhorn_iters)],
+                    });
+                }
                 Ok(())
             };
             // ---- attention
@@ -1047,6 +1136,9 @@ impl CudaDecoder {
             // The attention site's hyper-connection expansion of x (the FFN site's is fused
             // into ds4_moe_combine).
             let args = vec![p(b.x.ptr), p(b.attn_out.ptr), p(b.mix_a.ptr), i(hc), i(d)];
+            if fork {
+                ops.push(Op::Join);
+            }
             launch(&mut ops, k.hc_post, rows_grid(d.div_ceil(256)), 256, 0, args);
 
             // ---- MoE
@@ -1162,6 +1254,9 @@ impl CudaDecoder {
                 sd,
                 vec![PArg::Table(down_off), i(max_descs), p(b.counters.ptr)],
             );
+            if fork {
+                ops.push(Op::Join);
+            }
             launch(
                 &mut ops,
                 k.combine,
@@ -1216,30 +1311,28 @@ impl CudaDecoder {
         }
 
         let tables = DevBuf::from_slice(&table)?;
+        let resolve = |args: Vec<PArg>| -> Vec<Arg> {
+            args.into_iter()
+                .map(|a| match a {
+                    PArg::A(a) => a,
+                    PArg::Table(off) => Arg::Ptr(tables.ptr + off as u64),
+                })
+                .collect()
+        };
         let ops = ops
             .into_iter()
             .map(|op| match op {
                 Op::Copy { dst, src, bytes } => Op::Copy { dst, src, bytes },
-                Op::Launch { f, grid, block, smem, args } => Op::Launch {
-                    f,
-                    grid,
-                    block,
-                    smem,
-                    args: args
-                        .into_iter()
-                        .map(|a| match a {
-                            PArg::A(a) => a,
-                            PArg::Table(off) => Arg::Ptr(tables.ptr + off as u64),
-                        })
-                        .collect(),
-                },
+                Op::Launch { f, grid, block, smem, args } => Op::Launch { f, grid, block, smem, args: resolve(args) },
+                Op::Side { f, grid, block, smem, args } => Op::Side { f, grid, block, smem, args: resolve(args) },
+                Op::Join => Op::Join,
             })
             .collect();
         Ok(Program { ops, _tables: tables, graph: None })
     }
 
     /// Runs a program's operations on the stream (through its CUDA graph when it has one).
-    fn replay(ctx: &Context, prog: &mut Program, use_graphs: bool) -> Result<()> {
+    fn replay(ctx: &Context, prog: &mut Program, use_graphs: bool, side: Option<&SideBranch>) -> Result<()> {
         if let Some(exec) = prog.graph {
             // SAFETY: a graph instantiated from this program on this context.
             return unsafe { cu::graph::launch(exec, ctx.stream) }.map_err(driver_err("launching a graph"));
@@ -1251,7 +1344,7 @@ impl CudaDecoder {
                 cu::stream::begin_capture(ctx.stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                     .map_err(driver_err("capturing a graph"))?;
             }
-            let queued = Self::queue_ops(ctx, &prog.ops);
+            let queued = Self::queue_ops(ctx, &prog.ops, side);
             // SAFETY: ends the capture begun above, whatever happened in between.
             let graph = unsafe { cu::stream::end_capture(ctx.stream) };
             queued?;
@@ -1266,7 +1359,7 @@ impl CudaDecoder {
             // SAFETY: as above.
             return unsafe { cu::graph::launch(exec, ctx.stream) }.map_err(driver_err("launching a graph"));
         }
-        Self::queue_ops(ctx, &prog.ops)
+        Self::queue_ops(ctx, &prog.ops, side)
     }
 
     /// Runs `ops` one at a time with an event after each, and returns each one's seconds.
@@ -1277,7 +1370,7 @@ impl CudaDecoder {
             // SAFETY: events of this context recorded on its stream.
             unsafe { cu::event::record(events[0], ctx.stream) }.map_err(driver_err("recording an event"))?;
             for (i, op) in ops.iter().enumerate() {
-                Self::queue_ops(ctx, std::slice::from_ref(op))?;
+                Self::queue_ops(ctx, std::slice::from_ref(op), None)?;
                 // SAFETY: as above.
                 unsafe { cu::event::record(events[i + 1], ctx.stream) }.map_err(driver_err("recording an event"))?;
             }
@@ -1296,10 +1389,35 @@ impl CudaDecoder {
         out
     }
 
-    fn queue_ops(ctx: &Context, ops: &[Op]) -> Result<()> {
+    /// Queues `ops` on the context's stream, the side launches on `side` (on the context's
+    /// stream too, in order, without one).
+    fn queue_ops(ctx: &Context, ops: &[Op], side: Option<&SideBranch>) -> Result<()> {
         for op in ops {
             match op {
                 Op::Launch { f, grid, block, smem, args } => ctx.launch_args(*f, *grid, *block, *smem, args)?,
+                Op::Side { f, grid, block, smem, args } => match side {
+                    Some(sb) => {
+                        // SAFETY: events and streams of this context.
+                        unsafe {
+                            cu::event::record(sb.fork, ctx.stream).map_err(driver_err("recording an event"))?;
+                            cu::stream::wait_event(sb.stream, sb.fork, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+                                .map_err(driver_err("waiting for an event"))?;
+                        }
+                        ctx.launch_on(sb.stream, false, *f, *grid, *block, *smem, args)?;
+                        // SAFETY: as above.
+                        unsafe { cu::event::record(sb.join, sb.stream) }.map_err(driver_err("recording an event"))?;
+                    }
+                    None => ctx.launch_args(*f, *grid, *block, *smem, args)?,
+                },
+                Op::Join => {
+                    if let Some(sb) = side {
+                        // SAFETY: as above.
+                        unsafe {
+                            cu::stream::wait_event(ctx.stream, sb.join, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+                        }
+                        .map_err(driver_err("waiting for an event"))?;
+                    }
+                }
                 // SAFETY: both ranges are inside live device buffers of this decoder.
                 Op::Copy { dst, src, bytes } => unsafe {
                     cu::memcpy_dtod_async(*dst, *src, *bytes, ctx.stream)
@@ -1558,17 +1676,18 @@ impl DeviceDecoder for CudaDecoder {
             let times = Self::profile_ops(ctx, &prog.ops)?;
             let k = &self.k;
             let names = prog.ops.iter().map(|op| match op {
-                Op::Launch { f, .. } => k
+                Op::Launch { f, .. } | Op::Side { f, .. } => k
                     .name_of(*f)
                     .map(str::to_string)
                     .or_else(|| ctx.product_kernel_name(*f))
                     .unwrap_or_else(|| "?".into()),
                 Op::Copy { .. } => "copy".into(),
+                Op::Join => "join".into(),
             });
             prof.record(n, names.zip(times));
         } else {
             let prog = self.programs.get_mut(&key).ok_or_else(lost_program)?;
-            Self::replay(ctx, prog, use_graphs)?;
+            Self::replay(ctx, prog, use_graphs, self.side.as_ref())?;
         }
         let k = &self.k;
         ctx.launch_args(

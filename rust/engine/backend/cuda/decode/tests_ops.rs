@@ -210,6 +210,23 @@ fn run_hc_pre(
     d: usize,
     norm: Option<&[f32]>,
 ) -> (Vec<f32>, Vec<f32>) {
+    run_hc_pre_iters(ctx, hc, logits, x, w, d, norm, ITERS, false)
+}
+
+/// [`run_hc_pre`] with `iters` Sinkhorn iterations in ds4_hc_pre, then (with `apart`) ITERS of
+/// them in ds4_hc_sinkhorn, as the decode does.
+#[allow(clippy::too_many_arguments)]
+fn run_hc_pre_iters(
+    ctx: &Context,
+    hc: usize,
+    logits: &[f32],
+    x: &[f32],
+    w: &HyperWeights,
+    d: usize,
+    norm: Option<&[f32]>,
+    iters: usize,
+    apart: bool,
+) -> (Vec<f32>, Vec<f32>) {
     let n_mix = (2 + hc) * hc;
     let n = logits.len() / n_mix;
     let (lb, xb, bb, sb) = (buf(logits), buf(x), buf(&w.base), buf(&w.scale));
@@ -231,11 +248,15 @@ fn run_hc_pre(
             Arg::I32(hc as i32),
             Arg::I32(d as i32),
             Arg::F32(HC_EPS),
-            Arg::I32(ITERS as i32),
+            Arg::I32(iters as i32),
             nb.as_ref().map_or(Arg::Ptr(0), ptr),
             Arg::F32(EPS),
         ],
     );
+    if apart {
+        let args = [ptr(&mb), Arg::I32(hc as i32), Arg::F32(HC_EPS), Arg::I32(ITERS as i32)];
+        ctx.launch_named("ds4_hc_sinkhorn", (n as u32, 1, 1), 32, 0, &args).expect("launching ds4_hc_sinkhorn");
+    }
     (read(ctx, &yb, n * d), read(ctx, &mb, n * (hc + hc * hc)))
 }
 
@@ -268,6 +289,10 @@ fn hc_pre_matches_cpu() {
         let (normed, mix2) = run_hc_pre(&ctx, hc, &logits, &x, &w, d, Some(&nw));
         assert_close(&format!("{what}: normed y"), &normed, &want_normed, 1e-5);
         assert_eq!(mix2, mix, "{what}: mix with the norm");
+        // The decode's way: no iterations in ds4_hc_pre, all of them in ds4_hc_sinkhorn.
+        let (normed3, mix3) = run_hc_pre_iters(&ctx, hc, &logits, &x, &w, d, Some(&nw), 0, true);
+        assert_eq!(normed3, normed, "{what}: normed y, Sinkhorn apart");
+        assert_eq!(mix3, mix, "{what}: mix, Sinkhorn apart");
         assert_rows_invariant(&format!("{what}: normed y"), &normed, n, |r| {
             let (lr, xr) = row(r);
             run_hc_pre(&ctx, hc, lr, xr, &w, d, Some(&nw)).0
