@@ -3,6 +3,9 @@ GPU (CI); run on a GPU machine with ``pytest tests/test_cuda.py`` (see README, "
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -167,3 +170,36 @@ def test_device_state_follows_snapshots_and_verify(files: dict[str, Path]) -> No
     b = m.session(1024)
     b.eval(p[:70])
     assert a.digest() == b.digest()
+
+
+_FORK_CHILD = """
+import sys
+import numpy as np
+import ds4
+m = ds4.Model.load(sys.argv[1], backend="cuda")
+p = [int(t) for t in sys.argv[2].split(",")]
+s = m.session(1024)
+out = [s.eval(p[:40])]
+del m  # the session now holds the last reference to the model and its backend
+out += [s.eval([t]) for t in p[40:]]
+np.save(sys.argv[3], np.concatenate(out))
+del s
+print("ok")
+"""
+
+
+@gpu
+def test_sinkhorn_side_branch_is_exact_and_tears_down(files: dict[str, Path], tmp_path: Path) -> None:
+    # DS4_CUDA_FORK=1 runs the Sinkhorn iterations on a side branch of the step's graph: the
+    # same bits as the fused kernel, and a session that outlives its model must tear its side
+    # stream down cleanly (a child process each, so that a crash fails this test, not the run).
+    p = max(prompts("tiny-l"), key=len)[:60]
+    got = {}
+    for fork in ("0", "1"):
+        out = tmp_path / f"fork{fork}.npy"
+        args = [sys.executable, "-c", _FORK_CHILD, str(files["tiny-l"]), ",".join(map(str, p)), str(out)]
+        r = subprocess.run(args, env={**os.environ, "DS4_CUDA_FORK": fork}, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (fork, r.returncode, r.stderr[-2000:])
+        got[fork] = np.load(out)
+    assert np.array_equal(got["0"].view(np.uint32), got["1"].view(np.uint32))
