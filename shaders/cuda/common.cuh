@@ -523,6 +523,18 @@ __device__ __forceinline__ void matvec(const MvDesc* __restrict__ descs, int cou
 // straight from global memory (it is small and stays in L1/L2; each float4 serves MV_ROWS
 // rows). There is no shared-memory staging and no barrier in the loop.
 //
+// What the H200 measurements say about this design (scripts/kernel_lab, Nsight Compute):
+// - At one batch row the kernels are bound by the bytes in flight, not by instructions: a
+//   lane's 16-byte loads matter. Lanes reading 4-byte words 128 bytes apart (so that x would
+//   be read in contiguous runs) made a Q8_0 4096 x 8192 product 2.5x slower (16.1 -> 40.7
+//   us), and a second chunk in flight (PREFETCH 2) was slower too (17.0 us).
+// - The cost of x's layout is real but second: a lane's x run is 64 (Q8_0) to 256 (IQ2_XXS)
+//   bytes from its neighbour's, so a warp-wide float4 load of x touches 16 to 32 cache lines;
+//   the IQ2_XXS expert kernel keeps L1 77% busy.
+// - 16 batch rows spill at the 128-register cap (MV_MIN_BLOCKS); more registers, fewer warps
+//   was slower still, so the host cuts the quantized formats' batches at 8 rows
+//   (rust/engine/backend/cuda/mod.rs `chunk_rows`).
+//
 // F provides: BLOCK_ELEMS, PAY (payload bytes per block), CB = 512 / PAY (blocks per chunk),
 // LUT_BYTES / init_lut, PREFETCH, a Chunk type, load(row, nb, c, lane, vec, ch), which issues
 // the loads of lane l's part of chunk c of a row of nb blocks (vec: the row is 16-byte
