@@ -36,6 +36,34 @@ struct Config {
 
 static std::map<std::string, CUmodule> modules;
 
+// Fills `bytes` of device memory with pseudo-random bytes (xorshift64, a fixed seed): random
+// IQ2_XXS lattice indices make the lookups hit shared-memory banks as real weights do, where a
+// constant byte has every lane read the same entry. Scales may decode to NaN or infinity,
+// which the kernels multiply as fast as any other value.
+static void fill_random(CUdeviceptr dst, size_t bytes) {
+    static std::vector<unsigned long long> pattern;
+    const size_t piece = 16u << 20;
+    if (pattern.empty()) {
+        pattern.resize(piece / 8);
+        unsigned long long s = 0x9E3779B97F4A7C15ull;
+        for (auto& v : pattern) {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            v = s;
+        }
+    }
+    // Each piece starts at another offset into the pattern, so that copies differ.
+    for (size_t off = 0, k = 0; off < bytes; off += piece, k++) {
+        const size_t n = bytes - off < piece ? bytes - off : piece;
+        const size_t shift = (k * 4099 * 8) % (piece / 2);
+        CK(cuMemcpyHtoD(dst + off, (const char*)pattern.data() + shift, n < piece - shift ? n : piece - shift));
+        if (n > piece - shift) {
+            CK(cuMemcpyHtoD(dst + off + (piece - shift), pattern.data(), n - (piece - shift)));
+        }
+    }
+}
+
 // The host's slice count (rust/engine/backend/cuda/mod.rs `slices`) for this shape.
 static int slice_count(int row_blocks, int tiles, int group) {
     int want = 132 / row_blocks;
@@ -84,7 +112,7 @@ static void run(const Config& c) {
 
     CUdeviceptr W, X, Y, P, C, T;
     CK(cuMemAlloc(&W, mat * c.experts * copies));
-    CK(cuMemsetD8(W, 0x11, mat * c.experts * copies));
+    fill_random(W, (size_t)(mat * c.experts * copies));
     CK(cuMemAlloc(&X, 4ll * 16 * c.n_in));
     CK(cuMemsetD8(X, 0, 4ll * 16 * c.n_in));
     CK(cuMemAlloc(&Y, 4ll * 16 * c.n_out * c.experts));
