@@ -10,9 +10,9 @@
 # --python-version 3.12 --platform manylinux2014_x86_64` elsewhere); "" to use the index.
 # TESTS_BINARY: the engine's test executable built with `--features cuda` (its CUDA kernel
 # tests run first). Then: the CUDA tests, and decode / verify / prefill timings of a random MID
-# model; with FLASH_GEN (the synthetic full-size Flash generator, gen_flash_q2_gguf.py) and
+# model at 2K and 32K context; with FLASH_GEN (the synthetic full-size Flash generator, gen_flash_q2_gguf.py) and
 # TOKENIZER (the V4 tokenizer.json) set, the same for a full-size Flash file (80.8 GiB, sparse
-# on disk) at 2K context.
+# on disk) at 2K context, and with FLASH_32K=1 at 32K context with an 8K-token prefill too.
 set -euo pipefail
 wheel=${1:?usage: gpu_suite.sh WHEEL [WHEELHOUSE] [TESTS_BINARY]}
 python3 -m venv --system-site-packages /tmp/ds4-gpu-venv
@@ -28,8 +28,13 @@ if [ -n "${3:-}" ]; then
 fi
 (cd tests && python -m pytest -q -p no:cacheprovider test_cuda.py)
 ds4 random MID /tmp/ds4-mid-q8_0.gguf --dtype q8_0 -q
-python benches/verify_bench.py /tmp/ds4-mid-q8_0.gguf --backend cuda --ctx 2048 --prefill 2048
+python benches/verify_bench.py /tmp/ds4-mid-q8_0.gguf --backend cuda --ctx 2048 --prefill 2048,8192
+python benches/verify_bench.py /tmp/ds4-mid-q8_0.gguf --backend cuda --ctx 32768 --prefill "" --runs 3
 if [ -n "${FLASH_GEN:-}" ] && [ -n "${TOKENIZER:-}" ]; then
     python "$FLASH_GEN" /tmp/ds4-flash-q2.gguf "$TOKENIZER"
     python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --ctx 2048 --prefill 2048 --runs 5
+    if [ -n "${FLASH_32K:-}" ]; then
+        # About 4 minutes on an H200: the 32K-token context is filled by a prefill first.
+        python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --ctx 32768 --prefill 8192 --runs 3
+    fi
 fi
