@@ -382,7 +382,8 @@ __device__ __forceinline__ void hc_sinkhorn_streams(int hc, float* comb, float h
 // in place with the same operations as ds4_hc_pre's warp 0 (so the two ways agree bitwise).
 // Only the site's expansion reads comb, so the decode can run this on a side branch of its
 // graph while the sublayer runs (DS4_CUDA_FORK=1; the iterations are a chain of dependent
-// steps in one warp, about half of ds4_hc_pre's time). mix [n, hc + hc * hc]. Grid (n), block 32; hc <= DS4_HC_PRE_MAX.
+// steps in one warp, about half of ds4_hc_pre's time). mix [n, hc + hc * hc]. Grid (n),
+// block 32 (warp 0 works; more warps are idle); hc <= DS4_HC_PRE_MAX.
 extern "C" __global__ void ds4_hc_sinkhorn(float* mix, int hc, float hc_eps, int iters) {
     ds4_grid_deps();
     float* comb = mix + (long long)blockIdx.x * (hc + hc * hc) + hc;
