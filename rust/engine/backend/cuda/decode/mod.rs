@@ -146,17 +146,33 @@ impl KernelProfile {
 /// The journal runs of one compressor push: kv, gate, and the emitted row when it closes.
 type PushRuns = (std::ops::Range<usize>, std::ops::Range<usize>, Option<std::ops::Range<usize>>);
 
-/// One operation of a program: a launch or a device copy. `A` is [`Arg`] in a built program
-/// and [`PArg`] while it is being built (descriptor table offsets not yet resolved).
+/// One kernel launch of a program. `A` is [`Arg`] in a built program and [`PArg`] while it is
+/// being built (descriptor table offsets not yet resolved).
+#[derive(Debug)]
+struct Launch<A = Arg> {
+    f: sys::CUfunction,
+    grid: (u32, u32, u32),
+    block: u32,
+    smem: u32,
+    args: Vec<A>,
+}
+
+impl<A> Launch<A> {
+    fn map_args<B>(self, f: impl FnMut(A) -> B) -> Launch<B> {
+        Launch {
+            f: self.f,
+            grid: self.grid,
+            block: self.block,
+            smem: self.smem,
+            args: self.args.into_iter().map(f).collect(),
+        }
+    }
+}
+
+/// One operation of a program: a launch, a device copy, or the side branch's fork and join.
 #[derive(Debug)]
 enum Op<A = Arg> {
-    Launch {
-        f: sys::CUfunction,
-        grid: (u32, u32, u32),
-        block: u32,
-        smem: u32,
-        args: Vec<A>,
-    },
+    Launch(Launch<A>),
     Copy {
         dst: u64,
         src: u64,
@@ -164,13 +180,7 @@ enum Op<A = Arg> {
     },
     /// A launch on the side branch: it depends on everything queued before it, and nothing
     /// queued after it waits for it until the next [`Op::Join`].
-    Side {
-        f: sys::CUfunction,
-        grid: (u32, u32, u32),
-        block: u32,
-        smem: u32,
-        args: Vec<A>,
-    },
+    Side(Launch<A>),
     /// What comes after waits for the side branch's launches.
     Join,
 }
@@ -830,7 +840,7 @@ impl CudaDecoder {
         let fork = self.side.is_some();
         let launch =
             |ops: &mut Vec<_>, f: sys::CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, args: Vec<PArg>| {
-                ops.push(Op::Launch { f, grid, block, smem, args });
+                ops.push(Op::Launch(Launch { f, grid, block, smem, args }));
             };
         // Products: (matrix, x, y, rows), y's rows `y_stride` floats apart (None: n_out). One
         // launch per format; partial sums and counters laid out from 0 for each call (launches
@@ -880,13 +890,13 @@ impl CudaDecoder {
                     return Err(Error::Backend("CUDA decode: partial-sum buffer too small (internal)".into()));
                 }
                 let (f, smem) = ctx.kernel(ty, nmax).ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
-                ops.push(Op::Launch {
+                ops.push(Op::Launch(Launch {
                     f,
                     grid: (blocks as u32, 1, 1),
                     block: THREADS,
                     smem,
                     args: vec![PArg::Table(start), PArg::A(Arg::I32(count as i32)), PArg::A(Arg::Ptr(b.counters.ptr))],
-                });
+                }));
             }
             Ok(())
         };
@@ -942,13 +952,13 @@ impl CudaDecoder {
                     ],
                 );
                 if fork {
-                    ops.push(Op::Side {
+                    ops.push(Op::Side(Launch {
                         f: k.hc_sinkhorn,
                         grid: g1,
                         block: 32,
                         smem: 0,
                         args: vec![p(mix), i(hc), fl(cfg.hc_eps), i(cfg.sinkhorn_iters)],
-                    });
+                    }));
                 }
                 Ok(())
             };
@@ -1311,20 +1321,16 @@ impl CudaDecoder {
         }
 
         let tables = DevBuf::from_slice(&table)?;
-        let resolve = |args: Vec<PArg>| -> Vec<Arg> {
-            args.into_iter()
-                .map(|a| match a {
-                    PArg::A(a) => a,
-                    PArg::Table(off) => Arg::Ptr(tables.ptr + off as u64),
-                })
-                .collect()
+        let resolve = |a: PArg| match a {
+            PArg::A(a) => a,
+            PArg::Table(off) => Arg::Ptr(tables.ptr + off as u64),
         };
         let ops = ops
             .into_iter()
             .map(|op| match op {
                 Op::Copy { dst, src, bytes } => Op::Copy { dst, src, bytes },
-                Op::Launch { f, grid, block, smem, args } => Op::Launch { f, grid, block, smem, args: resolve(args) },
-                Op::Side { f, grid, block, smem, args } => Op::Side { f, grid, block, smem, args: resolve(args) },
+                Op::Launch(l) => Op::Launch(l.map_args(resolve)),
+                Op::Side(l) => Op::Side(l.map_args(resolve)),
                 Op::Join => Op::Join,
             })
             .collect();
@@ -1394,8 +1400,8 @@ impl CudaDecoder {
     fn queue_ops(ctx: &Context, ops: &[Op], side: Option<&SideBranch>) -> Result<()> {
         for op in ops {
             match op {
-                Op::Launch { f, grid, block, smem, args } => ctx.launch_args(*f, *grid, *block, *smem, args)?,
-                Op::Side { f, grid, block, smem, args } => match side {
+                Op::Launch(l) => ctx.launch_args(l.f, l.grid, l.block, l.smem, &l.args)?,
+                Op::Side(l) => match side {
                     Some(sb) => {
                         // SAFETY: events and streams of this context.
                         unsafe {
@@ -1403,11 +1409,11 @@ impl CudaDecoder {
                             cu::stream::wait_event(sb.stream, sb.fork, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
                                 .map_err(driver_err("waiting for an event"))?;
                         }
-                        ctx.launch_on(sb.stream, false, *f, *grid, *block, *smem, args)?;
+                        ctx.launch_on(sb.stream, false, l.f, l.grid, l.block, l.smem, &l.args)?;
                         // SAFETY: as above.
                         unsafe { cu::event::record(sb.join, sb.stream) }.map_err(driver_err("recording an event"))?;
                     }
-                    None => ctx.launch_args(*f, *grid, *block, *smem, args)?,
+                    None => ctx.launch_args(l.f, l.grid, l.block, l.smem, &l.args)?,
                 },
                 Op::Join => {
                     if let Some(sb) = side {
@@ -1676,10 +1682,10 @@ impl DeviceDecoder for CudaDecoder {
             let times = Self::profile_ops(ctx, &prog.ops)?;
             let k = &self.k;
             let names = prog.ops.iter().map(|op| match op {
-                Op::Launch { f, .. } | Op::Side { f, .. } => k
-                    .name_of(*f)
+                Op::Launch(l) | Op::Side(l) => k
+                    .name_of(l.f)
                     .map(str::to_string)
-                    .or_else(|| ctx.product_kernel_name(*f))
+                    .or_else(|| ctx.product_kernel_name(l.f))
                     .unwrap_or_else(|| "?".into()),
                 Op::Copy { .. } => "copy".into(),
                 Op::Join => "join".into(),
