@@ -1151,15 +1151,39 @@ impl CudaDecoder {
 
             // ---- MoE
             hc_site(&mut ops, &mut table, &lw.hc_ffn, &c.hc_ffn, b.mix_f.ptr, c.ffn_norm.ptr)?;
-            products(
-                &mut ops,
-                &mut table,
-                &[
-                    (lw.router_proj, b.h.ptr, b.rl.ptr, n),
-                    (lw.gate_sh, b.h.ptr, b.gsh.ptr, n),
-                    (lw.up_sh, b.h.ptr, b.ush.ptr, n),
-                ],
-            )?;
+            // The shared expert (its products, its swiglu) reads only h and its own buffers,
+            // and only ds4_moe_combine reads its output: with the side branch it runs there,
+            // beside the router and the routed experts, whose kernels leave DRAM bandwidth
+            // unused (they are bound by issue and L1). Its products must not be split
+            // (slices > 1): the partial sums and counters belong to the main stream's launches.
+            let shared_side = fork && [lw.gate_sh, lw.up_sh, lw.down_sh].iter().all(|m| slices(m) == 1);
+            let shared_swiglu = |ops: &mut Vec<_>| {
+                launch(
+                    ops,
+                    k.swiglu,
+                    ((n * ff_sh).div_ceil(256) as u32, 1, 1),
+                    256,
+                    0,
+                    vec![p(b.gsh.ptr), p(b.ush.ptr), p(b.ash.ptr), i(n * ff_sh), fl(spec.clamp_shared)],
+                )
+            };
+            let gate_up_sh = [(lw.gate_sh, b.h.ptr, b.gsh.ptr, n), (lw.up_sh, b.h.ptr, b.ush.ptr, n)];
+            let down_sh = [(lw.down_sh, b.ash.ptr, b.dsh.ptr, n)];
+            if shared_side {
+                let mut sh = Vec::new();
+                products(&mut sh, &mut table, &gate_up_sh)?;
+                shared_swiglu(&mut sh);
+                products(&mut sh, &mut table, &down_sh)?;
+                ops.extend(sh.into_iter().map(|op| match op {
+                    Op::Launch(l) => Op::Side(l),
+                    other => other,
+                }));
+                products(&mut ops, &mut table, &[(lw.router_proj, b.h.ptr, b.rl.ptr, n)])?;
+            } else {
+                let mut g = vec![(lw.router_proj, b.h.ptr, b.rl.ptr, n)];
+                g.extend(gate_up_sh);
+                products(&mut ops, &mut table, &g)?;
+            }
             // Templates of the routed products (ds4_route fills in expert, rows, offsets).
             let templ = |m: Mat, x: u64, y: u64, part_base: usize, counter: usize| {
                 CudaBackend::desc(img.addr(m.start), &m, x, y, b.part.ptr + 4 * part_base as u64, 0, counter).0
@@ -1236,14 +1260,9 @@ impl CudaDecoder {
                 sg,
                 vec![PArg::Table(gu_off), i(2 * max_descs), p(b.counters.ptr)],
             );
-            launch(
-                &mut ops,
-                k.swiglu,
-                ((n * ff_sh).div_ceil(256) as u32, 1, 1),
-                256,
-                0,
-                vec![p(b.gsh.ptr), p(b.ush.ptr), p(b.ash.ptr), i(n * ff_sh), fl(spec.clamp_shared)],
-            );
+            if !shared_side {
+                shared_swiglu(&mut ops);
+            }
             launch(
                 &mut ops,
                 k.swiglu,
@@ -1252,7 +1271,9 @@ impl CudaDecoder {
                 0,
                 vec![p(b.g_out.ptr), p(b.u_out.ptr), p(b.act.ptr), i(n * kk * ff), fl(spec.clamp_routed)],
             );
-            products(&mut ops, &mut table, &[(lw.down_sh, b.ash.ptr, b.dsh.ptr, n)])?;
+            if !shared_side {
+                products(&mut ops, &mut table, &down_sh)?;
+            }
             let (fd, sd) = ctx.kernel(dm.ty, chunk).ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
             launch(
                 &mut ops,
