@@ -188,11 +188,14 @@ enum Op<A = Arg> {
 /// The side branch of the decode's programs: a second stream that forks from the context's
 /// stream at each [`Op::Side`] and joins it at each [`Op::Join`] (in a captured graph, a
 /// parallel branch). It runs the hyper-connections' Sinkhorn iterations (ds4_hc_sinkhorn),
-/// which only the site's expansion reads, while the sublayer runs; with `DS4_CUDA_FORK=0`
-/// they run inside ds4_hc_pre instead (the same operations: the results are bitwise equal,
-/// which `hc_pre_matches_cpu` and test_cuda.py check). A Flash decode step at 2K on an H200:
-/// 11.77 ms without it, 11.12 ms with it. The decoder's drop destroys the branch while its
-/// context lives (a session may outlive its model).
+/// which only the site's expansion reads, while the sublayer runs, and the FFN's shared
+/// expert beside the router and the routed experts; with `DS4_CUDA_FORK=0` the iterations run
+/// inside ds4_hc_pre (the same operations: the results are bitwise equal, which
+/// `hc_pre_matches_cpu` and test_cuda.py check) and the shared expert in line. A Flash decode
+/// step at 2K on an H200, both ways in one run: 11.87 ms without the branch, 11.12 ms with it.
+/// (The compressors' and indexer's projections and updates on it too, beside the query path,
+/// measured 11.32 ms against 10.99 in one run: not kept.) The decoder's drop destroys the
+/// branch while its context lives (a session may outlive its model).
 struct SideBranch {
     stream: sys::CUstream,
     fork: sys::CUevent,
