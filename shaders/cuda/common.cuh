@@ -534,6 +534,16 @@ __device__ __forceinline__ void matvec(const MvDesc* __restrict__ descs, int cou
 // - 16 batch rows spill at the 128-register cap (MV_MIN_BLOCKS); more registers, fewer warps
 //   was slower still, so the host cuts the quantized formats' batches at 8 rows
 //   (rust/engine/backend/cuda/mod.rs `chunk_rows`).
+// - Two ways to cut x's L1 traffic, tried on IQ2_XXS (12 experts' 2048 x 4096 gate and up
+//   products, pseudo-random weights) and not kept. A padded copy of the block's x slice in
+//   shared memory: 73.6 -> 64.2 us at 2 batch rows, but 47.2 -> 49.0 at one row (the copy's
+//   L2 reads and barrier), and Q2_K and Q8_0 were slower at both; a verify of 8 rows, whose
+//   expert products mostly have one row, got slower. x stored lane-permuted (a lane's k-th
+//   float4 of a chunk at 128 k + 4 lane, so that a warp's load is 4 lines): 47.8 -> 41.8 us at
+//   one row, 74 -> 58 at 2, 238 -> 164 at 8 (Q2_K unchanged, Q8_0 slower); it needs the
+//   kernels that write the experts' inputs (ds4_gather, ds4_swiglu) to write that layout.
+//   At one row the IQ2_XXS kernel is then bound by issue (55% of slots): its dequantization
+//   costs about 5 instructions a weight.
 //
 // F provides: BLOCK_ELEMS, PAY (payload bytes per block), CB = 512 / PAY (blocks per chunk),
 // LUT_BYTES / init_lut, PREFETCH, a Chunk type, load(row, nb, c, lane, vec, ch), which issues
