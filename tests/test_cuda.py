@@ -172,13 +172,17 @@ def test_device_state_follows_snapshots_and_verify(files: dict[str, Path]) -> No
     assert a.digest() == b.digest()
 
 
-_FORK_CHILD = """
+# A child process: loads argv[1] on CUDA, evaluates the prompt argv[2] (40 tokens at once,
+# then one at a time, after dropping the model: the session holds the last reference) and
+# saves the logits to argv[3].
+_CHILD = """
 import sys
 import numpy as np
 import ds4
 m = ds4.Model.load(sys.argv[1], backend="cuda")
 p = [int(t) for t in sys.argv[2].split(",")]
 s = m.session(1024)
+assert s.forward_kind == "device", s.forward_kind
 out = [s.eval(p[:40])]
 del m  # the session now holds the last reference to the model and its backend
 out += [s.eval([t]) for t in p[40:]]
@@ -194,12 +198,25 @@ def test_sinkhorn_side_branch_is_exact_and_tears_down(files: dict[str, Path], tm
     # same bits as the fused kernel, and a session that outlives its model must tear its side
     # stream down cleanly (a child process each, so that a crash fails this test, not the run).
     p = max(prompts("tiny-l"), key=len)[:60]
-    got = {}
-    for fork in ("0", "1"):
-        out = tmp_path / f"fork{fork}.npy"
-        args = [sys.executable, "-c", _FORK_CHILD, str(files["tiny-l"]), ",".join(map(str, p)), str(out)]
-        r = subprocess.run(args, env={**os.environ, "DS4_CUDA_FORK": fork}, capture_output=True, text=True,
-                           timeout=300)
-        assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (fork, r.returncode, r.stderr[-2000:])
-        got[fork] = np.load(out)
-    assert np.array_equal(got["0"].view(np.uint32), got["1"].view(np.uint32))
+    off, on = (_child_logits(files["tiny-l"], p, {"DS4_CUDA_FORK": v}, tmp_path / f"fork{v}.npy") for v in "01")
+    assert np.array_equal(off.view(np.uint32), on.view(np.uint32))
+
+
+def _child_logits(model: Path, prompt: list[int], env: dict[str, str], out: Path) -> np.ndarray:
+    args = [sys.executable, "-c", _CHILD, str(model), ",".join(map(str, prompt)), str(out)]
+    r = subprocess.run(args, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (env, r.returncode, r.stderr[-2000:])
+    logits: np.ndarray = np.load(out)
+    return logits
+
+
+@gpu
+def test_iq2_lane_order_is_exact(tmp_path: Path) -> None:
+    # DS4_CUDA_XLANES=1: ds4_gather writes the routed experts' inputs in the lane order of the
+    # IQ2_XXS gate and up kernels that read them (a hidden size that is a multiple of 2048,
+    # "q2" experts; 2-row expert chunks in the prompt, one row after): the same bits as the
+    # plain layout.
+    model = random_model(tmp_path / "q2.gguf", TINY.replace(hidden_size=2048), seed=3, dtype="q2")
+    p = list(range(5, 65))
+    off, on = (_child_logits(model, p, {"DS4_CUDA_XLANES": v}, tmp_path / f"lanes{v}.npy") for v in "01")
+    assert np.array_equal(off.view(np.uint32), on.view(np.uint32))

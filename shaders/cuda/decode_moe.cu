@@ -7,7 +7,8 @@
 //   1. the router product: logits [n, E] = router_proj . h (one MvDesc, any product kernel);
 //   2. ds4_route: each row's experts and weights (moe::route), the union of the experts of
 //      the batch, the gather list, the combine lists, and the gate/up and down tables;
-//   3. ds4_gather: xg[j] = h[gather_src[j]] (the rows of each used expert, expert by expert);
+//   3. ds4_gather: xg[j] = h[gather_src[j]] (the rows of each used expert, expert by expert;
+//      in lane order for the IQ2_XXS lane kernels when the host asks);
 //   4. the gate/up products over the 2 * max_descs descriptors of `gu` (one launch);
 //   5. SwiGLU of the gate and up outputs (decode_ops.cu);
 //   6. the down products over the max_descs descriptors of `down` (one launch);
@@ -377,10 +378,11 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
-// xg[j] = h[gather_src[j]] (d floats), nothing where gather_src[j] < 0.
+// xg[j] = h[gather_src[j]] (d floats), nothing where gather_src[j] < 0; with lanes != 0 each
+// row is written in IQ2_XXS lane order (FmtIQ2_XXS::x_lane_pos, for ds4_mv_iq2_xxs_lanes_*).
 // Grid (n * k), block 256 (any size).
 extern "C" __global__ void ds4_gather(const float* __restrict__ h, float* __restrict__ xg,
-                                      const int* __restrict__ gather_src, int d) {
+                                      const int* __restrict__ gather_src, int d, int lanes) {
     ds4_grid_deps();
     const int j = blockIdx.x;
     const int src = gather_src[j];
@@ -389,7 +391,13 @@ extern "C" __global__ void ds4_gather(const float* __restrict__ h, float* __rest
     }
     const float* s = h + (long long)src * d;
     float* o = xg + (long long)j * d;
-    if (((d & 3) == 0) && ((((unsigned long long)h | (unsigned long long)xg) & 15) == 0)) {
+    if (lanes) {
+        // The rows in the lane order of the IQ2_XXS products that read them (d % 2048 == 0,
+        // 16-byte aligned buffers: the host checks).
+        for (int i = threadIdx.x; i < (d >> 2); i += blockDim.x) {
+            *(float4*)(o + FmtIQ2_XXS::x_lane_pos(4 * i)) = ((const float4*)s)[i];
+        }
+    } else if (((d & 3) == 0) && ((((unsigned long long)h | (unsigned long long)xg) & 15) == 0)) {
         const int d4 = d >> 2;
         for (int i = threadIdx.x; i < d4; i += blockDim.x) {
             ((float4*)o)[i] = ((const float4*)s)[i];

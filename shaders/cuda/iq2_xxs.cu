@@ -32,7 +32,15 @@ struct FmtIQ2_XXS {
         ld_scale_chunk<PAY>(row, nb, c, lane, vec, h);
     }
 
-    template <int NB>
+    // Where element i of a row of x (i a multiple of 4 and of the row's length, n_in a
+    // multiple of 2048) lies in lane order: i is in lane l = (i % 2048) / 64's run of chunk
+    // c = i / 2048, as its float4 k = (i % 64) / 4, which is at 2048 c + 128 k + 4 l.
+    static __device__ __forceinline__ int x_lane_pos(int i) {
+        const int ii = i & 2047;
+        return (i - ii) + 128 * ((ii & 63) >> 2) + 4 * (ii >> 6);
+    }
+
+    template <int NB, bool LANES>
     static __device__ __forceinline__ void dot(const Chunk (&h)[MV_ROWS], int nb, int c, int lane,
                                                const float* __restrict__ x, int n_in, int n,
                                                float (&acc)[MV_ROWS][NB], const u8* lut) {
@@ -79,7 +87,9 @@ struct FmtIQ2_XXS {
                             wf[q][i] = __uint_as_float(__float_as_uint(a) ^ ((sg[q] << (31 - bit)) & 0x80000000u));
                         }
                     }
-                    scaled_dot4<NB>(wf, db, x, n_in, n, e0 + 8 * k + 4 * half, acc);
+                    // Lane order: this float4 is the lane's (8 gg + 2 k + half)-th of chunk c.
+                    const int e = LANES ? 2048 * c + 128 * (8 * gg + 2 * k + half) + 4 * lane : e0 + 8 * k + 4 * half;
+                    scaled_dot4<NB>(wf, db, x, n_in, n, e, acc);
                 }
             }
         }
@@ -87,3 +97,7 @@ struct FmtIQ2_XXS {
 };
 
 MVS_KERNELS(iq2_xxs, FmtIQ2_XXS)
+// x in lane order (matvec_split_lanes), for the routed experts' gate and up products, whose
+// chunks hold one or two batch rows (rust/engine/backend/cuda/decode EXPERT_CHUNK).
+MVS_LANES_KERNEL(iq2_xxs_lanes, FmtIQ2_XXS, 1)
+MVS_LANES_KERNEL(iq2_xxs_lanes, FmtIQ2_XXS, 2)

@@ -38,6 +38,9 @@ pub(crate) const SOURCES: &[(&str, &str)] = &[
 /// Batch sizes the kernels are instantiated for: a chunk of `n` rows runs the smallest one
 /// `>= n` (the kernels take `n` and skip the rest).
 pub(crate) const BATCH_SIZES: [usize; 5] = [1, 2, 4, 8, 16];
+/// Batch sizes of the IQ2_XXS kernels that read x in lane order (iq2_xxs.cu): the routed
+/// experts' chunks.
+pub(crate) const LANE_BATCH_SIZES: [usize; 2] = [1, 2];
 /// Most batch rows one launch computes.
 pub(crate) const MAX_BATCH: usize = 16;
 /// Warps per product block (`MV_WARPS` in common.cuh).
@@ -223,6 +226,8 @@ pub(crate) struct Context {
     module: sys::CUmodule,
     /// `(format, batch size) -> (kernel, bytes of dynamic shared memory)`.
     kernels: HashMap<(GgmlType, usize), (sys::CUfunction, u32)>,
+    /// The IQ2_XXS kernels that read x in lane order (`ds4_mv_iq2_xxs_lanes_*`), by batch size.
+    lane_kernels: HashMap<usize, (sys::CUfunction, u32)>,
     pub(crate) name: String,
     pub(crate) compute_capability: (i32, i32),
     pub(crate) multiprocessors: i32,
@@ -271,32 +276,47 @@ impl Context {
             }
         };
         let pdl = major >= 9 && !std::env::var("DS4_CUDA_PDL").is_ok_and(|v| v == "0");
-        let mut me =
-            Context { ctx, stream, module, kernels: HashMap::new(), name, compute_capability, multiprocessors, pdl };
+        let mut me = Context {
+            ctx,
+            stream,
+            module,
+            kernels: HashMap::new(),
+            lane_kernels: HashMap::new(),
+            name,
+            compute_capability,
+            multiprocessors,
+            pdl,
+        };
+        // A product kernel ds4_mv_<stem>_<nb> and its shared memory size, as the program
+        // computes it (ds4_smem_*): more than the default 48 KiB needs opting in per function.
+        let load = |module: sys::CUmodule, stem: &str, nb: usize| -> Result<(sys::CUfunction, u32)> {
+            let fname = CString::new(format!("ds4_mv_{stem}_{nb}")).expect("no NUL in kernel names");
+            // SAFETY: the module is loaded and the context bound.
+            let f = unsafe { cu::module::get_function(module, fname) }.map_err(driver_err("looking up a kernel"))?;
+            let gname = CString::new(format!("ds4_smem_{stem}_{nb}")).expect("no NUL in symbol names");
+            let mut smem = [0i32; 1];
+            // SAFETY: a 4-byte int global of the loaded module; synchronous copy.
+            unsafe {
+                let (ptr, _) = cu::module::get_global(module, gname).map_err(driver_err("finding a kernel size"))?;
+                cu::memcpy_dtoh_sync(&mut smem, ptr).map_err(driver_err("reading a kernel size"))?;
+                cu::function::set_function_attribute(
+                    f,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem[0],
+                )
+                .map_err(driver_err("allowing a kernel its shared memory"))?;
+            }
+            Ok((f, smem[0] as u32))
+        };
         for (ty, stem) in FORMATS {
             for nb in BATCH_SIZES {
-                let fname = CString::new(format!("ds4_mv_{stem}_{nb}")).expect("no NUL in kernel names");
-                // SAFETY: the module is loaded and the context bound.
-                let f =
-                    unsafe { cu::module::get_function(me.module, fname) }.map_err(driver_err("looking up a kernel"))?;
-                // The kernel's shared memory size, as the program computes it (ds4_smem_*):
-                // more than the default 48 KiB needs opting in per function.
-                let gname = CString::new(format!("ds4_smem_{stem}_{nb}")).expect("no NUL in symbol names");
-                let mut smem = [0i32; 1];
-                // SAFETY: a 4-byte int global of the loaded module; synchronous copy.
-                unsafe {
-                    let (ptr, _) =
-                        cu::module::get_global(me.module, gname).map_err(driver_err("finding a kernel size"))?;
-                    cu::memcpy_dtoh_sync(&mut smem, ptr).map_err(driver_err("reading a kernel size"))?;
-                    cu::function::set_function_attribute(
-                        f,
-                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        smem[0],
-                    )
-                    .map_err(driver_err("allowing a kernel its shared memory"))?;
-                }
-                me.kernels.insert((ty, nb), (f, smem[0] as u32));
+                let k = load(me.module, stem, nb)?;
+                me.kernels.insert((ty, nb), k);
             }
+        }
+        for nb in LANE_BATCH_SIZES {
+            let k = load(me.module, "iq2_xxs_lanes", nb)?;
+            me.lane_kernels.insert(nb, k);
         }
         Ok(me)
     }
@@ -306,6 +326,13 @@ impl Context {
     pub(crate) fn kernel(&self, ty: GgmlType, n: usize) -> Option<(sys::CUfunction, u32)> {
         let nb = BATCH_SIZES.iter().copied().find(|&b| b >= n)?;
         self.kernels.get(&(ty, nb)).copied()
+    }
+
+    /// The IQ2_XXS kernel for a chunk of `n` (1 or 2) batch rows whose x rows are in lane order
+    /// (`matvec_split_lanes` in shaders/cuda/common.cuh; `n_in` a multiple of 2048).
+    pub(crate) fn kernel_lanes(&self, n: usize) -> Option<(sys::CUfunction, u32)> {
+        let nb = LANE_BATCH_SIZES.iter().copied().find(|&b| b >= n)?;
+        self.lane_kernels.get(&nb).copied()
     }
 
     /// The loaded module (the decode kernels are looked up in it by name).

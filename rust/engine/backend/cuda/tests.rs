@@ -317,3 +317,58 @@ fn strided_outputs_fill_columns_of_wider_rows() {
         b.release(&raw).unwrap();
     }
 }
+
+/// A row of x in the lane order of the IQ2_XXS lane kernels (`matvec_split_lanes`), from its
+/// definition: in each 2048-element chunk, lane l's run is elements 64 l .. 64 l + 64 and its
+/// k-th float4 is stored at 128 k + 4 l. The oracle of the kernels and of ds4_gather's lanes.
+pub(crate) fn iq2_lane_order(x: &[f32]) -> Vec<f32> {
+    assert_eq!(x.len() % 2048, 0);
+    let mut out = vec![f32::NAN; x.len()];
+    for c in 0..x.len() / 2048 {
+        for l in 0..32 {
+            for k in 0..16 {
+                for t in 0..4 {
+                    out[2048 * c + 128 * k + 4 * l + t] = x[2048 * c + 64 * l + 4 * k + t];
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The IQ2_XXS kernels that read x in lane order (`ds4_mv_iq2_xxs_lanes_*`, for the routed
+/// experts under `DS4_CUDA_XLANES=1`) give the plain kernels' products bitwise: one and two
+/// batch rows, split (several input slices) and unsplit shapes.
+#[test]
+fn iq2_xxs_lane_kernels_equal_the_plain_ones() {
+    let Some(b) = backend() else { return };
+    let mut rng = Rng(0x1a2e5);
+    for (n_out, n_in) in [(37, 4096), (64, 2048), (300, 6144)] {
+        let (raw, w) = image(GgmlType::IQ2_XXS, n_out, n_in, &mut rng);
+        b.upload_image(&raw, 32, &[w], |_, _| {}).unwrap();
+        for n in 1..=2 {
+            let x: Vec<f32> = (0..n * n_in).map(|_| rng.f32()).collect();
+            let want = b.matmul(&raw, &w, &x).unwrap();
+            let xl: Vec<f32> = x.chunks(n_in).flat_map(iq2_lane_order).collect();
+            let got: Vec<f32> = {
+                let g = b.lock();
+                g.ctx.bind().unwrap();
+                let img = g.images.iter().find(|i| i.is(&raw)).unwrap();
+                let xb = DevBuf::from_slice(&xl).unwrap();
+                let y = DevBuf::zeroed(4 * n * n_out).unwrap();
+                let part = DevBuf::zeroed(4 * slices(&w) * n * n_out).unwrap();
+                let counters = DevBuf::zeroed(4 * row_blocks(&w)).unwrap();
+                let (d, blocks) = CudaBackend::desc(img.addr(w.start), &w, xb.at(0), y.at(0), part.at(0), n, 0);
+                let tb = DevBuf::from_slice(&[d]).unwrap();
+                let (f, smem) = g.ctx.kernel_lanes(n).unwrap();
+                let args = [Arg::Ptr(tb.at(0)), Arg::I32(1), Arg::Ptr(counters.at(0))];
+                g.ctx.launch_args(f, (blocks as u32, 1, 1), THREADS, smem, &args).unwrap();
+                g.ctx.sync().unwrap();
+                y.read(0, n * n_out).unwrap()
+            };
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{n_out}x{n_in} n={n}");
+        }
+        b.release(&raw).unwrap();
+    }
+}

@@ -486,6 +486,12 @@ pub(crate) struct CudaDecoder {
     resync_after_cut: bool,
     /// The side branch (None with `DS4_CUDA_FORK=0`).
     side: Option<SideBranch>,
+    /// `DS4_CUDA_XLANES=1` (experimental): ds4_gather writes the routed experts' inputs in the
+    /// lane order of the IQ2_XXS gate and up kernels that read them (`ds4_mv_iq2_xxs_lanes_*`,
+    /// shaders/cuda/common.cuh `matvec_split_lanes`; the same products, bitwise). In the kernel
+    /// lab on an H200 those products took 41.8 us instead of 47.8 at one row and 58 instead of
+    /// 74 at two; not yet run in the engine, hence off by default.
+    x_lanes: bool,
 }
 
 // SAFETY: the raw handles (functions, graphs, pinned pointers) are only used by the thread
@@ -788,6 +794,7 @@ impl CudaDecoder {
             profile: std::env::var("DS4_DECODE_PROFILE").is_ok_and(|v| v == "1").then(KernelProfile::default),
             resync_after_cut: std::env::var("DS4_DECODE_RESYNC").is_ok_and(|v| v == "1"),
             side: if std::env::var("DS4_CUDA_FORK").is_ok_and(|v| v == "0") { None } else { Some(SideBranch::new()?) },
+            x_lanes: std::env::var("DS4_CUDA_XLANES").is_ok_and(|v| v == "1"),
         })
     }
 
@@ -1242,16 +1249,19 @@ impl CudaDecoder {
                     i(chunk),
                 ],
             );
+            // The gathered rows in lane order when their gate and up kernels read them so.
+            let lanes = self.x_lanes && gm.ty == crate::quant::GgmlType::IQ2_XXS && gm.n_in == d && d % 2048 == 0;
             launch(
                 &mut ops,
                 k.gather,
                 ((n * kk) as u32, 1, 1),
                 256,
                 0,
-                vec![p(b.h.ptr), p(b.xg.ptr), p(b.gather_src.ptr), i(d)],
+                vec![p(b.h.ptr), p(b.xg.ptr), p(b.gather_src.ptr), i(d), i(lanes as usize)],
             );
             let bpd = |m: &Mat| row_blocks(m) * slices(m);
-            let (fg, sg) = ctx.kernel(gm.ty, chunk).ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
+            let (fg, sg) = if lanes { ctx.kernel_lanes(chunk) } else { ctx.kernel(gm.ty, chunk) }
+                .ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
             if um.ty != gm.ty || um.n_out != gm.n_out || um.n_in != gm.n_in {
                 return Err(Error::Backend("CUDA decode: expert gate and up differ in shape (unsupported)".into()));
             }

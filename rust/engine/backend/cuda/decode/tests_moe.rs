@@ -470,7 +470,7 @@ fn gather_and_combine_match_reference() {
         let hb = DevBuf::from_slice(&h).expect("h");
         let xg = DevBuf::from_slice(&vec![7.0f32; n * k * d]).expect("xg");
         let sb = DevBuf::from_slice(&src).expect("gather_src");
-        let args = [Arg::Ptr(hb.at(0)), Arg::Ptr(xg.at(0)), Arg::Ptr(sb.at(0)), Arg::I32(d as i32)];
+        let args = [Arg::Ptr(hb.at(0)), Arg::Ptr(xg.at(0)), Arg::Ptr(sb.at(0)), Arg::I32(d as i32), Arg::I32(0)];
         ctx.launch_named("ds4_gather", ((n * k) as u32, 1, 1), 256, 0, &args).expect("ds4_gather");
         ctx.sync().expect("ds4_gather");
         let got: Vec<f32> = xg.read(0, n * k * d).expect("read");
@@ -481,6 +481,24 @@ fn gather_and_combine_match_reference() {
             } else {
                 let s = s as usize;
                 assert!(row == &h[s * d..(s + 1) * d], "{what}: gather slot {j} is not row {s}");
+            }
+        }
+        if d % 2048 == 0 {
+            // In the lane order of the IQ2_XXS lane kernels (DS4_CUDA_XLANES=1).
+            let xl = DevBuf::from_slice(&vec![7.0f32; n * k * d]).expect("xg");
+            let args = [Arg::Ptr(hb.at(0)), Arg::Ptr(xl.at(0)), Arg::Ptr(sb.at(0)), Arg::I32(d as i32), Arg::I32(1)];
+            ctx.launch_named("ds4_gather", ((n * k) as u32, 1, 1), 256, 0, &args).expect("ds4_gather");
+            ctx.sync().expect("ds4_gather");
+            let got: Vec<f32> = xl.read(0, n * k * d).expect("read");
+            for (j, &s) in src.iter().enumerate() {
+                let row = &got[j * d..(j + 1) * d];
+                if s < 0 {
+                    assert!(row.iter().all(|&v| v == 7.0), "{what}: lanes: gather slot {j} (unused) was written");
+                } else {
+                    let s = s as usize;
+                    let want = crate::backend::cuda::tests::iq2_lane_order(&h[s * d..(s + 1) * d]);
+                    assert!(row == &want[..], "{what}: lanes: gather slot {j} is not row {s} in lane order");
+                }
             }
         }
 
@@ -665,7 +683,8 @@ fn moe_on_device(ctx: &Context, l: &MoeLayer, img: &DevBuf, h: &[f32], tokens: &
     ];
     let templ_buf = DevBuf::from_slice(&templ).expect("templates");
     launch_route(ctx, cfg, &lw.router, &logits, n, &st, &templ_buf, &route, &mut keep);
-    let args = [Arg::Ptr(hb.at(0)), Arg::Ptr(xg.at(0)), Arg::Ptr(route.gather_src.at(0)), Arg::I32(d as i32)];
+    let args =
+        [Arg::Ptr(hb.at(0)), Arg::Ptr(xg.at(0)), Arg::Ptr(route.gather_src.at(0)), Arg::I32(d as i32), Arg::I32(0)];
     ctx.launch_named("ds4_gather", (rows as u32, 1, 1), 256, 0, &args).expect("ds4_gather");
     let bpd = |m: &Mat, s: usize| row_blocks(m) * s;
     launch_products(ctx, q8, n, route.gu.at(0), 2 * md, md * (bpd(&gate, sg) + bpd(&up, su)), &counters);
