@@ -456,6 +456,9 @@ fn route_matches_cpu() {
     assert!(split_ties > 0 && empty_slots > 0 && repeats > 0, "the cases missed a tie, an unused slot or a repeat");
 }
 
+/// Where ds4_gather puts a row's values (plain, or the IQ2_XXS lane order).
+type RowOrder = fn(&[f32]) -> Vec<f32>;
+
 #[test]
 fn gather_and_combine_match_reference() {
     let Some(ctx) = context() else { return };
@@ -468,36 +471,31 @@ fn gather_and_combine_match_reference() {
         let src: Vec<i32> =
             (0..n * k).map(|j| if j < total { (rng.next_u64() % n as u64) as i32 } else { -1 }).collect();
         let hb = DevBuf::from_slice(&h).expect("h");
-        let xg = DevBuf::from_slice(&vec![7.0f32; n * k * d]).expect("xg");
         let sb = DevBuf::from_slice(&src).expect("gather_src");
-        let args = [Arg::Ptr(hb.at(0)), Arg::Ptr(xg.at(0)), Arg::Ptr(sb.at(0)), Arg::I32(d as i32), Arg::I32(0)];
-        ctx.launch_named("ds4_gather", ((n * k) as u32, 1, 1), 256, 0, &args).expect("ds4_gather");
-        ctx.sync().expect("ds4_gather");
-        let got: Vec<f32> = xg.read(0, n * k * d).expect("read");
-        for (j, &s) in src.iter().enumerate() {
-            let row = &got[j * d..(j + 1) * d];
-            if s < 0 {
-                assert!(row.iter().all(|&v| v == 7.0), "{what}: gather slot {j} (unused) was written");
-            } else {
-                let s = s as usize;
-                assert!(row == &h[s * d..(s + 1) * d], "{what}: gather slot {j} is not row {s}");
-            }
-        }
+        // Plain rows, and when d allows, rows in the lane order of the IQ2_XXS lane kernels
+        // (DS4_CUDA_XLANES=1): each slot must hold `order` of its source row.
+        let mut cases: Vec<(i32, RowOrder)> = vec![(0, |r| r.to_vec())];
         if d % 2048 == 0 {
-            // In the lane order of the IQ2_XXS lane kernels (DS4_CUDA_XLANES=1).
-            let xl = DevBuf::from_slice(&vec![7.0f32; n * k * d]).expect("xg");
-            let args = [Arg::Ptr(hb.at(0)), Arg::Ptr(xl.at(0)), Arg::Ptr(sb.at(0)), Arg::I32(d as i32), Arg::I32(1)];
+            cases.push((1, crate::backend::cuda::tests::iq2_lane_order));
+        }
+        for (lanes, order) in cases {
+            let xg = DevBuf::from_slice(&vec![7.0f32; n * k * d]).expect("xg");
+            let args =
+                [Arg::Ptr(hb.at(0)), Arg::Ptr(xg.at(0)), Arg::Ptr(sb.at(0)), Arg::I32(d as i32), Arg::I32(lanes)];
             ctx.launch_named("ds4_gather", ((n * k) as u32, 1, 1), 256, 0, &args).expect("ds4_gather");
             ctx.sync().expect("ds4_gather");
-            let got: Vec<f32> = xl.read(0, n * k * d).expect("read");
+            let got: Vec<f32> = xg.read(0, n * k * d).expect("read");
             for (j, &s) in src.iter().enumerate() {
                 let row = &got[j * d..(j + 1) * d];
                 if s < 0 {
-                    assert!(row.iter().all(|&v| v == 7.0), "{what}: lanes: gather slot {j} (unused) was written");
+                    assert!(
+                        row.iter().all(|&v| v == 7.0),
+                        "{what} lanes={lanes}: gather slot {j} (unused) was written"
+                    );
                 } else {
                     let s = s as usize;
-                    let want = crate::backend::cuda::tests::iq2_lane_order(&h[s * d..(s + 1) * d]);
-                    assert!(row == &want[..], "{what}: lanes: gather slot {j} is not row {s} in lane order");
+                    let want = order(&h[s * d..(s + 1) * d]);
+                    assert!(row == &want[..], "{what} lanes={lanes}: gather slot {j} is not row {s}");
                 }
             }
         }
