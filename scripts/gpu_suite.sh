@@ -12,7 +12,9 @@
 # tests run first). Then: the CUDA tests, and decode / verify / prefill timings of a random MID
 # model at 2K and 32K context; with FLASH_GEN (the synthetic full-size Flash generator, gen_flash_q2_gguf.py) and
 # TOKENIZER (the V4 tokenizer.json) set, the same for a full-size Flash file (80.8 GiB, sparse
-# on disk) at 2K context, and with FLASH_32K=1 at 32K context with an 8K-token prefill too.
+# on disk) at 2K context, and with FLASH_32K=1 at 32K context with an 8K-token prefill too;
+# with XLANES_AB=1 the Flash 2K figures again with DS4_CUDA_XLANES=1 (the experimental
+# lane-order expert inputs), for an A/B on the same machine.
 set -euo pipefail
 wheel=${1:?usage: gpu_suite.sh WHEEL [WHEELHOUSE] [TESTS_BINARY]}
 python3 -m venv --system-site-packages /tmp/ds4-gpu-venv
@@ -33,6 +35,10 @@ python benches/verify_bench.py /tmp/ds4-mid-q8_0.gguf --backend cuda --ctx 32768
 if [ -n "${FLASH_GEN:-}" ] && [ -n "${TOKENIZER:-}" ]; then
     python "$FLASH_GEN" /tmp/ds4-flash-q2.gguf "$TOKENIZER"
     python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --ctx 2048 --prefill 2048 --runs 5
+    if [ -n "${XLANES_AB:-}" ]; then
+        DS4_CUDA_XLANES=1 python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --ctx 2048 \
+            --prefill 2048 --runs 5
+    fi
     if [ -n "${FLASH_32K:-}" ]; then
         # About 4 minutes on an H200: the 32K-token context is filled by a prefill first.
         python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --ctx 32768 --prefill 8192 --runs 3
