@@ -32,9 +32,9 @@ struct FmtIQ2_XXS {
         ld_scale_chunk<PAY>(row, nb, c, lane, vec, h);
     }
 
-    // Where element i of a row of x (i a multiple of 4 and of the row's length, n_in a
-    // multiple of 2048) lies in lane order: i is in lane l = (i % 2048) / 64's run of chunk
-    // c = i / 2048, as its float4 k = (i % 64) / 4, which is at 2048 c + 128 k + 4 l.
+    // Where element i of a row of x (i a multiple of 4; the row's length a multiple of 2048)
+    // lies in lane order: i is in lane l = (i % 2048) / 64's run of chunk c = i / 2048, as its
+    // float4 k = (i % 64) / 4, which is at 2048 c + 128 k + 4 l.
     static __device__ __forceinline__ int x_lane_pos(int i) {
         const int ii = i & 2047;
         return (i - ii) + 128 * ((ii & 63) >> 2) + 4 * (ii >> 6);
@@ -87,7 +87,8 @@ struct FmtIQ2_XXS {
                             wf[q][i] = __uint_as_float(__float_as_uint(a) ^ ((sg[q] << (31 - bit)) & 0x80000000u));
                         }
                     }
-                    // Lane order: this float4 is the lane's (8 gg + 2 k + half)-th of chunk c.
+                    // Lane order: this float4 is the lane's (8 gg + 2 k + half)-th of chunk c, i.e.
+                    // x_lane_pos(e0 + 8 k + 4 half) written out so that it folds to constants.
                     const int e = LANES ? 2048 * c + 128 * (8 * gg + 2 * k + half) + 4 * lane : e0 + 8 * k + 4 * half;
                     scaled_dot4<NB>(wf, db, x, n_in, n, e, acc);
                 }

@@ -200,7 +200,10 @@ fn mix_logits(ops: Ops<'_>, w: &HyperWeights, x: &[f32]) -> Vec<f32> {
 }
 
 /// `ds4_hc_pre` with `hc` streams over the rows of `logits` (the raw streams' mixing logits),
-/// its collapse normed with weight `norm` when given: (y, mix).
+/// its collapse normed with weight `norm` when given: (y, mix). The Sinkhorn iterations run
+/// inside ds4_hc_pre, or with `apart` (as the decode's side branch does) none there and all
+/// ITERS in ds4_hc_sinkhorn after it.
+#[allow(clippy::too_many_arguments)]
 fn run_hc_pre(
     ctx: &Context,
     hc: usize,
@@ -209,22 +212,6 @@ fn run_hc_pre(
     w: &HyperWeights,
     d: usize,
     norm: Option<&[f32]>,
-) -> (Vec<f32>, Vec<f32>) {
-    run_hc_pre_iters(ctx, hc, logits, x, w, d, norm, ITERS, false)
-}
-
-/// [`run_hc_pre`] with `iters` Sinkhorn iterations in ds4_hc_pre, then (with `apart`) ITERS of
-/// them in ds4_hc_sinkhorn, as the decode does.
-#[allow(clippy::too_many_arguments)]
-fn run_hc_pre_iters(
-    ctx: &Context,
-    hc: usize,
-    logits: &[f32],
-    x: &[f32],
-    w: &HyperWeights,
-    d: usize,
-    norm: Option<&[f32]>,
-    iters: usize,
     apart: bool,
 ) -> (Vec<f32>, Vec<f32>) {
     let n_mix = (2 + hc) * hc;
@@ -248,7 +235,7 @@ fn run_hc_pre_iters(
             Arg::I32(hc as i32),
             Arg::I32(d as i32),
             Arg::F32(HC_EPS),
-            Arg::I32(iters as i32),
+            Arg::I32(if apart { 0 } else { ITERS as i32 }),
             nb.as_ref().map_or(Arg::Ptr(0), ptr),
             Arg::F32(EPS),
         ],
@@ -278,7 +265,7 @@ fn hc_pre_matches_cpu() {
         // ds4_hc_pre takes the product of the raw streams and applies their RMS scale itself.
         let logits = ops.matmul(&w.proj, &x).expect("raw mixing logits");
         let row = |r: usize| (&logits[r * n_mix..(r + 1) * n_mix], &x[r * hc * d..(r + 1) * hc * d]);
-        let (y, mix) = run_hc_pre(&ctx, hc, &logits, &x, &w, d, None);
+        let (y, mix) = run_hc_pre(&ctx, hc, &logits, &x, &w, d, None, false);
         assert_close(&format!("{what}: y"), &y, &want_y, 1e-5);
         // With the sublayer's norm fused: the CPU's rms_norm of the collapse.
         let nw = randn(d, 60 + k as u64, 1.0);
@@ -286,16 +273,16 @@ fn hc_pre_matches_cpu() {
         for row in want_normed.chunks_mut(d) {
             rms_norm(row, &nw, EPS);
         }
-        let (normed, mix2) = run_hc_pre(&ctx, hc, &logits, &x, &w, d, Some(&nw));
+        let (normed, mix2) = run_hc_pre(&ctx, hc, &logits, &x, &w, d, Some(&nw), false);
         assert_close(&format!("{what}: normed y"), &normed, &want_normed, 1e-5);
         assert_eq!(mix2, mix, "{what}: mix with the norm");
         // The decode's way: no iterations in ds4_hc_pre, all of them in ds4_hc_sinkhorn.
-        let (normed3, mix3) = run_hc_pre_iters(&ctx, hc, &logits, &x, &w, d, Some(&nw), 0, true);
+        let (normed3, mix3) = run_hc_pre(&ctx, hc, &logits, &x, &w, d, Some(&nw), true);
         assert_eq!(normed3, normed, "{what}: normed y, Sinkhorn apart");
         assert_eq!(mix3, mix, "{what}: mix, Sinkhorn apart");
         assert_rows_invariant(&format!("{what}: normed y"), &normed, n, |r| {
             let (lr, xr) = row(r);
-            run_hc_pre(&ctx, hc, lr, xr, &w, d, Some(&nw)).0
+            run_hc_pre(&ctx, hc, lr, xr, &w, d, Some(&nw), false).0
         });
         for (r, m) in mixes.iter().enumerate() {
             let got = &mix[r * (hc + hc * hc)..(r + 1) * (hc + hc * hc)];
@@ -304,11 +291,11 @@ fn hc_pre_matches_cpu() {
         }
         assert_rows_invariant(&format!("{what}: y"), &y, n, |r| {
             let (lr, xr) = row(r);
-            run_hc_pre(&ctx, hc, lr, xr, &w, d, None).0
+            run_hc_pre(&ctx, hc, lr, xr, &w, d, None, false).0
         });
         assert_rows_invariant(&format!("{what}: mix"), &mix, n, |r| {
             let (lr, xr) = row(r);
-            run_hc_pre(&ctx, hc, lr, xr, &w, d, None).1
+            run_hc_pre(&ctx, hc, lr, xr, &w, d, None, false).1
         });
     }
 }
