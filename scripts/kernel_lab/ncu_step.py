@@ -11,6 +11,16 @@ turns the profiler on (cuProfilerStart) around STEPS more (default 1), so that n
 only those kernels. ncu runs each kernel alone, so the sum of the durations can differ from
 the step's wall time: it has no launch gaps, and no overlap of a kernel's start with the
 previous one's end. The second form sums the report per kernel name.
+
+The kernels' times as they ran (graph nodes, the side branch and programmatic launches
+overlapping), with the idle time between them, come from a CUPTI trace of the same steps by
+kernel_trace.cpp (its build line is in it), or from Nsight Systems' `cuda_gpu_trace` report
+(`nsys profile --capture-range=cudaProfilerApi --cuda-graph-trace=node`, then `nsys stats
+--report cuda_gpu_trace --format csv`):
+
+    CUDA_INJECTION64_PATH=/tmp/kernel_trace.so DS4_TRACE_OUT=/tmp/trace.csv \\
+        python scripts/kernel_lab/ncu_step.py MODEL.gguf [STEPS] --cupti /tmp/kernel_trace.so
+    python scripts/kernel_lab/ncu_step.py --trace /tmp/trace.csv [STEPS]
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ import sys
 import time
 
 
-def profile(model: str, steps: int) -> None:
+def profile(model: str, steps: int, cupti: str | None = None) -> None:
     import numpy as np
 
     import ds4
@@ -36,6 +46,14 @@ def profile(model: str, steps: int) -> None:
     for i in range(20):
         s.eval([9 + i], logits="last")
     print(f"step {(time.perf_counter() - t) / 20 * 1e3:.3f} ms (wall, mean of 20)", file=sys.stderr)
+    if cupti:
+        # Traced by kernel_trace.cpp, loaded as the process's CUDA injection library.
+        lib = ctypes.CDLL(cupti)
+        lib.ds4_trace_on()
+        for i in range(steps):
+            s.eval([40 + i], logits="last")
+        lib.ds4_trace_off()
+        return
     cuda = ctypes.CDLL("libcuda.so.1")
     cuda.cuProfilerStart()
     for i in range(steps):
@@ -61,8 +79,57 @@ def summarize(report: str, steps: int) -> None:
         print(f"  {k:32} {ns / steps / 1e3:8.1f} us/step {count / steps:6.1f} launches {ns / count / 1e3:7.2f} us each")
 
 
+def summarize_trace(trace: str, steps: int) -> None:
+    rows = list(csv.reader(open(trace)))
+    head = next(i for i, r in enumerate(rows) if any(c.startswith("Start") for c in r))
+    cols = rows[head]
+
+    def col(prefix: str) -> int:
+        return next(i for i, c in enumerate(cols) if c.startswith(prefix))
+
+    start, dur, name = col("Start"), col("Duration"), col("Name")
+    kernels = sorted(
+        (int(r[start]), int(r[dur]), r[name].split("(")[0])
+        for r in rows[head + 1 :]
+        if len(r) > name and r[name].startswith("ds4_")
+    )
+    if not kernels:
+        print("no ds4 kernels in the trace")
+        return
+    # Per kernel: launches, ns running (from its start, which with programmatic launch can be
+    # before the previous kernel's end), ns by which it moved the end of the busy time (the
+    # step's wall time is the sum of these and of the idle time), ns of idle before it.
+    per = collections.defaultdict(lambda: [0, 0, 0, 0])
+    busy_end = kernels[0][0]
+    idle = 0
+    for s0, d, k in kernels:
+        gap = max(0, s0 - busy_end)  # the GPU ran no kernel for this long before this one
+        idle += gap
+        v = per[k]
+        v[0] += 1
+        v[1] += d
+        v[2] += max(0, s0 + d - max(busy_end, s0))
+        v[3] += gap
+        busy_end = max(busy_end, s0 + d)
+    span = busy_end - kernels[0][0]
+    # Idle time includes the gaps between steps (the host's part of a step).
+    print(f"{len(kernels) / steps:.0f} launches per step; {span / steps / 1e6:.3f} ms from the first kernel's "
+          f"start to the last one's end, {idle / steps / 1e6:.3f} ms of it with no kernel running")
+    print(f"  {'kernel':32} {'us/step':>8} {'launches':>8} {'us each':>8} {'adds, us':>9} {'idle before':>11}")
+    for k, (count, ns, ext, gap) in sorted(per.items(), key=lambda kv: -kv[1][2]):
+        print(f"  {k:32} {ns / steps / 1e3:8.1f} {count / steps:8.1f} {ns / count / 1e3:8.2f} {ext / steps / 1e3:9.1f} "
+              f"{gap / steps / 1e3:11.1f}")
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "--sum":
         summarize(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 1)
+    elif sys.argv[1] == "--trace":
+        summarize_trace(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 1)
     else:
-        profile(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1)
+        args = sys.argv[1:]
+        out = None
+        if "--cupti" in args:
+            out = args.pop(args.index("--cupti") + 1)
+            args.remove("--cupti")
+        profile(args[0], int(args[1]) if len(args) > 1 else 1, out)
