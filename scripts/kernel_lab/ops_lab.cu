@@ -34,6 +34,42 @@ static void time_kernel(const char* what, CUfunction f, int grid_x, int grid_y, 
     printf("  %-40s %7.2f us/launch  %3d registers  %4d B local\n", what, us, regs, local);
 }
 
+// Microseconds of one launch alone (events around it, mean of 50: the launch latency included,
+// so compare with the empty kernel's line), warm (the inputs in L2 from the launch before) and
+// cold (a 256 MB memset between launches evicts them, as the decode's weight stream does to
+// the small kernels' weights between layers). On the H200 hc_pre measured 12.6 us warm and
+// 11.7 cold: where its inputs are does not explain its 12 us in the decode step.
+static void time_alone(const char* what, CUfunction f, int grid_x, int grid_y, int block, void** args) {
+    static CUdeviceptr evict = 0;
+    const size_t evict_bytes = 256u << 20;
+    if (!evict) {
+        CK(cuMemAlloc(&evict, evict_bytes));
+    }
+    CUevent a, b;
+    CK(cuEventCreate(&a, 0));
+    CK(cuEventCreate(&b, 0));
+    float us[2] = {0, 0};
+    for (int cold = 0; cold < 2; cold++) {
+        for (int i = 0; i < 55; i++) {
+            if (cold) {
+                CK(cuMemsetD8Async(evict, (unsigned char)i, evict_bytes, 0));
+            }
+            CK(cuEventRecord(a, 0));
+            CK(cuLaunchKernel(f, grid_x, grid_y, 1, block, 1, 1, 0, 0, args, 0));
+            CK(cuEventRecord(b, 0));
+            CK(cuEventSynchronize(b));
+            float ms = 0;
+            CK(cuEventElapsedTime(&ms, a, b));
+            if (i >= 5) {
+                us[cold] += 1000.0f * ms / 50;
+            }
+        }
+    }
+    cuEventDestroy(a);
+    cuEventDestroy(b);
+    printf("  %-40s alone: %7.2f us warm, %7.2f us cold\n", what, us[0], us[1]);
+}
+
 int main(int argc, char** argv) {
     if (argc < 2) {
         printf("usage: %s CUBIN...\n", argv[0]);
@@ -70,6 +106,15 @@ int main(int argc, char** argv) {
             void* args[] = {&logits, &n_mix, &x, &y, &mix, &base, &scale, &hc, &d, &hc_eps, &iters, &norm, &eps};
             time_kernel("hc_pre, 20 iterations, norm, 256 threads", hc_pre, 1, 1, 256, args);
             time_kernel("hc_pre, 20 iterations, norm, 8 rows", hc_pre, 8, 1, 1024, args);
+            int none_iters = 0;
+            void* args0[] = {&logits, &n_mix, &x, &y, &mix, &base, &scale, &hc, &d, &hc_eps, &none_iters, &norm, &eps};
+            time_alone("hc_pre, 0 iterations, norm (the decode's)", hc_pre, 1, 1, 1024, args0);
+        }
+        {
+            CUfunction rms_weight;
+            CK(cuModuleGetFunction(&rms_weight, mod, "ds4_rms_weight"));
+            void* args[] = {&f, &y, &norm, &d, &eps};
+            time_alone("rms_weight of 4096", rms_weight, 1, 1, 1024, args);
         }
         void* rms_args[] = {&x, &flat, &hc_d, &eps};
         time_kernel("rms_plain of 16384", rms_plain, 1, 1, 1024, rms_args);
@@ -79,6 +124,7 @@ int main(int argc, char** argv) {
         float clamp = 10.0f;
         void* sw_args[] = {&f, &f, &y, &count, &clamp};
         time_kernel("swiglu of 6 values (the launch gap)", swiglu, 1, 1, 256, sw_args);
+        time_alone("swiglu of 6 values", swiglu, 1, 1, 256, sw_args);
     }
     return 0;
 }

@@ -196,12 +196,14 @@ pub fn compile(arch: &str) -> Result<Arc<String>> {
     if let Some(p) = cache.get(arch) {
         return Ok(Arc::clone(p));
     }
-    let opts = nvrtc::CompileOptions {
-        fmad: Some(false),
-        options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
-        name: Some("ds4_kernels.cu".into()),
-        ..Default::default()
-    };
+    let mut options = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
+    if std::env::var("DS4_CUDA_PDL").is_ok_and(|v| v == "start") {
+        // For A/B timing: each kernel lets the next one launch as it starts (common.cuh
+        // ds4_grid_deps), not as it exits.
+        options.push("-DDS4_PDL_TRIGGER_AT_START".into());
+    }
+    let opts =
+        nvrtc::CompileOptions { fmad: Some(false), options, name: Some("ds4_kernels.cu".into()), ..Default::default() };
     let ptx = nvrtc::compile_ptx_with_opts(kernel_source(), opts).map_err(|e| {
         let msg = match &e {
             nvrtc::CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),

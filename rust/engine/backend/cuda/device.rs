@@ -115,7 +115,7 @@ impl Context {
     /// Launches `f` on the context's stream over `grid` blocks of `block` threads with `smem`
     /// bytes of dynamic shared memory (more than 48 KiB is opted into here). On sm_90 and
     /// later the launch allows programmatic dependent launch: the kernel's blocks may be placed
-    /// while the previous kernel finishes, and wait for it in `ds4_grid_deps`
+    /// while the previous kernel's last blocks finish, and wait for it in `ds4_grid_deps`
     /// (shaders/cuda/common.cuh), which every kernel calls first; `DS4_CUDA_PDL=0` turns it off.
     pub(crate) fn launch_args(
         &self,
