@@ -551,7 +551,8 @@ __device__ __forceinline__ void matvec(const MvDesc* __restrict__ descs, int cou
 //   expert products mostly have one row, got slower. x stored lane-permuted (a lane's k-th
 //   float4 of a chunk at 128 k + 4 lane, so that a warp's load is 4 lines): 47.8 -> 41.8 us at
 //   one row, 74 -> 58 at 2, 238 -> 164 at 8 (Q2_K unchanged, Q8_0 slower). IQ2_XXS has it as
-//   matvec_split_lanes, behind DS4_CUDA_XLANES=1 until it has run in the engine. At one row
+//   matvec_split_lanes, behind DS4_CUDA_XLANES=1 (no clear gain in the engine: decode/mod.rs
+//   `x_lanes`). At one row
 //   the IQ2_XXS kernel is then bound by issue (55% of slots): its dequantization costs about
 //   5 instructions a weight.
 //
