@@ -552,9 +552,11 @@ __device__ __forceinline__ void matvec(const MvDesc* __restrict__ descs, int cou
 //   float4 of a chunk at 128 k + 4 lane, so that a warp's load is 4 lines): 47.8 -> 41.8 us at
 //   one row, 74 -> 58 at 2, 238 -> 164 at 8 (Q2_K unchanged, Q8_0 slower). IQ2_XXS has it as
 //   matvec_split_lanes, behind DS4_CUDA_XLANES=1 (no clear gain in the engine: decode/mod.rs
-//   `x_lanes`). At one row
-//   the IQ2_XXS kernel is then bound by issue (55% of slots): its dequantization costs about
-//   5 instructions a weight.
+//   `x_lanes`). At one row the IQ2_XXS kernel is then bound by issue (55% of slots): its
+//   dequantization costs about 5 instructions a weight. A float copy of the lattice in shared
+//   memory (12 floats a row, two 16-byte loads a lookup, no byte conversion) cut the static
+//   instructions by a quarter but was slower: 47.0 -> 71.5 us at one row, 40.4 -> 50.1 in
+//   lane order.
 //
 // F provides: BLOCK_ELEMS, PAY (payload bytes per block), CB = 512 / PAY (blocks per chunk),
 // LUT_BYTES / init_lut, PREFETCH, a Chunk type, load(row, nb, c, lane, vec, ch), which issues
