@@ -52,7 +52,9 @@ typedef unsigned long long u64;
 // The fewest blocks per SM the product kernels' register budget must allow (at most 128
 // registers a thread: left alone, ptxas gives the kernels of 2..16 batch rows up to 250 and
 // halves their occupancy, which costs more than the few spills of the 8- and 16-row ones).
-// A -D option may override it (scripts/kernel_lab).
+// More blocks did not pay at one row either (H200 lab, Q8_0 4096 x 8192 at the host's group:
+// 16.1 us at 4, 17.3 at 6 (80 registers), 29.6 at 8 (64, spills); only Q2_K gained, 23.2 ->
+// 21.3 us at 6). A -D option may override it (scripts/kernel_lab).
 #ifndef MV_MIN_BLOCKS
 #define MV_MIN_BLOCKS 4
 #endif
