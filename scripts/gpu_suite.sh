@@ -14,7 +14,9 @@
 # TOKENIZER (the V4 tokenizer.json) set, the same for a full-size Flash file (80.8 GiB, sparse
 # on disk) at 2K context, and with FLASH_32K=1 at 32K context with an 8K-token prefill too;
 # with XLANES_AB=1 the Flash 2K figures again with DS4_CUDA_XLANES=1 (the experimental
-# lane-order expert inputs), for an A/B on the same machine.
+# lane-order expert inputs), for an A/B on the same machine; with TRACE=1 the kernels of two
+# Flash decode steps as they ran, summed per kernel (scripts/kernel_lab/kernel_trace.cpp, built
+# here with nvcc against the toolkit's CUPTI).
 set -euo pipefail
 wheel=${1:?usage: gpu_suite.sh WHEEL [WHEELHOUSE] [TESTS_BINARY]}
 python3 -m venv --system-site-packages /tmp/ds4-gpu-venv
@@ -38,6 +40,15 @@ if [ -n "${FLASH_GEN:-}" ] && [ -n "${TOKENIZER:-}" ]; then
     if [ -n "${XLANES_AB:-}" ]; then
         DS4_CUDA_XLANES=1 python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --ctx 2048 \
             --prefill 2048 --runs 5
+    fi
+    if [ -n "${TRACE:-}" ]; then
+        cuda=$(dirname "$(dirname "$(command -v nvcc)")")
+        nvcc -shared -Xcompiler -fPIC -DKREC=CUpti_ActivityKernel10 -I"$cuda/extras/CUPTI/include" \
+            -o /tmp/kernel_trace.so scripts/kernel_lab/kernel_trace.cpp -L"$cuda/extras/CUPTI/lib64" -lcupti \
+            -Xlinker -rpath="$cuda/extras/CUPTI/lib64"
+        CUDA_INJECTION64_PATH=/tmp/kernel_trace.so DS4_TRACE_OUT=/tmp/ds4-trace.csv \
+            python scripts/kernel_lab/ncu_step.py /tmp/ds4-flash-q2.gguf 2 --cupti /tmp/kernel_trace.so
+        python scripts/kernel_lab/ncu_step.py --trace /tmp/ds4-trace.csv 2
     fi
     if [ -n "${FLASH_32K:-}" ]; then
         # About 4 minutes on an H200: the 32K-token context is filled by a prefill first.

@@ -3,10 +3,11 @@
 // them as CSV ("Start (ns),Duration (ns),Name", the columns `ncu_step.py --trace` reads) to
 // $DS4_TRACE_OUT at exit. Tracing starts off; ds4_trace_on() / ds4_trace_off() (ncu_step.py
 // --cupti calls them through ctypes) bracket the steps to measure. For GPU machines without
-// Nsight Systems. Build (KREC: the kernel record type of the installed CUPTI, e.g.
-// CUpti_ActivityKernel9; the fields used are in every version):
+// Nsight Systems. Build (KREC: the kernel record type of the installed CUPTI, the fields used
+// are in every version: CUpti_ActivityKernel10 with CUDA 13.0, whose CUPTI headers and library
+// are in the toolkit's include and lib64; older toolkits keep them in extras/CUPTI):
 //
-//   nvcc -shared -Xcompiler -fPIC -DKREC=CUpti_ActivityKernel9 -I$CUDA/extras/CUPTI/include \
+//   nvcc -shared -Xcompiler -fPIC -DKREC=CUpti_ActivityKernel10 -I$CUDA/extras/CUPTI/include \
 //       -o /tmp/kernel_trace.so kernel_trace.cpp -L$CUDA/extras/CUPTI/lib64 -lcupti \
 //       -Xlinker -rpath=$CUDA/extras/CUPTI/lib64
 #include <cupti.h>
