@@ -4,8 +4,9 @@
 // $DS4_TRACE_OUT at exit. Tracing starts off; ds4_trace_on() / ds4_trace_off() (ncu_step.py
 // --cupti calls them through ctypes) bracket the steps to measure. For GPU machines without
 // Nsight Systems. Build (KREC: the kernel record type of the installed CUPTI, the fields used
-// are in every version: CUpti_ActivityKernel10 with CUDA 13.0, whose CUPTI headers and library
-// are in the toolkit's include and lib64; older toolkits keep them in extras/CUPTI):
+// are in every version: CUpti_ActivityKernel10 with the CUDA 13 of our H200 machine, whose CUPTI
+// headers and library are in the toolkit's include and lib64; older toolkits keep them in
+// extras/CUPTI):
 //
 //   nvcc -shared -Xcompiler -fPIC -DKREC=CUpti_ActivityKernel10 -I$CUDA/extras/CUPTI/include \
 //       -o /tmp/kernel_trace.so kernel_trace.cpp -L$CUDA/extras/CUPTI/lib64 -lcupti \
