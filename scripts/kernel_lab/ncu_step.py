@@ -98,7 +98,8 @@ def summarize_trace(trace: str, steps: int) -> None:
         return
     # Per kernel: launches, ns running (from its start, which with programmatic launch can be
     # before the previous kernel's end), ns by which it moved the end of the busy time (the
-    # step's wall time is the sum of these and of the idle time), ns of idle before it.
+    # step's wall time is the sum of these and of the idle time; of two kernels running side
+    # by side, the one that ends later is charged the overlap's end), ns of idle before it.
     per = collections.defaultdict(lambda: [0, 0, 0, 0])
     busy_end = kernels[0][0]
     idle = 0
