@@ -107,7 +107,8 @@ int main(int argc, char** argv) {
             time_kernel("hc_pre, 20 iterations, norm, 256 threads", hc_pre, 1, 1, 256, args);
             time_kernel("hc_pre, 20 iterations, norm, 8 rows", hc_pre, 8, 1, 1024, args);
             int none_iters = 0;
-            void* args0[] = {&logits, &n_mix, &x, &y, &mix, &base, &scale, &hc, &d, &hc_eps, &none_iters, &norm, &eps};
+            void* args0[] = {&logits, &n_mix, &x, &y, &mix, &base, &scale,
+                             &hc, &d, &hc_eps, &none_iters, &norm, &eps};
             time_alone("hc_pre, 0 iterations, norm (the decode's)", hc_pre, 1, 1, 1024, args0);
         }
         {
