@@ -10,9 +10,10 @@
 # --python-version 3.12 --platform manylinux2014_x86_64` elsewhere); "" to use the index.
 # TESTS_BINARY: the engine's test executable built with `--features cuda` (its CUDA kernel
 # tests run first). Then: the CUDA tests, and decode / verify / prefill timings of a random MID
-# model at 2K and 32K context; with FLASH_GEN (the synthetic full-size Flash generator, gen_flash_q2_gguf.py) and
-# TOKENIZER (the V4 tokenizer.json) set, the same for a full-size Flash file (80.8 GiB, sparse
-# on disk) at 2K context, and with FLASH_32K=1 at 32K context with an 8K-token prefill too;
+# model at 2K and 32K context; with FLASH_GEN (the synthetic full-size Flash generator,
+# gen_flash_q2_gguf.py) and TOKENIZER (the V4 tokenizer.json) set, the same for a full-size
+# Flash file (80.8 GiB, sparse on disk) at 2K context, and with FLASH_32K=1 at 32K context with
+# an 8K-token prefill too;
 # with XLANES_AB=1 the Flash 2K figures again with DS4_CUDA_XLANES=1 (the experimental
 # lane-order expert inputs), for an A/B on the same machine; with TRACE=1 the kernels of two
 # Flash decode steps as they ran, summed per kernel (scripts/kernel_lab/kernel_trace.cpp, built

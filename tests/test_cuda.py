@@ -194,9 +194,10 @@ print("ok")
 
 @gpu
 def test_sinkhorn_side_branch_is_exact_and_tears_down(files: dict[str, Path], tmp_path: Path) -> None:
-    # DS4_CUDA_FORK=1 runs the Sinkhorn iterations on a side branch of the step's graph: the
-    # same bits as the fused kernel, and a session that outlives its model must tear its side
-    # stream down cleanly (a child process each, so that a crash fails this test, not the run).
+    # The side branch (the default, DS4_CUDA_FORK=1 here) runs the Sinkhorn iterations beside
+    # the sublayer in the step's graph: the same bits as the fused kernel, and a session that
+    # outlives its model must tear its side stream down cleanly (a child process each, so that a
+    # crash fails this test, not the run).
     p = max(prompts("tiny-l"), key=len)[:60]
     off, on = (_child_logits(files["tiny-l"], p, {"DS4_CUDA_FORK": v}, tmp_path / f"fork{v}.npy") for v in "01")
     assert np.array_equal(off.view(np.uint32), on.view(np.uint32))

@@ -236,8 +236,8 @@ __device__ __forceinline__ float hc_sinkhorn_warp(float v, int ci, int cj, float
 // shuffle and load). The Sinkhorn iterations are the longest part: 2 * iters - 1 dependent
 // steps in one warp, each shuffles, adds and an IEEE division, about 6 of the kernel's 12 us
 // at the Flash shape on an H200 (scripts/kernel_lab/ops_lab.cu, 20 against 1 iteration);
-// with DS4_CUDA_FORK=1 the decode passes iters = 0 and runs them in ds4_hc_sinkhorn, off its
-// critical path.
+// with its side branch (the default; DS4_CUDA_FORK=0 turns it off) the decode passes
+// iters = 0 and runs them in ds4_hc_sinkhorn, off its critical path.
 //
 // The mixing logits come in unnormalized (the product of the raw streams): the row's RMS scale
 // fs over its hc * d stream values is computed here and applied to each logit, m = raw * fs,
@@ -381,9 +381,9 @@ __device__ __forceinline__ void hc_sinkhorn_streams(int hc, float* comb, float h
 // iters = 0, ds4_hc_pre leaves each row's comb after the softmax, and this kernel finishes it
 // in place with the same operations as ds4_hc_pre's warp 0 (so the two ways agree bitwise).
 // Only the site's expansion reads comb, so the decode can run this on a side branch of its
-// graph while the sublayer runs (DS4_CUDA_FORK=1; the iterations are a chain of dependent
-// steps in one warp, about half of ds4_hc_pre's time). mix [n, hc + hc * hc]. Grid (n),
-// block 32 (warp 0 works; more warps are idle); hc <= DS4_HC_PRE_MAX.
+// graph while the sublayer runs (the default; the iterations are a chain of dependent steps
+// in one warp, about half of ds4_hc_pre's time). mix [n, hc + hc * hc]. Grid (n), block 32
+// (warp 0 works; more warps are idle); hc <= DS4_HC_PRE_MAX.
 extern "C" __global__ void ds4_hc_sinkhorn(float* mix, int hc, float hc_eps, int iters) {
     ds4_grid_deps();
     float* comb = mix + (long long)blockIdx.x * (hc + hc * hc) + hc;
