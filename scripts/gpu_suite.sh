@@ -14,8 +14,7 @@
 # gen_flash_q2_gguf.py) and TOKENIZER (the V4 tokenizer.json) set, the same for a full-size
 # Flash file (80.8 GiB, sparse on disk) at 2K context, and with FLASH_32K=1 at 32K context with
 # an 8K-token prefill too;
-# with XLANES_AB=1 the Flash 2K figures again with DS4_CUDA_XLANES=1 (the experimental
-# lane-order expert inputs), for an A/B on the same machine; with TRACE=1 the kernels of two
+# with TRACE=1 the kernels of two
 # Flash decode steps as they ran, summed per kernel (scripts/kernel_lab/kernel_trace.cpp, built
 # here with nvcc against the toolkit's CUPTI).
 set -euo pipefail
@@ -38,10 +37,6 @@ python benches/verify_bench.py /tmp/ds4-mid-q8_0.gguf --backend cuda --ctx 32768
 if [ -n "${FLASH_GEN:-}" ] && [ -n "${TOKENIZER:-}" ]; then
     python "$FLASH_GEN" /tmp/ds4-flash-q2.gguf "$TOKENIZER"
     python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --ctx 2048 --prefill 2048 --runs 5
-    if [ -n "${XLANES_AB:-}" ]; then
-        DS4_CUDA_XLANES=1 python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --ctx 2048 \
-            --prefill 2048 --runs 5
-    fi
     if [ -n "${TRACE:-}" ]; then
         cuda=$(dirname "$(dirname "$(command -v nvcc)")")
         nvcc -shared -Xcompiler -fPIC -DKREC=CUpti_ActivityKernel10 -I"$cuda/extras/CUPTI/include" \

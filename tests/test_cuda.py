@@ -210,14 +210,3 @@ def _child_logits(model: Path, prompt: list[int], env: dict[str, str], out: Path
     logits: np.ndarray = np.load(out)
     return logits
 
-
-@gpu
-def test_iq2_lane_order_is_exact(tmp_path: Path) -> None:
-    # DS4_CUDA_XLANES=1: ds4_gather writes the routed experts' inputs in the lane order of the
-    # IQ2_XXS gate and up kernels that read them (a hidden size that is a multiple of 2048,
-    # "q2" experts; 2-row expert chunks in the prompt, one row after): the same bits as the
-    # plain layout.
-    model = random_model(tmp_path / "q2.gguf", TINY.replace(hidden_size=2048), seed=3, dtype="q2")
-    p = list(range(5, 65))
-    off, on = (_child_logits(model, p, {"DS4_CUDA_XLANES": v}, tmp_path / f"lanes{v}.npy") for v in "01")
-    assert np.array_equal(off.view(np.uint32), on.view(np.uint32))

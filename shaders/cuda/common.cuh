@@ -552,20 +552,17 @@ __device__ __forceinline__ void matvec(const MvDesc* __restrict__ descs, int cou
 //   L2 reads and barrier), and Q2_K and Q8_0 were slower at both; a verify of 8 rows, whose
 //   expert products mostly have one row, got slower. x stored lane-permuted (a lane's k-th
 //   float4 of a chunk at 128 k + 4 lane, so that a warp's load is 4 lines): 47.8 -> 41.8 us at
-//   one row, 74 -> 58 at 2, 238 -> 164 at 8 (Q2_K unchanged, Q8_0 slower). IQ2_XXS has it as
-//   matvec_split_lanes, behind DS4_CUDA_XLANES=1 (no clear gain in the engine: decode/mod.rs
-//   `x_lanes`). At one row the IQ2_XXS kernel is then bound by issue (55% of slots): its
-//   dequantization costs about 5 instructions a weight. A float copy of the lattice in shared
-//   memory (12 floats a row, two 16-byte loads a lookup, no byte conversion) cut the static
-//   instructions by a quarter but was slower: 47.0 -> 71.5 us at one row, 40.4 -> 50.1 in
-//   lane order.
+//   one row, 74 -> 58 at 2, 238 -> 164 at 8 (Q2_K unchanged, Q8_0 slower), but at most about
+//   2% in the engine; it was removed when IQ2_XXS moved to 8-bit activations. With float x
+//   the IQ2_XXS kernel was bound by issue (55% of slots at one row): its dequantization cost
+//   about 5 instructions a weight, and a float copy of the lattice in shared memory (no byte
+//   conversion) was slower still (47.0 -> 71.5 us). Hence its int8 x and dp4a (iq2_xxs.cu).
 //
 // F provides: BLOCK_ELEMS, PAY (payload bytes per block), CB = 512 / PAY (blocks per chunk),
 // LUT_BYTES / init_lut, PREFETCH, a Chunk type, load(row, nb, c, lane, vec, ch), which issues
 // the loads of lane l's part of chunk c of a row of nb blocks (vec: the row is 16-byte
-// aligned), and dot<NB, LANES>(ch, nb, c, lane, x, n_in, n, acc, smem), which adds lane l's
-// part of chunk c of every row to acc in a fixed order (with LANES, reading x in lane order:
-// matvec_split_lanes; the formats without it assert !LANES). Both are called by every lane of
+// aligned), and dot<NB>(ch, nb, c, lane, x, n_in, n, acc, smem), which adds lane l's part of
+// chunk c of every row to acc in a fixed order. Both are called by every lane of
 // the warp for every chunk of the slice (a last partial chunk included); they skip the lanes
 // with no data themselves, so that dot may use warp-wide operations.
 //
@@ -636,10 +633,7 @@ __device__ __forceinline__ void scaled_dot4(const float (&wf)[MV_ROWS][4], const
     }
 }
 
-// LANES: x's rows are stored in the lane order of F's chunks (F::x_lane_pos; only formats that
-// define it, with n_in a multiple of a chunk's elements), so that a warp's 16-byte loads of x
-// read contiguous runs; see matvec_split_lanes.
-template <class F, int NB, bool LANES = false>
+template <class F, int NB>
 __device__ __forceinline__ void matvec_split(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters,
                                              u8* smem) {
     const int tid = threadIdx.x;
@@ -701,7 +695,7 @@ __device__ __forceinline__ void matvec_split(const MvDesc* __restrict__ descs, i
                 if (c + G < c1) {
                     load(c + G, nxt);
                 }
-                F::template dot<NB, LANES>(cur, nb, c, lane, x, n_in, n, acc, smem);
+                F::template dot<NB>(cur, nb, c, lane, x, n_in, n, acc, smem);
 #pragma unroll
                 for (int q = 0; q < MV_ROWS; q++) {
                     cur[q] = nxt[q];
@@ -712,22 +706,11 @@ __device__ __forceinline__ void matvec_split(const MvDesc* __restrict__ descs, i
                 if (c != first) {
                     load(c, cur);
                 }
-                F::template dot<NB, LANES>(cur, nb, c, lane, x, n_in, n, acc, smem);
+                F::template dot<NB>(cur, nb, c, lane, x, n_in, n, acc, smem);
             }
         }
     }
     mv_store<NB>(acc, D, B.slice, B.rb, B.o0, B.nrows, counters);
-}
-
-// The product kernels of a format whose x rows come in lane order (LANES above): in one row
-// the lanes of a chunk read x in runs of F::BLOCK_ELEMS * F::CB / 32 elements, so each
-// warp-wide 16-byte load of plain x touches up to 32 cache lines and keeps L1 busy; in lane
-// order lane l's k-th float4 of chunk c is at c * chunk + 128 k + 4 l and the load is 4 lines.
-// The writer of x (ds4_gather for the routed experts' gate and up products) puts it there.
-template <class F, int NB>
-__device__ __forceinline__ void matvec_split_lanes(const MvDesc* __restrict__ descs, int count,
-                                                   int* __restrict__ counters, u8* smem) {
-    matvec_split<F, NB, true>(descs, count, counters, smem);
 }
 
 // One product kernel, ds4_mv_<NAME>_<NB>, which runs RUN<F, NB> (matvec or matvec_split)
@@ -755,8 +738,6 @@ __device__ __forceinline__ void matvec_split_lanes(const MvDesc* __restrict__ de
 #define MV_KERNEL(NAME, F, NB) MV_KERNEL_RUN(NAME, F, NB, matvec, (32 * MV_WARPS), (Mv<F, NB>::SMEM))
 #define MVS_KERNEL(NAME, F, NB) \
     MV_KERNEL_RUN(NAME, F, NB, matvec_split, (32 * MV_WARPS, MV_MIN_BLOCKS), F::LUT_BYTES)
-#define MVS_LANES_KERNEL(NAME, F, NB) \
-    MV_KERNEL_RUN(NAME, F, NB, matvec_split_lanes, (32 * MV_WARPS, MV_MIN_BLOCKS), F::LUT_BYTES)
 #define MV_KERNELS(NAME, F) MV_BATCHES(MV_KERNEL, NAME, F)
 #define MVS_KERNELS(NAME, F) MV_BATCHES(MVS_KERNEL, NAME, F)
 

@@ -378,11 +378,43 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
-// xg[j] = h[gather_src[j]] (d floats), nothing where gather_src[j] < 0; with lanes != 0 each
-// row is written in IQ2_XXS lane order (FmtIQ2_XXS::x_lane_pos, for ds4_mv_iq2_xxs_lanes_*).
-// Grid (n * k), block 256 (any size).
+// The largest |v| of the warp's 32 values, NaN if any is NaN (act8.rs quantize_row's max).
+__device__ __forceinline__ float ds4_warp_amax(float v) {
+    float m = fabsf(v);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float t = __shfl_xor_sync(0xffffffffu, m, o);
+        m = (t > m || t != t || m != m) ? (m != m ? m : t) : m;
+    }
+    return m;
+}
+
+// Row s (d floats) quantized to 8-bit activations (rust/engine/quant/act8.rs) into o, the row's
+// slot of d floats: d int8 values, then d / 32 f32 scales. Warp w quantizes blocks w, w + W, ...
+// (W warps): lane l holds element l of the block; amax = max |v|, dq = amax / 127,
+// q = round(v * (1 / dq)) (0 when dq is 0): the host's float operations, so the same bytes.
+__device__ __forceinline__ void ds4_act8_row(const float* __restrict__ s, char* __restrict__ o, int d) {
+    const int lane = threadIdx.x & 31;
+    const int warps = blockDim.x >> 5;
+    for (int blk = threadIdx.x >> 5; blk < (d >> 5); blk += warps) {
+        const float v = s[32 * blk + lane];
+        const float amax = ds4_warp_amax(v);
+        const float dq = amax / 127.0f;
+        const float id = dq == 0.0f ? 0.0f : 1.0f / dq;
+        const float r = roundf(v * id);
+        // NaN -> 0 as Rust's saturating cast (|r| <= 127 otherwise).
+        o[32 * blk + lane] = (char)(r != r ? 0 : (int)fminf(fmaxf(r, -128.0f), 127.0f));
+        if (lane == 0) {
+            ((float*)(o + d))[blk] = dq;
+        }
+    }
+}
+
+// xg[j] = h[gather_src[j]] (d floats), nothing where gather_src[j] < 0; with act8 != 0 each row
+// is written as 8-bit activations (ds4_act8_row; d a multiple of 32), the input of IQ2_XXS
+// gate and up products. Grid (n * k), block 256 (any multiple of 32).
 extern "C" __global__ void ds4_gather(const float* __restrict__ h, float* __restrict__ xg,
-                                      const int* __restrict__ gather_src, int d, int lanes) {
+                                      const int* __restrict__ gather_src, int d, int act8) {
     ds4_grid_deps();
     const int j = blockIdx.x;
     const int src = gather_src[j];
@@ -391,12 +423,8 @@ extern "C" __global__ void ds4_gather(const float* __restrict__ h, float* __rest
     }
     const float* s = h + (long long)src * d;
     float* o = xg + (long long)j * d;
-    if (lanes) {
-        // The rows in the lane order of the IQ2_XXS products that read them (d % 2048 == 0,
-        // 16-byte aligned buffers: the host checks).
-        for (int i = threadIdx.x; i < (d >> 2); i += blockDim.x) {
-            *(float4*)(o + FmtIQ2_XXS::x_lane_pos(4 * i)) = ((const float4*)s)[i];
-        }
+    if (act8) {
+        ds4_act8_row(s, (char*)o, d);
     } else if (((d & 3) == 0) && ((((unsigned long long)h | (unsigned long long)xg) & 15) == 0)) {
         const int d4 = d >> 2;
         for (int i = threadIdx.x; i < d4; i += blockDim.x) {

@@ -42,11 +42,10 @@ struct FmtF32 {
     static constexpr int CB = 128;
     MV_FLOAT_CHUNK
 
-    template <int NB, bool LANES>
+    template <int NB>
     static __device__ __forceinline__ void dot(const Chunk (&v)[MV_ROWS], int nb, int c, int lane,
                                                const float* __restrict__ x, int n_in, int n,
                                                float (&acc)[MV_ROWS][NB], const u8*) {
-        static_assert(!LANES, "x in lane order: IQ2_XXS only");
         if (!mv_lane_in((long long)nb * PAY, c, lane)) {
             return;
         }
@@ -74,11 +73,10 @@ struct FmtHalf {
         return BF ? bf16_bits_to_f32(h) : f16_bits_to_f32(h);
     }
 
-    template <int NB, bool LANES>
+    template <int NB>
     static __device__ __forceinline__ void dot(const Chunk (&v)[MV_ROWS], int nb, int c, int lane,
                                                const float* __restrict__ x, int n_in, int n,
                                                float (&acc)[MV_ROWS][NB], const u8*) {
-        static_assert(!LANES, "x in lane order: IQ2_XXS only");
         if (!mv_lane_in((long long)nb * PAY, c, lane)) {
             return;
         }

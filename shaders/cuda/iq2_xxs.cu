@@ -9,18 +9,39 @@
 //
 // On the device rows are split (rust/engine/quant/split/): the 64-byte group runs of all
 // super-blocks, then the 2-byte d's. Lane l's 16 bytes of chunk c are groups 2 (l & 3) and
-// 2 (l & 3) + 1 of super-block 8 c + l / 4. Per 4 weights: sum (+-grid) * x in an fmaf
-// chain, then acc += db * sum.
-
+// 2 (l & 3) + 1 of super-block 8 c + l / 4.
+//
+// x comes as 8-bit activations (rust/engine/quant/act8.rs): row r of a product's input, in
+// the slot of its n_in floats (byte offset 4 r n_in), holds n_in int8 values q, then n_in / 32
+// f32 block scales dx. Every writer of an IQ2_XXS product's input quantizes it so (the host
+// for its products, ds4_gather for the routed experts). A group of 32 weights is
+// w = s g db with g the lattice bytes (8, 25 or 43, all < 128) and s = +-1, so
+// sum w x = db dx (sum g q - 2 sum (g & neg) q), neg the mask of the negative weights' bytes:
+// four dp4a each, with no byte arithmetic on the signs. Per group and row:
+// acc = fmaf(db * dx, (float)isum, acc). With float x this kernel was bound by instruction
+// issue (about 5 instructions a weight); on an H200, twelve 2048 x 4096 products take 35 us at
+// one row (47 with float x), 39 at two (74), 54 at four (131).
 struct FmtIQ2_XXS {
     static constexpr int BLOCK_ELEMS = 256;
     static constexpr int PAY = 64;
     static constexpr int CB = 8;
-    static constexpr int LUT_BYTES = 256 * 8;
+    // The lattice (256 x 8 bytes), then the sign masks (128 x 8 bytes: byte j is 0xff when
+    // bit j of ksigns(i) is set).
+    static constexpr int LUT_BYTES = 256 * 8 + 128 * 8;
 
     static __device__ __forceinline__ void init_lut(u8* smem, int tid) {
         for (int i = tid; i < 256; i += 32 * MV_WARPS) {
             ((u64*)smem)[i] = iq2xxs_grid[i];
+        }
+        for (int i = tid; i < 128; i += 32 * MV_WARPS) {
+            const u32 s = (u32)i | ((__popc(i) & 1u) << 7);
+            u64 m = 0;
+            for (int j = 0; j < 8; j++) {
+                if ((s >> j) & 1u) {
+                    m |= 0xffull << (8 * j);
+                }
+            }
+            ((u64*)smem)[256 + i] = m;
         }
     }
 
@@ -32,21 +53,15 @@ struct FmtIQ2_XXS {
         ld_scale_chunk<PAY>(row, nb, c, lane, vec, h);
     }
 
-    // Where element i of a row of x (i a multiple of 4; the row's length a multiple of 2048)
-    // lies in lane order: i is in lane l = (i % 2048) / 64's run of chunk c = i / 2048, as its
-    // float4 k = (i % 64) / 4, which is at 2048 c + 128 k + 4 l.
-    static __device__ __forceinline__ int x_lane_pos(int i) {
-        const int ii = i & 2047;
-        return (i - ii) + 128 * ((ii & 63) >> 2) + 4 * (ii >> 6);
-    }
-
-    template <int NB, bool LANES>
+    template <int NB>
     static __device__ __forceinline__ void dot(const Chunk (&h)[MV_ROWS], int nb, int c, int lane,
                                                const float* __restrict__ x, int n_in, int n,
                                                float (&acc)[MV_ROWS][NB], const u8* lut) {
         if (!mv_lane_in((long long)nb * PAY, c, lane)) {
             return;
         }
+        const u64* grid = (const u64*)lut;
+        const u64* signs = (const u64*)lut + 256;
         const int sb = CB * c + (lane >> 2);
         float d[MV_ROWS];
 #pragma unroll
@@ -56,41 +71,57 @@ struct FmtIQ2_XXS {
 #pragma unroll
         for (int gg = 0; gg < 2; gg++) {
             const int e0 = 256 * sb + 32 * (2 * (lane & 3) + gg);
-            float db[MV_ROWS];
-            u32 aux0[MV_ROWS], aux1[MV_ROWS];
+            int xi[NB][8];
+            float dx[NB];
 #pragma unroll
-            for (int q = 0; q < MV_ROWS; q++) {
-                aux0[q] = word_of(h[q].v, 2 * gg);
-                aux1[q] = word_of(h[q].v, 2 * gg + 1);
-                db[q] = d[q] * (0.5f + u8f(aux1[q] >> 28)) * 0.25f;
+            for (int r = 0; r < NB; r++) {
+                if (r < n) {
+                    const char* xr = (const char*)(x + (long long)r * n_in);
+                    const int4 a = __ldg((const int4*)(xr + e0));
+                    const int4 b = __ldg((const int4*)(xr + e0 + 16));
+                    xi[r][0] = a.x;
+                    xi[r][1] = a.y;
+                    xi[r][2] = a.z;
+                    xi[r][3] = a.w;
+                    xi[r][4] = b.x;
+                    xi[r][5] = b.y;
+                    xi[r][6] = b.z;
+                    xi[r][7] = b.w;
+                    dx[r] = __ldg((const float*)(xr + n_in) + (e0 >> 5));
+                }
             }
 #pragma unroll
-            for (int k = 0; k < 4; k++) {
-                u64 g[MV_ROWS];
-                u32 sg[MV_ROWS];
+            for (int q = 0; q < MV_ROWS; q++) {
+                const u32 aux0 = word_of(h[q].v, 2 * gg);
+                const u32 aux1 = word_of(h[q].v, 2 * gg + 1);
+                const float db = d[q] * (0.5f + u8f(aux1 >> 28)) * 0.25f;
+                int sp[NB], sn[NB];
 #pragma unroll
-                for (int q = 0; q < MV_ROWS; q++) {
-                    g[q] = ((const u64*)lut)[(aux0[q] >> (8 * k)) & 0xffu];
-                    const u32 si = (aux1[q] >> (7 * k)) & 127u;
-                    sg[q] = si | ((__popc(si) & 1u) << 7);
+                for (int r = 0; r < NB; r++) {
+                    sp[r] = 0;
+                    sn[r] = 0;
                 }
 #pragma unroll
-                for (int half = 0; half < 2; half++) {
-                    float wf[MV_ROWS][4];
+                for (int k = 0; k < 4; k++) {
+                    const u64 g = grid[(aux0 >> (8 * k)) & 0xffu];
+                    const u64 m = signs[(aux1 >> (7 * k)) & 127u];
+                    const int g0 = (int)(u32)g, g1 = (int)(u32)(g >> 32);
+                    const int n0 = (int)((u32)g & (u32)m), n1 = (int)((u32)(g >> 32) & (u32)(m >> 32));
 #pragma unroll
-                    for (int q = 0; q < MV_ROWS; q++) {
-                        const u32 coords = (u32)(g[q] >> (32 * half));
-#pragma unroll
-                        for (int i = 0; i < 4; i++) {
-                            const float a = byte_f(coords, i);
-                            const int bit = 4 * half + i;
-                            wf[q][i] = __uint_as_float(__float_as_uint(a) ^ ((sg[q] << (31 - bit)) & 0x80000000u));
+                    for (int r = 0; r < NB; r++) {
+                        if (r < n) {
+                            sp[r] = __dp4a(g0, xi[r][2 * k], sp[r]);
+                            sp[r] = __dp4a(g1, xi[r][2 * k + 1], sp[r]);
+                            sn[r] = __dp4a(n0, xi[r][2 * k], sn[r]);
+                            sn[r] = __dp4a(n1, xi[r][2 * k + 1], sn[r]);
                         }
                     }
-                    // Lane order: this float4 is the lane's (8 gg + 2 k + half)-th of chunk c, i.e.
-                    // x_lane_pos(e0 + 8 k + 4 half) written out so that it folds to constants.
-                    const int e = LANES ? 2048 * c + 128 * (8 * gg + 2 * k + half) + 4 * lane : e0 + 8 * k + 4 * half;
-                    scaled_dot4<NB>(wf, db, x, n_in, n, e, acc);
+                }
+#pragma unroll
+                for (int r = 0; r < NB; r++) {
+                    if (r < n) {
+                        acc[q][r] = fmaf(db * dx[r], (float)(sp[r] - 2 * sn[r]), acc[q][r]);
+                    }
                 }
             }
         }
@@ -98,7 +129,3 @@ struct FmtIQ2_XXS {
 };
 
 MVS_KERNELS(iq2_xxs, FmtIQ2_XXS)
-// x in lane order (matvec_split_lanes), for the routed experts' gate and up products, whose
-// chunks hold one or two batch rows (rust/engine/backend/cuda/decode EXPERT_CHUNK).
-MVS_LANES_KERNEL(iq2_xxs_lanes, FmtIQ2_XXS, 1)
-MVS_LANES_KERNEL(iq2_xxs_lanes, FmtIQ2_XXS, 2)

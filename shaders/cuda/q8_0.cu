@@ -17,11 +17,10 @@ struct FmtQ8_0 {
         ld_scale_chunk<PAY>(row, nb, c, lane, vec, h);
     }
 
-    template <int NB, bool LANES>
+    template <int NB>
     static __device__ __forceinline__ void dot(const Chunk (&h)[MV_ROWS], int nb, int c, int lane,
                                                const float* __restrict__ x, int n_in, int n,
                                                float (&acc)[MV_ROWS][NB], const u8*) {
-        static_assert(!LANES, "x in lane order: IQ2_XXS only");
         if (!mv_lane_in((long long)nb * PAY, c, lane)) {
             return;
         }

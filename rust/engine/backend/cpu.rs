@@ -5,11 +5,14 @@
 //! many rows share the batch or how the work is split across threads. Every other kernel
 //! here works on one row at a time. This is what lets a speculative verify pass commit its
 //! rows as if they had been decoded one by one.
+//!
+//! Products with IQ2_XXS weights take their input as 8-bit activations (see
+//! [`crate::quant::act8`]): each input row is quantized once, by itself, before the dots.
 
 use rayon::prelude::*;
 
 use crate::model::weights::Mat;
-use crate::quant::RowDot;
+use crate::quant::{act8, RowDot};
 use crate::Result;
 
 /// Below this many multiply-adds a product runs on the calling thread.
@@ -44,6 +47,11 @@ pub fn matmul_many(raw: &[u8], jobs: &mut [Job<'_>]) -> Result<()> {
         work += n * j.w.n_out * j.w.n_in;
         specs.push((j.w, j.x, n, RowDot::best(j.w.ty, j.w.n_in)?));
     }
+    // The 8-bit activations of the products that take them (empty for the others).
+    let quantized: Vec<Vec<u8>> = specs
+        .iter()
+        .map(|&(w, x, _, dot)| if dot.takes_act8() { act8::quantize_rows(x, w.n_in) } else { Ok(Vec::new()) })
+        .collect::<Result<_>>()?;
     // Weight-row-major results: for a single row that is y itself, else a scratch buffer
     // transposed into y afterwards.
     let mut scratch: Vec<Vec<f32>> =
@@ -59,10 +67,16 @@ pub fn matmul_many(raw: &[u8], jobs: &mut [Job<'_>]) -> Result<()> {
     }
     let run = |(i, first, out): &mut (usize, usize, &mut [f32])| {
         let (w, x, n, dot) = &specs[*i];
+        let qx = &quantized[*i];
+        let qn = act8::bytes(w.n_in);
         for (k, o) in out.chunks_mut(*n).enumerate() {
             let row = w.row(raw, *first + k);
             for (r, v) in o.iter_mut().enumerate() {
-                *v = dot.dot(row, &x[r * w.n_in..(r + 1) * w.n_in]);
+                *v = if dot.takes_act8() {
+                    dot.dot_act8(row, &qx[r * qn..(r + 1) * qn])
+                } else {
+                    dot.dot(row, &x[r * w.n_in..(r + 1) * w.n_in])
+                };
             }
         }
     };

@@ -7,8 +7,8 @@
 //! [`KSIGNS_IQ2XS`]: crate::quant::tables::KSIGNS_IQ2XS
 
 use super::float::f16_to_f32;
-use super::tables::{IQ2XXS_GRID_F32, IQ2XXS_SIGN_MASKS};
-use super::{as_blocks, dot_via_dequant, BlockFormat, ByteBlock, GgmlType};
+use super::tables::{IQ2XXS_GRID, IQ2XXS_GRID_F32, IQ2XXS_SIGN_MASKS, KSIGNS_IQ2XS};
+use super::{act8, as_blocks, dot_via_dequant, BlockFormat, ByteBlock, GgmlType};
 
 /// One IQ2_XXS block, exactly as stored (66 bytes, alignment 1).
 #[repr(C)]
@@ -70,6 +70,46 @@ impl BlockFormat for IQ2XXS {
         #[cfg(not(target_arch = "x86_64"))]
         Self::dot_scalar(src, x)
     }
+}
+
+/// The dot of a row with 8-bit activations `qx` ([`act8`], the product's input), the
+/// reference: per group of 32, the exact i32 sum of `sign * grid * q`, times `db * d` in f32;
+/// the group terms summed in f64 in row order.
+pub(crate) fn dot_act8_scalar(src: &[u8], qx: &[u8]) -> f32 {
+    let blocks = as_blocks::<BlockIQ2XXS>(src);
+    let n = 256 * blocks.len();
+    let mut acc = 0f64;
+    for (i, b) in blocks.iter().enumerate() {
+        let d = f16_to_f32(u16::from_le_bytes(b.d));
+        for (g, grp) in b.qs.chunks_exact(8).enumerate() {
+            let (aux0, aux1) = words(grp);
+            let db = d * (0.5 + (aux1 >> 28) as f32) * 0.25;
+            let q = &qx[256 * i + 32 * g..256 * i + 32 * g + 32];
+            let mut s = 0i32;
+            for (k, q8) in q.chunks_exact(8).enumerate() {
+                let grid = IQ2XXS_GRID[((aux0 >> (8 * k)) & 0xff) as usize];
+                let signs = KSIGNS_IQ2XS[((aux1 >> (7 * k)) & 0x7f) as usize];
+                for (j, &qj) in q8.iter().enumerate() {
+                    let v = ((grid >> (8 * j)) & 0xff) as i32 * (qj as i8 as i32);
+                    s += if (signs >> j) & 1 != 0 { -v } else { v };
+                }
+            }
+            acc += f64::from((db * act8::scale(qx, n, 8 * i + g)) * s as f32);
+        }
+    }
+    acc as f32
+}
+
+/// [`dot_act8_scalar`] with AVX2 where the CPU has it (the same bits).
+///
+/// # Safety
+/// `simd` only if [`super::simd::available`].
+pub(crate) unsafe fn dot_act8_simd(src: &[u8], qx: &[u8]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the caller guarantees the SIMD features.
+    return unsafe { avx2::dot_act8(src, qx) };
+    #[cfg(not(target_arch = "x86_64"))]
+    dot_act8_scalar(src, qx)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -135,6 +175,44 @@ mod avx2 {
         }
         acc64.total() as f32
     }
+    /// [`super::dot_act8_scalar`] with 256-bit integer lanes: per group, the lattice bytes
+    /// (unsigned) times the activations with the group's signs applied (`sign_epi8`), pairs
+    /// added in i16 (`maddubs`: at most 2 * 43 * 127, no saturation), then in i32; the
+    /// horizontal i32 sum is exact, so every float operation is the scalar one.
+    ///
+    /// # Safety
+    /// SIMD features available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_act8(src: &[u8], qx: &[u8]) -> f32 {
+        use super::super::tables::{IQ2XXS_GRID, IQ2XXS_SIGNS_I8};
+        let nb = src.len() / 66;
+        let n = 256 * nb;
+        assert!(qx.len() >= super::act8::bytes(n));
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = 0f64;
+        for i in 0..nb {
+            let b = &src[66 * i..66 * i + 66];
+            let d = super::f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+            for g in 0..8 {
+                let (aux0, aux1) = super::words(&b[2 + 8 * g..10 + 8 * g]);
+                let db = d * (0.5 + (aux1 >> 28) as f32) * 0.25;
+                let gi = |k: u32| IQ2XXS_GRID[((aux0 >> (8 * k)) & 0xff) as usize] as i64;
+                let si = |k: u32| IQ2XXS_SIGNS_I8[((aux1 >> (7 * k)) & 0x7f) as usize] as i64;
+                let e = 256 * i + 32 * g;
+                // SAFETY: e + 32 <= n <= qx.len() (asserted above).
+                let q = unsafe { _mm256_loadu_si256(qx.as_ptr().add(e).cast()) };
+                let grid = _mm256_set_epi64x(gi(3), gi(2), gi(1), gi(0));
+                let signs = _mm256_set_epi64x(si(3), si(2), si(1), si(0));
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(grid, _mm256_sign_epi8(q, signs)), ones);
+                let h = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256::<1>(p));
+                let h = _mm_add_epi32(h, _mm_shuffle_epi32::<0b01_00_11_10>(h));
+                let h = _mm_add_epi32(h, _mm_shuffle_epi32::<0b10_11_00_01>(h));
+                let s = _mm_cvtsi128_si32(h);
+                acc += f64::from((db * super::act8::scale(qx, n, 8 * i + g)) * s as f32);
+            }
+        }
+        acc as f32
+    }
 }
 
 #[cfg(test)]
@@ -174,6 +252,38 @@ mod tests {
         assert_eq!(out[0], 1.0);
         // Sign index 1 -> ksigns 0x81: weights 0 and 7 negative.
         assert!(out[8] < 0.0 && out[15] < 0.0 && out[9] > 0.0);
+    }
+
+    /// The 8-bit activation dot against an oracle: the f64 dot of the dequantized row
+    /// (gguf-identical) with the values the activations stand for (`q * d`); SIMD and scalar
+    /// give the same bits; and the quantization moves the float product by little.
+    #[test]
+    fn act8_dot_matches_the_dequantized_oracle() {
+        let mut rng = Rng(11);
+        for nb in [1usize, 2, 5, 16, 33] {
+            let src = random_blocks(&mut rng, GgmlType::IQ2_XXS, nb, &[0]);
+            let mut x = rng.f32s(nb * 256);
+            x[..32].fill(0.0); // a zero block (d = 0)
+            x[40] *= 50.0; // an outlier that coarsens its block
+            let qx = act8::quantize_rows(&x, nb * 256).unwrap();
+            let mut w = vec![0f32; nb * 256];
+            dequantize(GgmlType::IQ2_XXS, &src, &mut w).unwrap();
+            let (want, mag) = reference_dot(&w, &act8::dequantize_row(&qx, nb * 256));
+            let s = super::super::iq2_xxs::dot_act8_scalar(&src, &qx);
+            assert!((s as f64 - want).abs() <= 1e-6 * mag, "nb {nb}: {s} vs {want} (mag {mag})");
+            let dot = RowDot::new(GgmlType::IQ2_XXS, nb * 256, Kernel::Scalar).unwrap();
+            assert!(dot.takes_act8());
+            assert_eq!(dot.dot_act8(&src, &qx).to_bits(), s.to_bits());
+            if Kernel::simd_available() {
+                let dot = RowDot::new(GgmlType::IQ2_XXS, nb * 256, Kernel::Simd).unwrap();
+                assert_eq!(dot.dot_act8(&src, &qx).to_bits(), s.to_bits(), "nb {nb}");
+            }
+            // Against float activations: within a percent of sum |w x| (each x moves by at
+            // most half its block's step, amax / 254).
+            let (exact, mag) = reference_dot(&w, &x);
+            assert!((s as f64 - exact).abs() <= 0.01 * mag, "nb {nb}: {s} vs {exact} (mag {mag})");
+        }
+        assert!(!RowDot::new(GgmlType::Q8_0, 32, Kernel::Scalar).unwrap().takes_act8());
     }
 
     #[test]

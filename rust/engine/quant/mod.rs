@@ -17,6 +17,7 @@
 //! - Nothing panics on any input that passes the length checks, whatever the bit patterns
 //!   (NaN or infinite scales just produce NaN or infinite outputs).
 
+pub mod act8;
 mod float;
 mod iq2_xxs;
 mod mxfp4;
@@ -248,12 +249,19 @@ pub fn dot_with(ty: GgmlType, src: &[u8], x: &[f32], kernel: Kernel) -> Result<f
     })
 }
 
+/// A row's dot with 8-bit activations (see [`RowDot::dot_act8`]).
+type Act8Dot = unsafe fn(&[u8], &[u8]) -> f32;
+
 /// A fused-dot kernel chosen once for a type, a row length and a [`Kernel`], for the many
 /// rows of a matrix product: the type dispatch, CPU feature check and length arithmetic
 /// happen here instead of once per row. Its results are bit-identical to [`dot_with`].
+///
+/// A type whose products take 8-bit activations ([`act8::takes_act8`]) has a second kernel,
+/// [`RowDot::dot_act8`], which is the one a matrix product uses.
 #[derive(Clone, Copy)]
 pub struct RowDot {
     f: unsafe fn(&[u8], &[f32]) -> f32,
+    act8: Option<Act8Dot>,
     n: usize,
     row_bytes: usize,
 }
@@ -280,8 +288,33 @@ impl RowDot {
                     return Err(Error::invalid("dot: the SIMD kernel needs AVX2, FMA and F16C, which this CPU lacks"))
                 }
             };
-            Ok(RowDot { f, n, row_bytes: n / F::BLOCK_ELEMS * F::BLOCK_BYTES })
+            let act8: Option<Act8Dot> = match (ty, kernel) {
+                (GgmlType::IQ2_XXS, Kernel::Scalar) => Some(iq2_xxs::dot_act8_scalar),
+                (GgmlType::IQ2_XXS, Kernel::Simd) => Some(iq2_xxs::dot_act8_simd),
+                _ => None,
+            };
+            debug_assert_eq!(act8.is_some(), act8::takes_act8(ty));
+            Ok(RowDot { f, act8, n, row_bytes: n / F::BLOCK_ELEMS * F::BLOCK_BYTES })
         })
+    }
+
+    /// Whether products with this kernel's type take 8-bit activations ([`act8`]): then
+    /// [`RowDot::dot_act8`] is the product's dot.
+    pub fn takes_act8(&self) -> bool {
+        self.act8.is_some()
+    }
+
+    /// `row · x` with `x` quantized ([`act8::quantize_row`], `act8::bytes(n)` bytes). Panics if
+    /// the type takes no 8-bit activations or the lengths are wrong.
+    #[inline]
+    pub fn dot_act8(&self, row: &[u8], qx: &[u8]) -> f32 {
+        let f = self.act8.expect("RowDot: this type takes float activations");
+        assert!(
+            row.len() == self.row_bytes && qx.len() == act8::bytes(self.n),
+            "RowDot: row or vector of the wrong length"
+        );
+        // SAFETY: as in `dot`.
+        unsafe { f(row, qx) }
     }
 
     /// The best kernel ([`Kernel::best`]) for rows of `n` elements of `ty`.

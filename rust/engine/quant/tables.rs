@@ -147,6 +147,23 @@ pub(crate) static IQ2XXS_SIGN_MASKS: SignMasks = SignMasks({
     t
 });
 
+/// [`KSIGNS_IQ2XS`] expanded to i8 signs, 8 per entry as a little-endian u64 (byte `k` is -1
+/// when bit `k` is set, else 1): for `_mm256_sign_epi8` in the 8-bit activation dot.
+pub(crate) static IQ2XXS_SIGNS_I8: [u64; 128] = {
+    let mut t = [0u64; 128];
+    let mut i = 0;
+    while i < 128 {
+        let mut k = 0;
+        while k < 8 {
+            let b: u64 = if KSIGNS_IQ2XS[i] & (1 << k) != 0 { 0xff } else { 0x01 };
+            t[i] |= b << (8 * k);
+            k += 1;
+        }
+        i += 1;
+    }
+    t
+};
+
 #[cfg(test)]
 mod tests {
     use super::*;

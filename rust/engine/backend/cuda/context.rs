@@ -38,9 +38,6 @@ pub(crate) const SOURCES: &[(&str, &str)] = &[
 /// Batch sizes the kernels are instantiated for: a chunk of `n` rows runs the smallest one
 /// `>= n` (the kernels take `n` and skip the rest).
 pub(crate) const BATCH_SIZES: [usize; 5] = [1, 2, 4, 8, 16];
-/// Batch sizes of the IQ2_XXS kernels that read x in lane order (iq2_xxs.cu): the routed
-/// experts' chunks.
-pub(crate) const LANE_BATCH_SIZES: [usize; 2] = [1, 2];
 /// Most batch rows one launch computes.
 pub(crate) const MAX_BATCH: usize = 16;
 /// Warps per product block (`MV_WARPS` in common.cuh).
@@ -228,8 +225,6 @@ pub(crate) struct Context {
     module: sys::CUmodule,
     /// `(format, batch size) -> (kernel, bytes of dynamic shared memory)`.
     kernels: HashMap<(GgmlType, usize), (sys::CUfunction, u32)>,
-    /// The IQ2_XXS kernels that read x in lane order (`ds4_mv_iq2_xxs_lanes_*`), by batch size.
-    lane_kernels: HashMap<usize, (sys::CUfunction, u32)>,
     pub(crate) name: String,
     pub(crate) compute_capability: (i32, i32),
     pub(crate) multiprocessors: i32,
@@ -278,17 +273,8 @@ impl Context {
             }
         };
         let pdl = major >= 9 && !std::env::var("DS4_CUDA_PDL").is_ok_and(|v| v == "0");
-        let mut me = Context {
-            ctx,
-            stream,
-            module,
-            kernels: HashMap::new(),
-            lane_kernels: HashMap::new(),
-            name,
-            compute_capability,
-            multiprocessors,
-            pdl,
-        };
+        let mut me =
+            Context { ctx, stream, module, kernels: HashMap::new(), name, compute_capability, multiprocessors, pdl };
         // A product kernel ds4_mv_<stem>_<nb> and its shared memory size, as the program
         // computes it (ds4_smem_*): more than the default 48 KiB needs opting in per function.
         let load = |module: sys::CUmodule, stem: &str, nb: usize| -> Result<(sys::CUfunction, u32)> {
@@ -316,10 +302,6 @@ impl Context {
                 me.kernels.insert((ty, nb), k);
             }
         }
-        for nb in LANE_BATCH_SIZES {
-            let k = load(me.module, "iq2_xxs_lanes", nb)?;
-            me.lane_kernels.insert(nb, k);
-        }
         Ok(me)
     }
 
@@ -328,13 +310,6 @@ impl Context {
     pub(crate) fn kernel(&self, ty: GgmlType, n: usize) -> Option<(sys::CUfunction, u32)> {
         let nb = BATCH_SIZES.iter().copied().find(|&b| b >= n)?;
         self.kernels.get(&(ty, nb)).copied()
-    }
-
-    /// The IQ2_XXS kernel for a chunk of `n` (1 or 2) batch rows whose x rows are in lane order
-    /// (`matvec_split_lanes` in shaders/cuda/common.cuh; `n_in` a multiple of 2048).
-    pub(crate) fn kernel_lanes(&self, n: usize) -> Option<(sys::CUfunction, u32)> {
-        let nb = LANE_BATCH_SIZES.iter().copied().find(|&b| b >= n)?;
-        self.lane_kernels.get(&nb).copied()
     }
 
     /// The loaded module (the decode kernels are looked up in it by name).

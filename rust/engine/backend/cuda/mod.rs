@@ -45,7 +45,7 @@ use self::weights::DeviceImage;
 use super::{cpu, Backend};
 use crate::gguf::GgufFile;
 use crate::model::weights::Mat;
-use crate::quant::GgmlType;
+use crate::quant::{act8, GgmlType};
 use crate::{Error, Result};
 
 pub use self::context::{compile, kernel_source, nvrtc_available};
@@ -678,8 +678,20 @@ impl CudaBackend {
         }
         let host = scratch.host(y_end);
         for p in placed {
-            let x = specs[p.spec].1;
-            host[p.x_off..p.x_off + x.len()].copy_from_slice(x);
+            let (w, x) = specs[p.spec];
+            let slot = &mut host[p.x_off..p.x_off + x.len()];
+            if act8::takes_act8(w.ty) {
+                // Each row as 8-bit activations in its own slot of n_in floats (act8.rs; the
+                // kernels read row r at byte 4 r n_in): the CPU's bytes exactly.
+                let q = act8::quantize_rows(x, w.n_in)?;
+                for (row, qr) in slot.chunks_exact_mut(w.n_in).zip(q.chunks_exact(act8::bytes(w.n_in))) {
+                    for (v, b) in row.iter_mut().zip(qr.chunks_exact(4)) {
+                        *v = f32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
+                    }
+                }
+            } else {
+                slot.copy_from_slice(x);
+            }
         }
         let table: Vec<Desc> = chunks.iter().map(|c| c.2).collect();
         // SAFETY: `table_len` floats at the start of the pinned buffer hold the table exactly

@@ -486,15 +486,6 @@ pub(crate) struct CudaDecoder {
     resync_after_cut: bool,
     /// The side branch (None with `DS4_CUDA_FORK=0`).
     side: Option<SideBranch>,
-    /// `DS4_CUDA_XLANES=1` (experimental): ds4_gather writes the routed experts' inputs in the
-    /// lane order of the IQ2_XXS gate and up kernels that read them (`ds4_mv_iq2_xxs_lanes_*`,
-    /// shaders/cuda/common.cuh `matvec_split_lanes`; the same products, bitwise). In the kernel
-    /// lab on an H200 those products took 41.8 us instead of 47.8 at one row and 58 instead of
-    /// 74 at two (pseudo-random weights). In the engine the gain did not show: a 4-layer model
-    /// of the Flash shape with random q2 weights decoded in 1.29 / 1.29 ms with it and 1.33 /
-    /// 1.30 without, and the synthetic Flash file (its expert weights are zeros, so every
-    /// lattice lookup hits one entry) in 11.21 ms with it, 11.04 without. Hence off by default.
-    x_lanes: bool,
 }
 
 // SAFETY: the raw handles (functions, graphs, pinned pointers) are only used by the thread
@@ -543,7 +534,14 @@ impl CudaBackend {
     fn decodable(&self, model: &Model) -> bool {
         let g = self.lock();
         let Some(img) = g.images.iter().find(|i| i.is(model.file.raw())) else { return false };
-        all_mats(model).iter().all(|m| Self::gpu_shape(img, m))
+        let routed_in = |l: &crate::model::weights::LayerWeights| [l.gate_exps.first.start, l.up_exps.first.start];
+        let routed: Vec<usize> = model.weights.layers.iter().flat_map(routed_in).collect();
+        // Only the routed experts' gate and up products get 8-bit activations on the device
+        // (quantized by ds4_gather, quant/act8.rs); a model with such weights anywhere else
+        // (none that ds4 writes) runs its forward on the host, with this backend's products.
+        all_mats(model)
+            .iter()
+            .all(|m| Self::gpu_shape(img, m) && (!crate::quant::act8::takes_act8(m.ty) || routed.contains(&m.start)))
     }
 }
 
@@ -797,7 +795,6 @@ impl CudaDecoder {
             profile: std::env::var("DS4_DECODE_PROFILE").is_ok_and(|v| v == "1").then(KernelProfile::default),
             resync_after_cut: std::env::var("DS4_DECODE_RESYNC").is_ok_and(|v| v == "1"),
             side: if std::env::var("DS4_CUDA_FORK").is_ok_and(|v| v == "0") { None } else { Some(SideBranch::new()?) },
-            x_lanes: std::env::var("DS4_CUDA_XLANES").is_ok_and(|v| v == "1"),
         })
     }
 
@@ -870,6 +867,10 @@ impl CudaDecoder {
                 }
             }
             for ty in fmts {
+                if crate::quant::act8::takes_act8(ty) {
+                    // `decodable` keeps such weights to the routed experts.
+                    return Err(Error::Backend(format!("CUDA decode: a dense {ty} product (internal)")));
+                }
                 let start = table.len();
                 let mut blocks = 0usize;
                 let mut count = 0usize;
@@ -1252,19 +1253,18 @@ impl CudaDecoder {
                     i(chunk),
                 ],
             );
-            // The gathered rows in lane order when their gate and up kernels read them so.
-            let lanes = self.x_lanes && gm.ty == crate::quant::GgmlType::IQ2_XXS && gm.n_in == d && d % 2048 == 0;
+            // The gathered rows as 8-bit activations when their gate and up products take them.
+            let act8 = crate::quant::act8::takes_act8(gm.ty);
             launch(
                 &mut ops,
                 k.gather,
                 ((n * kk) as u32, 1, 1),
                 256,
                 0,
-                vec![p(b.h.ptr), p(b.xg.ptr), p(b.gather_src.ptr), i(d), i(lanes as usize)],
+                vec![p(b.h.ptr), p(b.xg.ptr), p(b.gather_src.ptr), i(d), i(act8 as usize)],
             );
             let bpd = |m: &Mat| row_blocks(m) * slices(m);
-            let (fg, sg) = if lanes { ctx.kernel_lanes(chunk) } else { ctx.kernel(gm.ty, chunk) }
-                .ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
+            let (fg, sg) = ctx.kernel(gm.ty, chunk).ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
             if um.ty != gm.ty || um.n_out != gm.n_out || um.n_in != gm.n_in {
                 return Err(Error::Backend("CUDA decode: expert gate and up differ in shape (unsupported)".into()));
             }

@@ -456,8 +456,17 @@ fn route_matches_cpu() {
     assert!(split_ties > 0 && empty_slots > 0 && repeats > 0, "the cases missed a tie, an unused slot or a repeat");
 }
 
-/// Where ds4_gather puts a row's values (plain, or the IQ2_XXS lane order).
-type RowOrder = fn(&[f32]) -> Vec<f32>;
+/// What ds4_gather writes into a row's slot of d floats (plain, or 8-bit activations), as bits.
+type RowImage = fn(&[f32]) -> Vec<u32>;
+
+/// A row as 8-bit activations in its slot (quant/act8.rs; the rest of the slot unwritten, 7.0).
+fn act8_image(x: &[f32]) -> Vec<u32> {
+    let mut q = vec![0u8; crate::quant::act8::bytes(x.len())];
+    crate::quant::act8::quantize_row(x, &mut q).expect("act8");
+    let mut out: Vec<u32> = q.chunks_exact(4).map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]])).collect();
+    out.resize(x.len(), 7.0f32.to_bits());
+    out
+}
 
 #[test]
 fn gather_and_combine_match_reference() {
@@ -466,36 +475,37 @@ fn gather_and_combine_match_reference() {
     for (n, k, d) in [(1usize, 6usize, 1024usize), (3, 6, 1000), (16, 8, 4096)] {
         let what = format!("n={n} k={k} d={d}");
         // Gather: some rows used several times, some slots unused (-1).
-        let h = rng.f32s(n * d);
+        let mut h = rng.f32s(n * d);
+        h[32..64].fill(0.0); // an all-zero block of 8-bit activations (scale 0)
+        h[70] = 40.0; // and one with an outlier
         let total = n * k - n.min(3);
         let src: Vec<i32> =
             (0..n * k).map(|j| if j < total { (rng.next_u64() % n as u64) as i32 } else { -1 }).collect();
         let hb = DevBuf::from_slice(&h).expect("h");
         let sb = DevBuf::from_slice(&src).expect("gather_src");
-        // Plain rows, and when d allows, rows in the lane order of the IQ2_XXS lane kernels
-        // (DS4_CUDA_XLANES=1): each slot must hold `order` of its source row.
-        let mut cases: Vec<(i32, RowOrder)> = vec![(0, |r| r.to_vec())];
-        if d % 2048 == 0 {
-            cases.push((1, crate::backend::cuda::tests::iq2_lane_order));
+        // Plain rows, and when d allows, rows as 8-bit activations (the routed IQ2_XXS gate and
+        // up inputs): each slot must hold `image` of its source row, bitwise (the host's bytes).
+        let mut cases: Vec<(i32, RowImage)> = vec![(0, |r| r.iter().map(|v| v.to_bits()).collect())];
+        if d % 32 == 0 {
+            cases.push((1, act8_image));
         }
-        for (lanes, order) in cases {
+        for (act8, image) in cases {
             let xg = DevBuf::from_slice(&vec![7.0f32; n * k * d]).expect("xg");
-            let args =
-                [Arg::Ptr(hb.at(0)), Arg::Ptr(xg.at(0)), Arg::Ptr(sb.at(0)), Arg::I32(d as i32), Arg::I32(lanes)];
+            let args = [Arg::Ptr(hb.at(0)), Arg::Ptr(xg.at(0)), Arg::Ptr(sb.at(0)), Arg::I32(d as i32), Arg::I32(act8)];
             ctx.launch_named("ds4_gather", ((n * k) as u32, 1, 1), 256, 0, &args).expect("ds4_gather");
             ctx.sync().expect("ds4_gather");
-            let got: Vec<f32> = xg.read(0, n * k * d).expect("read");
+            let got: Vec<u32> = xg.read::<f32>(0, n * k * d).expect("read").iter().map(|v| v.to_bits()).collect();
             for (j, &s) in src.iter().enumerate() {
                 let row = &got[j * d..(j + 1) * d];
                 if s < 0 {
                     assert!(
-                        row.iter().all(|&v| v == 7.0),
-                        "{what} lanes={lanes}: gather slot {j} (unused) was written"
+                        row.iter().all(|&v| v == 7.0f32.to_bits()),
+                        "{what} act8={act8}: gather slot {j} (unused) was written"
                     );
                 } else {
                     let s = s as usize;
-                    let want = order(&h[s * d..(s + 1) * d]);
-                    assert!(row == &want[..], "{what} lanes={lanes}: gather slot {j} is not row {s}");
+                    let want = image(&h[s * d..(s + 1) * d]);
+                    assert!(row == &want[..], "{what} act8={act8}: gather slot {j} is not row {s}");
                 }
             }
         }
