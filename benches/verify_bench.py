@@ -72,6 +72,12 @@ def main() -> None:
         print(f"  per step: forward {1e3 * fwd:.2f} ms = products {1e3 * mm:.2f} ms "
               f"({prof['matmul'][0] / steps:.0f} calls) + attention loop {1e3 * att:.2f} ms "
               f"+ the rest {1e3 * (fwd - mm - att):.2f} ms")
+    if args.profile and prof.get("device_step", (0, 0))[0]:
+        steps = max(prof["device_step"][0], 1)
+        step, wait, jr = (prof[k][1] / steps for k in ("device_step", "device_wait", "journal"))
+        print(f"  per step: device decoder {1e3 * step:.2f} ms = waiting for the GPU {1e3 * wait:.2f} ms "
+              f"+ journal replay {1e3 * jr:.2f} ms + the rest (embedding, uploads, launches) "
+              f"{1e3 * (step - wait - jr):.2f} ms; outside it (Python, session) {1e3 * (base - step):.2f} ms")
     for k in range(2, 9):
         toks = rng.integers(8, vocab, k).tolist()
         t = timed(lambda: s.eval(toks, logits="all"), args.runs, lambda: s.restore(snap))

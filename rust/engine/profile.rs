@@ -3,7 +3,9 @@
 //! Off unless the environment variable `DS4_PROFILE` is set when first checked; then every
 //! forward pass adds its wall time, the time spent in the backend's matrix products and the
 //! time spent in the per-row attention loop (state updates, indexer, attention: the work that
-//! stays on the CPU whatever the backend). [`report`] reads the totals, [`reset`] clears them.
+//! stays on the CPU whatever the backend). A device decoder's step adds its own phases: the
+//! whole step, the host's wait for the GPU, and the replay of the step's journal into the host
+//! state. [`report`] reads the totals, [`reset`] clears them.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -18,11 +20,18 @@ pub enum Phase {
     Matmul = 1,
     /// The per-row attention loop of the trunk layers.
     Attention = 2,
+    /// A device decoder's whole step (its forward pass).
+    DeviceStep = 3,
+    /// Inside a device step: the host waiting for the GPU after queueing the step.
+    DeviceWait = 4,
+    /// Inside a device step: the step's journal applied to the host state.
+    Journal = 5,
 }
 
-const NAMES: [&str; 3] = ["forward", "matmul", "attention"];
-static NANOS: [AtomicU64; 3] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
-static CALLS: [AtomicU64; 3] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
+const N: usize = 6;
+const NAMES: [&str; N] = ["forward", "matmul", "attention", "device_step", "device_wait", "journal"];
+static NANOS: [AtomicU64; N] = [const { AtomicU64::new(0) }; N];
+static CALLS: [AtomicU64; N] = [const { AtomicU64::new(0) }; N];
 
 /// Whether profiling is on (`DS4_PROFILE` set in the environment; read once).
 pub fn enabled() -> bool {

@@ -1258,7 +1258,8 @@ impl CudaDecoder {
             launch(
                 &mut ops,
                 k.gather,
-                ((n * kk) as u32, 1, 1),
+                // One warp per block of 32 values (act8) or per 32 float4s (a copy).
+                ((n * kk) as u32, d.div_ceil(if act8 { 256 } else { 1024 }) as u32, 1),
                 256,
                 0,
                 vec![p(b.h.ptr), p(b.xg.ptr), p(b.gather_src.ptr), i(d), i(act8 as usize)],
@@ -1614,6 +1615,7 @@ impl DeviceDecoder for CudaDecoder {
         which: Logits,
         mut log: Option<&mut BatchLog>,
     ) -> Result<Vec<f32>> {
+        let _t = crate::profile::scope(crate::profile::Phase::DeviceStep);
         let n = tokens.len();
         if n == 0 || n > N_MAX {
             return Err(Error::invalid(format!("the device decoder takes 1..={N_MAX} rows, not {n}")));
@@ -1757,7 +1759,10 @@ impl DeviceDecoder for CudaDecoder {
                 }
             }
         }
-        ctx.sync()?;
+        {
+            let _w = crate::profile::scope(crate::profile::Phase::DeviceWait);
+            ctx.sync()?;
+        }
         drop(guard);
 
         // SAFETY: the pinned download holds `down_floats` floats, all written by the copies
@@ -1765,7 +1770,10 @@ impl DeviceDecoder for CudaDecoder {
         let dn: &[f32] = unsafe { std::slice::from_raw_parts(self.down.ptr.cast::<f32>(), down_floats) };
         let (lg, rest) = dn.split_at(logit_rows * cfg.vocab);
         let (jr, xr) = rest.split_at(jfloats);
-        self.apply(model, state, pos0, n, jr, log.as_deref_mut());
+        {
+            let _j = crate::profile::scope(crate::profile::Phase::Journal);
+            self.apply(model, state, pos0, n, jr, log.as_deref_mut());
+        }
         if want_x {
             let (xf, cap) = xr.split_at(n * hc * d);
             // DSpark's capture: each target layer's streams averaged, as the host pass does.

@@ -492,7 +492,8 @@ fn gather_and_combine_match_reference() {
         for (act8, image) in cases {
             let xg = DevBuf::from_slice(&vec![7.0f32; n * k * d]).expect("xg");
             let args = [Arg::Ptr(hb.at(0)), Arg::Ptr(xg.at(0)), Arg::Ptr(sb.at(0)), Arg::I32(d as i32), Arg::I32(act8)];
-            ctx.launch_named("ds4_gather", ((n * k) as u32, 1, 1), 256, 0, &args).expect("ds4_gather");
+            // Rows split over 3 blocks (any split must write the same).
+            ctx.launch_named("ds4_gather", ((n * k) as u32, 3, 1), 256, 0, &args).expect("ds4_gather");
             ctx.sync().expect("ds4_gather");
             let got: Vec<u32> = xg.read::<f32>(0, n * k * d).expect("read").iter().map(|v| v.to_bits()).collect();
             for (j, &s) in src.iter().enumerate() {
