@@ -18,7 +18,7 @@
 //! bytes, and a row's bytes never depend on the other rows of its batch.
 //!
 //! The dot of an IQ2_XXS row with such a row is, per group `g` of 32 with scale `db` (see
-//! [`super::iq2_xxs`]) and the block's `d`: `s_g = sum(sign * grid * q)` in i32 (exact),
+//! `quant/iq2_xxs.rs`) and the block's `d`: `s_g = sum(sign * grid * q)` in i32 (exact),
 //! then `(db * d) * s_g` in f32 (two roundings), summed over the row in f64 on the CPU and in
 //! f32 lanes on a GPU.
 

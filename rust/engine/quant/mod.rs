@@ -16,6 +16,8 @@
 //!   to `sum |w_i * x_i|`.
 //! - Nothing panics on any input that passes the length checks, whatever the bit patterns
 //!   (NaN or infinite scales just produce NaN or infinite outputs).
+//! - A matrix product is not always [`dot`] with float `x`: IQ2_XXS products take their input
+//!   as 8-bit activations ([`act8`], [`RowDot::dot_act8`]), on every backend.
 
 pub mod act8;
 mod float;
