@@ -562,9 +562,9 @@ __device__ __forceinline__ void matvec(const MvDesc* __restrict__ descs, int cou
 // LUT_BYTES / init_lut, PREFETCH, a Chunk type, load(row, nb, c, lane, vec, ch), which issues
 // the loads of lane l's part of chunk c of a row of nb blocks (vec: the row is 16-byte
 // aligned), and dot<NB>(ch, nb, c, lane, x, n_in, n, acc, smem), which adds lane l's part of
-// chunk c of every row to acc in a fixed order. Both are called by every lane of
-// the warp for every chunk of the slice (a last partial chunk included); they skip the lanes
-// with no data themselves, so that dot may use warp-wide operations.
+// chunk c of every row to acc in a fixed order. Both are called by every lane of the warp for
+// every chunk of the slice (a last partial chunk included); they skip the lanes with no data
+// themselves, so that dot may use warp-wide operations.
 //
 // The input split (slices, groups) is by chunks; a row's chunks, lanes, fmaf chains, butterfly
 // and group order do not depend on the batch size (row invariance), as in matvec.

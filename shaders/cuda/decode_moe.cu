@@ -8,7 +8,7 @@
 //   2. ds4_route: each row's experts and weights (moe::route), the union of the experts of
 //      the batch, the gather list, the combine lists, and the gate/up and down tables;
 //   3. ds4_gather: xg[j] = h[gather_src[j]] (the rows of each used expert, expert by expert;
-//      in lane order for the IQ2_XXS lane kernels when the host asks);
+//      as 8-bit activations when the gate and up weights are IQ2_XXS);
 //   4. the gate/up products over the 2 * max_descs descriptors of `gu` (one launch);
 //   5. SwiGLU of the gate and up outputs (decode_ops.cu);
 //   6. the down products over the max_descs descriptors of `down` (one launch);

@@ -15,7 +15,8 @@
 //! with ties away from zero (all 0 when `d` is 0). That is Q8_0's rule
 //! ([`super::quantize_q8_0`]) with the scale kept in f32; `x ≈ q * d` within `d / 2`. Every
 //! backend quantizes with these float operations in this order, so equal rows give equal
-//! bytes, and a row's bytes never depend on the other rows of its batch.
+//! bytes (a block holding a NaN gets some NaN scale, whose bits may differ), and a row's bytes
+//! never depend on the other rows of its batch.
 //!
 //! The dot of an IQ2_XXS row with such a row is, per group `g` of 32 with scale `db` (see
 //! `quant/iq2_xxs.rs`) and the block's `d`: `s_g = sum(sign * grid * q)` in i32 (exact),
@@ -50,21 +51,9 @@ pub fn quantize_row(x: &[f32], out: &mut [u8]) -> Result<()> {
     }
     let (qs, ds) = out.split_at_mut(x.len());
     for ((xs, q), d_out) in x.chunks_exact(BLOCK).zip(qs.chunks_exact_mut(BLOCK)).zip(ds.chunks_exact_mut(4)) {
-        let mut amax = 0f32;
-        for &v in xs {
-            let a = v.abs();
-            if a > amax || a.is_nan() {
-                amax = a;
-            }
-        }
-        let d = amax / 127.0;
-        let id = if d == 0.0 { 0.0 } else { 1.0 / d };
+        // A NaN element gives the block a NaN scale, which makes its products NaN.
+        let d = super::q8_0::quantize_block(xs, q);
         d_out.copy_from_slice(&d.to_le_bytes());
-        for (o, &v) in q.iter_mut().zip(xs) {
-            // |v * id| <= 127 up to rounding, so the cast never saturates for finite input;
-            // NaN becomes 0 (and the block's NaN scale makes its products NaN).
-            *o = (v * id).round() as i8 as u8;
-        }
     }
     Ok(())
 }

@@ -57,26 +57,34 @@ impl BlockFormat for Q8_0 {
 /// `d` to f16 by numpy's rounding. `dst.len() == src.len() / 32 * 34` (checked by caller).
 pub(crate) fn quantize(src: &[f32], dst: &mut [u8]) {
     for (xs, out) in src.chunks_exact(32).zip(dst.chunks_exact_mut(34)) {
-        // numpy's max propagates NaN.
-        let mut amax = 0f32;
-        for &v in xs {
-            let a = v.abs();
-            if a > amax || a.is_nan() {
-                amax = a;
-            }
-            if amax.is_nan() {
-                break;
-            }
-        }
-        let d = amax / 127.0;
-        let id = if d == 0.0 { 0.0 } else { 1.0 / d };
+        let d = quantize_block(xs, &mut out[2..]);
         out[..2].copy_from_slice(&f32_to_f16(d).to_le_bytes());
-        for (o, &v) in out[2..].iter_mut().zip(xs) {
-            // |v * id| <= 127 (up to rounding), so the cast never saturates for finite
-            // input; NaN becomes 0, as numpy's cast does on x86-64.
-            *o = (v * id).round() as i8 as u8;
+    }
+}
+
+/// One block of Q8_0's rule, shared with the 8-bit activations (`act8.rs`), which keep `d`
+/// in f32: writes `q = round(x * (1 / d))` (ties away from zero; 0 when `d` is 0) into `q`
+/// and returns `d = max |x| / 127` (NaN, the first NaN's, if any `x` is NaN).
+pub(crate) fn quantize_block(xs: &[f32], q: &mut [u8]) -> f32 {
+    // numpy's max propagates NaN.
+    let mut amax = 0f32;
+    for &v in xs {
+        let a = v.abs();
+        if a > amax || a.is_nan() {
+            amax = a;
+        }
+        if amax.is_nan() {
+            break;
         }
     }
+    let d = amax / 127.0;
+    let id = if d == 0.0 { 0.0 } else { 1.0 / d };
+    for (o, &v) in q.iter_mut().zip(xs) {
+        // |v * id| <= 127 (up to rounding), so the cast never saturates for finite input;
+        // NaN becomes 0, as numpy's cast does on x86-64.
+        *o = (v * id).round() as i8 as u8;
+    }
+    d
 }
 
 /// The SIMD kernels, which stream the weights from memory at batch 1, work on groups of 8

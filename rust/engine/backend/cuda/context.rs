@@ -275,31 +275,29 @@ impl Context {
         let pdl = major >= 9 && !std::env::var("DS4_CUDA_PDL").is_ok_and(|v| v == "0");
         let mut me =
             Context { ctx, stream, module, kernels: HashMap::new(), name, compute_capability, multiprocessors, pdl };
-        // A product kernel ds4_mv_<stem>_<nb> and its shared memory size, as the program
-        // computes it (ds4_smem_*): more than the default 48 KiB needs opting in per function.
-        let load = |module: sys::CUmodule, stem: &str, nb: usize| -> Result<(sys::CUfunction, u32)> {
-            let fname = CString::new(format!("ds4_mv_{stem}_{nb}")).expect("no NUL in kernel names");
-            // SAFETY: the module is loaded and the context bound.
-            let f = unsafe { cu::module::get_function(module, fname) }.map_err(driver_err("looking up a kernel"))?;
-            let gname = CString::new(format!("ds4_smem_{stem}_{nb}")).expect("no NUL in symbol names");
-            let mut smem = [0i32; 1];
-            // SAFETY: a 4-byte int global of the loaded module; synchronous copy.
-            unsafe {
-                let (ptr, _) = cu::module::get_global(module, gname).map_err(driver_err("finding a kernel size"))?;
-                cu::memcpy_dtoh_sync(&mut smem, ptr).map_err(driver_err("reading a kernel size"))?;
-                cu::function::set_function_attribute(
-                    f,
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem[0],
-                )
-                .map_err(driver_err("allowing a kernel its shared memory"))?;
-            }
-            Ok((f, smem[0] as u32))
-        };
         for (ty, stem) in FORMATS {
             for nb in BATCH_SIZES {
-                let k = load(me.module, stem, nb)?;
-                me.kernels.insert((ty, nb), k);
+                let fname = CString::new(format!("ds4_mv_{stem}_{nb}")).expect("no NUL in kernel names");
+                // SAFETY: the module is loaded and the context bound.
+                let f =
+                    unsafe { cu::module::get_function(me.module, fname) }.map_err(driver_err("looking up a kernel"))?;
+                // The kernel's shared memory size, as the program computes it (ds4_smem_*):
+                // more than the default 48 KiB needs opting in per function.
+                let gname = CString::new(format!("ds4_smem_{stem}_{nb}")).expect("no NUL in symbol names");
+                let mut smem = [0i32; 1];
+                // SAFETY: a 4-byte int global of the loaded module; synchronous copy.
+                unsafe {
+                    let (ptr, _) =
+                        cu::module::get_global(me.module, gname).map_err(driver_err("finding a kernel size"))?;
+                    cu::memcpy_dtoh_sync(&mut smem, ptr).map_err(driver_err("reading a kernel size"))?;
+                    cu::function::set_function_attribute(
+                        f,
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        smem[0],
+                    )
+                    .map_err(driver_err("allowing a kernel its shared memory"))?;
+                }
+                me.kernels.insert((ty, nb), (f, smem[0] as u32));
             }
         }
         Ok(me)
