@@ -147,7 +147,16 @@ def test_device_decode_matches_host_forward(tmp_path: Path, monkeypatch: pytest.
     host = _chunked(h, prompt, cuts)
     monkeypatch.delenv("DS4_DEVICE_DECODE")
     row_err = np.abs(dev - host).max(axis=1) / (np.abs(host).max(axis=1) + 1e-6)
-    tol = 1e-4 if dtype == "f32" else 1e-3
+    tol = {"f32": 1e-4, "q8_0": 1e-3}.get(dtype, 2e-2)
+    if dtype == "q2":
+        # The routed experts' Q2_K down products take 8-bit activations quantized from the
+        # gate and up products' outputs (quant/act8.rs), which the device and the host round
+        # differently: now and then an activation lands on the other side of a rounding
+        # boundary (a step of amax / 127 of its block), and a random model amplifies that. On
+        # an H200 the median row error was 3.3e-3 (p90 6.2e-3) and the argmax agreed on 98%
+        # of the rows; host products against the CPU backend differed as much. (With float
+        # down inputs it was 4e-7.) A wrong kernel is off by far more.
+        assert float(np.mean(dev.argmax(axis=1) == host.argmax(axis=1))) >= 0.95
     assert float(np.median(row_err)) < tol, (float(np.median(row_err)), float(row_err.max()))
     # Rows are batch invariant on the device: another chunking gives the same bits.
     again = _chunked(m.session(512), prompt, [16 * i for i in range(1, 19)])

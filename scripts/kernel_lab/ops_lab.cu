@@ -123,7 +123,8 @@ int main(int argc, char** argv) {
         time_kernel("hc_post", hc_post, d / 256, 1, 256, post_args);
         int count = 6;
         float clamp = 10.0f;
-        void* sw_args[] = {&f, &f, &y, &count, &clamp};
+        int act8 = 0;  // (width and act8: programs before ds4_swiglu took them ignore them)
+        void* sw_args[] = {&f, &f, &y, &count, &clamp, &count, &act8};
         time_kernel("swiglu of 6 values (the launch gap)", swiglu, 1, 1, 256, sw_args);
         time_alone("swiglu of 6 values", swiglu, 1, 1, 256, sw_args);
     }

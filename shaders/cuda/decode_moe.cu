@@ -378,37 +378,14 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
-// The largest |v| of the warp's 32 values, NaN if any is NaN (act8.rs quantize_row's max).
-__device__ __forceinline__ float ds4_warp_amax(float v) {
-    float m = fabsf(v);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float t = __shfl_xor_sync(0xffffffffu, m, o);
-        m = (t > m || t != t || m != m) ? (m != m ? m : t) : m;
-    }
-    return m;
-}
-
 // Row s (d floats) quantized to 8-bit activations (rust/engine/quant/act8.rs) into o, the row's
 // slot of d floats: d int8 values, then d / 32 f32 scales. The warps of the row's blocks (part
-// `part` of `parts`) take its blocks of 32 in turn; lane l holds element l of a block;
-// amax = max |v|, dq = amax / 127, q = round(v * (1 / dq)) (0 when dq is 0): the host's float
-// operations, so the same bytes.
+// `part` of `parts`) take its blocks of 32 in turn (ds4_act8_block).
 __device__ __forceinline__ void ds4_act8_row(const float* __restrict__ s, char* __restrict__ o, int d, int part,
                                              int parts) {
-    const int lane = threadIdx.x & 31;
     const int warps = (blockDim.x >> 5) * parts;
     for (int blk = part * (blockDim.x >> 5) + (threadIdx.x >> 5); blk < (d >> 5); blk += warps) {
-        const float v = s[32 * blk + lane];
-        const float amax = ds4_warp_amax(v);
-        const float dq = amax / 127.0f;
-        const float id = dq == 0.0f ? 0.0f : 1.0f / dq;
-        const float r = roundf(v * id);
-        // NaN -> 0 as Rust's saturating cast (|r| <= 127 otherwise).
-        o[32 * blk + lane] = (char)(r != r ? 0 : (int)fminf(fmaxf(r, -128.0f), 127.0f));
-        if (lane == 0) {
-            ((float*)(o + d))[blk] = dq;
-        }
+        ds4_act8_block(s[32 * blk + (threadIdx.x & 31)], o + 32 * blk, (float*)(o + d) + blk);
     }
 }
 

@@ -103,6 +103,33 @@ __device__ __forceinline__ float ds4_round_store(float x, int mode) {
     return mode == 1 ? ds4_round_f16(x) : x;
 }
 
+// The largest |v| of the warp's 32 values, NaN if any is NaN (act8.rs quantize_row's max).
+__device__ __forceinline__ float ds4_warp_amax(float v) {
+    float m = fabsf(v);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float t = __shfl_xor_sync(0xffffffffu, m, o);
+        m = (t > m || t != t || m != m) ? (m != m ? m : t) : m;
+    }
+    return m;
+}
+
+// One block of 32 values as 8-bit activations (rust/engine/quant/act8.rs), lane l holding
+// value l (every lane of the warp calls this): q[l] = round(v * (1 / dq)) (0 when dq is 0),
+// *scale = dq = amax / 127, with amax = max |v|: the host's float operations, so the same
+// bytes.
+__device__ __forceinline__ void ds4_act8_block(float v, char* __restrict__ q, float* __restrict__ scale) {
+    const int lane = threadIdx.x & 31;
+    const float dq = ds4_warp_amax(v) / 127.0f;
+    const float id = dq == 0.0f ? 0.0f : 1.0f / dq;
+    const float r = roundf(v * id);
+    // NaN -> 0 as Rust's saturating cast (|r| <= 127 otherwise).
+    q[lane] = (char)(r != r ? 0 : (int)fminf(fmaxf(r, -128.0f), 127.0f));
+    if (lane == 0) {
+        *scale = dq;
+    }
+}
+
 // ---- kernels (see rust/engine/backend/cuda/decode/ for who launches what)
 
 // Every kernel below runs one batch row per blockIdx.y (or blockIdx.x where the grid says
@@ -569,13 +596,16 @@ extern "C" __global__ void ds4_finish_index(float* iq, float* g, int heads, int 
 }
 
 // SwiGLU with clamps (rust/engine/model/moe.rs swiglu): out = silu(min(g, clamp)) *
-// clamp(u, -clamp, clamp), silu(x) = x / (1 + e^-x) (cpu.rs silu), over count elements.
-// Grid (ceil(count / blockDim.x)).
-extern "C" __global__ void ds4_swiglu(const float* g, const float* u, float* out, int count, float clamp) {
+// clamp(u, -clamp, clamp), silu(x) = x / (1 + e^-x) (cpu.rs silu), over count elements: rows
+// of `width`. With act8 != 0 each row is written as 8-bit activations in its slot of width
+// floats (ds4_act8_block; width and the block size multiples of 32), the input of the routed
+// experts' down products when they take them (Q2_K). Grid (ceil(count / blockDim.x)).
+extern "C" __global__ void ds4_swiglu(const float* g, const float* u, float* out, int count, float clamp, int width,
+                                      int act8) {
     ds4_grid_deps();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= count) {
-        return;
+        return;  // a whole warp when act8 (count is a multiple of 32)
     }
     const float a = fminf(g[i], clamp);
     float b = u[i];
@@ -585,5 +615,13 @@ extern "C" __global__ void ds4_swiglu(const float* g, const float* u, float* out
     if (b > clamp) {
         b = clamp;
     }
-    out[i] = a / (1.0f + expf(-a)) * b;
+    const float v = a / (1.0f + expf(-a)) * b;
+    if (act8) {
+        const long long row = i / width;
+        const int p = (int)(i - row * width);
+        char* slot = (char*)(out + row * width);
+        ds4_act8_block(v, slot + (p & ~31), (float*)(slot + width) + (p >> 5));
+    } else {
+        out[i] = v;
+    }
 }

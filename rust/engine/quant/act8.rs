@@ -1,13 +1,22 @@
-//! 8-bit activations: how a product with IQ2_XXS weights takes its input rows.
+//! 8-bit activations: how a product with IQ2_XXS or Q2_K weights takes its input rows.
 //!
-//! Every backend multiplies IQ2_XXS weights by `x` quantized to int8 blocks of 32 (one per
-//! IQ2_XXS group), not by float `x`. The weights of a group are small integers (lattice
-//! coordinates 8, 25 or 43, signed) times one float scale, so with int8 `x` a group's dot is
-//! an exact integer sum and one float multiply-add. With float `x` a GPU spends about five
-//! instructions a weight converting and signing bytes, and the routed experts' IQ2_XXS
-//! products of a decode step were bound by that instead of by memory (H200, twelve 2048 x 4096
-//! products: 47 -> 35 µs at one batch row, 74 -> 39 µs at two, 131 -> 54 µs at four). ggml
-//! makes the same trade (IQ2_XXS dots with `q8_K` blocks on the CPU, `q8_1` on CUDA).
+//! Every backend multiplies IQ2_XXS and Q2_K weights by `x` quantized to int8 blocks of 32,
+//! not by float `x`. Their weights are small integers times a float scale per group (IQ2_XXS:
+//! lattice coordinates 8, 25 or 43, signed, per 32; Q2_K: 0..3 times a scale minus a min, per
+//! 16), so with int8 `x` a group's dot is an exact integer sum and a few float operations. With
+//! float `x` a GPU spends several instructions a weight converting bytes (and its L1 serving
+//! 16-byte pieces of `x` scattered over many lines), and the routed experts' products of a
+//! decode step were bound by that instead of by memory (H200: twelve IQ2_XXS 2048 x 4096
+//! products took 47 -> 35 µs at one batch row, 74 -> 39 µs at two, 131 -> 54 µs at four; six
+//! Q2_K 4096 x 2048 ones 23.2 -> 16.2, 31.3 -> 20.0, 48.3 -> 27.3, 82.0 -> 42.3 µs at one, two,
+//! four and eight). ggml makes the same trade (`q8_K` blocks on the CPU, `q8_1` on CUDA).
+//!
+//! The price is accuracy: on random q2 models (CPU, ds4's Flash layout) the two together moved
+//! the logits by a median 1.3e-2 to 1.7e-2 of a row's largest logit and the mean KL divergence
+//! to the float-input model to 0.8e-3 to 1.5e-3; random models route unstably, so a trained one
+//! should move less. And a product's input now changes in steps: two backends whose float
+//! inputs differ by rounding (the gate and up products before a down product) can round an
+//! activation to neighbouring integers.
 //!
 //! A row of `n` elements (`n` a multiple of 32) quantizes to [`bytes`]`(n)` bytes: the `n`
 //! values `q` as i8, then the `n / 32` block scales `d` as little-endian f32. Per block:
@@ -20,8 +29,9 @@
 //!
 //! The dot of an IQ2_XXS row with such a row is, per group `g` of 32 with scale `db` (see
 //! `quant/iq2_xxs.rs`) and the block's `d`: `s_g = sum(sign * grid * q)` in i32 (exact),
-//! then `(db * d) * s_g` in f32 (two roundings), summed over the row in f64 on the CPU and in
-//! f32 lanes on a GPU.
+//! then `(db * d) * s_g` in f32 (two roundings); a Q2_K row's is, per sub-block of 16, the
+//! exact sums of `q_w * q` and of `q`, then `d * (dl * sum - ml * sum)` (`quant/q2_k.rs`). The
+//! terms are summed over the row in f64 on the CPU and in f32 lanes on a GPU.
 
 use super::GgmlType;
 use crate::{Error, Result};
@@ -31,7 +41,7 @@ pub const BLOCK: usize = 32;
 
 /// Whether a product with weights of `ty` takes its input rows as 8-bit activations.
 pub fn takes_act8(ty: GgmlType) -> bool {
-    ty == GgmlType::IQ2_XXS
+    matches!(ty, GgmlType::IQ2_XXS | GgmlType::Q2_K)
 }
 
 /// The quantized size of a row of `n` elements (`n` a multiple of [`BLOCK`]).

@@ -16,8 +16,8 @@
 //!   to `sum |w_i * x_i|`.
 //! - Nothing panics on any input that passes the length checks, whatever the bit patterns
 //!   (NaN or infinite scales just produce NaN or infinite outputs).
-//! - A matrix product is not always [`dot`] with float `x`: IQ2_XXS products take their input
-//!   as 8-bit activations ([`act8`], [`RowDot::dot_act8`]), on every backend.
+//! - A matrix product is not always [`dot`] with float `x`: IQ2_XXS and Q2_K products take
+//!   their input as 8-bit activations ([`act8`], [`RowDot::dot_act8`]), on every backend.
 
 pub mod act8;
 mod float;
@@ -293,6 +293,8 @@ impl RowDot {
             let act8: Option<Act8Dot> = match (ty, kernel) {
                 (GgmlType::IQ2_XXS, Kernel::Scalar) => Some(iq2_xxs::dot_act8_scalar),
                 (GgmlType::IQ2_XXS, Kernel::Simd) => Some(iq2_xxs::dot_act8_simd),
+                (GgmlType::Q2_K, Kernel::Scalar) => Some(q2_k::dot_act8_scalar),
+                (GgmlType::Q2_K, Kernel::Simd) => Some(q2_k::dot_act8_simd),
                 _ => None,
             };
             debug_assert_eq!(act8.is_some(), act8::takes_act8(ty));

@@ -6,7 +6,7 @@
 //! sub-block `8*half + 2*(s/2) + (l >= 16)`.
 
 use super::float::f16_to_f32;
-use super::{as_blocks, dot_via_dequant, BlockFormat, ByteBlock, GgmlType};
+use super::{act8, as_blocks, dot_via_dequant, BlockFormat, ByteBlock, GgmlType};
 
 /// One Q2_K block, exactly as stored (84 bytes, alignment 1; the f16 scales come last).
 #[repr(C)]
@@ -80,6 +80,56 @@ impl BlockFormat for Q2K {
         #[cfg(not(target_arch = "x86_64"))]
         Self::dot_scalar(src, x)
     }
+}
+
+/// The dot of a row with 8-bit activations `qx` ([`act8`], the product's input), the
+/// reference. Per sub-block `j` of 16 weights (elements `16 j..16 j + 16` of its super-block,
+/// scale byte `sc`): the exact i32 sums `sq = sum(q * x8)` and `sx = sum(x8)`, then the term
+/// `dx * ((d * (sc & 15)) * sq - (dmin * (sc >> 4)) * sx)` in f32, `dx` the scale of the
+/// activation block of 32 that holds the sub-block; the terms summed in f64 in row order.
+pub(crate) fn dot_act8_scalar(src: &[u8], qx: &[u8]) -> f32 {
+    let blocks = as_blocks::<BlockQ2K>(src);
+    let n = 256 * blocks.len();
+    let mut acc = 0f64;
+    for (i, b) in blocks.iter().enumerate() {
+        let d = f16_to_f32(u16::from_le_bytes(b.d));
+        let dmin = f16_to_f32(u16::from_le_bytes(b.dmin));
+        for (j, &sc) in b.scales.iter().enumerate() {
+            // Sub-block j = 8 half + 2 (shift / 2) + part: quants qs[32 half + 16 part ..] >> shift.
+            let (half, shift, part) = (j / 8, 2 * ((j % 8) / 2), j % 2);
+            let q = &b.qs[32 * half + 16 * part..32 * half + 16 * part + 16];
+            let e = 256 * i + 16 * j;
+            let (mut sq, mut sx) = (0i32, 0i32);
+            for (&qb, &xb) in q.iter().zip(&qx[e..e + 16]) {
+                let x8 = xb as i8 as i32;
+                sq += ((qb >> shift) & 3) as i32 * x8;
+                sx += x8;
+            }
+            acc += f64::from(act8_term(d, dmin, sc, sq, sx, act8::scale(qx, n, e / 32)));
+        }
+    }
+    acc as f32
+}
+
+/// One sub-block's term of [`dot_act8_scalar`] from its integer sums: the float operations of
+/// every kernel, in this order.
+#[inline(always)]
+fn act8_term(d: f32, dmin: f32, sc: u8, sq: i32, sx: i32, dx: f32) -> f32 {
+    let dl = d * (sc & 0x0f) as f32;
+    let ml = dmin * (sc >> 4) as f32;
+    dx * (dl * sq as f32 - ml * sx as f32)
+}
+
+/// [`dot_act8_scalar`] with AVX2 where the CPU has it (the same bits).
+///
+/// # Safety
+/// `simd` only if [`super::simd::available`].
+pub(crate) unsafe fn dot_act8_simd(src: &[u8], qx: &[u8]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the caller guarantees the SIMD features.
+    return unsafe { avx2::dot_act8(src, qx) };
+    #[cfg(not(target_arch = "x86_64"))]
+    dot_act8_scalar(src, qx)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -161,6 +211,54 @@ pub(super) mod avx2 {
             acc64.add(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
         }
         acc64.total() as f32
+    }
+
+    /// [`super::dot_act8_scalar`] with 256-bit integer lanes: for each half and shift, the 32
+    /// quants (unsigned, 0..3) times the 32 activations of one block (`maddubs`, pairs in i16:
+    /// at most 2 * 3 * 128, no saturation), and the activations times 1 for their sums; the
+    /// two 128-bit lanes hold the shift's two sub-blocks. The i32 sums are exact, so every
+    /// float operation is the scalar one.
+    ///
+    /// # Safety
+    /// SIMD features available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(in super::super) unsafe fn dot_act8(src: &[u8], qx: &[u8]) -> f32 {
+        let nb = src.len() / 84;
+        let n = 256 * nb;
+        assert!(qx.len() >= super::act8::bytes(n));
+        let ones8 = _mm256_set1_epi8(1);
+        let ones16 = _mm256_set1_epi16(1);
+        let three = _mm256_set1_epi8(3);
+        let mut acc = 0f64;
+        for i in 0..nb {
+            let b = &src[84 * i..84 * i + 84];
+            let d = f16_to_f32(u16::from_le_bytes([b[80], b[81]]));
+            let dmin = f16_to_f32(u16::from_le_bytes([b[82], b[83]]));
+            for half in 0..2 {
+                // SAFETY: bytes 16 + 32 half .. + 32 of the 84-byte block.
+                let qv = unsafe { _mm256_loadu_si256(b.as_ptr().add(16 + 32 * half).cast()) };
+                for s in 0..4 {
+                    let q = _mm256_and_si256(_mm256_srl_epi16(qv, _mm_cvtsi32_si128(2 * s as i32)), three);
+                    let e = 256 * i + 128 * half + 32 * s;
+                    // SAFETY: e + 32 <= n <= qx.len() (asserted above).
+                    let x = unsafe { _mm256_loadu_si256(qx.as_ptr().add(e).cast()) };
+                    let sq = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones16);
+                    let sx = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, x), ones16);
+                    // Per 128-bit lane [sq0 + sq1, sq2 + sq3, sx0 + sx1, sx2 + sx3], then the sums.
+                    let h = _mm256_hadd_epi32(sq, sx);
+                    let h = _mm256_hadd_epi32(h, h);
+                    let dx = super::act8::scale(qx, n, e / 32);
+                    let j = 8 * half + 2 * s;
+                    for (part, v) in
+                        [_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h)].into_iter().enumerate()
+                    {
+                        let (sq, sx) = (_mm_cvtsi128_si32(v), _mm_extract_epi32::<1>(v));
+                        acc += f64::from(super::act8_term(d, dmin, b[j + part], sq, sx, dx));
+                    }
+                }
+            }
+        }
+        acc as f32
     }
 }
 
@@ -295,6 +393,37 @@ mod tests {
                     assert_eq!(out[128 * half + 32 * s + l], want, "{half} {s} {l}");
                 }
             }
+        }
+    }
+
+    /// The 8-bit activation dot against an oracle: the f64 dot of the dequantized row
+    /// (gguf-identical) with the values the activations stand for (`q * d`); SIMD and scalar
+    /// give the same bits; and the quantization moves the float product by little.
+    #[test]
+    fn act8_dot_matches_the_dequantized_oracle() {
+        let mut rng = Rng(12);
+        for nb in [1usize, 2, 5, 16, 33] {
+            let src = random_blocks(&mut rng, GgmlType::Q2_K, nb, &[80, 82]);
+            let mut x = rng.f32s(nb * 256);
+            x[..32].fill(0.0); // a zero block (d = 0)
+            x[40] *= 50.0; // an outlier that coarsens its block
+            let qx = act8::quantize_rows(&x, nb * 256).unwrap();
+            let mut w = vec![0f32; nb * 256];
+            dequantize(GgmlType::Q2_K, &src, &mut w).unwrap();
+            let (want, mag) = reference_dot(&w, &act8::dequantize_row(&qx, nb * 256));
+            let s = super::super::q2_k::dot_act8_scalar(&src, &qx);
+            assert!((s as f64 - want).abs() <= 1e-6 * mag, "nb {nb}: {s} vs {want} (mag {mag})");
+            let dot = RowDot::new(GgmlType::Q2_K, nb * 256, Kernel::Scalar).unwrap();
+            assert!(dot.takes_act8());
+            assert_eq!(dot.dot_act8(&src, &qx).to_bits(), s.to_bits());
+            if Kernel::simd_available() {
+                let dot = RowDot::new(GgmlType::Q2_K, nb * 256, Kernel::Simd).unwrap();
+                assert_eq!(dot.dot_act8(&src, &qx).to_bits(), s.to_bits(), "nb {nb}");
+            }
+            // Against float activations: within a percent of sum |w x| (each x moves by at
+            // most half its block's step, amax / 254).
+            let (exact, mag) = reference_dot(&w, &x);
+            assert!((s as f64 - exact).abs() <= 0.01 * mag, "nb {nb}: {s} vs {exact} (mag {mag})");
         }
     }
 

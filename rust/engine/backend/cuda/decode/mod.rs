@@ -534,11 +534,14 @@ impl CudaBackend {
     fn decodable(&self, model: &Model) -> bool {
         let g = self.lock();
         let Some(img) = g.images.iter().find(|i| i.is(model.file.raw())) else { return false };
-        let routed_in = |l: &crate::model::weights::LayerWeights| [l.gate_exps.first.start, l.up_exps.first.start];
+        let routed_in = |l: &crate::model::weights::LayerWeights| {
+            [l.gate_exps.first.start, l.up_exps.first.start, l.down_exps.first.start]
+        };
         let routed: Vec<usize> = model.weights.layers.iter().flat_map(routed_in).collect();
-        // Only the routed experts' gate and up products get 8-bit activations on the device
-        // (quantized by ds4_gather, quant/act8.rs); a model with such weights anywhere else
-        // (none that ds4 writes) runs its forward on the host, with this backend's products.
+        // Only the routed experts' products get 8-bit activations on the device (quant/act8.rs:
+        // ds4_gather quantizes the gate and up inputs, ds4_swiglu the down inputs); a model
+        // with such weights anywhere else (none that ds4 writes) runs its forward on the host,
+        // with this backend's products.
         all_mats(model)
             .iter()
             .all(|m| Self::gpu_shape(img, m) && (!crate::quant::act8::takes_act8(m.ty) || routed.contains(&m.start)))
@@ -1178,7 +1181,7 @@ impl CudaDecoder {
                     ((n * ff_sh).div_ceil(256) as u32, 1, 1),
                     256,
                     0,
-                    vec![p(b.gsh.ptr), p(b.ush.ptr), p(b.ash.ptr), i(n * ff_sh), fl(spec.clamp_shared)],
+                    vec![p(b.gsh.ptr), p(b.ush.ptr), p(b.ash.ptr), i(n * ff_sh), fl(spec.clamp_shared), i(ff_sh), i(0)],
                 )
             };
             let gate_up_sh = [(lw.gate_sh, b.h.ptr, b.gsh.ptr, n), (lw.up_sh, b.h.ptr, b.ush.ptr, n)];
@@ -1286,7 +1289,16 @@ impl CudaDecoder {
                 ((n * kk * ff).div_ceil(256) as u32, 1, 1),
                 256,
                 0,
-                vec![p(b.g_out.ptr), p(b.u_out.ptr), p(b.act.ptr), i(n * kk * ff), fl(spec.clamp_routed)],
+                vec![
+                    p(b.g_out.ptr),
+                    p(b.u_out.ptr),
+                    p(b.act.ptr),
+                    i(n * kk * ff),
+                    fl(spec.clamp_routed),
+                    i(ff),
+                    // The activations as 8-bit ones when the down products take them (Q2_K).
+                    i(crate::quant::act8::takes_act8(dm.ty) as usize),
+                ],
             );
             if !shared_side {
                 products(&mut ops, &mut table, &down_sh)?;

@@ -147,7 +147,15 @@ fn swiglu_host(g: &[f32], u: &[f32], clamp: f32) -> Vec<f32> {
 /// host between the launches.
 fn swiglu(ctx: &Context, g: &DevBuf, u: &DevBuf, out: &DevBuf, count: usize, clamp: f32) {
     if let Ok(f) = ctx.function("ds4_swiglu") {
-        let args = [Arg::Ptr(g.at(0)), Arg::Ptr(u.at(0)), Arg::Ptr(out.at(0)), Arg::I32(count as i32), Arg::F32(clamp)];
+        let args = [
+            Arg::Ptr(g.at(0)),
+            Arg::Ptr(u.at(0)),
+            Arg::Ptr(out.at(0)),
+            Arg::I32(count as i32),
+            Arg::F32(clamp),
+            Arg::I32(count as i32),
+            Arg::I32(0),
+        ];
         ctx.launch_args(f, (count.div_ceil(256) as u32, 1, 1), 256, 0, &args).expect("ds4_swiglu");
     } else {
         ctx.sync().expect("sync");
@@ -774,5 +782,44 @@ fn routed_experts_match_cpu_and_are_row_invariant() {
                 );
             }
         }
+    }
+}
+
+/// ds4_swiglu's 8-bit activations (the routed Q2_K down products' input): each row's slot holds
+/// exactly the bytes `act8::quantize_row` makes of the kernel's own float output, and the
+/// float output equals the host's SwiGLU to rounding (the device's expf).
+#[test]
+fn swiglu_writes_8_bit_activations_of_its_rows() {
+    let Some(ctx) = context() else { return };
+    let mut rng = Rng(0x5eed_0a08);
+    let (rows, width, clamp) = (5usize, 512usize, 7.0f32);
+    let mut g = rng.f32s(rows * width);
+    let u = rng.f32s(rows * width);
+    g.iter_mut().for_each(|v| *v *= 12.0); // some values past the clamp
+    g[3 * width..3 * width + 32].fill(0.0); // a zero block (scale 0)
+    let (gb, ub) = (DevBuf::from_slice(&g).expect("g"), DevBuf::from_slice(&u).expect("u"));
+    let (plain, quant) = (f32s(rows * width), f32s(rows * width));
+    for (out, act8) in [(&plain, 0), (&quant, 1)] {
+        let args = [
+            Arg::Ptr(gb.at(0)),
+            Arg::Ptr(ub.at(0)),
+            Arg::Ptr(out.at(0)),
+            Arg::I32((rows * width) as i32),
+            Arg::F32(clamp),
+            Arg::I32(width as i32),
+            Arg::I32(act8),
+        ];
+        ctx.launch_named("ds4_swiglu", ((rows * width).div_ceil(256) as u32, 1, 1), 256, 0, &args).expect("ds4_swiglu");
+    }
+    ctx.sync().expect("sync");
+    let plain: Vec<f32> = plain.read_all().expect("plain");
+    let quant: Vec<f32> = quant.read_all().expect("quant");
+    assert_close("swiglu", &plain, &swiglu_host(&g, &u, clamp), 1e-6);
+    let bytes = crate::quant::act8::bytes(width);
+    for r in 0..rows {
+        let mut want = vec![0u8; bytes];
+        crate::quant::act8::quantize_row(&plain[r * width..(r + 1) * width], &mut want).expect("act8");
+        let got: Vec<u8> = quant[r * width..(r + 1) * width].iter().flat_map(|v| v.to_ne_bytes()).collect();
+        assert_eq!(&got[..bytes], &want[..], "row {r}: 8-bit activations differ from act8::quantize_row");
     }
 }

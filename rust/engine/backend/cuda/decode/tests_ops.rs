@@ -655,7 +655,7 @@ fn run_swiglu(ctx: &Context, g: &[f32], u: &[f32], clamp: f32) -> Vec<f32> {
         ctx,
         "ds4_swiglu",
         (count.div_ceil(BLOCK as usize), 1),
-        &[ptr(&gb), ptr(&ub), ptr(&ob), Arg::I32(count as i32), Arg::F32(clamp)],
+        &[ptr(&gb), ptr(&ub), ptr(&ob), Arg::I32(count as i32), Arg::F32(clamp), Arg::I32(count as i32), Arg::I32(0)],
     );
     read(ctx, &ob, count)
 }
