@@ -254,6 +254,41 @@ __device__ __forceinline__ float hc_sinkhorn_warp(float v, int ci, int cj, float
     return v;
 }
 
+// Warp 0's part of ds4_hc_pre (every lane calls it): mix[k] = 2 sigmoid(mp * scale[1] +
+// base[HC + k]) for lanes k < HC, mp their logit m[HC + k]; comb element k from its logit
+// mc = m[2 HC + k] for lanes k < HC * HC: scaled and shifted, the softmax of its row + hc_eps,
+// then the Sinkhorn iterations (hc_sinkhorn_warp), into mix[HC + k].
+template <int HC>
+__device__ __forceinline__ void hc_mix_warp(float mp, float mc, float* mix, const float* base, const float* scale,
+                                            float hc_eps, int iters) {
+    const int k = threadIdx.x & 31;
+    const bool mine = k < HC * HC;
+    const int ci = mine ? k / HC : 0;
+    const int cj = mine ? k - ci * HC : 0;
+    if (k < HC) {
+        mix[k] = 2.0f * ds4_sigmoid(mp * scale[1] + base[HC + k]);
+    }
+    float v = mine ? mc * scale[2] + base[2 * HC + k] : 0.0f;
+    // Softmax of each row, then + hc_eps.
+    float e[HC];
+    hc_line<HC>(v, ci * HC, 1, e);
+    float mx = -__int_as_float(0x7f800000);
+#pragma unroll
+    for (int j = 0; j < HC; j++) {
+        mx = fmaxf(mx, e[j]);
+    }
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < HC; j++) {
+        sum += expf(e[j] - mx);
+    }
+    v = mine ? expf(v - mx) / sum + hc_eps : 0.0f;
+    v = hc_sinkhorn_warp<HC>(v, ci, cj, hc_eps, iters);
+    if (mine) {
+        mix[HC + k] = v;
+    }
+}
+
 // One row of ds4_hc_pre with its pointers at the row: warp 0 computes the mix while the other
 // warps collapse the streams (the collapse needs only pre, not the Sinkhorn iterations).
 //
@@ -296,31 +331,8 @@ __device__ __forceinline__ void hc_pre_row(const float* raw, const float* x, flo
     float yv[DS4_HC_REGS];
     if (tid < 32) {
         const int k = tid;
-        const bool mine = k < HC * HC;
-        const int ci = mine ? k / HC : 0;
-        const int cj = mine ? k - ci * HC : 0;
-        if (k < HC) {
-            mix[k] = 2.0f * ds4_sigmoid(m[HC + k] * scale[1] + base[HC + k]);
-        }
-        float v = mine ? m[2 * HC + k] * scale[2] + base[2 * HC + k] : 0.0f;
-        // Softmax of each row, then + hc_eps.
-        float e[HC];
-        hc_line<HC>(v, ci * HC, 1, e);
-        float mx = -__int_as_float(0x7f800000);
-#pragma unroll
-        for (int j = 0; j < HC; j++) {
-            mx = fmaxf(mx, e[j]);
-        }
-        float sum = 0.0f;
-#pragma unroll
-        for (int j = 0; j < HC; j++) {
-            sum += expf(e[j] - mx);
-        }
-        v = mine ? expf(v - mx) / sum + hc_eps : 0.0f;
-        v = hc_sinkhorn_warp<HC>(v, ci, cj, hc_eps, iters);
-        if (mine) {
-            mix[HC + k] = v;
-        }
+        hc_mix_warp<HC>(k < HC ? m[HC + k] : 0.0f, k < HC * HC ? m[2 * HC + k] : 0.0f, mix, base, scale, hc_eps,
+                        iters);
     } else {
         auto one = [&](int i) {
             float acc = 0.0f;
@@ -380,6 +392,97 @@ __device__ __forceinline__ void hc_pre_row(const float* raw, const float* x, flo
     }
 }
 
+// ds4_hc_pre's row when d = J * blockDim.x (J = 1, 2 or 4; the Flash shape: d = 4096, 1024
+// threads): thread t loads x[s * d + t + j * blockDim.x] for every stream s and j < J once,
+// which is ds4_rms_scale_regs' assignment of the hc * d values (the same RMS scale, bit for
+// bit), and collapses its own J elements of y from those registers; its small inputs (its
+// logits, base, scale and norm weights) are loaded with them. Nothing is read twice and only
+// the two block sums wait on other warps: hc_pre_row's collapse re-read x after a barrier and
+// the norm weights after the second sum, about 12 us of a Flash decode's 86 launches a step on
+// an H200, bound by those latencies. The arithmetic is hc_pre_row's (pre, collapse, mix); the
+// norm's sum of squares is over the same values in another order (double, then rounded to
+// float). Warp 0 also computes the mix (hc_mix_warp).
+template <int HC, int J>
+__device__ __forceinline__ void hc_pre_row_regs(const float* raw, const float* x, float* y, float* mix,
+                                                const float* base, const float* scale, int d, float hc_eps, int iters,
+                                                const float* norm, float eps) {
+    __shared__ double red[32];
+    const int tid = threadIdx.x;
+    const int nt = blockDim.x;
+    float v[HC][J];
+#pragma unroll
+    for (int s = 0; s < HC; s++) {
+#pragma unroll
+        for (int j = 0; j < J; j++) {
+            v[s][j] = x[(long long)s * d + tid + j * nt];
+        }
+    }
+    float rp[HC], bp[HC];
+#pragma unroll
+    for (int s = 0; s < HC; s++) {
+        rp[s] = raw[s];
+        bp[s] = base[s];
+    }
+    const float sc0 = scale[0];
+    // Warp 0's logits of the mix: post (lanes < HC) and comb (lanes < HC * HC).
+    const int lane = tid & 31;
+    const float rpost = tid < HC ? raw[HC + lane] : 0.0f;
+    const float rcomb = tid < HC * HC ? raw[2 * HC + lane] : 0.0f;
+    float nw[J];
+#pragma unroll
+    for (int j = 0; j < J; j++) {
+        nw[j] = norm ? norm[tid + j * nt] : 0.0f;
+    }
+    double ss = 0.0;
+#pragma unroll
+    for (int s = 0; s < HC; s++) {
+#pragma unroll
+        for (int j = 0; j < J; j++) {
+            const double q = (double)v[s][j];
+            ss += q * q;
+        }
+    }
+    ss = ds4_block_sum_f64(ss, red);
+    const float fs = 1.0f / sqrtf((float)(ss / (double)(HC * d)) + eps);
+    float pre[HC];
+#pragma unroll
+    for (int s = 0; s < HC; s++) {
+        pre[s] = ds4_sigmoid((rp[s] * fs) * sc0 + bp[s]) + hc_eps;
+    }
+    float yv[J];
+#pragma unroll
+    for (int j = 0; j < J; j++) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int s = 0; s < HC; s++) {
+            acc += pre[s] * v[s][j];
+        }
+        yv[j] = acc;
+    }
+    if (tid < 32) {
+        hc_mix_warp<HC>(rpost * fs, rcomb * fs, mix, base, scale, hc_eps, iters);
+    }
+    if (!norm) {
+#pragma unroll
+        for (int j = 0; j < J; j++) {
+            y[tid + j * nt] = yv[j];
+        }
+        return;
+    }
+    double s2 = 0.0;
+#pragma unroll
+    for (int j = 0; j < J; j++) {
+        const double q = (double)yv[j];
+        s2 += q * q;
+    }
+    s2 = ds4_block_sum_f64(s2, red);
+    const float sc = 1.0f / sqrtf((float)(s2 / (double)d) + eps);
+#pragma unroll
+    for (int j = 0; j < J; j++) {
+        y[tid + j * nt] = nw[j] * (yv[j] * sc);
+    }
+}
+
 // The Sinkhorn iterations of one row's comb (mix + hc) in warp 0, in place.
 template <int HC>
 __device__ __forceinline__ void hc_sinkhorn_row(float* comb, float hc_eps, int iters) {
@@ -423,7 +526,17 @@ __device__ __forceinline__ void hc_pre_streams(int hc, const float* raw, const f
                                                const float* base, const float* scale, int d, float hc_eps, int iters,
                                                const float* norm, float eps) {
     if (hc == H) {
-        hc_pre_row<H>(raw, x, y, mix, base, scale, d, hc_eps, iters, norm, eps);
+        const int nt = blockDim.x;
+        // (Four elements a stream of five streams would not fit the 64 registers of 1024 threads.)
+        if (H <= 4 && d == 4 * nt) {
+            hc_pre_row_regs<H <= 4 ? H : 4, 4>(raw, x, y, mix, base, scale, d, hc_eps, iters, norm, eps);
+        } else if (d == 2 * nt) {
+            hc_pre_row_regs<H, 2>(raw, x, y, mix, base, scale, d, hc_eps, iters, norm, eps);
+        } else if (d == nt) {
+            hc_pre_row_regs<H, 1>(raw, x, y, mix, base, scale, d, hc_eps, iters, norm, eps);
+        } else {
+            hc_pre_row<H>(raw, x, y, mix, base, scale, d, hc_eps, iters, norm, eps);
+        }
     } else if constexpr (H > 1) {
         hc_pre_streams<H - 1>(hc, raw, x, y, mix, base, scale, d, hc_eps, iters, norm, eps);
     } else {
@@ -439,7 +552,7 @@ __device__ __forceinline__ void hc_pre_streams(int hc, const float* raw, const f
 // HyperWeights base (n_mix floats) and scale (3 floats). With `norm` (d floats, may be null)
 // y is then replaced by its RMS norm with that weight, as ds4_rms_weight (the sublayer's input
 // norm, fused). Grid (n), at least 64 threads; 1 <= hc <= DS4_HC_PRE_MAX.
-extern "C" __global__ void ds4_hc_pre(const float* logits, int n_mix, const float* x, float* y, float* mix,
+extern "C" __global__ void __launch_bounds__(1024) ds4_hc_pre(const float* logits, int n_mix, const float* x, float* y, float* mix,
                                       const float* base, const float* scale, int hc, int d, float hc_eps,
                                       int iters, const float* norm, float eps) {
     ds4_grid_deps();

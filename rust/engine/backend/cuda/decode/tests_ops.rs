@@ -220,10 +220,13 @@ fn run_hc_pre(
     let nb = norm.map(buf);
     let yb = DevBuf::zeroed(n * d * 4).expect("y");
     let mb = DevBuf::zeroed(n * (hc + hc * hc) * 4).expect("mix");
-    launch(
-        ctx,
+    // As many threads as the decode gives a row of d (ds4_hc_pre's register path needs d to be
+    // 1, 2 or 4 times the block).
+    ctx.launch_named(
         "ds4_hc_pre",
-        (n, 1),
+        (n as u32, 1, 1),
+        super::wide(d),
+        0,
         &[
             ptr(&lb),
             Arg::I32(n_mix as i32),
@@ -239,7 +242,8 @@ fn run_hc_pre(
             nb.as_ref().map_or(Arg::Ptr(0), ptr),
             Arg::F32(EPS),
         ],
-    );
+    )
+    .expect("launching ds4_hc_pre");
     if apart {
         let args = [ptr(&mb), Arg::I32(hc as i32), Arg::F32(HC_EPS), Arg::I32(ITERS as i32)];
         ctx.launch_named("ds4_hc_sinkhorn", (n as u32, 1, 1), 32, 0, &args).expect("launching ds4_hc_sinkhorn");
@@ -252,7 +256,21 @@ fn run_hc_pre(
 #[test]
 fn hc_pre_matches_cpu() {
     let Some(ctx) = context() else { return };
-    let cases = [(HC, 64usize), (HC, 1000), (HC, 4096), (1, 300), (2, 1000), (3, 512), (5, 700)];
+    // At the decode's block sizes: d = 4096, 2048, 512, 256 and 1024 take the register path
+    // (d a multiple 1, 2 or 4 of the block), the others the general one.
+    let cases = [
+        (HC, 64usize),
+        (HC, 1000),
+        (HC, 4096),
+        (HC, 2048),
+        (1, 300),
+        (1, 256),
+        (2, 1000),
+        (2, 1024),
+        (3, 512),
+        (5, 700),
+        (5, 2048),
+    ];
     for (k, &(hc, d)) in cases.iter().enumerate() {
         let what = format!("ds4_hc_pre hc {hc} d {d}");
         let n = 5;
