@@ -258,7 +258,26 @@ pub(crate) fn chunk_rows(ty: GgmlType) -> usize {
 
 /// Row blocks of `w`'s products: blocks of `MV_WARPS / group` row groups of `MV_ROWS` rows.
 pub(crate) fn row_blocks(w: &Mat) -> usize {
-    w.n_out.div_ceil(MV_WARPS / group(w) * MV_ROWS)
+    row_blocks_in(w, group(w))
+}
+
+/// Row blocks of `w`'s products at warp group `g`.
+fn row_blocks_in(w: &Mat, g: usize) -> usize {
+    w.n_out.div_ceil(MV_WARPS / g * MV_ROWS)
+}
+
+/// The warp group and input slices of `w`'s products when one launch runs them with others of
+/// the same shape, `rows` output rows in all: those of a single matrix of `rows` rows, whose
+/// row blocks the launch has. For the decode's o_a, eight 1024 x 4096 products (the output
+/// groups, side by side in one launch): alone each would take 4 warps a row group, together
+/// they fill the GPU with 1 (on an H200, Flash o_a: 23 us a launch with 4, 19 with 2; a single
+/// 8192 x 4096 matrix 15.6 us with 1; Flash decode at 2K, two A/B pairs: 9.57 / 9.61 ms with
+/// each product's own split, 9.27 / 9.39 ms with this). Like [`group`] and [`slices`], a
+/// function of shapes only, never of the batch (row invariance); the host's products do not
+/// use it, so its o_a sums in another order than the device decoder's.
+pub(crate) fn split_in_launch(w: &Mat, rows: usize) -> (usize, usize) {
+    let whole = Mat { n_out: rows.max(w.n_out), ..*w };
+    (group(&whole), slices(&whole))
 }
 
 /// In how many slices of its input the kernels split the rows of `w`: 1 for matrices with
@@ -430,7 +449,21 @@ impl CudaBackend {
     /// rows at device `x` into device `y` (partial sums at `part` when split, counters from
     /// `counter`), and its block count.
     fn desc(w_at: u64, w: &Mat, x: u64, y: u64, part: u64, n: usize, counter: usize) -> (Desc, usize) {
-        let s = slices(w);
+        Self::desc_split(w_at, w, x, y, part, n, counter, (group(w), slices(w)))
+    }
+
+    /// [`CudaBackend::desc`] at warp group and input slices `(g, s)` ([`split_in_launch`]).
+    #[allow(clippy::too_many_arguments)]
+    fn desc_split(
+        w_at: u64,
+        w: &Mat,
+        x: u64,
+        y: u64,
+        part: u64,
+        n: usize,
+        counter: usize,
+        (g, s): (usize, usize),
+    ) -> (Desc, usize) {
         let d = Desc {
             w: w_at,
             x,
@@ -443,11 +476,11 @@ impl CudaBackend {
             slices: s as i32,
             block_start: 0,
             counter: counter as i32,
-            group: group(w) as i32,
+            group: g as i32,
             y_stride: w.n_out as i32,
             pad: [0; 2],
         };
-        (d, row_blocks(w) * s)
+        (d, row_blocks_in(w, g) * s)
     }
 
     /// Times `iters` launches of the product of each of `mats` in turn (they should be at

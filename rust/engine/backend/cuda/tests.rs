@@ -244,6 +244,20 @@ fn split_formats_run_on_listed_tensors_only() {
     }
 }
 
+/// A launch of same-shape products splits each as one matrix of all their rows would be split
+/// (`split_in_launch`): Flash's o_a groups, 8 x 1024 rows, take one warp a row group and no
+/// input slices; alone, a product's split is its own.
+#[test]
+fn launch_of_several_products_splits_as_one_matrix() {
+    let oa = Mat { ty: GgmlType::Q8_0, n_in: 4096, n_out: 1024, start: 0, row_bytes: 4352 };
+    assert_eq!((group(&oa), slices(&oa)), (4, 1));
+    assert_eq!(split_in_launch(&oa, 8 * 1024), (1, 1));
+    assert_eq!(split_in_launch(&oa, 1024), (group(&oa), slices(&oa)));
+    let hc = Mat { ty: GgmlType::F16, n_in: 16384, n_out: 24, start: 0, row_bytes: 32768 };
+    assert_eq!(split_in_launch(&hc, 24), (group(&hc), slices(&hc)));
+    assert!(slices(&hc) > 1);
+}
+
 /// Products whose outputs go to some columns of wider rows (`Desc::y_stride`, as the decode's
 /// o_a groups write their ranks side by side): each group's columns equal its own product
 /// bitwise, and the columns no product owns are left alone. Split (several input slices) and

@@ -39,7 +39,7 @@ use cudarc::driver::sys;
 use super::context::{driver_err, Context, MAX_BATCH, THREADS};
 use super::device::{Arg, DevBuf};
 use super::weights::DeviceImage;
-use super::{chunk_rows, row_blocks, slices, CudaBackend, Desc};
+use super::{chunk_rows, group, row_blocks, slices, split_in_launch, CudaBackend, Desc};
 use crate::backend::DeviceDecoder;
 use crate::model::config::AttentionKind;
 use crate::model::draft::DraftKind;
@@ -878,21 +878,27 @@ impl CudaDecoder {
                 let mut blocks = 0usize;
                 let mut count = 0usize;
                 let mut nmax = 1;
+                // Strided outputs are the o_a groups: products of one shape that share the
+                // launch's row blocks (split_in_launch).
+                let launch_rows: usize = prods.iter().filter(|pr| pr.0.ty == ty).map(|pr| pr.0.n_out).sum();
                 for &(m, x, y, rows) in prods.iter().filter(|pr| pr.0.ty == ty) {
                     let ys = y_stride.unwrap_or(m.n_out);
+                    let split =
+                        if y_stride.is_some() { split_in_launch(&m, launch_rows) } else { (group(&m), slices(&m)) };
                     let mut r0 = 0;
                     while r0 < rows {
                         let c = (rows - r0).min(chunk_rows(ty));
                         let part = b.part.ptr + 4 * part_off as u64;
                         let (xc, yc) = (x + 4 * (r0 * m.n_in) as u64, y + 4 * (r0 * ys) as u64);
-                        let (mut dsc, nblocks) = CudaBackend::desc(img.addr(m.start), &m, xc, yc, part, c, counter);
+                        let (mut dsc, nblocks) =
+                            CudaBackend::desc_split(img.addr(m.start), &m, xc, yc, part, c, counter, split);
                         dsc.block_start = blocks as i32;
                         dsc.y_stride = ys as i32;
                         // Only split products use partial sums and counters.
-                        let s = slices(&m);
+                        let s = split.1;
                         if s > 1 {
                             part_off += s * c * m.n_out;
-                            counter += row_blocks(&m);
+                            counter += nblocks / s;
                         }
                         blocks += nblocks;
                         count += 1;
