@@ -556,7 +556,14 @@ __device__ __forceinline__ void matvec(const MvDesc* __restrict__ descs, int cou
 //   2% in the engine; it was removed when IQ2_XXS moved to 8-bit activations. With float x
 //   the IQ2_XXS kernel was bound by issue (55% of slots at one row): its dequantization cost
 //   about 5 instructions a weight, and a float copy of the lattice in shared memory (no byte
-//   conversion) was slower still (47.0 -> 71.5 us). Hence its int8 x and dp4a (iq2_xxs.cu).
+//   conversion) was slower still (47.0 -> 71.5 us). Hence its int8 x and dp4a (iq2_xxs.cu),
+//   and Q2_K's (q2_k.cu).
+// - Q8_0 with 8-bit x and dp4a, measured in the lab and not adopted (every writer of a Q8_0
+//   product's input, the attention's included, would have to quantize it, and the attention
+//   products' numerics would change): Flash q_b (32768 x 1024) 18.2 -> 16.4 us at one batch
+//   row, 25.0 -> 19.2 at 2, 36.4 -> 23.4 at 4, 61.8 -> 56.0 at 8 (register-bound); o_b
+//   (4096 x 8192) 16.2 -> 14.2, 22.8 -> 15.4, 35.9 -> 17.9, 62.7 -> 55.1. Float x costs the
+//   one-row kernels little; it is the batches of a verify that pay for it.
 //
 // F provides: BLOCK_ELEMS, PAY (payload bytes per block), CB = 512 / PAY (blocks per chunk),
 // LUT_BYTES / init_lut, PREFETCH, a Chunk type, load(row, nb, c, lane, vec, ch), which issues
