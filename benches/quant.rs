@@ -156,7 +156,7 @@ fn bench_formats(c: &mut Criterion) {
         if Kernel::simd_available() {
             kernels.push((Kernel::Simd, "simd"));
         }
-        for (k, name) in kernels {
+        for &(k, name) in &kernels {
             g.bench_function(BenchmarkId::from_parameter(name), |b| {
                 b.iter(|| {
                     let mut s = 0f32;
@@ -168,6 +168,26 @@ fn bench_formats(c: &mut Criterion) {
             });
         }
         g.finish();
+
+        // The dot a matrix product of this type uses when it takes 8-bit activations.
+        if quant::act8::takes_act8(ty) {
+            let qx = quant::act8::quantize_rows(&x, COLS).unwrap();
+            let mut g = c.benchmark_group(format!("dot_act8/{}", ty.name()));
+            g.throughput(Throughput::Bytes(bytes)).sampling_mode(SamplingMode::Flat);
+            for &(k, name) in &kernels {
+                let dot = quant::RowDot::new(ty, COLS, k).unwrap();
+                g.bench_function(BenchmarkId::from_parameter(name), |b| {
+                    b.iter(|| {
+                        let mut s = 0f32;
+                        for r in m.chunks_exact(row) {
+                            s += dot.dot_act8(black_box(r), &qx);
+                        }
+                        black_box(s)
+                    })
+                });
+            }
+            g.finish();
+        }
     }
 }
 

@@ -175,10 +175,13 @@ mod avx2 {
         }
         acc64.total() as f32
     }
-    /// [`super::dot_act8_scalar`] with 256-bit integer lanes: per group, the lattice bytes
-    /// (unsigned) times the activations with the group's signs applied (`sign_epi8`), pairs
-    /// added in i16 (`maddubs`: at most 2 * 43 * 127, no saturation), then in i32; the
-    /// horizontal i32 sum is exact, so every float operation is the scalar one.
+    /// [`super::dot_act8_scalar`] with 256-bit lanes, a super-block at a time: per group, the
+    /// lattice bytes (unsigned) times the activations with the group's signs applied
+    /// (`sign_epi8`), pairs added in i16 (`maddubs`: at most 2 * 43 * 127, no saturation),
+    /// then in i32; the eight groups' horizontal sums are taken together (three rounds of
+    /// `hadd`, then the two 128-bit halves), exactly. The terms `(db * d) * s` are the scalar
+    /// float operations in 8-wide lanes, added in f64 in group order: the same bits as the
+    /// scalar reference.
     ///
     /// # Safety
     /// SIMD features available.
@@ -190,25 +193,39 @@ mod avx2 {
         assert!(qx.len() >= super::act8::bytes(n));
         let ones = _mm256_set1_epi16(1);
         let mut acc = 0f64;
+        let mut terms = [0f32; 8];
         for i in 0..nb {
             let b = &src[66 * i..66 * i + 66];
             let d = super::f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
-            for g in 0..8 {
+            let mut p = [_mm256_setzero_si256(); 8];
+            let mut db = [0f32; 8];
+            for (g, (pg, dbg)) in p.iter_mut().zip(db.iter_mut()).enumerate() {
                 let (aux0, aux1) = super::words(&b[2 + 8 * g..10 + 8 * g]);
-                let db = d * (0.5 + (aux1 >> 28) as f32) * 0.25;
+                *dbg = d * (0.5 + (aux1 >> 28) as f32) * 0.25;
                 let gi = |k: u32| IQ2XXS_GRID[((aux0 >> (8 * k)) & 0xff) as usize] as i64;
                 let si = |k: u32| IQ2XXS_SIGNS_I8[((aux1 >> (7 * k)) & 0x7f) as usize] as i64;
-                let e = 256 * i + 32 * g;
-                // SAFETY: e + 32 <= n <= qx.len() (asserted above).
-                let q = unsafe { _mm256_loadu_si256(qx.as_ptr().add(e).cast()) };
+                // SAFETY: 256 i + 32 g + 32 <= n <= qx.len() (asserted above).
+                let q = unsafe { _mm256_loadu_si256(qx.as_ptr().add(256 * i + 32 * g).cast()) };
                 let grid = _mm256_set_epi64x(gi(3), gi(2), gi(1), gi(0));
                 let signs = _mm256_set_epi64x(si(3), si(2), si(1), si(0));
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(grid, _mm256_sign_epi8(q, signs)), ones);
-                let h = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256::<1>(p));
-                let h = _mm_add_epi32(h, _mm_shuffle_epi32::<0b01_00_11_10>(h));
-                let h = _mm_add_epi32(h, _mm_shuffle_epi32::<0b10_11_00_01>(h));
-                let s = _mm_cvtsi128_si32(h);
-                acc += f64::from((db * super::act8::scale(qx, n, 8 * i + g)) * s as f32);
+                *pg = _mm256_madd_epi16(_mm256_maddubs_epi16(grid, _mm256_sign_epi8(q, signs)), ones);
+            }
+            // Lane g of the 128-bit halves of h: group g's (g < 4) or g - 4's sums of each half.
+            let h =
+                |a: usize| _mm256_hadd_epi32(_mm256_hadd_epi32(p[a], p[a + 1]), _mm256_hadd_epi32(p[a + 2], p[a + 3]));
+            let (h0, h4) = (h(0), h(4));
+            let s0 = _mm_add_epi32(_mm256_castsi256_si128(h0), _mm256_extracti128_si256::<1>(h0));
+            let s4 = _mm_add_epi32(_mm256_castsi256_si128(h4), _mm256_extracti128_si256::<1>(h4));
+            let sums = _mm256_cvtepi32_ps(_mm256_set_m128i(s4, s0));
+            // SAFETY: the super-block's 8 activation scales, bytes n + 32 i .. + 32 (asserted).
+            let dx = unsafe { _mm256_loadu_ps(qx.as_ptr().add(n + 32 * i).cast()) };
+            // SAFETY: db holds 8 floats; terms takes 8.
+            unsafe {
+                let t = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(db.as_ptr()), dx), sums);
+                _mm256_storeu_ps(terms.as_mut_ptr(), t);
+            }
+            for &t in &terms {
+                acc += f64::from(t);
             }
         }
         acc as f32

@@ -213,11 +213,14 @@ pub(super) mod avx2 {
         acc64.total() as f32
     }
 
-    /// [`super::dot_act8_scalar`] with 256-bit integer lanes: for each half and shift, the 32
-    /// quants (unsigned, 0..3) times the 32 activations of one block (`maddubs`, pairs in i16:
-    /// at most 2 * 3 * 128, no saturation), and the activations times 1 for their sums; the
-    /// two 128-bit lanes hold the shift's two sub-blocks. The i32 sums are exact, so every
-    /// float operation is the scalar one.
+    /// [`super::dot_act8_scalar`] with 256-bit lanes, a super-block at a time: for each half
+    /// and shift, the 32 quants (unsigned, 0..3) times the 32 activations of one block
+    /// (`maddubs`, pairs in i16: at most 2 * 3 * 128, no saturation) and the activations times
+    /// 1, in i32; the 128-bit lanes hold the shift's two sub-blocks, whose sums two rounds of
+    /// `hadd` gather for four shifts at once (sub-blocks 0, 2, 4, 6 | 1, 3, 5, 7 of a half).
+    /// The 16 terms are then the scalar float operations in 8-wide lanes (no fused
+    /// multiply-add), put back in sub-block order and added in f64 in that order: the same
+    /// bits as the scalar reference.
     ///
     /// # Safety
     /// SIMD features available.
@@ -229,33 +232,49 @@ pub(super) mod avx2 {
         let ones8 = _mm256_set1_epi8(1);
         let ones16 = _mm256_set1_epi16(1);
         let three = _mm256_set1_epi8(3);
+        let nib = _mm256_set1_epi32(0x0f);
+        // A half's sub-blocks sit in the lanes as 0, 2, 4, 6, 1, 3, 5, 7 (see `gather`).
+        let to_lanes = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+        let to_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        let x_block = _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3);
         let mut acc = 0f64;
+        let mut terms = [0f32; 16];
         for i in 0..nb {
             let b = &src[84 * i..84 * i + 84];
-            let d = f16_to_f32(u16::from_le_bytes([b[80], b[81]]));
-            let dmin = f16_to_f32(u16::from_le_bytes([b[82], b[83]]));
+            let d = _mm256_set1_ps(f16_to_f32(u16::from_le_bytes([b[80], b[81]])));
+            let dmin = _mm256_set1_ps(f16_to_f32(u16::from_le_bytes([b[82], b[83]])));
+            // SAFETY: the block's 84 bytes and the 256 activations and 8 scales of super-block
+            // i are in bounds (i < nb, qx.len() >= bytes(n) asserted above).
+            let (scales, xs8) =
+                unsafe { (_mm_loadu_si128(b.as_ptr().cast()), _mm256_loadu_ps(qx.as_ptr().add(n + 32 * i).cast())) };
             for half in 0..2 {
                 // SAFETY: bytes 16 + 32 half .. + 32 of the 84-byte block.
                 let qv = unsafe { _mm256_loadu_si256(b.as_ptr().add(16 + 32 * half).cast()) };
+                let mut sq = [_mm256_setzero_si256(); 4];
+                let mut sx = [_mm256_setzero_si256(); 4];
                 for s in 0..4 {
                     let q = _mm256_and_si256(_mm256_srl_epi16(qv, _mm_cvtsi32_si128(2 * s as i32)), three);
-                    let e = 256 * i + 128 * half + 32 * s;
-                    // SAFETY: e + 32 <= n <= qx.len() (asserted above).
-                    let x = unsafe { _mm256_loadu_si256(qx.as_ptr().add(e).cast()) };
-                    let sq = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones16);
-                    let sx = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, x), ones16);
-                    // Per 128-bit lane [sq0 + sq1, sq2 + sq3, sx0 + sx1, sx2 + sx3], then the sums.
-                    let h = _mm256_hadd_epi32(sq, sx);
-                    let h = _mm256_hadd_epi32(h, h);
-                    let dx = super::act8::scale(qx, n, e / 32);
-                    let j = 8 * half + 2 * s;
-                    for (part, v) in
-                        [_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h)].into_iter().enumerate()
-                    {
-                        let (sq, sx) = (_mm_cvtsi128_si32(v), _mm_extract_epi32::<1>(v));
-                        acc += f64::from(super::act8_term(d, dmin, b[j + part], sq, sx, dx));
-                    }
+                    // SAFETY: as above, activations 256 i + 128 half + 32 s .. + 32.
+                    let x = unsafe { _mm256_loadu_si256(qx.as_ptr().add(256 * i + 128 * half + 32 * s).cast()) };
+                    sq[s] = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones16);
+                    sx[s] = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, x), ones16);
                 }
+                // [s0, s1, s2, s3] of the 128-bit lane sums: sub-blocks 0, 2, 4, 6 | 1, 3, 5, 7.
+                let gather =
+                    |v: [__m256i; 4]| _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+                let (sq, sx) = (_mm256_cvtepi32_ps(gather(sq)), _mm256_cvtepi32_ps(gather(sx)));
+                // The half's 8 scale bytes, in the lanes' order.
+                let sc = if half == 0 { scales } else { _mm_unpackhi_epi64(scales, scales) };
+                let sc = _mm256_permutevar8x32_epi32(_mm256_cvtepu8_epi32(sc), to_lanes);
+                let dl = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(sc, nib)));
+                let ml = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(sc)));
+                let dx = _mm256_permutevar8x32_ps(xs8, _mm256_add_epi32(x_block, _mm256_set1_epi32(4 * half as i32)));
+                let t = _mm256_mul_ps(dx, _mm256_sub_ps(_mm256_mul_ps(dl, sq), _mm256_mul_ps(ml, sx)));
+                // SAFETY: 8 floats into terms[8 half..8 half + 8].
+                unsafe { _mm256_storeu_ps(terms.as_mut_ptr().add(8 * half), _mm256_permutevar8x32_ps(t, to_order)) };
+            }
+            for &t in &terms {
+                acc += f64::from(t);
             }
         }
         acc as f32
