@@ -457,6 +457,39 @@ pub(crate) mod testutil {
         }
     }
 
+    /// The 8-bit activation dot of a type that takes them, against an oracle: the f64 dot of
+    /// the dequantized row (gguf-identical) with the values the activations stand for
+    /// (`q * d`), within 1e-6 of `sum |w x|`; scalar and SIMD give the same bits; and the
+    /// quantization moves the float product by less than a percent of `sum |w x|` (each x
+    /// moves by at most half its block's step, amax / 254). Rows of 1 to 33 blocks of random
+    /// `ty` blocks (scales at `scale_offsets`), with a zero activation block and an outlier.
+    pub(crate) fn check_act8_dots(ty: super::GgmlType, scale_offsets: &[usize], seed: u64) {
+        use super::*;
+        let mut rng = Rng(seed);
+        let be = ty.block_elems();
+        for nb in [1usize, 2, 5, 16, 33] {
+            let n = nb * be;
+            let src = random_blocks(&mut rng, ty, nb, scale_offsets);
+            let mut x = rng.f32s(n);
+            x[..32].fill(0.0); // a zero block (d = 0)
+            x[40] *= 50.0; // an outlier that coarsens its block
+            let qx = act8::quantize_rows(&x, n).unwrap();
+            let mut w = vec![0f32; n];
+            dequantize(ty, &src, &mut w).unwrap();
+            let (want, mag) = reference_dot(&w, &act8::dequantize_row(&qx, n));
+            let dot = RowDot::new(ty, n, Kernel::Scalar).unwrap();
+            assert!(dot.takes_act8(), "{ty}");
+            let s = dot.dot_act8(&src, &qx);
+            assert!((s as f64 - want).abs() <= 1e-6 * mag, "{ty} nb {nb}: {s} vs {want} (mag {mag})");
+            if Kernel::simd_available() {
+                let dot = RowDot::new(ty, n, Kernel::Simd).unwrap();
+                assert_eq!(dot.dot_act8(&src, &qx).to_bits(), s.to_bits(), "{ty} nb {nb}: SIMD");
+            }
+            let (exact, mag) = reference_dot(&w, &x);
+            assert!((s as f64 - exact).abs() <= 0.01 * mag, "{ty} nb {nb}: {s} vs {exact} (mag {mag})");
+        }
+    }
+
     /// Checks the AVX2 and (where the CPU has it) AVX-512 kernels of a format directly, each
     /// against the f64 reference: `dot_with(Simd)` only runs the best one.
     #[cfg(target_arch = "x86_64")]

@@ -415,35 +415,10 @@ mod tests {
         }
     }
 
-    /// The 8-bit activation dot against an oracle: the f64 dot of the dequantized row
-    /// (gguf-identical) with the values the activations stand for (`q * d`); SIMD and scalar
-    /// give the same bits; and the quantization moves the float product by little.
+    /// The 8-bit activation dot against the dequantized oracle (`testutil::check_act8_dots`).
     #[test]
     fn act8_dot_matches_the_dequantized_oracle() {
-        let mut rng = Rng(12);
-        for nb in [1usize, 2, 5, 16, 33] {
-            let src = random_blocks(&mut rng, GgmlType::Q2_K, nb, &[80, 82]);
-            let mut x = rng.f32s(nb * 256);
-            x[..32].fill(0.0); // a zero block (d = 0)
-            x[40] *= 50.0; // an outlier that coarsens its block
-            let qx = act8::quantize_rows(&x, nb * 256).unwrap();
-            let mut w = vec![0f32; nb * 256];
-            dequantize(GgmlType::Q2_K, &src, &mut w).unwrap();
-            let (want, mag) = reference_dot(&w, &act8::dequantize_row(&qx, nb * 256));
-            let s = super::super::q2_k::dot_act8_scalar(&src, &qx);
-            assert!((s as f64 - want).abs() <= 1e-6 * mag, "nb {nb}: {s} vs {want} (mag {mag})");
-            let dot = RowDot::new(GgmlType::Q2_K, nb * 256, Kernel::Scalar).unwrap();
-            assert!(dot.takes_act8());
-            assert_eq!(dot.dot_act8(&src, &qx).to_bits(), s.to_bits());
-            if Kernel::simd_available() {
-                let dot = RowDot::new(GgmlType::Q2_K, nb * 256, Kernel::Simd).unwrap();
-                assert_eq!(dot.dot_act8(&src, &qx).to_bits(), s.to_bits(), "nb {nb}");
-            }
-            // Against float activations: within a percent of sum |w x| (each x moves by at
-            // most half its block's step, amax / 254).
-            let (exact, mag) = reference_dot(&w, &x);
-            assert!((s as f64 - exact).abs() <= 0.01 * mag, "nb {nb}: {s} vs {exact} (mag {mag})");
-        }
+        check_act8_dots(GgmlType::Q2_K, &[80, 82], 12);
     }
 
     #[test]
