@@ -398,10 +398,10 @@ __device__ __forceinline__ void hc_pre_row(const float* raw, const float* x, flo
 // bit), and collapses its own J elements of y from those registers; its small inputs (its
 // logits, base, scale and norm weights) are loaded with them. Nothing is read twice and only
 // the two block sums wait on other warps: hc_pre_row's collapse re-read x after a barrier and
-// the norm weights after the second sum, about 12 us of a Flash decode's 86 launches a step on
-// an H200, bound by those latencies. The arithmetic is hc_pre_row's (pre, collapse, mix); the
-// norm's sum of squares is over the same values in another order (double, then rounded to
-// float). Warp 0 also computes the mix (hc_mix_warp).
+// the norm weights after the second sum, bound by those latencies (in a Flash decode step on an
+// H200, 86 launches: 11.6 us each that way, 9.1 us this way). The arithmetic is hc_pre_row's
+// (pre, collapse, mix); the norm's sum of squares is over the same values in another order
+// (double, then rounded to float). Warp 0 also computes the mix (hc_mix_warp).
 template <int HC, int J>
 __device__ __forceinline__ void hc_pre_row_regs(const float* raw, const float* x, float* y, float* mix,
                                                 const float* base, const float* scale, int d, float hc_eps, int iters,
