@@ -10,7 +10,8 @@
 // warp groups); EXPERTS is how many products of the shape one launch runs (as the routed
 // experts do). Every product reads a matrix of its own, and enough copies are cycled that the
 // launches read DRAM, not L2. Prints per line: registers, blocks, slices, microseconds per
-// launch (mean of 200 back-to-back launches after 20 warm-up ones, CUDA events), GB/s.
+// launch (mean of 200 back-to-back launches after 20 warm-up ones, CUDA events), GB/s. With
+// LAB_CHECK=REF.cubin each line also compares one launch's outputs with REF's same kernel.
 #include <cstring>
 #include <map>
 #include <string>
@@ -74,32 +75,81 @@ static int slice_count(int row_blocks, int tiles, int group) {
     return (tiles + per - 1) / per;
 }
 
-static void run(const Config& c) {
-    if (!modules.count(c.module)) {
+// The kernel `name` of module `path` (loaded once) and its dynamic shared memory.
+static CUfunction kernel_of(const char* path, const char* format, int nb, int* smem) {
+    if (!modules.count(path)) {
         CUmodule m;
-        CK(cuModuleLoad(&m, c.module));
-        modules[c.module] = m;
+        CK(cuModuleLoad(&m, path));
+        modules[path] = m;
     }
-    CUmodule mod = modules[c.module];
+    CUmodule mod = modules[path];
     char name[96];
-    snprintf(name, sizeof name, "ds4_mv_%s_%d", c.format, c.nb);
+    snprintf(name, sizeof name, "ds4_mv_%s_%d", format, nb);
     CUfunction f;
     CK(cuModuleGetFunction(&f, mod, name));
-    int regs = 0;
-    CK(cuFuncGetAttribute(&regs, CU_FUNC_ATTRIBUTE_NUM_REGS, f));
-    int smem = 0;
-    {
-        CUdeviceptr g;
-        size_t size;
-        char sym[96];
-        snprintf(sym, sizeof sym, "ds4_smem_%s_%d", c.format, c.nb);
-        if (cuModuleGetGlobal(&g, &size, mod, sym) == CUDA_SUCCESS) {
-            CK(cuMemcpyDtoH(&smem, g, 4));
+    *smem = 0;
+    CUdeviceptr g;
+    size_t size;
+    char sym[96];
+    snprintf(sym, sizeof sym, "ds4_smem_%s_%d", format, nb);
+    if (cuModuleGetGlobal(&g, &size, mod, sym) == CUDA_SUCCESS) {
+        CK(cuMemcpyDtoH(smem, g, 4));
+    }
+    if (*smem > 48 * 1024) {
+        CK(cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, *smem));
+    }
+    return f;
+}
+
+// LAB_CHECK=REF.cubin: one launch of the line's kernel and one of the same kernel of REF, with
+// the same descriptors (the first copy of the weights) and pseudo-random x, must write the same
+// bits (NaN matching NaN): what a variant that only changes how a kernel loads its data must
+// keep. Prints the verdict under the timing line.
+template <class Launch>
+static void check(const Config& c, const char* ref, CUdeviceptr X, CUdeviceptr Y, Launch launch, CUfunction f,
+                  int smem) {
+    std::vector<float> x((size_t)16 * c.n_in);
+    unsigned long long s = 0x2545F4914F6CDD1Dull;
+    for (auto& v : x) {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        v = (float)((s >> 40) & 0xffff) / 32768.0f - 1.0f;
+    }
+    CK(cuMemcpyHtoD(X, x.data(), x.size() * 4));
+    const size_t ny = (size_t)16 * c.n_out * c.experts;
+    std::vector<unsigned> a(ny), b(ny);
+    int rsmem = 0;
+    CUfunction g = kernel_of(ref, c.format, c.nb, &rsmem);
+    CK(cuMemsetD8(Y, 0, ny * 4));
+    launch(f, smem);  // (the split kernels re-arm their counters: they are zero again)
+    CK(cuMemcpyDtoH(a.data(), Y, ny * 4));
+    CK(cuMemsetD8(Y, 0, ny * 4));
+    launch(g, rsmem);
+    CK(cuMemcpyDtoH(b.data(), Y, ny * 4));
+    size_t bad = 0, first = 0;
+    for (size_t i = 0; i < ny; i++) {
+        const bool nan_a = (a[i] & 0x7fffffffu) > 0x7f800000u, nan_b = (b[i] & 0x7fffffffu) > 0x7f800000u;
+        if (a[i] != b[i] && !(nan_a && nan_b)) {
+            if (!bad) {
+                first = i;
+            }
+            bad++;
         }
     }
-    if (smem > 48 * 1024) {
-        CK(cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem));
+    if (bad) {
+        printf("  check vs %s: %zu of %zu outputs differ (first at %zu: %08x vs %08x)\n", ref, bad, ny, first,
+               a[first], b[first]);
+    } else {
+        printf("  check vs %s: equal bit for bit\n", ref);
     }
+}
+
+static void run(const Config& c) {
+    int smem = 0;
+    CUfunction f = kernel_of(c.module, c.format, c.nb, &smem);
+    int regs = 0;
+    CK(cuFuncGetAttribute(&regs, CU_FUNC_ATTRIBUTE_NUM_REGS, f));
 
     const long long row_bytes = c.n_in / c.block_elems * c.block_bytes;
     const long long mat = row_bytes * c.n_out;
@@ -153,6 +203,15 @@ static void run(const Config& c) {
     printf("%-24s %-8s nb=%-2d %6lldx%-6lld x%-2d G=%d rpw=%d regs=%3d blocks=%6d slices=%2d %8.2f us %6.0f GB/s\n",
            c.module, c.format, c.nb, c.n_out, c.n_in, c.experts, c.group, c.rows_per_warp, regs, blocks, slices, us,
            mat * c.experts / us / 1e3);
+    if (const char* ref = getenv("LAB_CHECK")) {
+        auto once = [&](CUfunction g, int gsmem) {
+            CUdeviceptr t = T;
+            int count = c.experts;
+            void* args[] = {&t, &count, &C};
+            CK(cuLaunchKernel(g, blocks, 1, 1, 128, 1, 1, gsmem, 0, args, 0));
+        };
+        check(c, ref, X, Y, once, f, smem);
+    }
     fflush(stdout);
     cuMemFree(W);
     cuMemFree(X);
