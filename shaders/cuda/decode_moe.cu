@@ -8,9 +8,10 @@
 //   2. ds4_route: each row's experts and weights (moe::route), the union of the experts of
 //      the batch, the gather list, the combine lists, and the gate/up and down tables;
 //   3. ds4_gather: xg[j] = h[gather_src[j]] (the rows of each used expert, expert by expert;
-//      as 8-bit activations when the gate and up weights are IQ2_XXS);
+//      as 8-bit activations when the gate and up products take them: IQ2_XXS);
 //   4. the gate/up products over the 2 * max_descs descriptors of `gu` (one launch);
-//   5. SwiGLU of the gate and up outputs (decode_ops.cu);
+//   5. SwiGLU of the gate and up outputs (decode_ops.cu; as 8-bit activations when the down
+//      products take them: Q2_K);
 //   6. the down products over the max_descs descriptors of `down` (one launch);
 //   7. ds4_moe_combine: out = sum over the row's experts of weight * down output, then plus
 //      the shared expert's output; in the decode it goes straight into the FFN site's

@@ -6,7 +6,7 @@
 //! here works on one row at a time. This is what lets a speculative verify pass commit its
 //! rows as if they had been decoded one by one.
 //!
-//! Products with IQ2_XXS weights take their input as 8-bit activations (see
+//! Products with IQ2_XXS or Q2_K weights take their input as 8-bit activations (see
 //! [`crate::quant::act8`]): each input row is quantized once, by itself, before the dots.
 
 use rayon::prelude::*;

@@ -716,11 +716,11 @@ impl CudaBackend {
             if act8::takes_act8(w.ty) {
                 // Each row as 8-bit activations in its own slot of n_in floats (act8.rs; the
                 // kernels read row r at byte 4 r n_in): the CPU's bytes exactly.
-                let q = act8::quantize_rows(x, w.n_in)?;
-                for (row, qr) in slot.chunks_exact_mut(w.n_in).zip(q.chunks_exact(act8::bytes(w.n_in))) {
-                    for (v, b) in row.iter_mut().zip(qr.chunks_exact(4)) {
-                        *v = f32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
-                    }
+                for (row, xr) in slot.chunks_exact_mut(w.n_in).zip(x.chunks_exact(w.n_in)) {
+                    // SAFETY: the row's floats seen as its 4 * n_in bytes (u8 has alignment 1
+                    // and every byte value is valid; the floats are not used meanwhile).
+                    let bytes = unsafe { std::slice::from_raw_parts_mut(row.as_mut_ptr().cast::<u8>(), 4 * row.len()) };
+                    act8::quantize_row(xr, &mut bytes[..act8::bytes(w.n_in)])?;
                 }
             } else {
                 slot.copy_from_slice(x);
