@@ -53,11 +53,20 @@ typedef unsigned long long u64;
 // registers a thread: left alone, ptxas gives the kernels of 2..16 batch rows up to 250 and
 // halves their occupancy, which costs more than the few spills of the 8- and 16-row ones).
 // More blocks did not pay at one row either (H200 lab, Q8_0 4096 x 8192 at the host's group:
-// 16.1 us at 4, 17.3 at 6 (80 registers), 29.6 at 8 (64, spills); only Q2_K gained, 23.2 ->
-// 21.3 us at 6). A -D option may override it (scripts/kernel_lab).
+// 16.1 us at 4, 17.3 at 6 (80 registers), 29.6 at 8 (64, spills)); a format may ask for
+// more at some batch size (MvMinBlocks: Q2_K at one row). A -D option may override the
+// default (scripts/kernel_lab).
 #ifndef MV_MIN_BLOCKS
 #define MV_MIN_BLOCKS 4
 #endif
+
+// The fewest blocks per SM of format F's matvec_split kernel for NB batch rows. The register
+// cap changes only how many warps fit, never the arithmetic (row invariance).
+template <class F, int NB>
+struct MvMinBlocks {
+    static constexpr int value = MV_MIN_BLOCKS;
+};
+
 // Most batch rows one product chunk has.
 #define MV_MAX_BATCH 16
 
@@ -741,10 +750,10 @@ __device__ __forceinline__ void matvec_split(const MvDesc* __restrict__ descs, i
     KERNEL(NAME, F, 16)
 
 // The kernels of one format F through matvec, and of a split format through matvec_split
-// (register-capped: see MV_MIN_BLOCKS).
+// (register-capped: see MV_MIN_BLOCKS and MvMinBlocks).
 #define MV_KERNEL(NAME, F, NB) MV_KERNEL_RUN(NAME, F, NB, matvec, (32 * MV_WARPS), (Mv<F, NB>::SMEM))
 #define MVS_KERNEL(NAME, F, NB) \
-    MV_KERNEL_RUN(NAME, F, NB, matvec_split, (32 * MV_WARPS, MV_MIN_BLOCKS), F::LUT_BYTES)
+    MV_KERNEL_RUN(NAME, F, NB, matvec_split, (32 * MV_WARPS, MvMinBlocks<F, NB>::value), F::LUT_BYTES)
 #define MV_KERNELS(NAME, F) MV_BATCHES(MV_KERNEL, NAME, F)
 #define MVS_KERNELS(NAME, F) MV_BATCHES(MVS_KERNEL, NAME, F)
 

@@ -3,9 +3,10 @@
 // `iq2xxs_grid` (8 coordinates each); word 1 four 7-bit sign indices (bits 0..28) and a 4-bit
 // scale s (bits 28..32). db = d * (0.5 + s) * 0.25; w = +-db * grid coordinate
 // (rust/engine/quant/iq2_xxs.rs). The sign table ksigns_iq2xs is `i | parity(i) << 7`,
-// computed here with popc. `iq2xxs_grid` is emitted by the host from quant/tables.rs into
-// the program, before this file; each block copies it to shared memory (random per-lane
-// indices into constant memory would serialize, and into global memory touch many lines).
+// computed here with popc (iq2_sign_mask). `iq2xxs_grid` is emitted by the host from
+// quant/tables.rs into the program, before this file; each block copies it to shared memory
+// (random per-lane indices into constant memory would serialize, and into global memory touch
+// many lines).
 //
 // On the device rows are split (rust/engine/quant/split/): the 64-byte group runs of all
 // super-blocks, then the 2-byte d's. Lane l's 16 bytes of chunk c are groups 2 (l & 3) and
@@ -19,29 +20,34 @@
 // sum w x = db dx (sum g q - 2 sum (g & neg) q), neg the mask of the negative weights' bytes:
 // four dp4a each, with no byte arithmetic on the signs. Per group and row:
 // acc = fmaf(db * dx, (float)isum, acc). With float x this kernel was bound by instruction
-// issue (about 5 instructions a weight); on an H200, twelve 2048 x 4096 products take 35 us at
-// one row (47 with float x), 39 at two (74), 54 at four (131).
+// issue (about 5 instructions a weight); on an H200, twelve 2048 x 4096 products take 30 us at
+// one row (35 with a sign table, 47 with float x), 33 at two (39, 74), 51 at four (54, 131).
+
+// Half h (0: bytes 0..3, 1: bytes 4..7) of the sign mask of 7-bit sign index i: byte j is
+// 0xff when bit j of ksigns(i) = i | parity(i) << 7 is set. The four bits are spread to the
+// bytes' low bits by one multiply (bit j lands on bit 8 j: x * (1 + 2^7 + 2^14 + 2^21)), then
+// widened to 0xff by another. Computed, not looked up: the lattice lookups already keep the
+// shared-memory pipe busy, and a second 8-byte lookup per 8 weights made it the kernel's
+// bound (H200, Nsight Compute, twelve 2048 x 4096 products at one row: L1/TEX 79% busy with
+// the table, 61% without; the same bits, 34.8 -> 30.0 us, and 39.1 -> 33.2 us at two rows).
+// All-zero weights (the synthetic Flash file's experts) read one lattice entry, without bank
+// conflicts: there the arithmetic costs a little instead (scripts/fill_experts.py).
+__device__ __forceinline__ u32 iq2_sign_mask(u32 i, int h) {
+    const u32 s = i | ((__popc(i) & 1u) << 7);
+    const u32 x = (s >> (4 * h)) & 15u;
+    return ((x * 0x00204081u) & 0x01010101u) * 0xFFu;
+}
+
 struct FmtIQ2_XXS {
     static constexpr int BLOCK_ELEMS = 256;
     static constexpr int PAY = 64;
     static constexpr int CB = 8;
-    // The lattice (256 x 8 bytes), then the sign masks (128 x 8 bytes: byte j is 0xff when
-    // bit j of ksigns(i) is set).
-    static constexpr int LUT_BYTES = 256 * 8 + 128 * 8;
+    // The lattice (256 x 8 bytes).
+    static constexpr int LUT_BYTES = 256 * 8;
 
     static __device__ __forceinline__ void init_lut(u8* smem, int tid) {
         for (int i = tid; i < 256; i += 32 * MV_WARPS) {
             ((u64*)smem)[i] = iq2xxs_grid[i];
-        }
-        for (int i = tid; i < 128; i += 32 * MV_WARPS) {
-            const u32 s = (u32)i | ((__popc(i) & 1u) << 7);
-            u64 m = 0;
-            for (int j = 0; j < 8; j++) {
-                if ((s >> j) & 1u) {
-                    m |= 0xffull << (8 * j);
-                }
-            }
-            ((u64*)smem)[256 + i] = m;
         }
     }
 
@@ -61,7 +67,6 @@ struct FmtIQ2_XXS {
             return;
         }
         const u64* grid = (const u64*)lut;
-        const u64* signs = (const u64*)lut + 256;
         const int sb = CB * c + (lane >> 2);
         float d[MV_ROWS];
 #pragma unroll
@@ -104,9 +109,10 @@ struct FmtIQ2_XXS {
 #pragma unroll
                 for (int k = 0; k < 4; k++) {
                     const u64 g = grid[(aux0 >> (8 * k)) & 0xffu];
-                    const u64 m = signs[(aux1 >> (7 * k)) & 127u];
+                    const u32 m0 = iq2_sign_mask((aux1 >> (7 * k)) & 127u, 0);
+                    const u32 m1 = iq2_sign_mask((aux1 >> (7 * k)) & 127u, 1);
                     const int g0 = (int)(u32)g, g1 = (int)(u32)(g >> 32);
-                    const int n0 = (int)((u32)g & (u32)m), n1 = (int)((u32)(g >> 32) & (u32)(m >> 32));
+                    const int n0 = (int)((u32)g & m0), n1 = (int)((u32)(g >> 32) & m1);
 #pragma unroll
                     for (int r = 0; r < NB; r++) {
                         if (r < n) {
