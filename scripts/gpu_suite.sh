@@ -13,7 +13,9 @@
 # model at 2K and 32K context; with FLASH_GEN (the synthetic full-size Flash generator,
 # gen_flash_q2_gguf.py) and TOKENIZER (the V4 tokenizer.json) set, the same for a full-size
 # Flash file (80.8 GiB, sparse on disk) at 2K context, and with FLASH_32K=1 at 32K context with
-# an 8K-token prefill too;
+# an 8K-token prefill too; with FLASH_FILL=1 the routed experts of as many layers as the disk
+# holds get pseudo-random blocks first (scripts/fill_experts.py: the generator's zero experts
+# make the IQ2_XXS kernels look up one lattice entry only, which flatters them);
 # with TRACE=1 the kernels of two
 # Flash decode steps as they ran, summed per kernel (scripts/kernel_lab/kernel_trace.cpp, built
 # here with nvcc against the toolkit's CUPTI).
@@ -36,6 +38,9 @@ python benches/verify_bench.py /tmp/ds4-mid-q8_0.gguf --backend cuda --ctx 2048 
 python benches/verify_bench.py /tmp/ds4-mid-q8_0.gguf --backend cuda --ctx 32768 --prefill "" --runs 3
 if [ -n "${FLASH_GEN:-}" ] && [ -n "${TOKENIZER:-}" ]; then
     python "$FLASH_GEN" /tmp/ds4-flash-q2.gguf "$TOKENIZER"
+    if [ -n "${FLASH_FILL:-}" ]; then
+        python scripts/fill_experts.py /tmp/ds4-flash-q2.gguf
+    fi
     python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --ctx 2048 --prefill 2048 --runs 5
     if [ -n "${TRACE:-}" ]; then
         cuda=$(dirname "$(dirname "$(command -v nvcc)")")
