@@ -573,6 +573,18 @@ __device__ __forceinline__ void matvec(const MvDesc* __restrict__ descs, int cou
 //   row, 25.0 -> 19.2 at 2, 36.4 -> 23.4 at 4, 61.8 -> 56.0 at 8 (register-bound); o_b
 //   (4096 x 8192) 16.2 -> 14.2, 22.8 -> 15.4, 35.9 -> 17.9, 62.7 -> 55.1. Float x costs the
 //   one-row kernels little; it is the batches of a verify that pay for it.
+// - Q8_0 on the tensor cores, measured and not adopted: mma.sync m16n8k8 with the quant bytes
+//   as A (exact in tf32), x as B split in a high and a low tf32 part (two products, so the
+//   sums keep about 22 bits of x), 16 output rows a warp, and the same kernel at every batch
+//   size (a batch row is one column of B: rows stay invariant). Its time hardly depends on
+//   the batch where this kernel's grows (Flash q_b 32768 x 1024: 25.9 / 26.6 / 37.1 us at
+//   1 / 8 / 16 rows against 18.1 / 61.0 here; o_b 4096 x 8192: 35.4 / 36.1 / 51.6 against
+//   16.2 / 62.1), but at one row it is 1.4 to 2.2 times slower (the head, 129280 x 4096: 334
+//   against 168 us): a tile computes 8 columns whatever the batch, the split doubles the
+//   products, and the tf32 rate of mma.sync on sm_90 bounds it (variants with streaming
+//   weight loads, interleaved blocks, prefetched x or 16-byte tiles gained at most 12%). In
+//   the engine: Flash 2K decode 9.3 -> 12.2 ms, verify of 8 rows 36.3 -> 32.4 ms, 2K prompt
+//   7.5 -> 5.8 s. Decode is the common case, so the FMA kernel stays.
 //
 // F provides: BLOCK_ELEMS, PAY (payload bytes per block), CB = 512 / PAY (blocks per chunk),
 // LUT_BYTES / init_lut, PREFETCH, a Chunk type, load(row, nb, c, lane, vec, ch), which issues
