@@ -231,12 +231,35 @@ pub(crate) struct Context {
     /// Whether decode launches allow programmatic dependent launch (sm_90 and later, unless
     /// `DS4_CUDA_PDL=0`; see `Context::launch_args`).
     pub(crate) pdl: bool,
+    /// Whether the driver reports kernels' parameters (`cuFuncGetParamInfo`, CUDA 12.4 and
+    /// later): then every launch by name is checked against them (`Context::check_args`).
+    pub(crate) param_info: bool,
+    /// Parameter sizes in bytes by kernel handle, as the driver reported them (`None`: it
+    /// could not say for this kernel).
+    pub(crate) param_sizes: std::sync::Mutex<HashMap<usize, Option<Vec<usize>>>>,
 }
 
-// SAFETY: the raw handles (stream, module, functions) are plain driver handles, valid in any
-// thread once the context is bound; the backend binds it at the start of every call and
-// serializes all use behind a mutex.
-unsafe impl Send for Context {}
+/// The sizes in bytes of `f`'s parameters, in order, as the driver reports them; `None` when
+/// it cannot. Panics (in cudarc's loader) when the driver lacks the entry points: call it
+/// under `catch_unwind` until one call has succeeded.
+///
+/// # Safety
+/// `f` is a function of a loaded module.
+pub(crate) unsafe fn param_sizes(f: sys::CUfunction) -> Option<Vec<usize>> {
+    // cuFuncGetParamInfo answers CUDA_ERROR_INVALID_VALUE past the last parameter (the count
+    // query came later, in CUDA 13.2).
+    let mut sizes = Vec::new();
+    for i in 0..256 {
+        let (mut offset, mut size) = (0usize, 0usize);
+        // SAFETY: per the caller; the out-pointers are live locals.
+        match unsafe { sys::cuFuncGetParamInfo(f, i, &mut offset, &mut size) } {
+            sys::CUresult::CUDA_SUCCESS => sizes.push(size),
+            sys::CUresult::CUDA_ERROR_INVALID_VALUE => return Some(sizes),
+            _ => return None,
+        }
+    }
+    None
+}
 
 impl Context {
     /// Opens device `ordinal`, compiles (or takes from the cache) and loads the kernels.
@@ -273,8 +296,18 @@ impl Context {
             }
         };
         let pdl = major >= 9 && !std::env::var("DS4_CUDA_PDL").is_ok_and(|v| v == "0");
-        let mut me =
-            Context { ctx, stream, module, kernels: HashMap::new(), name, compute_capability, multiprocessors, pdl };
+        let mut me = Context {
+            ctx,
+            stream,
+            module,
+            kernels: HashMap::new(),
+            name,
+            compute_capability,
+            multiprocessors,
+            pdl,
+            param_info: false,
+            param_sizes: std::sync::Mutex::new(HashMap::new()),
+        };
         for (ty, stem) in FORMATS {
             for nb in BATCH_SIZES {
                 let fname = CString::new(format!("ds4_mv_{stem}_{nb}")).expect("no NUL in kernel names");
@@ -299,6 +332,14 @@ impl Context {
                 }
                 me.kernels.insert((ty, nb), (f, smem[0] as u32));
             }
+        }
+        // The parameter check is on when the driver describes a known kernel right (a product
+        // kernel: a descriptor table, a count, the counters); older drivers lack the entry
+        // points, and cudarc panics on a missing one.
+        if let Some(&(f, _)) = me.kernels.get(&(GgmlType::F32, 1)) {
+            // SAFETY: a function of the module loaded above.
+            let sizes = std::panic::catch_unwind(|| unsafe { param_sizes(f) }).ok().flatten();
+            me.param_info = sizes.as_deref() == Some(&[8, 4, 8][..]);
         }
         Ok(me)
     }

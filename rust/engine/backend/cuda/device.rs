@@ -144,6 +144,7 @@ impl Context {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
+        self.check_args(f, args)?;
         // Each parameter's bytes in an 8-byte cell (little-endian: an int or float in the low
         // half); the driver copies as many bytes as the kernel's parameter has.
         let mut cells: Vec<u64> = args
@@ -189,6 +190,37 @@ impl Context {
                 .result()
                 .map_err(driver_err("launching a kernel"))
         }
+    }
+
+    /// Checks `args` against `f`'s parameters when the driver describes them
+    /// ([`Context::param_info`]): as many arguments as parameters, a pointer for each 8-byte
+    /// one, an int or float for each 4-byte one. A wrong list is an error here; launched, the
+    /// driver would read past the arguments or hand the kernel a wrong half of one.
+    pub(crate) fn check_args(&self, f: sys::CUfunction, args: &[Arg]) -> Result<()> {
+        if !self.param_info {
+            return Ok(());
+        }
+        let sizes = {
+            let mut cache =
+                self.param_sizes.lock().map_err(|_| Error::Backend("CUDA: parameter cache poisoned".into()))?;
+            // SAFETY: `f` is a function of this context's module (every caller looks it up there).
+            cache.entry(f as usize).or_insert_with(|| unsafe { super::context::param_sizes(f) }).clone()
+        };
+        let Some(sizes) = sizes else { return Ok(()) };
+        let bad = |why: String| Err(Error::Backend(format!("CUDA: a kernel launch with the wrong arguments: {why}")));
+        if sizes.len() != args.len() {
+            return bad(format!("{} arguments for {} parameters", args.len(), sizes.len()));
+        }
+        for (i, (&size, a)) in sizes.iter().zip(args).enumerate() {
+            let want = match a {
+                Arg::Ptr(_) => 8,
+                Arg::I32(_) | Arg::F32(_) => 4,
+            };
+            if size != want {
+                return bad(format!("argument {i} has {want} bytes, the parameter {size}"));
+            }
+        }
+        Ok(())
     }
 
     /// [`Context::launch_args`] by kernel name (tests and one-off launches).

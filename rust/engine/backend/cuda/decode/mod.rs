@@ -1407,6 +1407,10 @@ impl CudaDecoder {
             let queued = Self::queue_ops(ctx, &prog.ops, side);
             // SAFETY: ends the capture begun above, whatever happened in between.
             let graph = unsafe { cu::stream::end_capture(ctx.stream) };
+            if let (Err(_), Ok(g)) = (&queued, &graph) {
+                // SAFETY: the graph just captured, used by nothing else.
+                unsafe { cu::graph::destroy(*g).ok() };
+            }
             queued?;
             let graph = graph.map_err(driver_err("capturing a graph"))?;
             // SAFETY: a graph just captured; destroyed after instantiation.

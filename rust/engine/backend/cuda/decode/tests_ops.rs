@@ -150,6 +150,33 @@ fn rms_plain_matches_cpu() {
     }
 }
 
+/// A launch whose arguments do not match the kernel's parameters (too few, too many, a pointer
+/// for an int) is an error, not a kernel reading past its arguments; a right one still runs.
+/// Needs a driver that describes parameters (CUDA 12.4 and later).
+#[test]
+fn launch_with_wrong_arguments_is_an_error() {
+    let Some(ctx) = context() else { return };
+    if !ctx.param_info {
+        eprintln!("skipped: the driver does not describe kernel parameters");
+        return;
+    }
+    let x = randn(64, 5, 1.0);
+    let xb = buf(&x);
+    let yb = DevBuf::zeroed(64 * 4).expect("y");
+    let right = [ptr(&xb), ptr(&yb), Arg::I32(64), Arg::F32(EPS)];
+    let short = &right[..3];
+    let long = [ptr(&xb), ptr(&yb), Arg::I32(64), Arg::F32(EPS), Arg::I32(1)];
+    let swapped = [ptr(&xb), ptr(&yb), ptr(&xb), Arg::F32(EPS)];
+    for (what, args) in [("too few", short), ("too many", &long[..]), ("a pointer for an int", &swapped[..])] {
+        let e = ctx.launch_named("ds4_rms_plain", (1, 1, 1), BLOCK, 0, args);
+        assert!(matches!(e, Err(crate::Error::Backend(_))), "{what}: {e:?}");
+    }
+    launch(&ctx, "ds4_rms_plain", (1, 1), &right);
+    let mut want = x.clone();
+    rms_norm_plain(&mut want, EPS);
+    assert_close("ds4_rms_plain after refused launches", &read(&ctx, &yb, 64), &want, 1e-5);
+}
+
 #[test]
 fn rms_weight_matches_cpu() {
     let Some(ctx) = context() else { return };
