@@ -261,6 +261,11 @@ pub(crate) unsafe fn param_sizes(f: sys::CUfunction) -> Option<Vec<usize>> {
     None
 }
 
+// SAFETY: the raw handles (stream, module, functions) are plain driver handles, valid in any
+// thread once the context is bound; the backend binds it at the start of every call and
+// serializes all use behind a mutex.
+unsafe impl Send for Context {}
+
 impl Context {
     /// Opens device `ordinal`, compiles (or takes from the cache) and loads the kernels.
     pub(crate) fn new(ordinal: usize) -> Result<Self> {
