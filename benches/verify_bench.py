@@ -6,7 +6,9 @@ After a prompt of --ctx tokens (random ids), measures with the median of --runs:
 
 * one decode step (``eval`` of 1 token);
 * a verify of k rows for k = 2..8 (``eval`` of k tokens: the same computation), as a ratio
-  to the decode step;
+  to the decode step, beside the byte model of a verify (docs/performance.md 5d): the weights
+  of one decode once, with the routed experts for the expected union of k rows' choices,
+  n(1 - (1 - used/n)^k) of n experts under independent uniform routing;
 * prefill tokens/s for each --prefill length (from an empty session).
 
 Every timed call is preceded by a restore of the same snapshot, outside the timing.
@@ -32,6 +34,21 @@ def timed(f, runs: int, setup) -> float:  # type: ignore[no-untyped-def]
         f()
         out.append(time.perf_counter() - t)
     return statistics.median(out[1:])
+
+
+def verify_byte_model(path: str, decode_bytes: int, k: int) -> float:
+    """Bytes a verify of k rows reads over those of one decode, by the 5d model: every weight
+    once, the routed experts for the expected union of the rows' choices. 1 for a model
+    without routed experts."""
+    f = ds4.GGUFFile(path)
+    md = f.metadata
+    n, used = int(md.get("deepseek4.expert_count", 0)), int(md.get("deepseek4.expert_used_count", 0))
+    if n == 0 or used == 0:
+        return 1.0
+    routed = sum(t.nbytes for name, t in f.tensors.items() if name.startswith("blk.") and name.endswith("_exps.weight"))
+    per_token = routed * used / n
+    union = n * (1.0 - (1.0 - used / n) ** k)
+    return (decode_bytes - per_token + per_token * union / used) / decode_bytes
 
 
 def main() -> None:
@@ -85,7 +102,8 @@ def main() -> None:
     for k in range(2, 9):
         toks = rng.integers(8, vocab, k).tolist()
         t = timed(lambda: s.eval(toks, logits="all"), args.runs, lambda: s.restore(snap))
-        print(f"  verify {k} rows {1e3 * t:8.2f} ms  = {t / base:5.2f} decodes")
+        model = verify_byte_model(args.model, m.decode_weight_bytes(), k)
+        print(f"  verify {k} rows {1e3 * t:8.2f} ms  = {t / base:5.2f} decodes (byte model {model:.2f})")
     for n in (int(x) for x in args.prefill.split(",") if x):
         p = rng.integers(8, vocab, n).tolist()
         sess = m.session(n + 8)
