@@ -36,17 +36,25 @@ def timed(f, runs: int, setup) -> float:  # type: ignore[no-untyped-def]
     return statistics.median(out[1:])
 
 
-def verify_byte_model(path: str, decode_bytes: int, k: int) -> float:
-    """Bytes a verify of k rows reads over those of one decode, by the 5d model: every weight
-    once, the routed experts for the expected union of the rows' choices. 1 for a model
-    without routed experts."""
+def routed_bytes(path: str) -> tuple[float, int, int]:
+    """The routed expert bytes one token reads (its `used` experts in every layer), the
+    experts per layer n, and used; (0, 0, 0) for a model without routed experts."""
     f = ds4.GGUFFile(path)
     md = f.metadata
     n, used = int(md.get("deepseek4.expert_count", 0)), int(md.get("deepseek4.expert_used_count", 0))
     if n == 0 or used == 0:
-        return 1.0
+        return 0.0, 0, 0
     routed = sum(t.nbytes for name, t in f.tensors.items() if name.startswith("blk.") and name.endswith("_exps.weight"))
-    per_token = routed * used / n
+    return routed * used / n, n, used
+
+
+def verify_byte_model(decode_bytes: int, routed: tuple[float, int, int], k: int) -> float:
+    """Bytes a verify of k rows reads over those of one decode, by the 5d model: every weight
+    once, the routed experts for the expected union of the rows' choices (`routed` from
+    :func:`routed_bytes`). 1 for a model without routed experts."""
+    per_token, n, used = routed
+    if n == 0:
+        return 1.0
     union = n * (1.0 - (1.0 - used / n) ** k)
     return (decode_bytes - per_token + per_token * union / used) / decode_bytes
 
@@ -99,10 +107,11 @@ def main() -> None:
         print(f"  per step: device decoder {1e3 * step:.2f} ms = waiting for the GPU {1e3 * wait:.2f} ms "
               f"+ journal replay {1e3 * jr:.2f} ms + the rest (embedding, uploads, launches) "
               f"{1e3 * (step - wait - jr):.2f} ms; outside it (Python, session) {1e3 * (base - step):.2f} ms")
+    routed = routed_bytes(args.model)
     for k in range(2, 9):
         toks = rng.integers(8, vocab, k).tolist()
         t = timed(lambda: s.eval(toks, logits="all"), args.runs, lambda: s.restore(snap))
-        model = verify_byte_model(args.model, m.decode_weight_bytes(), k)
+        model = verify_byte_model(m.decode_weight_bytes(), routed, k)
         print(f"  verify {k} rows {1e3 * t:8.2f} ms  = {t / base:5.2f} decodes (byte model {model:.2f})")
     for n in (int(x) for x in args.prefill.split(",") if x):
         p = rng.integers(8, vocab, n).tolist()

@@ -200,13 +200,10 @@ impl Context {
         if !self.param_info {
             return Ok(());
         }
-        let sizes = {
-            let mut cache =
-                self.param_sizes.lock().map_err(|_| Error::Backend("CUDA: parameter cache poisoned".into()))?;
-            // SAFETY: `f` is a function of this context's module (every caller looks it up there).
-            cache.entry(f as usize).or_insert_with(|| unsafe { super::context::param_sizes(f) }).clone()
-        };
-        let Some(sizes) = sizes else { return Ok(()) };
+        let mut cache = self.param_sizes.lock().map_err(|_| Error::Backend("CUDA: parameter cache poisoned".into()))?;
+        // SAFETY: `f` is a function of this context's module (every caller looks it up there).
+        let entry = cache.entry(f as usize).or_insert_with(|| unsafe { super::context::param_sizes(f) });
+        let Some(sizes) = entry.as_deref() else { return Ok(()) };
         let bad = |why: String| Err(Error::Backend(format!("CUDA: a kernel launch with the wrong arguments: {why}")));
         if sizes.len() != args.len() {
             return bad(format!("{} arguments for {} parameters", args.len(), sizes.len()));
