@@ -23,7 +23,7 @@
 struct Desc {
     unsigned long long w, x, y, part;
     long long row_bytes;
-    int n_out, n_in, n, slices, block_start, counter, group, y_stride, pad[2];
+    int n_out, n_in, n, slices, block_start, counter, group, y_stride, warp_rows, pad;
 };
 
 struct Config {
@@ -66,10 +66,12 @@ static void fill_random(CUdeviceptr dst, size_t bytes) {
 }
 
 // The host's slice count (rust/engine/backend/cuda/mod.rs `slices`) for this shape.
-static int slice_count(int row_blocks, int tiles, int group) {
-    int want = 132 / row_blocks;
+// (The Q8_0 tensor-core kernel, 16 or 32 rows a warp, asks for 4 x 132 blocks and 2 tiles a warp.)
+static int slice_count(int row_blocks, int tiles, int group, int rows_per_warp) {
+    const bool mq = rows_per_warp >= 16;
+    int want = (mq ? 528 : 132) / row_blocks;
     want = want < 1 ? 1 : want > 32 ? 32 : want;
-    const int most = tiles / group < 1 ? 1 : tiles / group;
+    const int most = tiles / group / (mq ? 2 : 1) < 1 ? 1 : tiles / group / (mq ? 2 : 1);
     want = want > most ? most : want;
     const int per = (tiles + want - 1) / want;
     return (tiles + per - 1) / per;
@@ -157,7 +159,13 @@ static void run(const Config& c) {
     const int rows_per_block = 4 / c.group * c.rows_per_warp;
     const int row_blocks = (int)((c.n_out + rows_per_block - 1) / rows_per_block);
     const int tiles = (int)((c.n_in + c.tile - 1) / c.tile);
-    const int slices = slice_count(row_blocks, tiles, c.group);
+    // LAB_SLICES=k: k input slices (at most one per tile) instead of the host's choice.
+    const char* force = getenv("LAB_SLICES");
+    int slices = slice_count(row_blocks, tiles, c.group, c.rows_per_warp);
+    if (force && atoi(force) > 0) {
+        const int per = (tiles + atoi(force) - 1) / atoi(force);
+        slices = (tiles + per - 1) / per;
+    }
     const int blocks = row_blocks * slices * c.experts;
 
     CUdeviceptr W, X, Y, P, C, T;
@@ -187,6 +195,7 @@ static void run(const Config& c) {
             d.counter = e * row_blocks;
             d.group = c.group;
             d.y_stride = (int)c.n_out;
+            d.warp_rows = c.rows_per_warp;
             memcpy(&table[(size_t)(cp * c.experts + e) * c.desc_bytes], &d, c.desc_bytes);
         }
     }

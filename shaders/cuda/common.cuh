@@ -6,20 +6,23 @@
 //
 // Shape of every product: `y[r, o] = W[o] . x[r]` for output rows o < n_out and batch rows
 // r < n (n <= NB <= 16 per product chunk; the host cuts larger batches into chunks of 16, or
-// of 8 for the quantized split formats: rust/engine/backend/cuda/mod.rs `chunk_rows`).
+// of 8 for Q2_K and IQ2_XXS: rust/engine/backend/cuda/mod.rs `chunk_rows`).
 //
 // One launch runs a table of products (MvDesc) of one format and one batch size: block b
 // belongs to the product whose `block_start` is the last one <= b. A product's blocks are
-// `row_blocks * slices`: a row block is MV_WARPS warps; each row group of MV_ROWS output rows
-// belongs to `group` of them (1 in matvec; 1, 2 or 4 in matvec_split, which splits a group's
-// chunks between its warps); a slice is a contiguous range of the row's tiles (the host splits
+// `row_blocks * slices`: a row block is MV_WARPS warps; each row group of D.warp_rows output
+// rows (MV_ROWS, or MQ_WARP_ROWS in Q8_0's kernel) belongs to `group` of them (1 in matvec;
+// 1, 2 or 4 in matvec_split and Q8_0's kernel, which split a group's chunks between its
+// warps); a slice is a contiguous range of the row's tiles (the host splits
 // the inputs of matrices with few rows so that they do not serialize on a few SMs). The group
 // and slice counts depend only on the shape.
 //
-// Two kernel bodies share this launch shape and the store at the end (mv_store):
-// - matvec_split (below, "Products of the split formats"): the float formats and the formats
-//   whose rows the upload stores split (Q8_0, Q2_K, IQ2_XXS): direct 16-byte loads per lane,
-//   no shared-memory staging.
+// Three kernel bodies share this launch shape (the first two also the store at the end,
+// mv_store; all three mv_add_slices):
+// - matmul_q8_0 (q8_0.cu): Q8_0 on the tensor cores, in exact integers.
+// - matvec_split (below, "Products of the split formats"): the float formats and Q2_K and
+//   IQ2_XXS, whose rows the upload stores split: direct 16-byte loads per lane, no
+//   shared-memory staging.
 // - matvec, the staged kernel: Q4_K and MXFP4, whose rows stay in GGUF order. Its work split:
 //
 // Work split inside a block: the row is walked in tiles of 32 * F::UNIT elements. For each
@@ -86,12 +89,14 @@ struct MvDesc {
     int group;          // warps that share a row group (matvec_split; 1, 2 or 4; 1 in matvec)
     int y_stride;       // floats from one row of y to the next (n_out, or more when the
                         // product fills columns of wider rows)
-    int pad[2];         // the size a multiple of 16 bytes (the host's Desc)
+    int warp_rows;      // output rows of a row group: MV_ROWS, or MQ_WARP_ROWS for the
+                        // tensor-core kernels (Q8_0: q8_0.cu)
+    int pad;            // the size a multiple of 16 bytes (the host's Desc)
 };
 
-// Output rows per block of a product: MV_WARPS / group row groups of MV_ROWS rows.
+// Output rows per block of a product: MV_WARPS / group row groups of warp_rows rows.
 __device__ __forceinline__ int mv_block_rows(const MvDesc& D) {
-    return MV_WARPS / D.group * MV_ROWS;
+    return MV_WARPS / D.group * D.warp_rows;
 }
 
 // Row blocks of a product (the host's `row_blocks`).
@@ -208,6 +213,8 @@ struct Mv {
     static constexpr int SMEM = F::LUT_BYTES + XS * 4 + MV_WARPS * MV_ROWS * WS;
 };
 
+__device__ __forceinline__ void mv_add_slices(const MvDesc* D, int rb, int* __restrict__ counters);
+
 // The end of every product kernel: each accumulator's warp sum (a fixed butterfly); when the
 // G = D->group warps of a row group split its chunks, their sums added in warp order (warp
 // p of the group holds chunks p, p + G, ...); the result written to y, or to the slice's
@@ -263,11 +270,21 @@ __device__ __forceinline__ void mv_store(float (&acc)[MV_ROWS][NB], const MvDesc
             }
         }
     }
+    mv_add_slices(D, rb, counters);
+}
+
+// When a product's inputs are split in slices (after each block has written its slice's
+// partial sums): the last block of row block rb to finish adds the slices' partial sums, in
+// slice order (a fixed order: row invariance), and re-arms the counter for the next launch.
+// Every thread of the block calls it.
+__device__ __forceinline__ void mv_add_slices(const MvDesc* D, int rb, int* __restrict__ counters) {
+    const int slices = D->slices;
     if (slices == 1) {
         return;
     }
-    // The last block of this row block to finish adds the slices' partial sums, in slice
-    // order (a fixed order: row invariance), and re-arms the counter for the next launch.
+    const int tid = threadIdx.x;
+    const int n = D->n;
+    const int n_out = D->n_out;
     __shared__ int last;
     __threadfence();
     __syncthreads();
@@ -332,8 +349,8 @@ __device__ __forceinline__ MvBlock mv_block(const MvDesc* __restrict__ descs, in
     const int warp = threadIdx.x >> 5;
     B.rb = local % row_blocks;
     B.slice = local / row_blocks;
-    B.o0 = B.rb * mv_block_rows(*B.D) + (warp / G) * MV_ROWS;
-    B.nrows = n_out - B.o0 < 0 ? 0 : imin(MV_ROWS, n_out - B.o0);
+    B.o0 = B.rb * mv_block_rows(*B.D) + (warp / G) * B.D->warp_rows;
+    B.nrows = n_out - B.o0 < 0 ? 0 : imin(B.D->warp_rows, n_out - B.o0);
     B.p = warp % G;
     return B;
 }
@@ -530,8 +547,11 @@ __device__ __forceinline__ void matvec(const MvDesc* __restrict__ descs, int cou
     mv_store<NB>(acc, D, B.slice, B.rb, o0, nrows, counters);
 }
 
-// ---- Products of the split formats (Q8_0, Q2_K, IQ2_XXS; rust/engine/quant/split/) and the
+// ---- Products of the split formats Q2_K and IQ2_XXS (rust/engine/quant/split/) and the
 // float formats
+//
+// (Q8_0 is split too but has its own kernel, q8_0.cu. The notes below on Q8_0 are about the
+// float-x matvec_split kernel it had before.)
 //
 // Their rows are read straight from global memory, in *chunks* of 512 payload bytes (the
 // split formats store each row's payloads, the quant bytes, first and the headers after them:
@@ -584,7 +604,8 @@ __device__ __forceinline__ void matvec(const MvDesc* __restrict__ descs, int cou
 //   products, and the tf32 rate of mma.sync on sm_90 bounds it (variants with streaming
 //   weight loads, interleaved blocks, prefetched x or 16-byte tiles gained at most 12%). In
 //   the engine: Flash 2K decode 9.3 -> 12.2 ms, verify of 8 rows 36.3 -> 32.4 ms, 2K prompt
-//   7.5 -> 5.8 s. Decode is the common case, so the FMA kernel stays.
+//   7.5 -> 5.8 s. Decode is the common case, so the FMA kernel stayed, until the exact
+//   8-bit integer route of q8_0.cu, which needs neither the conversions nor the split.
 //
 // F provides: BLOCK_ELEMS, PAY (payload bytes per block), CB = 512 / PAY (blocks per chunk),
 // LUT_BYTES / init_lut, PREFETCH, a Chunk type, load(row, nb, c, lane, vec, ch), which issues
@@ -622,8 +643,8 @@ __device__ __forceinline__ void ld_lane16(const u8* row, long long pay, int c, i
     }
 }
 
-// The chunk of a format whose blocks are a 2-byte f16 scale and PAY payload bytes (Q8_0,
-// IQ2_XXS; `split_scale_first` in rust/engine/quant/split/): lane l's 16 payload bytes and
+// The chunk of a format whose blocks are a 2-byte f16 scale and PAY payload bytes (IQ2_XXS;
+// `split_scale_first` in rust/engine/quant/split/): lane l's 16 payload bytes and
 // the scale of their block (PAY / 16 lanes share one), loaded together.
 struct ScaleChunk {
     uint4 v;
@@ -636,28 +657,6 @@ __device__ __forceinline__ void ld_scale_chunk(const u8* row, int nb, int c, int
     ld_lane16(row, pay, c, lane, vec, h.v);
     if (mv_lane_in(pay, c, lane)) {
         h.d = ld_u16(row + pay + 2 * ((512 / PAY) * c + lane / (PAY / 16)));
-    }
-}
-
-// For each row r < n: acc[q][r] += s[q] * (w[q] . x[r][e..e + 4]), the dot an fmaf chain from
-// the first product (the scaled step of the quantized formats of matvec_split).
-template <int NB>
-__device__ __forceinline__ void scaled_dot4(const float (&wf)[MV_ROWS][4], const float (&s)[MV_ROWS],
-                                            const float* __restrict__ x, int n_in, int n, int e,
-                                            float (&acc)[MV_ROWS][NB]) {
-#pragma unroll
-    for (int r = 0; r < NB; r++) {
-        if (r < n) {
-            const float4 xv = __ldg((const float4*)(x + (long long)r * n_in + e));
-#pragma unroll
-            for (int q = 0; q < MV_ROWS; q++) {
-                float t = wf[q][0] * xv.x;
-                t = fmaf(wf[q][1], xv.y, t);
-                t = fmaf(wf[q][2], xv.z, t);
-                t = fmaf(wf[q][3], xv.w, t);
-                acc[q][r] = fmaf(s[q], t, acc[q][r]);
-            }
-        }
     }
 }
 

@@ -1,49 +1,456 @@
 // Q8_0: blocks of 32 weights, 34 bytes in GGUF: an f16 scale d, then 32 signed bytes q;
-// w = q * d (rust/engine/quant/q8_0.rs). On the device rows are split
-// (rust/engine/quant/split/): the 32-byte quant runs of all blocks, then the 2-byte scales.
-// Lane l's 16 bytes of chunk c are half (l & 1) of block 16 c + l / 2: elements
-// 32 k + 16 (l & 1) + 0..15. Per 4 elements: sum q * x in an fmaf chain, then acc += d * sum.
+// w = q * d (rust/engine/quant/q8_0.rs).
+//
+// Q8_0 products run on the tensor cores in exact integer arithmetic, one kernel for every
+// batch size (mma.sync m16n8k32 on 8-bit integers, 32-bit sums: sm_80 and later; older
+// devices compute the same integers from shuffled fragments, so the same bits).
+// - A: 16 weight rows x one block: the quant bytes as they are.
+// - B: one block of 8 batch rows (the columns). Each batch row's block of x is written as
+//   the integers N = round(x * 2^s), where the power of two 2^s puts the block's largest |x|
+//   in [2^22, 2^23): 24 bits with the sign, what a float carries, at the block's largest
+//   element. N is split in its bytes: N = n0 + 256 n1 + 65536 n2 (n0, n1 unsigned, n2 signed),
+//   three B operands and three products per tile.
+// - The three block dots are exact 32-bit integers; D0 + 256 D1 is exact too, and
+//   d * 2^-s * (D0 + 256 D1 + 65536 D2) is added to the output's float sum, block after block.
+// Each output's sum therefore uses only its own weight row and its own batch row's x, in an
+// order fixed by the shape: a row computed inside a batch of 16 is bitwise the row computed
+// alone (row invariance), and the x rounding (below 2^-23 of each block's largest |x|) stays
+// at f32's level, so the products agree with the CPU's float ones to rounding.
+//
+// Why the tensor cores: a float-x kernel multiplies each weight once per batch row, and its
+// time grew with the batch (H200, o_b 4096 x 8192: 16.2 us at one row, 62.1 at eight); here a
+// tile's three products cover 8 batch rows. The tf32 route (common.cuh notes) was slower at
+// one row: it needed the quant bytes converted to floats and x in two tf32 parts; 8-bit
+// integers need neither.
+//
+// Layout on the device (rust/engine/quant/split/q8_0.rs): per row, the quant bytes of blocks
+// 2j and 2j + 1 as one 64-byte pair at 64 j: lane t's (0..3) 16 bytes at 64 j + 16 t are block
+// 2j's bytes 4t..4t+3 and 16+4t..19+4t, then block 2j+1's same; a last odd block puts its 8
+// bytes per t at 64 j + 8 t. Then the f16 scales, in block order. A lane's 16-byte load is
+// then exactly its A registers of one row for two blocks (the m16n8k32 fragment: lane
+// (g = lane / 4, t = lane % 4) holds rows g and g + 8, columns 4t..4t+3 and 16+4t..19+4t).
+//
+// Work split: a warp holds MQ_TILES 16-row tiles (MQ_WARP_ROWS rows, the descriptor's
+// warp_rows) and walks the row in *chunks*, one block pair each; as in matvec_split, the
+// D->group warps of a row group take chunks p, p + G, ..., their sums added in warp order,
+// and the host may split the chunks in slices over blocks (mv_slice, mv_add_slices). Each
+// warp quantizes x itself, for each block, once for its tiles.
+
+#ifndef MQ_TILES
+#define MQ_TILES 2
+#endif
+// Whether a warp with one token group and whole tiles only loads its x with the weights of
+// the chunk (1) or as it computes the chunk (0).
+#ifndef MQ_X_PREFETCH
+#define MQ_X_PREFETCH 1
+#endif
+#define MQ_WARP_ROWS (16 * MQ_TILES)
 
 struct FmtQ8_0 {
-    static constexpr int BLOCK_ELEMS = 32;
-    static constexpr int PAY = 32;
-    static constexpr int CB = 16;
-    static constexpr int PREFETCH = 1;
-    MV_NO_LUT
-
-    typedef ScaleChunk Chunk;
-
-    static __device__ __forceinline__ void load(const u8* row, int nb, int c, int lane, bool vec, Chunk& h) {
-        ld_scale_chunk<PAY>(row, nb, c, lane, vec, h);
-    }
-
-    template <int NB>
-    static __device__ __forceinline__ void dot(const Chunk (&h)[MV_ROWS], int nb, int c, int lane,
-                                               const float* __restrict__ x, int n_in, int n,
-                                               float (&acc)[MV_ROWS][NB], const u8*) {
-        if (!mv_lane_in((long long)nb * PAY, c, lane)) {
-            return;
-        }
-        const int e0 = 32 * (CB * c + (lane >> 1)) + 16 * (lane & 1);
-        float d[MV_ROWS];
-#pragma unroll
-        for (int q = 0; q < MV_ROWS; q++) {
-            d[q] = f16_bits_to_f32(h[q].d);
-        }
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            float wf[MV_ROWS][4];
-#pragma unroll
-            for (int q = 0; q < MV_ROWS; q++) {
-                const u32 word = word_of(h[q].v, j) ^ 0x80808080u;
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    wf[q][i] = sbyte_f(word, i);
-                }
-            }
-            scaled_dot4<NB>(wf, d, x, n_in, n, e0 + 4 * j, acc);
-        }
-    }
+    static constexpr int LUT_BYTES = 0;
 };
 
-MVS_KERNELS(q8_0, FmtQ8_0)
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 800
+// c + the dot of the signed bytes of a and the bytes of b (unsigned when U).
+template <bool U>
+__device__ __forceinline__ int mq_dp4a(u32 a, u32 b, int c) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 610
+    int d;
+    if (U) {
+        asm("dp4a.s32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    } else {
+        asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    }
+    return d;
+#else
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int ai = (int)(signed char)(a >> (8 * i));
+        const int bi = U ? (int)((b >> (8 * i)) & 0xffu) : (int)(signed char)(b >> (8 * i));
+        c += ai * bi;
+    }
+    return c;
+#endif
+}
+#endif
+
+// d = a (16 x 32, s8) * b (32 x 8, u8 or s8, by U), the m16n8k32 integer product.
+template <bool U>
+__device__ __forceinline__ void mq_mma(int (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const int z = 0;
+    if (U) {
+        asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%10,%10,%10,%10};"
+            : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(z));
+    } else {
+        asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%10,%10,%10,%10};"
+            : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(z));
+    }
+#else
+    // The same integers from the fragments of the four lanes of each row and column group.
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        d[i] = 0;
+    }
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        const int ra = 4 * g + q;
+        const u32 a0 = __shfl_sync(0xffffffffu, a[0], ra), a1 = __shfl_sync(0xffffffffu, a[1], ra);
+        const u32 a2 = __shfl_sync(0xffffffffu, a[2], ra), a3 = __shfl_sync(0xffffffffu, a[3], ra);
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int rb = 4 * (2 * t + j) + q;
+            const u32 c0 = __shfl_sync(0xffffffffu, b0, rb), c1 = __shfl_sync(0xffffffffu, b1, rb);
+            d[j] = mq_dp4a<U>(a2, c1, mq_dp4a<U>(a0, c0, d[j]));
+            d[2 + j] = mq_dp4a<U>(a3, c1, mq_dp4a<U>(a1, c0, d[2 + j]));
+        }
+    }
+#endif
+}
+
+__device__ __forceinline__ u32 umax(u32 a, u32 b) {
+    return a > b ? a : b;
+}
+
+// The B operands of one block of x for this lane's batch row r = 8 tg + g (zeros when r >= n)
+// and 2^-s, the block's scale (NaN when the block holds an infinity or a NaN, so that the
+// outputs are not finite either). xa, xb: the row's elements 4t..4t+3 and 16+4t..19+4t.
+__device__ __forceinline__ float mq_quantize(float4 xa, float4 xb, u32 (&b)[3][2]) {
+    const float v[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+    // The largest |x| as bits: unsigned order is float order for |x|, and a NaN wins (fmaxf
+    // would drop it).
+    u32 m = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        m = umax(m, __float_as_uint(v[i]) & 0x7fffffffu);
+    }
+    m = umax(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = umax(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    // |x| in [2^(E-127), 2^(E-126)): 2^s = 2^(149-E) puts it in [2^22, 2^23). Blocks below
+    // 2^-104 keep fewer bits (s is capped at 126; zero blocks give zeros).
+    const int eb = (int)(m >> 23);
+    const int e = eb < 23 ? 23 : eb;
+    const float mul = __uint_as_float((u32)(276 - e) << 23);
+    const float inv = e == 255 ? __uint_as_float(0x7fc00000u) : __uint_as_float((u32)(e - 22) << 23);
+    // N = round(x 2^s) (to nearest even), |N| < 2^23: its bytes n0 and n1 (unsigned) and n2
+    // (signed). (The float adder's rounding trick, x 2^s + 1.5 * 2^23, would save the
+    // conversions but holds only 22 bits: the error of a block's small elements doubles.)
+    int q[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        // |x| 2^s < 2^23 exactly, but rounds up to 2^23 from 2^23 - 1/2: keep n2 a signed byte.
+        q[i] = imin(__float2int_rn(v[i] * mul), 8388607);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const u32 lo01 = __byte_perm((u32)q[4 * h], (u32)q[4 * h + 1], 0x5140);
+        const u32 lo23 = __byte_perm((u32)q[4 * h + 2], (u32)q[4 * h + 3], 0x5140);
+        b[0][h] = __byte_perm(lo01, lo23, 0x5410);
+        b[1][h] = __byte_perm(lo01, lo23, 0x7632);
+        b[2][h] = __byte_perm(__byte_perm((u32)q[4 * h], (u32)q[4 * h + 1], 0x0062),
+                              __byte_perm((u32)q[4 * h + 2], (u32)q[4 * h + 3], 0x0062), 0x5410);
+    }
+    return inv;
+}
+
+// A warp's weights in one chunk (block pair): per tile, for a tile stored whole
+// (rust/engine/quant/split/q8_0.rs) the lane's A registers of each block (v[mt][kk]) and its
+// rows' scales (s[mt][kk]: rows g, g + 8); for a plane's last rows, row by row, per row g and
+// g + 8 (h) the lane's 16 bytes of the pair (8 for a last odd block, in .x, .y) and the two
+// blocks' scales. With XP, the lane's x of the chunk too (loaded with the weights, so that it
+// waits on nothing).
+template <bool XP>
+struct MqChunk {
+    uint4 v[MQ_TILES][2];
+    u32 s[MQ_TILES][2];
+    float4 x[XP ? 2 : 1][2];
+};
+
+// The rows of tile mt: a tile stored whole (the first n_out & ~15 rows), or row by row.
+struct MqRows {
+    const u8* p[MQ_TILES][2];  // tile start, or rows g and g + 8
+    bool tiled[MQ_TILES];
+    bool vec_tile;  // tile starts 16-byte aligned (else 2-byte loads)
+    bool vec_row;   // rows 16-byte aligned
+};
+
+// ALL: every tile of the warp is stored whole (the fast path: no row-by-row code at all).
+template <bool ALL, bool XP>
+__device__ __forceinline__ void mq_load(const MqRows& R, long long pay, int nb, int c, int lane,
+                                        const float* __restrict__ x, int n_in, int n, MqChunk<XP>& k) {
+    const bool two = 2 * c + 1 < nb;
+    const int t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < MQ_TILES; mt++) {
+        if (ALL || R.tiled[mt]) {
+            const u8* tb = R.p[mt][0];
+#pragma unroll
+            for (int kk = 0; kk < 2; kk++) {
+                if (kk == 0 || two) {
+                    const u8* q = tb + 512ll * (2 * c + kk) + 16 * lane;
+                    const u8* sp = tb + 512ll * nb + 32 * (2 * c + kk) + 4 * (lane >> 2);
+                    k.v[mt][kk] = R.vec_tile ? __ldg((const uint4*)q) : ld16_a2(q);
+                    k.s[mt][kk] = R.vec_tile ? __ldg((const u32*)sp) : ld_u32_a2(sp);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const u8* p = R.p[mt][h] + 64ll * c;
+                const u8* sp = R.p[mt][h] + pay + 4ll * c;
+                const bool vec = R.vec_row;
+                if (two) {
+                    k.v[mt][h] = vec ? __ldg((const uint4*)(p + 16 * t)) : ld16_a2(p + 16 * t);
+                    k.s[mt][h] = vec ? __ldg((const u32*)sp) : ld_u32_a2(sp);
+                } else {
+                    k.v[mt][h].x = vec ? __ldg((const u32*)(p + 8 * t)) : ld_u32_a2(p + 8 * t);
+                    k.v[mt][h].y = vec ? __ldg((const u32*)(p + 8 * t + 4)) : ld_u32_a2(p + 8 * t + 4);
+                    k.v[mt][h].z = 0;
+                    k.v[mt][h].w = 0;
+                    k.s[mt][h] = ld_u16(sp);
+                }
+            }
+        }
+    }
+    if (XP) {
+        const int r = lane >> 2;
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++) {
+            k.x[kk][0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            k.x[kk][1] = k.x[kk][0];
+            if (r < n && (kk == 0 || two)) {
+                const float* xr = x + (long long)r * n_in + 32 * (2 * c + kk) + 4 * t;
+                k.x[kk][0] = __ldg((const float4*)xr);
+                k.x[kk][1] = __ldg((const float4*)(xr + 16));
+            }
+        }
+    }
+}
+
+// Adds chunk c (blocks 2c and 2c + 1) of the warp's rows to acc[tile][token group][i]: the
+// output of row 16 tile + g + 8 (i / 2) and batch row 8 group + 2t + i % 2.
+template <int NB, bool ALL, bool XP>
+__device__ __forceinline__ void mq_chunk(const MqChunk<XP>& k, const MqRows& R, int nb, int c,
+                                         const float* __restrict__ x, int n_in, int n, int lane,
+                                         float (&acc)[MQ_TILES][(NB + 7) / 8][4]) {
+    constexpr int NG = (NB + 7) / 8;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+#pragma unroll
+    for (int kk = 0; kk < 2; kk++) {
+        if (kk == 1 && 2 * c + 1 >= nb) {
+            break;
+        }
+        u32 b[NG][3][2];
+        float sx[NG][2];
+#pragma unroll
+        for (int tg = 0; tg < NG; tg++) {
+            float4 xa;
+            float4 xb;
+            if (XP) {
+                xa = k.x[kk][0];
+                xb = k.x[kk][1];
+            } else {
+                const int r = 8 * tg + g;
+                xa = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                xb = xa;
+                if (r < n) {
+                    const float* xr = x + (long long)r * n_in + 32 * (2 * c + kk) + 4 * t;
+                    xa = __ldg((const float4*)xr);
+                    xb = __ldg((const float4*)(xr + 16));
+                }
+            }
+            const float inv = mq_quantize(xa, xb, b[tg]);
+            // The scales of the two batch rows whose outputs this lane holds.
+            sx[tg][0] = __shfl_sync(0xffffffffu, inv, 8 * t);
+            sx[tg][1] = NB > 1 ? __shfl_sync(0xffffffffu, inv, 8 * t + 4) : 0.0f;
+        }
+#pragma unroll
+        for (int mt = 0; mt < MQ_TILES; mt++) {
+            const uint4& lo = k.v[mt][0];
+            const uint4& hi = k.v[mt][1];
+            const uint4& tv = k.v[mt][kk];
+            const bool whole = ALL || R.tiled[mt];
+            const u32 a[4] = {whole ? tv.x : kk ? lo.z : lo.x, whole ? tv.y : kk ? hi.z : hi.x,
+                              whole ? tv.z : kk ? lo.w : lo.y, whole ? tv.w : kk ? hi.w : hi.y};
+            const u32 s0 = whole ? k.s[mt][kk] : __byte_perm(k.s[mt][0], k.s[mt][1], kk ? 0x7632 : 0x5410);
+            const float dw[2] = {f16_bits_to_f32(s0), f16_bits_to_f32(s0 >> 16)};
+#pragma unroll
+            for (int tg = 0; tg < NG; tg++) {
+                int d0[4], d1[4], d2[4];
+                mq_mma<true>(d0, a, b[tg][0][0], b[tg][0][1]);
+                mq_mma<true>(d1, a, b[tg][1][0], b[tg][1][1]);
+                mq_mma<false>(d2, a, b[tg][2][0], b[tg][2][1]);
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    // One batch row: only the even columns hold outputs.
+                    if (NB == 1 && (i & 1)) {
+                        continue;
+                    }
+                    const float lo16 = (float)(d0[i] + (d1[i] << 8));
+                    const float f = fmaf((float)d2[i], 65536.0f, lo16);
+                    acc[mt][tg][i] = fmaf(dw[i >> 1] * sx[tg][i & 1], f, acc[mt][tg][i]);
+                }
+            }
+        }
+    }
+}
+
+// The warp's chunks first, first + G, ... < c1, each chunk's loads issued before the one before
+// it is computed.
+template <int NB, bool ALL, bool XP>
+__device__ __forceinline__ void mq_loop(const MqRows& R, const MvDesc* D, long long pay, int nb, int first, int c1,
+                                        int lane, float (&acc)[MQ_TILES][(NB + 7) / 8][4]) {
+    const float* x = D->x;
+    const int n_in = D->n_in;
+    const int n = D->n;
+    const int G = D->group;
+    MqChunk<XP> cur;
+    if (!ALL) {
+        // The tail of a matrix (a plane's last rows): few warps, no prefetch (registers).
+        for (int c = first; c < c1; c += G) {
+            mq_load<ALL, XP>(R, pay, nb, c, lane, x, n_in, n, cur);
+            mq_chunk<NB, ALL, XP>(cur, R, nb, c, x, n_in, n, lane, acc);
+        }
+        return;
+    }
+    MqChunk<XP> nxt;
+    mq_load<ALL, XP>(R, pay, nb, first, lane, x, n_in, n, cur);
+    for (int c = first; c < c1; c += G) {
+        if (c + G < c1) {
+            mq_load<ALL, XP>(R, pay, nb, c + G, lane, x, n_in, n, nxt);
+        }
+        mq_chunk<NB, ALL, XP>(cur, R, nb, c, x, n_in, n, lane, acc);
+        cur = nxt;
+    }
+}
+
+// The end of the kernel: the G warps of a row group add their sums in warp order (warp p of
+// the group holds chunks p, p + G, ...), the first writes them to y (or to the slice's
+// partial sums), then mv_add_slices. Every thread of the block calls it.
+template <int NB>
+__device__ __forceinline__ void mq_store(float (&acc)[MQ_TILES][(NB + 7) / 8][4], const MvDesc* D, const MvBlock& B,
+                                         int* __restrict__ counters) {
+    constexpr int NG = (NB + 7) / 8;
+    constexpr int V = MQ_TILES * NG * 4;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int G = D->group;
+    const int n = D->n;
+    const int n_out = D->n_out;
+    __shared__ float red[MV_WARPS][V][32];
+    if (G > 1) {
+#pragma unroll
+        for (int mt = 0; mt < MQ_TILES; mt++) {
+#pragma unroll
+            for (int tg = 0; tg < NG; tg++) {
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    red[warp][(mt * NG + tg) * 4 + i][lane] = acc[mt][tg][i];
+                }
+            }
+        }
+        __syncthreads();
+        if (B.p == 0) {
+            for (int p = 1; p < G; p++) {
+#pragma unroll
+                for (int mt = 0; mt < MQ_TILES; mt++) {
+#pragma unroll
+                    for (int tg = 0; tg < NG; tg++) {
+#pragma unroll
+                        for (int i = 0; i < 4; i++) {
+                            acc[mt][tg][i] += red[warp + p][(mt * NG + tg) * 4 + i][lane];
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if (B.p == 0 && B.nrows > 0) {
+        const bool split = D->slices > 1;
+        float* y = split ? D->part + (long long)B.slice * n * n_out : D->y;
+        const int ys = split ? n_out : D->y_stride;
+        const int g = lane >> 2;
+        const int t = lane & 3;
+#pragma unroll
+        for (int mt = 0; mt < MQ_TILES; mt++) {
+#pragma unroll
+            for (int tg = 0; tg < NG; tg++) {
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const int o = B.o0 + 16 * mt + g + 8 * (i >> 1);
+                    const int r = 8 * tg + 2 * t + (i & 1);
+                    if (o < n_out && r < n) {
+                        y[(long long)r * ys + o] = acc[mt][tg][i];
+                    }
+                }
+            }
+        }
+    }
+    mv_add_slices(D, B.rb, counters);
+}
+
+template <class F, int NB>
+__device__ __forceinline__ void matmul_q8_0(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters,
+                                            u8*) {
+    constexpr int NG = (NB + 7) / 8;
+    const int lane = threadIdx.x & 31;
+    const MvBlock B = mv_block(descs, count);
+    const MvDesc* D = B.D;
+    if (D->n == 0) {
+        return;  // an unused expert slot (see matvec)
+    }
+    const u8* w = D->w;
+    const long long row_bytes = D->row_bytes;
+    const int n_out = D->n_out;
+    const int nb = D->n_in / 32;
+    const long long pay = 32ll * nb;
+    int c0, c1;
+    mv_slice((nb + 1) / 2, D->slices, B.slice, c0, c1);
+    // Tiles past the whole ones are read row by row; rows past n_out read the last row again
+    // (harmless loads; their sums are not stored).
+    MqRows R;
+    const int whole_rows = n_out & ~15;
+#pragma unroll
+    for (int mt = 0; mt < MQ_TILES; mt++) {
+        const int r0 = B.o0 + 16 * mt;
+        R.tiled[mt] = r0 + 16 <= whole_rows;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            R.p[mt][h] = R.tiled[mt] ? w + (long long)r0 * row_bytes
+                                     : w + (long long)imin(r0 + (lane >> 2) + 8 * h, n_out - 1) * row_bytes;
+        }
+    }
+    R.vec_tile = ((unsigned long long)w & 15ull) == 0;
+    R.vec_row = (((unsigned long long)w | (unsigned long long)row_bytes) & 15ull) == 0;
+    float acc[MQ_TILES][NG][4];
+#pragma unroll
+    for (int mt = 0; mt < MQ_TILES; mt++) {
+#pragma unroll
+        for (int tg = 0; tg < NG; tg++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                acc[mt][tg][i] = 0.0f;
+            }
+        }
+    }
+    const int first = c0 + B.p;
+    if (B.nrows > 0 && first < c1) {
+        if (B.o0 + MQ_WARP_ROWS <= whole_rows) {
+            mq_loop<NB, true, NG == 1 && MQ_X_PREFETCH>(R, D, pay, nb, first, c1, lane, acc);
+        } else {
+            mq_loop<NB, false, false>(R, D, pay, nb, first, c1, lane, acc);
+        }
+    }
+    mq_store<NB>(acc, D, B, counters);
+}
+
+#define MQ_KERNEL(NAME, F, NB) MV_KERNEL_RUN(NAME, F, NB, matmul_q8_0, (32 * MV_WARPS, 4), 0)
+MV_BATCHES(MQ_KERNEL, q8_0, FmtQ8_0)

@@ -44,18 +44,21 @@ pub(crate) const MAX_BATCH: usize = 16;
 pub(crate) const MV_WARPS: usize = 4;
 /// Output rows per row group, the rows one warp holds (`MV_ROWS` in common.cuh).
 pub(crate) const MV_ROWS: usize = 4;
+/// Output rows per row group of the Q8_0 tensor-core kernel (`MQ_WARP_ROWS` in q8_0.cu).
+pub(crate) const MQ_WARP_ROWS: usize = 32;
 /// Threads per block (`32 * MV_WARPS`).
 pub(crate) const THREADS: u32 = 128;
 
 /// Elements of a kernel tile of format `ty`, the unit of the input splits
 /// ([`crate::backend::cuda`] `slices`): one 512-byte payload chunk for the kernels that load
-/// rows directly (`matvec_split` in shaders/cuda/common.cuh: the float formats and the
-/// split formats), `32 * F::UNIT` for the staged ones (`matvec`: Q4_K, MXFP4).
+/// rows directly (`matvec_split` in shaders/cuda/common.cuh: the float formats, Q2_K and
+/// IQ2_XXS), one block pair for Q8_0's tensor-core kernel (q8_0.cu), `32 * F::UNIT` for the
+/// staged ones (`matvec`: Q4_K, MXFP4).
 pub(crate) fn tile_elems(ty: GgmlType) -> usize {
     match ty {
         GgmlType::F32 => 128,
         GgmlType::F16 | GgmlType::BF16 => 256,
-        GgmlType::Q8_0 => 512,
+        GgmlType::Q8_0 => 64,
         GgmlType::Q2_K | GgmlType::IQ2_XXS => 2048,
         _ => 1024,
     }

@@ -40,7 +40,7 @@ use std::sync::Mutex;
 use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 
-use self::context::{driver_err, tile_elems, Context, MAX_BATCH, MV_ROWS, MV_WARPS, THREADS};
+use self::context::{driver_err, tile_elems, Context, MAX_BATCH, MQ_WARP_ROWS, MV_ROWS, MV_WARPS, THREADS};
 use self::weights::DeviceImage;
 use super::{cpu, Backend};
 use crate::gguf::GgufFile;
@@ -196,16 +196,28 @@ struct Desc {
     /// Floats from one row of y to the next: `n_out`, or more when the product fills some
     /// columns of wider rows (the decode's o_a groups write their ranks side by side).
     y_stride: i32,
+    /// Output rows of a row group: [`warp_rows`] of the format.
+    warp_rows: i32,
     /// Keeps the size (80 bytes) a multiple of 16: the x rows placed after a table of
     /// descriptors must stay 16-byte aligned.
-    pad: [i32; 2],
+    pad: i32,
 }
 
 impl Desc {
     #[cfg(test)]
     /// Its row blocks (`mv_row_blocks` in common.cuh).
     fn row_blocks(&self) -> usize {
-        (self.n_out as usize).div_ceil(MV_WARPS / self.group as usize * MV_ROWS)
+        (self.n_out as usize).div_ceil(MV_WARPS / self.group as usize * self.warp_rows as usize)
+    }
+}
+
+/// Output rows of one row group (the rows a warp computes) of a `ty` product: two 16-row
+/// tensor-core tiles for Q8_0 (`MQ_WARP_ROWS`, shaders/cuda/q8_0.cu), `MV_ROWS` for the others.
+pub(crate) fn warp_rows(ty: GgmlType) -> usize {
+    if ty == GgmlType::Q8_0 {
+        MQ_WARP_ROWS
+    } else {
+        MV_ROWS
     }
 }
 
@@ -228,6 +240,21 @@ pub(crate) fn group(w: &Mat) -> usize {
     if matches!(w.ty, GgmlType::Q4_K | GgmlType::MXFP4) {
         return 1;
     }
+    if w.ty == GgmlType::Q8_0 {
+        // The tensor-core kernel: 32 rows a warp, so rows run out sooner; each warp keeps at
+        // least four block pairs.
+        let by_rows = match w.n_out.div_ceil(MQ_WARP_ROWS) {
+            0..=512 => 4,
+            513..=1024 => 2,
+            _ => 1,
+        };
+        let by_chunks = match w.n_in.div_ceil(tile_elems(w.ty)) / 4 {
+            0 | 1 => 1,
+            2 | 3 => 2,
+            _ => MV_WARPS,
+        };
+        return by_rows.min(by_chunks);
+    }
     let chunks = w.n_in.div_ceil(tile_elems(w.ty));
     let by_rows = match w.n_out {
         0..=2048 => 4,
@@ -243,27 +270,28 @@ pub(crate) fn group(w: &Mat) -> usize {
 }
 
 /// Most batch rows of one product chunk of a `ty` matrix: 8 for the quantized formats of
-/// `matvec_split` (Q8_0, Q2_K, IQ2_XXS), whose 16-row kernels run slower per row than two
-/// 8-row chunks (on an H200 a Q8_0 4096 x 8192 product takes 140.6 us for 16 rows and 61.6 us
-/// for 8, a Q2_K 6 x 4096 x 2048 one 275 us against 82 us; at 128 registers the 16-row
-/// kernels spill in their inner loop, and with more registers fewer warps fit and they were
-/// slower still), 16 for the others. Every chunk size computes a row the same way (row
-/// invariance), so this changes only the speed.
+/// `matvec_split` (Q2_K, IQ2_XXS), whose 16-row kernels run slower per row than two 8-row
+/// chunks (on an H200 a Q2_K 6 x 4096 x 2048 product takes 275 us for 16 rows against 82 us
+/// for 8, and the float-x Q8_0 kernel that Q8_0 had then 140.6 against 61.6 us for 4096 x
+/// 8192; at 128 registers the 16-row kernels spill in their inner loop, and with more
+/// registers fewer warps fit and they were slower still), 16 for the others (Q8_0's
+/// tensor-core kernel covers 8 batch rows per product). Every chunk size computes a row the
+/// same way (row invariance), so this changes only the speed.
 pub(crate) fn chunk_rows(ty: GgmlType) -> usize {
     match ty {
-        GgmlType::Q8_0 | GgmlType::Q2_K | GgmlType::IQ2_XXS => MAX_BATCH / 2,
+        GgmlType::Q2_K | GgmlType::IQ2_XXS => MAX_BATCH / 2,
         _ => MAX_BATCH,
     }
 }
 
-/// Row blocks of `w`'s products: blocks of `MV_WARPS / group` row groups of `MV_ROWS` rows.
+/// Row blocks of `w`'s products: blocks of `MV_WARPS / group` row groups of [`warp_rows`].
 pub(crate) fn row_blocks(w: &Mat) -> usize {
     row_blocks_in(w, group(w))
 }
 
 /// Row blocks of `w`'s products at warp group `g`.
 fn row_blocks_in(w: &Mat, g: usize) -> usize {
-    w.n_out.div_ceil(MV_WARPS / g * MV_ROWS)
+    w.n_out.div_ceil(MV_WARPS / g * warp_rows(w.ty))
 }
 
 /// The warp group and input slices of `w`'s products when one launch runs them with others of
@@ -288,7 +316,10 @@ pub(crate) fn split_in_launch(w: &Mat, rows: usize) -> (usize, usize) {
 /// reduction order (row invariance).
 fn slices(w: &Mat) -> usize {
     let tiles = w.n_in.div_ceil(tile_elems(w.ty));
-    let want = (TARGET_BLOCKS / row_blocks(w)).clamp(1, 32).min((tiles / group(w)).max(1));
+    // The Q8_0 kernel's warps are few (32 rows each) and its chunks short: it asks for four
+    // blocks an SM and two chunks a warp.
+    let (target, per_warp) = if w.ty == GgmlType::Q8_0 { (4 * TARGET_BLOCKS, 2) } else { (TARGET_BLOCKS, 1) };
+    let want = (target / row_blocks(w)).clamp(1, 32).min((tiles / group(w) / per_warp).max(1));
     // No empty slice: the kernels give each slice ceil(tiles / slices) tiles.
     tiles.div_ceil(tiles.div_ceil(want))
 }
@@ -354,20 +385,23 @@ impl CudaBackend {
     /// same address) while the backend may see its image, or be [`CudaBackend::release`]d.
     pub fn upload(&self, file: &GgufFile, progress: impl FnMut(u64, u64)) -> Result<()> {
         let base = file.data_offset() as usize;
-        let tensors: Vec<Mat> = file
+        // A plane is a 2-D tensor's rows, or the rows of one expert (dims[1]) of a 3-D one.
+        let tensors: Vec<(Mat, usize)> = file
             .tensors()
             .iter()
             .filter_map(|t| {
-                Some(Mat {
+                let m = Mat {
                     ty: t.ggml_type,
                     n_in: t.row_len() as usize,
                     n_out: t.n_rows() as usize,
                     start: base + t.offset as usize,
                     row_bytes: t.ggml_type.row_bytes(t.row_len())? as usize,
-                })
+                };
+                let plane = if t.dims.len() >= 3 { t.dims[1] as usize } else { m.n_out };
+                Some((m, plane))
             })
             .collect();
-        self.upload_image(file.raw(), base, &tensors, progress)
+        self.upload_planes(file.raw(), base, &tensors, progress)
     }
 
     /// [`CudaBackend::upload`] for any image: copies `raw[data_offset..]`; matrices must lie
@@ -380,6 +414,20 @@ impl CudaBackend {
         raw: &[u8],
         data_offset: usize,
         tensors: &[Mat],
+        progress: impl FnMut(u64, u64),
+    ) -> Result<()> {
+        let planes: Vec<(Mat, usize)> = tensors.iter().map(|&m| (m, m.n_out)).collect();
+        self.upload_planes(raw, data_offset, &planes, progress)
+    }
+
+    /// [`CudaBackend::upload_image`] with each tensor's plane (its rows per expert for a 3-D
+    /// tensor of experts: Q8_0's device tiles are counted per plane, see
+    /// [`crate::quant::split`]).
+    fn upload_planes(
+        &self,
+        raw: &[u8],
+        data_offset: usize,
+        tensors: &[(Mat, usize)],
         progress: impl FnMut(u64, u64),
     ) -> Result<()> {
         let mut g = self.lock();
@@ -478,7 +526,8 @@ impl CudaBackend {
             counter: counter as i32,
             group: g as i32,
             y_stride: w.n_out as i32,
-            pad: [0; 2],
+            warp_rows: warp_rows(w.ty) as i32,
+            pad: 0,
         };
         (d, row_blocks_in(w, g) * s)
     }

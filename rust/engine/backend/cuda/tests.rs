@@ -70,10 +70,14 @@ const FORMATS: [GgmlType; 8] = [
     GgmlType::MXFP4,
 ];
 
-/// A file-like image: `pad` bytes of header, then the matrix (at a 32-byte aligned offset).
+/// A file-like image: 96 bytes of header, then the matrix (at a 32-byte aligned offset).
 fn image(ty: GgmlType, rows: usize, n_in: usize, rng: &mut Rng) -> (Vec<u8>, Mat) {
+    image_at(ty, rows, n_in, 96, rng)
+}
+
+/// [`image`] with the matrix at offset `start`.
+fn image_at(ty: GgmlType, rows: usize, n_in: usize, start: usize, rng: &mut Rng) -> (Vec<u8>, Mat) {
     let data = random_matrix(ty, rows, n_in, rng);
-    let start = 96;
     let mut raw = vec![0xa5u8; start];
     raw.extend_from_slice(&data);
     let row_bytes = ty.row_bytes(n_in as u64).unwrap() as usize;
@@ -86,7 +90,8 @@ fn kernels_compile_with_nvrtc() {
         eprintln!("skipped: libnvrtc not found (set LD_LIBRARY_PATH to a CUDA or pip nvidia-cuda-nvrtc lib dir)");
         return;
     }
-    for arch in ["compute_80", "compute_90"] {
+    // compute_75: the Q8_0 kernel's path for devices without the integer mma of sm_80.
+    for arch in ["compute_75", "compute_80", "compute_90"] {
         match compile(arch) {
             Ok(ptx) => {
                 for (_, stem) in context::FORMATS {
@@ -118,7 +123,12 @@ fn no_device_is_an_error_not_a_panic() {
 
 /// `|gpu - cpu| <= 1e-4 * sum |w * x|` for every output, and row invariance.
 fn check_format(b: &CudaBackend, ty: GgmlType, n_out: usize, n_in: usize, rng: &mut Rng) {
-    let (raw, w) = image(ty, n_out, n_in, rng);
+    check_format_at(b, ty, n_out, n_in, 96, rng)
+}
+
+/// [`check_format`] with the matrix at image offset `start`.
+fn check_format_at(b: &CudaBackend, ty: GgmlType, n_out: usize, n_in: usize, start: usize, rng: &mut Rng) {
+    let (raw, w) = image_at(ty, n_out, n_in, start, rng);
     b.upload_image(&raw, 32, &[w], |_, _| {}).unwrap();
     let mut deq = vec![0f32; n_out * n_in];
     quant::dequantize(ty, &raw[w.start..w.start + w.nbytes()], &mut deq).unwrap();
@@ -166,8 +176,12 @@ fn every_format_matches_cpu_and_is_row_invariant() {
 fn unaligned_rows_and_odd_float_shapes() {
     let Some(b) = backend() else { return };
     let mut rng = Rng(7);
-    // Q8_0 rows of 34 * 3 bytes: not 16-byte aligned, staged byte by byte.
+    // Q8_0 rows of 34 * 3 bytes: not 16-byte aligned, read in 2-byte pieces; an odd block
+    // count. 9 rows: all row by row; 40 rows: two 16-row tiles first, and at offset 98 the
+    // tiles are not 16-byte aligned either.
     check_format(&b, GgmlType::Q8_0, 9, 96, &mut rng);
+    check_format(&b, GgmlType::Q8_0, 40, 96, &mut rng);
+    check_format_at(&b, GgmlType::Q8_0, 40, 96, 98, &mut rng);
     // MXFP4 rows of 17 bytes.
     check_format(&b, GgmlType::MXFP4, 9, 32, &mut rng);
     // F16 rows of 6 elements (12 bytes).
@@ -228,13 +242,19 @@ fn split_formats_run_on_listed_tensors_only() {
     for ty in [GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::IQ2_XXS] {
         let (raw, w) = image(ty, 24, 4096, &mut rng);
         let x: Vec<f32> = (0..3 * 4096).map(|_| rng.f32()).collect();
-        // Rows 8..16 of the tensor: a row offset inside a split tensor.
-        let part = Mat { n_out: 8, start: w.start + 8 * w.row_bytes, ..w };
+        // Rows 16..24 of the tensor: a row offset inside a split tensor (for Q8_0, its rows
+        // after the one whole 16-row tile).
+        let part = Mat { n_out: 8, start: w.start + 16 * w.row_bytes, ..w };
         b.upload_image(&raw, 32, &[w], |_, _| {}).unwrap();
         let whole = b.matmul(&raw, &w, &x).unwrap();
         let rows = b.matmul(&raw, &part, &x).unwrap();
         for r in 0..3 {
-            assert_eq!(rows[r * 8..(r + 1) * 8], whole[r * 24 + 8..r * 24 + 16], "{ty}: rows 8..16, batch row {r}");
+            assert_eq!(rows[r * 8..(r + 1) * 8], whole[r * 24 + 16..r * 24 + 24], "{ty}: rows 16..24, batch row {r}");
+        }
+        if ty == GgmlType::Q8_0 {
+            // Rows 8..16 start inside a tile: the kernel cannot take them, the CPU does.
+            let inside = Mat { n_out: 8, start: w.start + 8 * w.row_bytes, ..w };
+            assert_eq!(b.matmul(&raw, &inside, &x).unwrap(), cpu::matmul_new(&raw, &inside, &x).unwrap());
         }
         b.release(&raw).unwrap();
         // Not listed at upload: stored as it is, so products on it run on the CPU.
@@ -245,13 +265,13 @@ fn split_formats_run_on_listed_tensors_only() {
 }
 
 /// A launch of same-shape products splits each as one matrix of all their rows would be split
-/// (`split_in_launch`): Flash's o_a groups, 8 x 1024 rows, take one warp a row group and no
-/// input slices; alone, a product's split is its own.
+/// (`split_in_launch`): Flash's o_a groups, 8 x 1024 rows, take 2 input slices where one
+/// group alone takes 8; alone, a product's split is its own.
 #[test]
 fn launch_of_several_products_splits_as_one_matrix() {
     let oa = Mat { ty: GgmlType::Q8_0, n_in: 4096, n_out: 1024, start: 0, row_bytes: 4352 };
-    assert_eq!((group(&oa), slices(&oa)), (4, 1));
-    assert_eq!(split_in_launch(&oa, 8 * 1024), (1, 1));
+    assert_eq!((group(&oa), slices(&oa)), (4, 8));
+    assert_eq!(split_in_launch(&oa, 8 * 1024), (4, 2));
     assert_eq!(split_in_launch(&oa, 1024), (group(&oa), slices(&oa)));
     let hc = Mat { ty: GgmlType::F16, n_in: 16384, n_out: 24, start: 0, row_bytes: 32768 };
     assert_eq!(split_in_launch(&hc, 24), (group(&hc), slices(&hc)));
@@ -266,7 +286,8 @@ fn launch_of_several_products_splits_as_one_matrix() {
 fn strided_outputs_fill_columns_of_wider_rows() {
     let Some(b) = backend() else { return };
     let mut rng = Rng(0x57);
-    for (ty, rank, n_in) in [(GgmlType::Q8_0, 40, 4096 + 512), (GgmlType::F16, 300, 256), (GgmlType::Q8_0, 130, 1024)] {
+    // (Q8_0 ranks are whole 16-row tiles: a group starts a tile.)
+    for (ty, rank, n_in) in [(GgmlType::Q8_0, 48, 4096 + 512), (GgmlType::F16, 300, 256), (GgmlType::Q8_0, 144, 1024)] {
         let groups = 3;
         let (raw, all) = image(ty, groups * rank, n_in, &mut rng);
         b.upload_image(&raw, 32, &[all], |_, _| {}).unwrap();
@@ -327,6 +348,59 @@ fn strided_outputs_fill_columns_of_wider_rows() {
                     "{ty}: gap of row {r}"
                 );
             }
+        }
+        b.release(&raw).unwrap();
+    }
+}
+
+/// The Q8_0 kernel's path for devices before sm_80 (the same integer products from shuffled
+/// fragments and dp4a) gives the tensor-core path's bits: the module compiled for compute_75
+/// runs on this device too (the driver compiles its PTX for it). Rows that are 16-byte
+/// aligned and rows that are not (an odd block count), 1, 3 and 16 batch rows.
+#[test]
+fn q8_0_portable_path_gives_the_tensor_core_bits() {
+    let Some(b) = backend() else { return };
+    let mut rng = Rng(0x75);
+    let ptx = compile("compute_75").unwrap();
+    for n_in in [1024, 1120] {
+        let (raw, w) = image(GgmlType::Q8_0, 70, n_in, &mut rng);
+        b.upload_image(&raw, 32, &[w], |_, _| {}).unwrap();
+        {
+            let g = b.lock();
+            g.ctx.bind().unwrap();
+            let img = g.images.iter().find(|i| i.is(&raw)).unwrap();
+            let image = std::ffi::CString::new(ptx.as_bytes()).unwrap();
+            // SAFETY: a NUL-terminated PTX image; the context is bound.
+            let module = unsafe { cu::module::load_data(image.as_ptr().cast()) }.unwrap();
+            for n in [1, 3, 16] {
+                let x: Vec<f32> = (0..n * n_in).map(|_| rng.f32()).collect();
+                let xb = DevBuf::from_slice(&x).unwrap();
+                let run = |f: sys::CUfunction, smem: u32| -> Vec<f32> {
+                    let y = DevBuf::zeroed(4 * n * w.n_out).unwrap();
+                    let part = DevBuf::zeroed(4 * 32 * n * w.n_out).unwrap();
+                    let counters = DevBuf::zeroed(4 * 4096).unwrap();
+                    let (d, blocks) = CudaBackend::desc(img.addr(w.start), &w, xb.at(0), y.at(0), part.at(0), n, 0);
+                    let tb = DevBuf::from_slice(&[d]).unwrap();
+                    let args = [Arg::Ptr(tb.at(0)), Arg::I32(1), Arg::Ptr(counters.at(0))];
+                    g.ctx.launch_args(f, (blocks as u32, 1, 1), THREADS, smem, &args).unwrap();
+                    g.ctx.sync().unwrap();
+                    y.read(0, n * w.n_out).unwrap()
+                };
+                let (native, smem) = g.ctx.kernel(GgmlType::Q8_0, n).unwrap();
+                let nb = context::BATCH_SIZES.iter().copied().find(|&s| s >= n).unwrap();
+                let name = std::ffi::CString::new(format!("ds4_mv_q8_0_{nb}")).unwrap();
+                // SAFETY: the module is loaded and the context bound.
+                let portable = unsafe { cu::module::get_function(module, name) }.unwrap();
+                let want = run(native, smem);
+                let got = run(portable, 0);
+                assert!(
+                    want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "n_in {n_in}, n = {n}: the compute_75 kernel differs"
+                );
+                assert!(want.iter().any(|&v| v != 0.0));
+            }
+            // SAFETY: loaded above; nothing of it is used after this.
+            unsafe { cu::module::unload(module) }.unwrap();
         }
         b.release(&raw).unwrap();
     }

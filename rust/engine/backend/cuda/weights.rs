@@ -8,7 +8,8 @@ use rayon::prelude::*;
 
 use super::context::driver_err;
 use crate::model::weights::Mat;
-use crate::quant::split::{is_split, split_rows};
+use crate::quant::split::{is_split, q8_0, split_rows};
+use crate::quant::GgmlType;
 use crate::{Error, Result};
 
 /// Bytes past the end of every image copy: the kernels stage weights in 16-byte loads and may
@@ -28,8 +29,10 @@ pub(crate) struct DeviceImage {
     pub(crate) data_offset: usize,
     pub(crate) dptr: sys::CUdeviceptr,
     /// The tensors stored split, sorted by start, not overlapping: image offsets
-    /// `start..start + nbytes()` of rows of `n_in` elements of `ty`.
-    split: Vec<Mat>,
+    /// `start..start + nbytes()` of rows of `n_in` elements of `ty`, with the rows of one
+    /// plane (a 2-D tensor's rows, a 3-D tensor's rows per expert; Q8_0's tiles are counted
+    /// per plane).
+    split: Vec<(Mat, usize)>,
 }
 
 impl DeviceImage {
@@ -50,28 +53,32 @@ impl DeviceImage {
 
     /// Whether the rows of `w` (a split format) are stored split: inside one tensor of the
     /// same format and row length that was split at upload, at a row boundary of it.
+    /// For Q8_0 the rows must also be a range its kernel takes (`q8_0::takes_rows`: from a
+    /// tile's start, ending at a tile's or a plane's end).
     pub(crate) fn holds_split(&self, w: &Mat) -> bool {
-        let i = self.split.partition_point(|t| t.start <= w.start);
+        let i = self.split.partition_point(|(t, _)| t.start <= w.start);
         i > 0 && {
-            let t = &self.split[i - 1];
+            let (t, plane) = &self.split[i - 1];
             t.ty == w.ty
                 && t.n_in == w.n_in
                 && t.row_bytes == w.row_bytes
                 && (w.start - t.start).is_multiple_of(t.row_bytes)
                 && w.start + w.nbytes() <= t.start + t.nbytes()
+                && (w.ty != GgmlType::Q8_0 || q8_0::takes_rows((w.start - t.start) / t.row_bytes, w.n_out, *plane))
         }
     }
 
     /// Copies `raw[data_offset..]` to a new device allocation, in chunks of [`CHUNK`] bytes,
     /// calling `progress(done, total)` after each. The context must be bound. `tensors` are
-    /// the image's tensors (rows of `n_in` elements of `ty` each); those of a split format are
-    /// stored split, the others as they are. Tensors that overlap an earlier one, lie outside
-    /// the data or whose rows are not whole blocks are copied as they are (and products on
-    /// them of a split format then run on the CPU).
+    /// the image's tensors (rows of `n_in` elements of `ty` each) with their plane's rows;
+    /// those of a split format are stored split, the others as they are. Tensors that overlap
+    /// an earlier one, lie outside the data, whose rows are not whole blocks or not whole
+    /// planes are copied as they are (and products on them of a split format then run on the
+    /// CPU).
     pub(crate) fn upload(
         raw: &[u8],
         data_offset: usize,
-        tensors: &[Mat],
+        tensors: &[(Mat, usize)],
         mut progress: impl FnMut(u64, u64),
     ) -> Result<Self> {
         let data = raw
@@ -90,11 +97,13 @@ impl DeviceImage {
         }
         // SAFETY: a plain allocation; freed in Drop (or below on error).
         let dptr = unsafe { cu::malloc_sync(need) }.map_err(driver_err("allocating the weights"))?;
-        let mut split: Vec<Mat> = tensors
+        let mut split: Vec<(Mat, usize)> = tensors
             .iter()
-            .filter(|t| {
+            .filter(|(t, plane)| {
                 is_split(t.ty)
                     && t.n_out > 0
+                    && *plane > 0
+                    && t.n_out.is_multiple_of(*plane)
                     && t.ty.row_bytes(t.n_in as u64) == Some(t.row_bytes as u64)
                     && t.n_in.is_multiple_of(t.ty.block_elems())
                     && t.start >= data_offset
@@ -102,9 +111,9 @@ impl DeviceImage {
             })
             .copied()
             .collect();
-        split.sort_by_key(|t| t.start);
+        split.sort_by_key(|(t, _)| t.start);
         let mut end = 0;
-        split.retain(|t| {
+        split.retain(|(t, _)| {
             let keep = t.start >= end;
             if keep {
                 end = t.start + t.nbytes();
@@ -117,20 +126,28 @@ impl DeviceImage {
         unsafe { cu::memset_d8_sync(dptr + data.len() as u64, 0, PAD) }.map_err(driver_err("clearing the padding"))?;
         let total_bytes = data.len() as u64;
         progress(0, total_bytes);
-        // Copies raw[from..to] as it is, or split when `rows` (row bytes, format) is given.
+        // Copies raw[from..to] as it is, or split when `rows` (the tensor) is given.
         let mut stage: Vec<u8> = Vec::new();
-        let mut copy = |from: usize, to: usize, rows: Option<(usize, crate::quant::GgmlType)>| -> Result<()> {
-            let step = rows.map_or(CHUNK, |(rb, _)| (CHUNK / rb).max(1) * rb);
+        let mut copy = |from: usize, to: usize, rows: Option<(Mat, usize)>| -> Result<()> {
             let mut at = from;
             while at < to {
-                let next = (at + step).min(to);
-                let src: &[u8] = match rows {
-                    None => &raw[at..next],
-                    Some((rb, ty)) => {
+                let (next, src): (usize, &[u8]) = match rows {
+                    None => {
+                        let next = (at + CHUNK).min(to);
+                        (next, &raw[at..next])
+                    }
+                    Some((t, plane)) => {
+                        let (rb, row) = (t.row_bytes, (at - t.start) / t.row_bytes);
+                        let next = t.start + rb * piece_end(row, t.n_out, plane, (CHUNK / rb).max(1));
                         stage.clear();
                         stage.extend_from_slice(&raw[at..next]);
-                        stage.par_chunks_mut(rb * 64).for_each(|c| split_rows(ty, rb, c));
-                        &stage
+                        // Pieces of whole tiles (whole planes when a plane has a tail), so
+                        // that each starts a tile of its plane.
+                        let par = if plane.is_multiple_of(q8_0::TILE_ROWS) { 64 } else { plane };
+                        stage.par_chunks_mut(rb * par).enumerate().for_each(|(i, c)| {
+                            split_rows(t.ty, rb, c, plane, (row + i * par) % plane);
+                        });
+                        (next, &stage)
                     }
                 };
                 // SAFETY: the destination range is inside the allocation; the copy is
@@ -143,9 +160,9 @@ impl DeviceImage {
             Ok(())
         };
         let mut at = data_offset;
-        for t in &img.split {
+        for &(t, plane) in &img.split {
             copy(at, t.start, None)?;
-            copy(t.start, t.start + t.nbytes(), Some((t.row_bytes, t.ty)))?;
+            copy(t.start, t.start + t.nbytes(), Some((t, plane)))?;
             at = t.start + t.nbytes();
         }
         copy(at, raw.len(), None)?;
@@ -161,5 +178,45 @@ impl Drop for DeviceImage {
     fn drop(&mut self) {
         // SAFETY: allocated by `upload`, freed once; the owner binds the context first.
         unsafe { cu::free_sync(self.dptr).ok() };
+    }
+}
+
+/// The end row of an upload piece of a split tensor of `n` rows (`plane` rows a plane) that
+/// starts at row `row`, about `rows` rows long: a multiple of 64 rows when the planes have no
+/// tail (every 64-row piece then starts a tile), else whole planes, or whole tiles up to the
+/// plane's end for a plane larger than a piece.
+fn piece_end(row: usize, n: usize, plane: usize, rows: usize) -> usize {
+    let end = if plane.is_multiple_of(q8_0::TILE_ROWS) {
+        row + rows.next_multiple_of(64)
+    } else if plane <= rows {
+        row + rows / plane * plane
+    } else {
+        let plane_end = (row / plane + 1) * plane;
+        (row + rows.next_multiple_of(q8_0::TILE_ROWS)).min(plane_end)
+    };
+    end.min(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::piece_end;
+
+    /// Upload pieces cover the tensor; each starts at a tile start of its plane and ends at a
+    /// tile's or a plane's end, so that the Q8_0 split of each piece alone is the split of the
+    /// whole.
+    #[test]
+    fn upload_pieces_start_tiles() {
+        for (n, plane, rows) in
+            [(3 * 37, 37, 50), (3 * 37, 37, 20), (10 * 64, 64, 100), (5000, 5000, 1000), (40, 40, 1)]
+        {
+            let mut row = 0;
+            while row < n {
+                let end = piece_end(row, n, plane, rows);
+                assert!(end > row && end <= n, "{n} {plane} {rows}: {row}..{end}");
+                assert!((row % plane).is_multiple_of(16), "{n} {plane} {rows}: piece at {row}");
+                assert!(end == n || (end % plane).is_multiple_of(16));
+                row = end;
+            }
+        }
     }
 }

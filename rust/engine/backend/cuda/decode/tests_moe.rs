@@ -363,7 +363,8 @@ fn fake_templates(d: usize, ff: usize) -> [Desc; 3] {
         counter,
         group: 2,
         y_stride: n_out as i32,
-        pad: [0; 2],
+        warp_rows: crate::backend::cuda::warp_rows(GgmlType::Q8_0) as i32,
+        pad: 0,
     };
     [t(0x1000_0000_0000, d, ff, 2, 100), t(0x2000_0000_0000, d, ff, 3, 5000), t(0x3000_0000_0000, ff, d, 1, 9000)]
 }

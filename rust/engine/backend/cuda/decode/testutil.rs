@@ -69,7 +69,8 @@ pub(crate) fn randn(len: usize, seed: u64, scale: f32) -> Vec<f32> {
 pub(crate) fn split_image(raw: &[u8], tensors: &[crate::model::weights::Mat]) -> Vec<u8> {
     let mut out = raw.to_vec();
     for t in tensors.iter().filter(|t| crate::quant::split::is_split(t.ty)) {
-        crate::quant::split::split_rows(t.ty, t.row_bytes, &mut out[t.start..t.start + t.nbytes()]);
+        // Each tensor one plane, as upload_image takes them.
+        crate::quant::split::split_rows(t.ty, t.row_bytes, &mut out[t.start..t.start + t.nbytes()], t.n_out, 0);
     }
     out
 }
