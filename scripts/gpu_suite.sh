@@ -9,10 +9,12 @@
 # network (`pip download pytest hypothesis gguf -d WHEELHOUSE --only-binary=:all:
 # --python-version 3.12 --platform manylinux2014_x86_64` elsewhere); "" to use the index.
 # TESTS_BINARY: the engine's test executable built with `--features cuda` (its CUDA kernel
-# tests run first). Then: the CUDA tests, and decode / verify / prefill timings of a random MID
+# tests run first, then again the product and routed-expert ones with DS4_CUDA_Q8=mma, Q8_0 on
+# the tensor cores). Then: the CUDA tests (in both Q8_0 modes), and decode / verify / prefill
+# timings of a random MID
 # model at 2K and 32K context; with FLASH_GEN (the synthetic full-size Flash generator,
 # gen_flash_q2_gguf.py) and TOKENIZER (the V4 tokenizer.json) set, the same for a full-size
-# Flash file (80.8 GiB, sparse on disk) at 2K context, and with FLASH_32K=1 at 32K context with
+# Flash file (80.8 GiB, sparse on disk) at 2K context (in both Q8_0 modes), and with FLASH_32K=1 at 32K context with
 # an 8K-token prefill too; with FLASH_FILL=1 the routed experts of as many layers as the disk
 # holds get pseudo-random blocks first (scripts/fill_experts.py: the generator's zero experts
 # make the IQ2_XXS kernels look up one lattice entry only, which flatters them);
@@ -31,8 +33,12 @@ fi
 python -c "import ds4, sys; print('CUDA:', ds4.cuda_available(), ds4.cuda_device_name()); sys.exit(0 if ds4.cuda_available() else 1)"
 if [ -n "${3:-}" ]; then
     "$3" backend::cuda --test-threads=1
+    # Q8_0 on the tensor cores (an opt-in kernel and weight layout): the product and routed
+    # expert tests again.
+    DS4_CUDA_Q8=mma "$3" backend::cuda::tests backend::cuda::decode::tests_moe --test-threads=1
 fi
 (cd tests && python -m pytest -q -p no:cacheprovider test_cuda.py)
+(cd tests && DS4_CUDA_Q8=mma python -m pytest -q -p no:cacheprovider test_cuda.py)
 ds4 random MID /tmp/ds4-mid-q8_0.gguf --dtype q8_0 -q
 python benches/verify_bench.py /tmp/ds4-mid-q8_0.gguf --backend cuda --ctx 2048 --prefill 2048,8192
 python benches/verify_bench.py /tmp/ds4-mid-q8_0.gguf --backend cuda --ctx 32768 --prefill "" --runs 3
@@ -42,6 +48,7 @@ if [ -n "${FLASH_GEN:-}" ] && [ -n "${TOKENIZER:-}" ]; then
         python scripts/fill_experts.py /tmp/ds4-flash-q2.gguf
     fi
     python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --ctx 2048 --prefill 2048 --runs 5
+    DS4_CUDA_Q8=mma python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --ctx 2048 --prefill 2048 --runs 5
     if [ -n "${TRACE:-}" ]; then
         cuda=$(dirname "$(dirname "$(command -v nvcc)")")
         nvcc -shared -Xcompiler -fPIC -DKREC=CUpti_ActivityKernel10 -I"$cuda/extras/CUPTI/include" \

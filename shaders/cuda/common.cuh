@@ -6,23 +6,24 @@
 //
 // Shape of every product: `y[r, o] = W[o] . x[r]` for output rows o < n_out and batch rows
 // r < n (n <= NB <= 16 per product chunk; the host cuts larger batches into chunks of 16, or
-// of 8 for Q2_K and IQ2_XXS: rust/engine/backend/cuda/mod.rs `chunk_rows`).
+// of 8 for the split formats' float-x kernels: rust/engine/backend/cuda/mod.rs `chunk_rows`).
 //
 // One launch runs a table of products (MvDesc) of one format and one batch size: block b
 // belongs to the product whose `block_start` is the last one <= b. A product's blocks are
 // `row_blocks * slices`: a row block is MV_WARPS warps; each row group of D.warp_rows output
-// rows (MV_ROWS, or MQ_WARP_ROWS in Q8_0's kernel) belongs to `group` of them (1 in matvec;
-// 1, 2 or 4 in matvec_split and Q8_0's kernel, which split a group's chunks between its
-// warps); a slice is a contiguous range of the row's tiles (the host splits
+// rows (MV_ROWS, or MQ_WARP_ROWS in Q8_0's tensor-core kernel) belongs to `group` of them (1
+// in matvec; 1, 2 or 4 in matvec_split and the tensor-core kernel, which split a group's
+// chunks between its warps); a slice is a contiguous range of the row's tiles (the host splits
 // the inputs of matrices with few rows so that they do not serialize on a few SMs). The group
 // and slice counts depend only on the shape.
 //
 // Three kernel bodies share this launch shape (the first two also the store at the end,
 // mv_store; all three mv_add_slices):
-// - matmul_q8_0 (q8_0.cu): Q8_0 on the tensor cores, in exact integers.
-// - matvec_split (below, "Products of the split formats"): the float formats and Q2_K and
-//   IQ2_XXS, whose rows the upload stores split: direct 16-byte loads per lane, no
-//   shared-memory staging.
+// - matvec_split (below, "Products of the split formats"): the float formats and the formats
+//   whose rows the upload stores split (Q8_0, Q2_K, IQ2_XXS): direct 16-byte loads per lane,
+//   no shared-memory staging.
+// - matmul_q8_0 (q8_0.cu): Q8_0 on the tensor cores in exact integers, when the process
+//   asks for it (DS4_CUDA_Q8=mma; rust/engine/backend/cuda/context.rs `q8_tensor_cores`).
 // - matvec, the staged kernel: Q4_K and MXFP4, whose rows stay in GGUF order. Its work split:
 //
 // Work split inside a block: the row is walked in tiles of 32 * F::UNIT elements. For each
@@ -547,11 +548,8 @@ __device__ __forceinline__ void matvec(const MvDesc* __restrict__ descs, int cou
     mv_store<NB>(acc, D, B.slice, B.rb, o0, nrows, counters);
 }
 
-// ---- Products of the split formats Q2_K and IQ2_XXS (rust/engine/quant/split/) and the
+// ---- Products of the split formats (Q8_0, Q2_K, IQ2_XXS; rust/engine/quant/split/) and the
 // float formats
-//
-// (Q8_0 is split too but has its own kernel, q8_0.cu. The notes below on Q8_0 are about the
-// float-x matvec_split kernel it had before.)
 //
 // Their rows are read straight from global memory, in *chunks* of 512 payload bytes (the
 // split formats store each row's payloads, the quant bytes, first and the headers after them:
@@ -604,8 +602,9 @@ __device__ __forceinline__ void matvec(const MvDesc* __restrict__ descs, int cou
 //   products, and the tf32 rate of mma.sync on sm_90 bounds it (variants with streaming
 //   weight loads, interleaved blocks, prefetched x or 16-byte tiles gained at most 12%). In
 //   the engine: Flash 2K decode 9.3 -> 12.2 ms, verify of 8 rows 36.3 -> 32.4 ms, 2K prompt
-//   7.5 -> 5.8 s. Decode is the common case, so the FMA kernel stayed, until the exact
-//   8-bit integer route of q8_0.cu, which needs neither the conversions nor the split.
+//   7.5 -> 5.8 s. Decode is the common case, so the FMA kernel stays. The exact 8-bit
+//   integer route of q8_0.cu (DS4_CUDA_Q8=mma) needs neither the conversions nor the split:
+//   flat in the batch too, but still slower at one row (its notes).
 //
 // F provides: BLOCK_ELEMS, PAY (payload bytes per block), CB = 512 / PAY (blocks per chunk),
 // LUT_BYTES / init_lut, PREFETCH, a Chunk type, load(row, nb, c, lane, vec, ch), which issues
@@ -643,8 +642,8 @@ __device__ __forceinline__ void ld_lane16(const u8* row, long long pay, int c, i
     }
 }
 
-// The chunk of a format whose blocks are a 2-byte f16 scale and PAY payload bytes (IQ2_XXS;
-// `split_scale_first` in rust/engine/quant/split/): lane l's 16 payload bytes and
+// The chunk of a format whose blocks are a 2-byte f16 scale and PAY payload bytes (Q8_0,
+// IQ2_XXS; `split_scale_first` in rust/engine/quant/split/): lane l's 16 payload bytes and
 // the scale of their block (PAY / 16 lanes share one), loaded together.
 struct ScaleChunk {
     uint4 v;
@@ -657,6 +656,28 @@ __device__ __forceinline__ void ld_scale_chunk(const u8* row, int nb, int c, int
     ld_lane16(row, pay, c, lane, vec, h.v);
     if (mv_lane_in(pay, c, lane)) {
         h.d = ld_u16(row + pay + 2 * ((512 / PAY) * c + lane / (PAY / 16)));
+    }
+}
+
+// For each row r < n: acc[q][r] += s[q] * (w[q] . x[r][e..e + 4]), the dot an fmaf chain from
+// the first product (the scaled step of the quantized formats of matvec_split).
+template <int NB>
+__device__ __forceinline__ void scaled_dot4(const float (&wf)[MV_ROWS][4], const float (&s)[MV_ROWS],
+                                            const float* __restrict__ x, int n_in, int n, int e,
+                                            float (&acc)[MV_ROWS][NB]) {
+#pragma unroll
+    for (int r = 0; r < NB; r++) {
+        if (r < n) {
+            const float4 xv = __ldg((const float4*)(x + (long long)r * n_in + e));
+#pragma unroll
+            for (int q = 0; q < MV_ROWS; q++) {
+                float t = wf[q][0] * xv.x;
+                t = fmaf(wf[q][1], xv.y, t);
+                t = fmaf(wf[q][2], xv.z, t);
+                t = fmaf(wf[q][3], xv.w, t);
+                acc[q][r] = fmaf(s[q], t, acc[q][r]);
+            }
+        }
     }
 }
 

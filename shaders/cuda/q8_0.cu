@@ -1,7 +1,60 @@
 // Q8_0: blocks of 32 weights, 34 bytes in GGUF: an f16 scale d, then 32 signed bytes q;
-// w = q * d (rust/engine/quant/q8_0.rs).
+// w = q * d (rust/engine/quant/q8_0.rs). Two kernels; the process uses one of them for all
+// its Q8_0 products (rust/engine/backend/cuda/context.rs `q8_tensor_cores`), so each row is
+// computed the same way in every batch (row invariance) either way.
 //
-// Q8_0 products run on the tensor cores in exact integer arithmetic, one kernel for every
+// ---- The float-x kernel (the default): matvec_split (common.cuh). On the device rows are
+// split (rust/engine/quant/split/): the 32-byte quant runs of all blocks, then the 2-byte
+// scales. Lane l's 16 bytes of chunk c are half (l & 1) of block 16 c + l / 2: elements
+// 32 k + 16 (l & 1) + 0..15. Per 4 elements: sum q * x in an fmaf chain, then acc += d * sum.
+
+struct FmtQ8_0 {
+    static constexpr int BLOCK_ELEMS = 32;
+    static constexpr int PAY = 32;
+    static constexpr int CB = 16;
+    static constexpr int PREFETCH = 1;
+    MV_NO_LUT
+
+    typedef ScaleChunk Chunk;
+
+    static __device__ __forceinline__ void load(const u8* row, int nb, int c, int lane, bool vec, Chunk& h) {
+        ld_scale_chunk<PAY>(row, nb, c, lane, vec, h);
+    }
+
+    template <int NB>
+    static __device__ __forceinline__ void dot(const Chunk (&h)[MV_ROWS], int nb, int c, int lane,
+                                               const float* __restrict__ x, int n_in, int n,
+                                               float (&acc)[MV_ROWS][NB], const u8*) {
+        if (!mv_lane_in((long long)nb * PAY, c, lane)) {
+            return;
+        }
+        const int e0 = 32 * (CB * c + (lane >> 1)) + 16 * (lane & 1);
+        float d[MV_ROWS];
+#pragma unroll
+        for (int q = 0; q < MV_ROWS; q++) {
+            d[q] = f16_bits_to_f32(h[q].d);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            float wf[MV_ROWS][4];
+#pragma unroll
+            for (int q = 0; q < MV_ROWS; q++) {
+                const u32 word = word_of(h[q].v, j) ^ 0x80808080u;
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    wf[q][i] = sbyte_f(word, i);
+                }
+            }
+            scaled_dot4<NB>(wf, d, x, n_in, n, e0 + 4 * j, acc);
+        }
+    }
+};
+
+MVS_KERNELS(q8_0, FmtQ8_0)
+
+// ---- The tensor-core kernel (DS4_CUDA_Q8=mma)
+//
+// Q8_0 products on the tensor cores in exact integer arithmetic, one kernel for every
 // batch size (mma.sync m16n8k32 on 8-bit integers, 32-bit sums: sm_80 and later; older
 // devices compute the same integers from shuffled fragments, so the same bits).
 // - A: 16 weight rows x one block: the quant bytes as they are.
@@ -17,24 +70,41 @@
 // alone (row invariance), and the x rounding (below 2^-23 of each block's largest |x|) stays
 // at f32's level, so the products agree with the CPU's float ones to rounding.
 //
-// Why the tensor cores: a float-x kernel multiplies each weight once per batch row, and its
-// time grew with the batch (H200, o_b 4096 x 8192: 16.2 us at one row, 62.1 at eight); here a
-// tile's three products cover 8 batch rows. The tf32 route (common.cuh notes) was slower at
-// one row: it needed the quant bytes converted to floats and x in two tf32 parts; 8-bit
-// integers need neither.
+// Why: the float-x kernel multiplies each weight once per batch row, and its time grows with
+// the batch (H200, o_b 4096 x 8192: 16.2 us at one row, 62.1 at eight); here a tile's three
+// products cover 8 batch rows. (The tf32 route, common.cuh notes, needed the quant bytes
+// converted to floats and x in two tf32 parts; 8-bit integers need neither.)
 //
-// Layout on the device (rust/engine/quant/split/q8_0.rs): per row, the quant bytes of blocks
-// 2j and 2j + 1 as one 64-byte pair at 64 j: lane t's (0..3) 16 bytes at 64 j + 16 t are block
-// 2j's bytes 4t..4t+3 and 16+4t..19+4t, then block 2j+1's same; a last odd block puts its 8
-// bytes per t at 64 j + 8 t. Then the f16 scales, in block order. A lane's 16-byte load is
-// then exactly its A registers of one row for two blocks (the m16n8k32 fragment: lane
-// (g = lane / 4, t = lane % 4) holds rows g and g + 8, columns 4t..4t+3 and 16+4t..19+4t).
+// Measured (H200, scripts/kernel_lab, pseudo-random weights; us at 1 / 8 / 16 batch rows (16:
+// without the x prefetch), against the float-x kernel at 1 / 8, whose 16 rows run as two
+// chunks of 8):
+//   head 129280 x 4096: 202 / 256 / 396 against 168 / 934; q_b 32768 x 1024: 18.1 / 20.9 /
+//   27.2 against 18.3 / 60.6; o_b 4096 x 8192: 20.1 / 23.6 / 30.7 against 16.2 / 62.4;
+//   q_a 1024 x 4096: 8.4 / 9.4 against 6.8 / 19.9.
+// Flash at 2K (33 of 43 layers with pseudo-random experts): decode 10.95 ms against 9.45,
+// verify of 8 rows 28.7 ms against 34.2, the 2K prompt 5.21 s against 6.92. One row pays for
+// the per-block x quantization (about a third of the loop's instructions) and the scaling of
+// four outputs a lane of which one is used: at one row the kernel issues every other cycle
+// and waits on its loads (Nsight Compute, head: 0.51 issued warps a scheduler, 16 warps an
+// SM at 128 registers). Deeper prefetch through cp.async rings of 3, 4 or 6 chunks (no
+// registers held) was slower (head 280, 282, 341 us). Hence opt-in, for prefill and long
+// verifies, until one row is as fast.
+//
+// Layout on the device (rust/engine/quant/split/q8_0.rs): each whole 16-row tile of a plane (a
+// 2-D tensor, or one expert of a 3-D one) as one run, block k's 512 quant bytes at 512 k in
+// the order of the A operand (lane l's 16 bytes at 512 k + 16 l), then per block the 32 bytes
+// of scales (rows g and g + 8 at 32 k + 4 g); a plane's last rows (past its last whole tile)
+// row by row: the quant bytes of blocks 2j and 2j + 1 as one 64-byte pair at 64 j (lane t's 16
+// bytes at 64 j + 16 t: block 2j's bytes 4t..4t+3 and 16+4t..19+4t, then block 2j+1's same; a
+// last odd block 8 bytes a lane at 64 j + 8 t), then the row's scales.
 //
 // Work split: a warp holds MQ_TILES 16-row tiles (MQ_WARP_ROWS rows, the descriptor's
 // warp_rows) and walks the row in *chunks*, one block pair each; as in matvec_split, the
 // D->group warps of a row group take chunks p, p + G, ..., their sums added in warp order,
 // and the host may split the chunks in slices over blocks (mv_slice, mv_add_slices). Each
-// warp quantizes x itself, for each block, once for its tiles.
+// warp quantizes x itself, for each block, once for its tiles. A warp whose tiles are all
+// whole runs the fast path (mq_loop<.., true, ..>); the few with a plane's last rows run a
+// general one.
 
 #ifndef MQ_TILES
 #define MQ_TILES 2
@@ -46,7 +116,7 @@
 #endif
 #define MQ_WARP_ROWS (16 * MQ_TILES)
 
-struct FmtQ8_0 {
+struct FmtQ8_0Mq {
     static constexpr int LUT_BYTES = 0;
 };
 
@@ -453,4 +523,4 @@ __device__ __forceinline__ void matmul_q8_0(const MvDesc* __restrict__ descs, in
 }
 
 #define MQ_KERNEL(NAME, F, NB) MV_KERNEL_RUN(NAME, F, NB, matmul_q8_0, (32 * MV_WARPS, 4), 0)
-MV_BATCHES(MQ_KERNEL, q8_0, FmtQ8_0)
+MV_BATCHES(MQ_KERNEL, q8_0_mq, FmtQ8_0Mq)

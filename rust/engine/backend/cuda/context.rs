@@ -49,16 +49,35 @@ pub(crate) const MQ_WARP_ROWS: usize = 32;
 /// Threads per block (`32 * MV_WARPS`).
 pub(crate) const THREADS: u32 = 128;
 
+/// Whether this process multiplies Q8_0 matrices on the tensor cores (`DS4_CUDA_Q8=mma`: exact
+/// 8-bit integer products, flat in the batch size, shaders/cuda/q8_0.cu) rather than with the
+/// float-x kernel (the default: faster at one batch row, slower at several). Read once: every
+/// Q8_0 product of the process, and the device layout of its Q8_0 weights, follow one kernel,
+/// so a row computes the same way in every batch (row invariance).
+pub(crate) fn q8_tensor_cores() -> bool {
+    static MODE: OnceLock<bool> = OnceLock::new();
+    *MODE.get_or_init(|| std::env::var("DS4_CUDA_Q8").is_ok_and(|v| v == "mma"))
+}
+
+/// The kernel name stem of format `ty` in this process (Q8_0: "q8_0" or "q8_0_mq").
+pub(crate) fn stem(ty: GgmlType) -> Option<&'static str> {
+    if ty == GgmlType::Q8_0 && q8_tensor_cores() {
+        return Some("q8_0_mq");
+    }
+    FORMATS.iter().find(|(t, _)| *t == ty).map(|(_, s)| *s)
+}
+
 /// Elements of a kernel tile of format `ty`, the unit of the input splits
 /// ([`crate::backend::cuda`] `slices`): one 512-byte payload chunk for the kernels that load
-/// rows directly (`matvec_split` in shaders/cuda/common.cuh: the float formats, Q2_K and
-/// IQ2_XXS), one block pair for Q8_0's tensor-core kernel (q8_0.cu), `32 * F::UNIT` for the
+/// rows directly (`matvec_split` in shaders/cuda/common.cuh: the float formats and the split
+/// formats), one block pair for Q8_0's tensor-core kernel (q8_0.cu), `32 * F::UNIT` for the
 /// staged ones (`matvec`: Q4_K, MXFP4).
 pub(crate) fn tile_elems(ty: GgmlType) -> usize {
     match ty {
         GgmlType::F32 => 128,
         GgmlType::F16 | GgmlType::BF16 => 256,
-        GgmlType::Q8_0 => 64,
+        GgmlType::Q8_0 if q8_tensor_cores() => 64,
+        GgmlType::Q8_0 => 512,
         GgmlType::Q2_K | GgmlType::IQ2_XXS => 2048,
         _ => 1024,
     }
@@ -316,7 +335,8 @@ impl Context {
             param_info: false,
             param_sizes: std::sync::Mutex::new(HashMap::new()),
         };
-        for (ty, stem) in FORMATS {
+        for (ty, _) in FORMATS {
+            let stem = stem(ty).expect("a listed format");
             for nb in BATCH_SIZES {
                 let fname = CString::new(format!("ds4_mv_{stem}_{nb}")).expect("no NUL in kernel names");
                 // SAFETY: the module is loaded and the context bound.
@@ -366,10 +386,10 @@ impl Context {
 
     /// The name of a product kernel ("ds4_mv_q8_0_4"), for profiles.
     pub(crate) fn product_kernel_name(&self, f: sys::CUfunction) -> Option<String> {
-        self.kernels.iter().find(|(_, v)| v.0 == f).map(|((ty, nb), _)| {
-            let stem = FORMATS.iter().find(|(t, _)| t == ty).map_or("?", |(_, s)| s);
-            format!("ds4_mv_{stem}_{nb}")
-        })
+        self.kernels
+            .iter()
+            .find(|(_, v)| v.0 == f)
+            .map(|((ty, nb), _)| format!("ds4_mv_{}_{nb}", stem(*ty).unwrap_or("?")))
     }
 
     /// Makes the context current on the calling thread.

@@ -40,7 +40,9 @@ use std::sync::Mutex;
 use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 
-use self::context::{driver_err, tile_elems, Context, MAX_BATCH, MQ_WARP_ROWS, MV_ROWS, MV_WARPS, THREADS};
+use self::context::{
+    driver_err, q8_tensor_cores, tile_elems, Context, MAX_BATCH, MQ_WARP_ROWS, MV_ROWS, MV_WARPS, THREADS,
+};
 use self::weights::DeviceImage;
 use super::{cpu, Backend};
 use crate::gguf::GgufFile;
@@ -212,9 +214,10 @@ impl Desc {
 }
 
 /// Output rows of one row group (the rows a warp computes) of a `ty` product: two 16-row
-/// tensor-core tiles for Q8_0 (`MQ_WARP_ROWS`, shaders/cuda/q8_0.cu), `MV_ROWS` for the others.
+/// tiles for Q8_0 on the tensor cores (`MQ_WARP_ROWS`, shaders/cuda/q8_0.cu), `MV_ROWS` for the
+/// other kernels.
 pub(crate) fn warp_rows(ty: GgmlType) -> usize {
-    if ty == GgmlType::Q8_0 {
+    if ty == GgmlType::Q8_0 && q8_tensor_cores() {
         MQ_WARP_ROWS
     } else {
         MV_ROWS
@@ -240,7 +243,7 @@ pub(crate) fn group(w: &Mat) -> usize {
     if matches!(w.ty, GgmlType::Q4_K | GgmlType::MXFP4) {
         return 1;
     }
-    if w.ty == GgmlType::Q8_0 {
+    if w.ty == GgmlType::Q8_0 && q8_tensor_cores() {
         // The tensor-core kernel: 32 rows a warp, so rows run out sooner; each warp keeps at
         // least four block pairs.
         let by_rows = match w.n_out.div_ceil(MQ_WARP_ROWS) {
@@ -270,16 +273,17 @@ pub(crate) fn group(w: &Mat) -> usize {
 }
 
 /// Most batch rows of one product chunk of a `ty` matrix: 8 for the quantized formats of
-/// `matvec_split` (Q2_K, IQ2_XXS), whose 16-row kernels run slower per row than two 8-row
-/// chunks (on an H200 a Q2_K 6 x 4096 x 2048 product takes 275 us for 16 rows against 82 us
-/// for 8, and the float-x Q8_0 kernel that Q8_0 had then 140.6 against 61.6 us for 4096 x
-/// 8192; at 128 registers the 16-row kernels spill in their inner loop, and with more
-/// registers fewer warps fit and they were slower still), 16 for the others (Q8_0's
-/// tensor-core kernel covers 8 batch rows per product). Every chunk size computes a row the
-/// same way (row invariance), so this changes only the speed.
+/// `matvec_split` (Q8_0, Q2_K, IQ2_XXS), whose 16-row kernels run slower per row than two
+/// 8-row chunks (on an H200 a Q8_0 4096 x 8192 product takes 140.6 us for 16 rows and 61.6 us
+/// for 8, a Q2_K 6 x 4096 x 2048 one 275 us against 82 us; at 128 registers the 16-row
+/// kernels spill in their inner loop, and with more registers fewer warps fit and they were
+/// slower still), 16 for the others (Q8_0 on the tensor cores covers 8 batch rows per
+/// product). Every chunk size computes a row the same way (row invariance), so this changes
+/// only the speed.
 pub(crate) fn chunk_rows(ty: GgmlType) -> usize {
     match ty {
-        GgmlType::Q2_K | GgmlType::IQ2_XXS => MAX_BATCH / 2,
+        GgmlType::Q8_0 if q8_tensor_cores() => MAX_BATCH,
+        GgmlType::Q8_0 | GgmlType::Q2_K | GgmlType::IQ2_XXS => MAX_BATCH / 2,
         _ => MAX_BATCH,
     }
 }
@@ -318,7 +322,8 @@ fn slices(w: &Mat) -> usize {
     let tiles = w.n_in.div_ceil(tile_elems(w.ty));
     // The Q8_0 kernel's warps are few (32 rows each) and its chunks short: it asks for four
     // blocks an SM and two chunks a warp.
-    let (target, per_warp) = if w.ty == GgmlType::Q8_0 { (4 * TARGET_BLOCKS, 2) } else { (TARGET_BLOCKS, 1) };
+    let (target, per_warp) =
+        if w.ty == GgmlType::Q8_0 && q8_tensor_cores() { (4 * TARGET_BLOCKS, 2) } else { (TARGET_BLOCKS, 1) };
     let want = (target / row_blocks(w)).clamp(1, 32).min((tiles / group(w) / per_warp).max(1));
     // No empty slice: the kernels give each slice ceil(tiles / slices) tiles.
     tiles.div_ceil(tiles.div_ceil(want))

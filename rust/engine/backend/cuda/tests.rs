@@ -94,7 +94,7 @@ fn kernels_compile_with_nvrtc() {
     for arch in ["compute_75", "compute_80", "compute_90"] {
         match compile(arch) {
             Ok(ptx) => {
-                for (_, stem) in context::FORMATS {
+                for stem in context::FORMATS.iter().map(|f| f.1).chain(["q8_0_mq"]) {
                     for nb in context::BATCH_SIZES {
                         let name = format!("ds4_mv_{stem}_{nb}");
                         assert!(ptx.contains(&format!(".entry {name}(")), "{arch}: no kernel {name} in the PTX");
@@ -251,7 +251,7 @@ fn split_formats_run_on_listed_tensors_only() {
         for r in 0..3 {
             assert_eq!(rows[r * 8..(r + 1) * 8], whole[r * 24 + 16..r * 24 + 24], "{ty}: rows 16..24, batch row {r}");
         }
-        if ty == GgmlType::Q8_0 {
+        if ty == GgmlType::Q8_0 && context::q8_tensor_cores() {
             // Rows 8..16 start inside a tile: the kernel cannot take them, the CPU does.
             let inside = Mat { n_out: 8, start: w.start + 8 * w.row_bytes, ..w };
             assert_eq!(b.matmul(&raw, &inside, &x).unwrap(), cpu::matmul_new(&raw, &inside, &x).unwrap());
@@ -265,13 +265,19 @@ fn split_formats_run_on_listed_tensors_only() {
 }
 
 /// A launch of same-shape products splits each as one matrix of all their rows would be split
-/// (`split_in_launch`): Flash's o_a groups, 8 x 1024 rows, take 2 input slices where one
-/// group alone takes 8; alone, a product's split is its own.
+/// (`split_in_launch`): Flash's o_a groups, 8 x 1024 rows, take one warp a row group and no
+/// input slices (on the tensor cores: 2 input slices where one group alone takes 8); alone, a
+/// product's split is its own.
 #[test]
 fn launch_of_several_products_splits_as_one_matrix() {
     let oa = Mat { ty: GgmlType::Q8_0, n_in: 4096, n_out: 1024, start: 0, row_bytes: 4352 };
-    assert_eq!((group(&oa), slices(&oa)), (4, 8));
-    assert_eq!(split_in_launch(&oa, 8 * 1024), (4, 2));
+    if context::q8_tensor_cores() {
+        assert_eq!((group(&oa), slices(&oa)), (4, 8));
+        assert_eq!(split_in_launch(&oa, 8 * 1024), (4, 2));
+    } else {
+        assert_eq!((group(&oa), slices(&oa)), (4, 1));
+        assert_eq!(split_in_launch(&oa, 8 * 1024), (1, 1));
+    }
     assert_eq!(split_in_launch(&oa, 1024), (group(&oa), slices(&oa)));
     let hc = Mat { ty: GgmlType::F16, n_in: 16384, n_out: 24, start: 0, row_bytes: 32768 };
     assert_eq!(split_in_launch(&hc, 24), (group(&hc), slices(&hc)));
@@ -353,12 +359,13 @@ fn strided_outputs_fill_columns_of_wider_rows() {
     }
 }
 
-/// The Q8_0 kernel's path for devices before sm_80 (the same integer products from shuffled
-/// fragments and dp4a) gives the tensor-core path's bits: the module compiled for compute_75
-/// runs on this device too (the driver compiles its PTX for it). Rows that are 16-byte
-/// aligned and rows that are not (an odd block count), 1, 3 and 16 batch rows.
+/// The Q8_0 kernel built for compute_75 gives this device's bits: the module compiled for
+/// compute_75 runs here too (the driver compiles its PTX for it). On the tensor cores
+/// (`DS4_CUDA_Q8=mma`) that is the path for devices before sm_80 (the same integer products
+/// from shuffled fragments and dp4a). Rows that are 16-byte aligned and rows that are not (an
+/// odd block count), 1, 3 and 16 batch rows.
 #[test]
-fn q8_0_portable_path_gives_the_tensor_core_bits() {
+fn q8_0_portable_path_gives_the_same_bits() {
     let Some(b) = backend() else { return };
     let mut rng = Rng(0x75);
     let ptx = compile("compute_75").unwrap();
@@ -388,7 +395,8 @@ fn q8_0_portable_path_gives_the_tensor_core_bits() {
                 };
                 let (native, smem) = g.ctx.kernel(GgmlType::Q8_0, n).unwrap();
                 let nb = context::BATCH_SIZES.iter().copied().find(|&s| s >= n).unwrap();
-                let name = std::ffi::CString::new(format!("ds4_mv_q8_0_{nb}")).unwrap();
+                let stem = context::stem(GgmlType::Q8_0).unwrap();
+                let name = std::ffi::CString::new(format!("ds4_mv_{stem}_{nb}")).unwrap();
                 // SAFETY: the module is loaded and the context bound.
                 let portable = unsafe { cu::module::get_function(module, name) }.unwrap();
                 let want = run(native, smem);

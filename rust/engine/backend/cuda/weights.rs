@@ -6,7 +6,7 @@ use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 use rayon::prelude::*;
 
-use super::context::driver_err;
+use super::context::{driver_err, q8_tensor_cores};
 use crate::model::weights::Mat;
 use crate::quant::split::{is_split, q8_0, split_rows};
 use crate::quant::GgmlType;
@@ -53,8 +53,8 @@ impl DeviceImage {
 
     /// Whether the rows of `w` (a split format) are stored split: inside one tensor of the
     /// same format and row length that was split at upload, at a row boundary of it.
-    /// For Q8_0 the rows must also be a range its kernel takes (`q8_0::takes_rows`: from a
-    /// tile's start, ending at a tile's or a plane's end).
+    /// For Q8_0 on the tensor cores the rows must also be a range its kernel takes
+    /// (`q8_0::takes_rows`: from a tile's start, ending at a tile's or a plane's end).
     pub(crate) fn holds_split(&self, w: &Mat) -> bool {
         let i = self.split.partition_point(|(t, _)| t.start <= w.start);
         i > 0 && {
@@ -64,7 +64,9 @@ impl DeviceImage {
                 && t.row_bytes == w.row_bytes
                 && (w.start - t.start).is_multiple_of(t.row_bytes)
                 && w.start + w.nbytes() <= t.start + t.nbytes()
-                && (w.ty != GgmlType::Q8_0 || q8_0::takes_rows((w.start - t.start) / t.row_bytes, w.n_out, *plane))
+                && (w.ty != GgmlType::Q8_0
+                    || !q8_tensor_cores()
+                    || q8_0::takes_rows((w.start - t.start) / t.row_bytes, w.n_out, *plane))
         }
     }
 
@@ -145,7 +147,9 @@ impl DeviceImage {
                         // that each starts a tile of its plane.
                         let par = if plane.is_multiple_of(q8_0::TILE_ROWS) { 64 } else { plane };
                         stage.par_chunks_mut(rb * par).enumerate().for_each(|(i, c)| {
-                            split_rows(t.ty, rb, c, plane, (row + i * par) % plane);
+                            let tiles = (t.ty == GgmlType::Q8_0 && q8_tensor_cores())
+                                .then_some((plane, (row + i * par) % plane));
+                            split_rows(t.ty, rb, c, tiles);
                         });
                         (next, &stage)
                     }

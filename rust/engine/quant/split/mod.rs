@@ -1,15 +1,16 @@
 //! The split row layouts of Q8_0, Q2_K and IQ2_XXS that the CUDA backend keeps in device
 //! memory: each row's blocks split into their payloads (the quant bytes, 16-byte multiples)
 //! and their headers (scales), payloads first, each format arranged for its kernel
-//! (`shaders/cuda/<format>.cu`; Q2_K and IQ2_XXS are read by `matvec_split` in
-//! `shaders/cuda/common.cuh`, Q8_0 by its tensor-core kernel in `q8_0.cu`).
+//! (`shaders/cuda/<format>.cu`, read by `matvec_split` in `shaders/cuda/common.cuh`; Q8_0 has
+//! a second layout for its tensor-core kernel in `q8_0.cu`).
 //!
 //! In GGUF order the blocks of these formats are 34, 84 and 66 bytes, so a block's quant
 //! bytes are only 2- or 4-byte aligned and a kernel must either stage rows through shared
 //! memory or read them in small pieces. Split, the payloads of a row are one contiguous run
-//! that a warp reads with one 16-byte load per lane: in 512-byte *chunks* (8 super-blocks of
-//! Q2_K or IQ2_XXS, lane `l` bytes `512 c + 16 l`), or in 64-byte block pairs for Q8_0 (in
-//! the tensor cores' operand order); the headers follow at `n_blocks * payload`. A row keeps
+//! that a warp reads with one 16-byte load per lane: in 512-byte *chunks* (16 Q8_0 blocks, 8
+//! super-blocks of the others, lane `l` bytes `512 c + 16 l`), or, for Q8_0 on the tensor
+//! cores, in the operand order of its tiles (`q8_0.rs`); the headers follow at
+//! `n_blocks * payload`. A row keeps
 //! its size and stays where it was (the split never mixes rows), so the split happens in
 //! place at upload and every product, row or expert offset the host computes stays valid.
 //!
@@ -28,20 +29,22 @@ pub(crate) fn is_split(ty: GgmlType) -> bool {
 }
 
 /// Rewrites `rows` (whole rows of `ty`, GGUF order) in the split layout, in place.
-/// `row_bytes` must be the format's row size for a whole number of blocks. Q8_0's layout
-/// groups rows in tiles of its *planes* (`q8_0.rs`): `rows` start at row `pos` of a plane of
-/// `plane` rows, at a tile's start, and end at a tile's or a plane's end; the other formats
-/// split each row alone and ignore both.
-pub(crate) fn split_rows(ty: GgmlType, row_bytes: usize, rows: &mut [u8], plane: usize, pos: usize) {
+/// `row_bytes` must be the format's row size for a whole number of blocks. `tiles`: for Q8_0,
+/// the tensor-core kernel's layout (`q8_0.rs`), which groups rows in tiles of their *plane*:
+/// `Some((plane, pos))` when `rows` start at row `pos` of a plane of `plane` rows, at a tile's
+/// start, and end at a tile's or a plane's end; `None` for the float-x kernel's layout. The
+/// other formats split each row alone and ignore it.
+pub(crate) fn split_rows(ty: GgmlType, row_bytes: usize, rows: &mut [u8], tiles: Option<(usize, usize)>) {
     let nb = row_bytes / ty.block_bytes();
     debug_assert!(row_bytes == nb * ty.block_bytes() && rows.len().is_multiple_of(row_bytes));
-    if ty == GgmlType::Q8_0 {
+    if let (GgmlType::Q8_0, Some((plane, pos))) = (ty, tiles) {
         return q8_0::split(rows, row_bytes, plane, pos);
     }
     let mut src = vec![0u8; row_bytes];
     for row in rows.chunks_exact_mut(row_bytes) {
         src.copy_from_slice(row);
         match ty {
+            GgmlType::Q8_0 => split_scale_first(34, &src, row),
             GgmlType::Q2_K => q2_k::split(&src, row),
             GgmlType::IQ2_XXS => iq2_xxs::split(&src, row),
             _ => unreachable!("no split layout for {ty}"),
@@ -51,14 +54,15 @@ pub(crate) fn split_rows(ty: GgmlType, row_bytes: usize, rows: &mut [u8], plane:
 
 /// The inverse of [`split_rows`] (tests: the layout loses nothing).
 #[cfg(test)]
-pub(crate) fn unsplit_rows(ty: GgmlType, row_bytes: usize, rows: &mut [u8], plane: usize, pos: usize) {
-    if ty == GgmlType::Q8_0 {
+pub(crate) fn unsplit_rows(ty: GgmlType, row_bytes: usize, rows: &mut [u8], tiles: Option<(usize, usize)>) {
+    if let (GgmlType::Q8_0, Some((plane, pos))) = (ty, tiles) {
         return q8_0::unsplit(rows, row_bytes, plane, pos);
     }
     let mut src = vec![0u8; row_bytes];
     for row in rows.chunks_exact_mut(row_bytes) {
         src.copy_from_slice(row);
         match ty {
+            GgmlType::Q8_0 => unsplit_scale_first(34, &src, row),
             GgmlType::Q2_K => q2_k::unsplit(&src, row),
             GgmlType::IQ2_XXS => iq2_xxs::unsplit(&src, row),
             _ => unreachable!("no split layout for {ty}"),
@@ -66,7 +70,8 @@ pub(crate) fn unsplit_rows(ty: GgmlType, row_bytes: usize, rows: &mut [u8], plan
     }
 }
 
-/// The split of a format whose blocks are a 2-byte scale, then the payload (IQ2_XXS):
+/// The split of a format whose blocks are a 2-byte scale, then the payload (Q8_0 for the
+/// float-x kernel, IQ2_XXS):
 /// the payloads of all blocks of GGUF row `src` (blocks of `block` bytes), then the scales,
 /// both in block order, into `dst`.
 fn split_scale_first(block: usize, src: &[u8], dst: &mut [u8]) {
@@ -108,13 +113,15 @@ mod tests {
             assert!(is_split(ty));
             // One block, a partial chunk after whole ones, whole chunks only.
             for n_in in [ty.block_elems(), 7 * ty.block_elems(), 19 * ty.block_elems(), 4096] {
-                // Q8_0: one tile and a tail of 3 rows.
-                let (orig, row_bytes) = random_rows(ty, n_in, 19, n_in as u64);
-                let mut m = orig.clone();
-                split_rows(ty, row_bytes, &mut m, 19, 0);
-                assert_ne!(m, orig, "{ty} x {n_in}");
-                unsplit_rows(ty, row_bytes, &mut m, 19, 0);
-                assert_eq!(m, orig, "{ty} x {n_in}");
+                // Q8_0 tiles: one tile and a tail of 3 rows.
+                for tiles in [None, Some((19, 0))] {
+                    let (orig, row_bytes) = random_rows(ty, n_in, 19, n_in as u64);
+                    let mut m = orig.clone();
+                    split_rows(ty, row_bytes, &mut m, tiles);
+                    assert_ne!(m, orig, "{ty} x {n_in}");
+                    unsplit_rows(ty, row_bytes, &mut m, tiles);
+                    assert_eq!(m, orig, "{ty} x {n_in}");
+                }
             }
         }
     }

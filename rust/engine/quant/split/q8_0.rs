@@ -1,5 +1,6 @@
 //! Q8_0 (blocks of 34 bytes: f16 d, then 32 signed quants) for the tensor-core kernel
-//! (shaders/cuda/q8_0.cu), which multiplies tiles of 16 rows by one block at a time.
+//! (shaders/cuda/q8_0.cu, `DS4_CUDA_Q8=mma`), which multiplies tiles of 16 rows by one block
+//! at a time. (The float-x kernel's layout is `split_scale_first` in `mod.rs`.)
 //!
 //! - **Tiles.** Each whole group of 16 rows of a matrix (counted from the matrix's first row)
 //!   is stored as one run of `16 * row_bytes` bytes: for each block `k`, 512 quant bytes at
