@@ -416,29 +416,18 @@ __device__ __forceinline__ void mq_store(float (&acc)[MQ_TILES][(NB + 7) / 8][4]
     const int n = D->n;
     const int n_out = D->n_out;
     __shared__ float red[MV_WARPS][V][32];
+    float* a = &acc[0][0][0];  // the V sums, in [tile][group][i] order
     if (G > 1) {
 #pragma unroll
-        for (int mt = 0; mt < MQ_TILES; mt++) {
-#pragma unroll
-            for (int tg = 0; tg < NG; tg++) {
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    red[warp][(mt * NG + tg) * 4 + i][lane] = acc[mt][tg][i];
-                }
-            }
+        for (int v = 0; v < V; v++) {
+            red[warp][v][lane] = a[v];
         }
         __syncthreads();
         if (B.p == 0) {
             for (int p = 1; p < G; p++) {
 #pragma unroll
-                for (int mt = 0; mt < MQ_TILES; mt++) {
-#pragma unroll
-                    for (int tg = 0; tg < NG; tg++) {
-#pragma unroll
-                        for (int i = 0; i < 4; i++) {
-                            acc[mt][tg][i] += red[warp + p][(mt * NG + tg) * 4 + i][lane];
-                        }
-                    }
+                for (int v = 0; v < V; v++) {
+                    a[v] += red[warp + p][v][lane];
                 }
             }
         }
