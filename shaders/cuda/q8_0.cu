@@ -489,17 +489,7 @@ __device__ __forceinline__ void matmul_q8_0(const MvDesc* __restrict__ descs, in
     }
     R.vec_tile = ((unsigned long long)w & 15ull) == 0;
     R.vec_row = (((unsigned long long)w | (unsigned long long)row_bytes) & 15ull) == 0;
-    float acc[MQ_TILES][NG][4];
-#pragma unroll
-    for (int mt = 0; mt < MQ_TILES; mt++) {
-#pragma unroll
-        for (int tg = 0; tg < NG; tg++) {
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                acc[mt][tg][i] = 0.0f;
-            }
-        }
-    }
+    float acc[MQ_TILES][NG][4] = {};
     const int first = c0 + B.p;
     if (B.nrows > 0 && first < c1) {
         if (B.o0 + MQ_WARP_ROWS <= whole_rows) {
