@@ -81,8 +81,8 @@ MVS_KERNELS(q8_0, FmtQ8_0)
 //   head 129280 x 4096: 202 / 256 / 396 against 168 / 934; q_b 32768 x 1024: 18.1 / 20.9 /
 //   27.2 against 18.3 / 60.6; o_b 4096 x 8192: 20.1 / 23.6 / 30.7 against 16.2 / 62.4;
 //   q_a 1024 x 4096: 8.4 / 9.4 against 6.8 / 19.9.
-// Flash at 2K (33 of 43 layers with pseudo-random experts): decode 10.95 ms against 9.45,
-// verify of 8 rows 28.7 ms against 34.2, the 2K prompt 5.21 s against 6.92. One row pays for
+// Flash at 2K (33 of 43 layers with pseudo-random experts): decode 10.63 ms against 9.23,
+// verify of 8 rows 28.15 ms against 33.67, the 2K prompt 5.19 s against 6.98. One row pays for
 // the per-block x quantization (about a third of the loop's instructions) and the scaling of
 // four outputs a lane of which one is used: at one row the kernel issues every other cycle
 // and waits on its loads (Nsight Compute, head: 0.51 issued warps a scheduler, 16 warps an
