@@ -23,7 +23,7 @@
 //   whose rows the upload stores split (Q8_0, Q2_K, IQ2_XXS): direct 16-byte loads per lane,
 //   no shared-memory staging.
 // - matmul_q8_0 (q8_0.cu): Q8_0 on the tensor cores in exact integers, when the process
-//   asks for it (DS4_CUDA_Q8=mma; rust/engine/backend/cuda/context.rs `q8_tensor_cores`).
+//   asks for it (DS4_CUDA_Q8=mma; rust/engine/backend/cuda/context.rs `tensor_cores`).
 // - matvec, the staged kernel: Q4_K and MXFP4, whose rows stay in GGUF order. Its work split:
 //
 // Work split inside a block: the row is walked in tiles of 32 * F::UNIT elements. For each

@@ -1,6 +1,6 @@
 // Q8_0: blocks of 32 weights, 34 bytes in GGUF: an f16 scale d, then 32 signed bytes q;
 // w = q * d (rust/engine/quant/q8_0.rs). Two kernels; the process uses one of them for all
-// its Q8_0 products (rust/engine/backend/cuda/context.rs `q8_tensor_cores`), so each row is
+// its Q8_0 products (rust/engine/backend/cuda/context.rs `tensor_cores`), so each row is
 // computed the same way in every batch (row invariance) either way.
 //
 // ---- The float-x kernel (the default): matvec_split (common.cuh). On the device rows are

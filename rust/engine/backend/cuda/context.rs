@@ -49,19 +49,20 @@ pub(crate) const MQ_WARP_ROWS: usize = 32;
 /// Threads per block (`32 * MV_WARPS`).
 pub(crate) const THREADS: u32 = 128;
 
-/// Whether this process multiplies Q8_0 matrices on the tensor cores (`DS4_CUDA_Q8=mma`: exact
-/// 8-bit integer products, flat in the batch size, shaders/cuda/q8_0.cu) rather than with the
-/// float-x kernel (the default: faster at one batch row, slower at several). Read once: every
-/// Q8_0 product of the process, and the device layout of its Q8_0 weights, follow one kernel,
-/// so a row computes the same way in every batch (row invariance).
-pub(crate) fn q8_tensor_cores() -> bool {
+/// Whether this process multiplies `ty` matrices on the tensor cores: Q8_0 ones with
+/// `DS4_CUDA_Q8=mma` (exact 8-bit integer products, flat in the batch size,
+/// shaders/cuda/q8_0.cu) rather than with the float-x kernel (the default: faster at one batch
+/// row, slower at several). Read once: every Q8_0 product of the process, and the device
+/// layout of its Q8_0 weights, follow one kernel, so a row computes the same way in every
+/// batch (row invariance).
+pub(crate) fn tensor_cores(ty: GgmlType) -> bool {
     static MODE: OnceLock<bool> = OnceLock::new();
-    *MODE.get_or_init(|| std::env::var("DS4_CUDA_Q8").is_ok_and(|v| v == "mma"))
+    ty == GgmlType::Q8_0 && *MODE.get_or_init(|| std::env::var("DS4_CUDA_Q8").is_ok_and(|v| v == "mma"))
 }
 
 /// The kernel name stem of format `ty` in this process (Q8_0: "q8_0" or "q8_0_mq").
 pub(crate) fn stem(ty: GgmlType) -> Option<&'static str> {
-    if ty == GgmlType::Q8_0 && q8_tensor_cores() {
+    if tensor_cores(ty) {
         return Some("q8_0_mq");
     }
     FORMATS.iter().find(|(t, _)| *t == ty).map(|(_, s)| *s)
@@ -76,7 +77,7 @@ pub(crate) fn tile_elems(ty: GgmlType) -> usize {
     match ty {
         GgmlType::F32 => 128,
         GgmlType::F16 | GgmlType::BF16 => 256,
-        GgmlType::Q8_0 if q8_tensor_cores() => 64,
+        GgmlType::Q8_0 if tensor_cores(ty) => 64,
         GgmlType::Q8_0 => 512,
         GgmlType::Q2_K | GgmlType::IQ2_XXS => 2048,
         _ => 1024,

@@ -41,7 +41,7 @@ use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 
 use self::context::{
-    driver_err, q8_tensor_cores, tile_elems, Context, MAX_BATCH, MQ_WARP_ROWS, MV_ROWS, MV_WARPS, THREADS,
+    driver_err, tensor_cores, tile_elems, Context, MAX_BATCH, MQ_WARP_ROWS, MV_ROWS, MV_WARPS, THREADS,
 };
 use self::weights::DeviceImage;
 use super::{cpu, Backend};
@@ -217,7 +217,7 @@ impl Desc {
 /// tiles for Q8_0 on the tensor cores (`MQ_WARP_ROWS`, shaders/cuda/q8_0.cu), `MV_ROWS` for the
 /// other kernels.
 pub(crate) fn warp_rows(ty: GgmlType) -> usize {
-    if ty == GgmlType::Q8_0 && q8_tensor_cores() {
+    if tensor_cores(ty) {
         MQ_WARP_ROWS
     } else {
         MV_ROWS
@@ -243,7 +243,7 @@ pub(crate) fn group(w: &Mat) -> usize {
     if matches!(w.ty, GgmlType::Q4_K | GgmlType::MXFP4) {
         return 1;
     }
-    if w.ty == GgmlType::Q8_0 && q8_tensor_cores() {
+    if tensor_cores(w.ty) {
         // The tensor-core kernel: 32 rows a warp, so rows run out sooner; each warp keeps at
         // least four block pairs.
         let by_rows = match w.n_out.div_ceil(MQ_WARP_ROWS) {
@@ -282,7 +282,7 @@ pub(crate) fn group(w: &Mat) -> usize {
 /// only the speed.
 pub(crate) fn chunk_rows(ty: GgmlType) -> usize {
     match ty {
-        GgmlType::Q8_0 if q8_tensor_cores() => MAX_BATCH,
+        GgmlType::Q8_0 if tensor_cores(ty) => MAX_BATCH,
         GgmlType::Q8_0 | GgmlType::Q2_K | GgmlType::IQ2_XXS => MAX_BATCH / 2,
         _ => MAX_BATCH,
     }
@@ -322,8 +322,7 @@ fn slices(w: &Mat) -> usize {
     let tiles = w.n_in.div_ceil(tile_elems(w.ty));
     // The Q8_0 kernel's warps are few (32 rows each) and its chunks short: it asks for four
     // blocks an SM and two chunks a warp.
-    let (target, per_warp) =
-        if w.ty == GgmlType::Q8_0 && q8_tensor_cores() { (4 * TARGET_BLOCKS, 2) } else { (TARGET_BLOCKS, 1) };
+    let (target, per_warp) = if tensor_cores(w.ty) { (4 * TARGET_BLOCKS, 2) } else { (TARGET_BLOCKS, 1) };
     let want = (target / row_blocks(w)).clamp(1, 32).min((tiles / group(w) / per_warp).max(1));
     // No empty slice: the kernels give each slice ceil(tiles / slices) tiles.
     tiles.div_ceil(tiles.div_ceil(want))

@@ -251,7 +251,7 @@ fn split_formats_run_on_listed_tensors_only() {
         for r in 0..3 {
             assert_eq!(rows[r * 8..(r + 1) * 8], whole[r * 24 + 16..r * 24 + 24], "{ty}: rows 16..24, batch row {r}");
         }
-        if ty == GgmlType::Q8_0 && context::q8_tensor_cores() {
+        if context::tensor_cores(ty) {
             // Rows 8..16 start inside a tile: the kernel cannot take them, the CPU does.
             let inside = Mat { n_out: 8, start: w.start + 8 * w.row_bytes, ..w };
             assert_eq!(b.matmul(&raw, &inside, &x).unwrap(), cpu::matmul_new(&raw, &inside, &x).unwrap());
@@ -271,7 +271,7 @@ fn split_formats_run_on_listed_tensors_only() {
 #[test]
 fn launch_of_several_products_splits_as_one_matrix() {
     let oa = Mat { ty: GgmlType::Q8_0, n_in: 4096, n_out: 1024, start: 0, row_bytes: 4352 };
-    if context::q8_tensor_cores() {
+    if context::tensor_cores(GgmlType::Q8_0) {
         assert_eq!((group(&oa), slices(&oa)), (4, 8));
         assert_eq!(split_in_launch(&oa, 8 * 1024), (4, 2));
     } else {

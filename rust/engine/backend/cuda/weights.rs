@@ -6,10 +6,9 @@ use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 use rayon::prelude::*;
 
-use super::context::{driver_err, q8_tensor_cores};
+use super::context::{driver_err, tensor_cores};
 use crate::model::weights::Mat;
 use crate::quant::split::{is_split, q8_0, split_rows};
-use crate::quant::GgmlType;
 use crate::{Error, Result};
 
 /// Bytes past the end of every image copy: the kernels stage weights in 16-byte loads and may
@@ -64,9 +63,7 @@ impl DeviceImage {
                 && t.row_bytes == w.row_bytes
                 && (w.start - t.start).is_multiple_of(t.row_bytes)
                 && w.start + w.nbytes() <= t.start + t.nbytes()
-                && (w.ty != GgmlType::Q8_0
-                    || !q8_tensor_cores()
-                    || q8_0::takes_rows((w.start - t.start) / t.row_bytes, w.n_out, *plane))
+                && (!tensor_cores(w.ty) || q8_0::takes_rows((w.start - t.start) / t.row_bytes, w.n_out, *plane))
         }
     }
 
@@ -140,16 +137,18 @@ impl DeviceImage {
                     }
                     Some((t, plane)) => {
                         let (rb, row) = (t.row_bytes, (at - t.start) / t.row_bytes);
-                        let next = t.start + rb * piece_end(row, t.n_out, plane, (CHUNK / rb).max(1));
+                        let rows = (CHUNK / rb).max(1);
+                        // Rows split alone may be cut anywhere; the Q8_0 tiles need pieces (and
+                        // parallel parts) of whole tiles, or whole planes when a plane has a
+                        // tail, so that each starts a tile of its plane.
+                        let tiled = tensor_cores(t.ty);
+                        let end = if tiled { piece_end(row, t.n_out, plane, rows) } else { (row + rows).min(t.n_out) };
+                        let par = if tiled && !plane.is_multiple_of(q8_0::TILE_ROWS) { plane } else { 64 };
+                        let next = t.start + rb * end;
                         stage.clear();
                         stage.extend_from_slice(&raw[at..next]);
-                        // Pieces of whole tiles (whole planes when a plane has a tail), so
-                        // that each starts a tile of its plane.
-                        let par = if plane.is_multiple_of(q8_0::TILE_ROWS) { 64 } else { plane };
                         stage.par_chunks_mut(rb * par).enumerate().for_each(|(i, c)| {
-                            let tiles = (t.ty == GgmlType::Q8_0 && q8_tensor_cores())
-                                .then_some((plane, (row + i * par) % plane));
-                            split_rows(t.ty, rb, c, tiles);
+                            split_rows(t.ty, rb, c, tiled.then_some((plane, (row + i * par) % plane)));
                         });
                         (next, &stage)
                     }
