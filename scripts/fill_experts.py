@@ -65,6 +65,12 @@ def main() -> int:
     k = int(max(0, free - args.reserve_gib * 2**30) // per_layer)
     k = min(k, len(layers), args.layers if args.layers is not None else len(layers))
     print(f"filling the routed experts of {k} of {n_layers} layers ({per_layer / 2**30:.2f} GiB each)")
+    if args.layers is not None and k < min(args.layers, len(layers)):
+        # A sparse file takes disk as its holes are filled: say why fewer layers than asked.
+        print(
+            f"only {free / 2**30:.1f} GiB free, {args.reserve_gib:g} GiB kept in reserve (--reserve-gib)",
+            file=sys.stderr,
+        )
 
     rng = np.random.default_rng(19)
     pats = {kind: pattern(kind, rng) for kind in {t.type for t in layers[0]}}
