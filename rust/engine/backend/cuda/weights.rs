@@ -136,20 +136,13 @@ impl DeviceImage {
                         (next, &raw[at..next])
                     }
                     Some((t, plane)) => {
-                        let (rb, row) = (t.row_bytes, (at - t.start) / t.row_bytes);
-                        let rows = (CHUNK / rb).max(1);
-                        // Rows split alone may be cut anywhere; the Q8_0 tiles need pieces (and
-                        // parallel parts) of whole tiles, or whole planes when a plane has a
-                        // tail, so that each starts a tile of its plane.
+                        let row = (at - t.start) / t.row_bytes;
                         let tiled = tensor_cores(t.ty);
-                        let end = if tiled { piece_end(row, t.n_out, plane, rows) } else { (row + rows).min(t.n_out) };
-                        let par = if tiled && !plane.is_multiple_of(q8_0::TILE_ROWS) { plane } else { 64 };
-                        let next = t.start + rb * end;
+                        let (end, par) = piece(t.n_out, plane, row, (CHUNK / t.row_bytes).max(1), tiled);
+                        let next = t.start + t.row_bytes * end;
                         stage.clear();
                         stage.extend_from_slice(&raw[at..next]);
-                        stage.par_chunks_mut(rb * par).enumerate().for_each(|(i, c)| {
-                            split_rows(t.ty, rb, c, tiled.then_some((plane, (row + i * par) % plane)));
-                        });
+                        split_piece(&t, plane, row, par, tiled, &mut stage);
                         (next, &stage)
                     }
                 };
@@ -184,9 +177,31 @@ impl Drop for DeviceImage {
     }
 }
 
-/// The end row of an upload piece of a split tensor of `n` rows (`plane` rows a plane) that
-/// starts at row `row`, about `rows` rows long: a multiple of 64 rows when the planes have no
-/// tail (every 64-row piece then starts a tile), else whole planes, or whole tiles up to the
+/// The upload piece of a split tensor of `n` rows (`plane` rows a plane) that starts at row
+/// `row`, about `rows` rows long: its end row, and the rows of the parts it is split in, in
+/// parallel. Rows split alone (`tiled` false) may be cut anywhere: `rows` rows, parts of 64.
+/// The Q8_0 tiles (`tiled`) need pieces and parts that each start a tile of their plane
+/// ([`piece_end`]; parts of whole planes when a plane has a tail), so that the split of each
+/// part alone is the split of the whole.
+fn piece(n: usize, plane: usize, row: usize, rows: usize, tiled: bool) -> (usize, usize) {
+    if !tiled {
+        return ((row + rows).min(n), 64);
+    }
+    let par = if plane.is_multiple_of(q8_0::TILE_ROWS) { 64 } else { plane };
+    (piece_end(row, n, plane, rows), par)
+}
+
+/// Splits `rows` (the rows from `row` on of split tensor `t`, `plane` rows a plane) in place,
+/// in parallel parts of `par` rows ([`piece`]).
+fn split_piece(t: &Mat, plane: usize, row: usize, par: usize, tiled: bool, rows: &mut [u8]) {
+    let rb = t.row_bytes;
+    rows.par_chunks_mut(rb * par).enumerate().for_each(|(i, c)| {
+        split_rows(t.ty, rb, c, tiled.then_some((plane, (row + i * par) % plane)));
+    });
+}
+
+/// The end row of a piece of tiled rows: a multiple of 64 rows when the planes have no tail
+/// (every 64-row piece then starts a tile), else whole planes, or whole tiles up to the
 /// plane's end for a plane larger than a piece.
 fn piece_end(row: usize, n: usize, plane: usize, rows: usize) -> usize {
     let end = if plane.is_multiple_of(q8_0::TILE_ROWS) {
@@ -202,7 +217,58 @@ fn piece_end(row: usize, n: usize, plane: usize, rows: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::piece_end;
+    use super::{piece, piece_end, split_piece};
+    use crate::model::weights::Mat;
+    use crate::quant::split::split_rows;
+    use crate::quant::GgmlType;
+
+    /// The upload's pieces and parallel parts give the bytes of the whole tensor split plane by
+    /// plane (the layout the kernels read), for the tiled Q8_0 layout and for the row-local
+    /// ones, with planes that have a tail, pieces shorter and longer than a plane, and tensors
+    /// that end inside a piece. (The split is a byte permutation: random bytes will do.)
+    #[test]
+    fn upload_pieces_split_as_the_whole() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let cases = [
+            (GgmlType::Q8_0, true, 3, 37, 50),
+            (GgmlType::Q8_0, true, 3, 37, 20),
+            (GgmlType::Q8_0, true, 4, 37, 100),
+            (GgmlType::Q8_0, true, 2, 200, 150),
+            (GgmlType::Q8_0, true, 2, 160, 100),
+            (GgmlType::Q8_0, true, 1, 200, 7),
+            (GgmlType::Q8_0, false, 3, 37, 50),
+            (GgmlType::Q2_K, false, 2, 150, 64),
+            (GgmlType::IQ2_XXS, false, 4, 40, 30),
+        ];
+        for (ty, tiled, planes, plane, rows) in cases {
+            let n_in = 2 * ty.block_elems();
+            let rb = ty.row_bytes(n_in as u64).unwrap() as usize;
+            let t = Mat { ty, n_in, n_out: planes * plane, start: 0, row_bytes: rb };
+            let raw: Vec<u8> = (0..t.nbytes())
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    (seed >> 32) as u8
+                })
+                .collect();
+            let mut whole = raw.clone();
+            for p in whole.chunks_mut(plane * rb) {
+                split_rows(ty, rb, p, tiled.then_some((plane, 0)));
+            }
+            let mut got = Vec::with_capacity(raw.len());
+            let mut row = 0;
+            while row < t.n_out {
+                let (end, par) = piece(t.n_out, plane, row, rows, tiled);
+                assert!(end > row && end <= t.n_out, "{ty} {planes}x{plane} by {rows}: {row}..{end}");
+                let mut stage = raw[row * rb..end * rb].to_vec();
+                split_piece(&t, plane, row, par, tiled, &mut stage);
+                got.extend_from_slice(&stage);
+                row = end;
+            }
+            assert!(got == whole, "{ty} tiled={tiled} {planes}x{plane} by {rows}");
+        }
+    }
 
     /// Upload pieces cover the tensor; each starts at a tile start of its plane and ends at a
     /// tile's or a plane's end, so that the Q8_0 split of each piece alone is the split of the
