@@ -22,6 +22,10 @@ from .model import Chunk, Generation, Model, Proposal, Session, Snapshot, Stream
 from .speculative import SpecStats, Speculative
 from .sampling import Sampling
 from .tokenizer import StreamDecoder, Tokenizer, render_chat
+from ._cuda_libs import export_pip_nvrtc_dirs
+
+# NVRTC from pip, for the CUDA backend (read when a CUDA backend first starts).
+export_pip_nvrtc_dirs()
 
 __all__ = [
     "BackendError",

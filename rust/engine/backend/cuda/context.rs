@@ -128,6 +128,10 @@ pub fn kernel_source() -> String {
     s
 }
 
+/// Where NVRTC can come from, for the error that says it was not found.
+const NVRTC_HINT: &str = "install a CUDA toolkit, or `pip install nvidia-cuda-nvrtc-cu12`, \
+    or set DS4_CUDA_LIB to the folder that holds libnvrtc.so";
+
 /// Whether libnvrtc can be loaded (cudarc panics on first use otherwise).
 pub fn nvrtc_available() -> bool {
     // SAFETY: only tries to open the library by its candidate names.
@@ -141,16 +145,17 @@ pub fn nvrtc_available() -> bool {
 /// `LD_LIBRARY_PATH` is found by neither. Opening both by absolute path first, and keeping
 /// them loaded for the life of the process, makes those later by-name opens find the loaded
 /// objects (the dynamic loader matches already loaded libraries by their soname). Searched:
-/// `$DS4_CUDA_LIB`, `$CUDA_HOME`, `$CUDA_PATH`, then `/usr/local/cuda*` (newest first), in
-/// their `lib64`, `lib` and `targets/*/lib` folders.
+/// the folders of `$DS4_CUDA_LIB` (a path list), `$CUDA_HOME`, `$CUDA_PATH`, then
+/// `/usr/local/cuda*` (newest first), in their `lib64`, `lib` and `targets/*/lib` folders;
+/// last, the folders of `$_DS4_PIP_CUDA_LIBS`, which the Python package sets at import to
+/// where pip's NVIDIA wheels (`nvidia-cuda-nvrtc-cu12`, CUDA 13's `nvidia/cu13`) keep NVRTC:
+/// a machine with a driver and PyTorch, say, but no toolkit.
 fn preload_nvrtc() -> bool {
     static LOADED: OnceLock<bool> = OnceLock::new();
     *LOADED.get_or_init(|| {
-        let mut roots: Vec<std::path::PathBuf> = ["DS4_CUDA_LIB", "CUDA_HOME", "CUDA_PATH"]
-            .iter()
-            .filter_map(std::env::var_os)
-            .map(std::path::PathBuf::from)
-            .collect();
+        let paths = |var: &str| std::env::var_os(var).map(|v| std::env::split_paths(&v).collect::<Vec<_>>());
+        let mut roots: Vec<std::path::PathBuf> = paths("DS4_CUDA_LIB").unwrap_or_default();
+        roots.extend(["CUDA_HOME", "CUDA_PATH"].iter().filter_map(std::env::var_os).map(std::path::PathBuf::from));
         if let Ok(dir) = std::fs::read_dir("/usr/local") {
             let mut cudas: Vec<_> = dir
                 .flatten()
@@ -160,6 +165,7 @@ fn preload_nvrtc() -> bool {
             cudas.sort();
             roots.extend(cudas.into_iter().rev());
         }
+        roots.extend(paths("_DS4_PIP_CUDA_LIBS").unwrap_or_default());
         for root in roots {
             let mut dirs = vec![root.clone(), root.join("lib64"), root.join("lib")];
             if let Ok(t) = std::fs::read_dir(root.join("targets")) {
@@ -209,7 +215,7 @@ pub(crate) fn driver_available() -> bool {
 pub fn compile(arch: &str) -> Result<Arc<String>> {
     static CACHE: OnceLock<Mutex<HashMap<String, Arc<String>>>> = OnceLock::new();
     if !nvrtc_available() {
-        return Err(Error::BackendUnavailable("CUDA: libnvrtc not found".into()));
+        return Err(Error::BackendUnavailable(format!("CUDA: libnvrtc not found ({NVRTC_HINT})")));
     }
     let cache = CACHE.get_or_init(Default::default);
     let mut cache = cache.lock().unwrap_or_else(|e| e.into_inner());
@@ -297,7 +303,7 @@ impl Context {
             return Err(unavailable("the driver library (libcuda) was not found".into()));
         }
         if !nvrtc_available() {
-            return Err(unavailable("libnvrtc was not found".into()));
+            return Err(unavailable(format!("libnvrtc was not found ({NVRTC_HINT})")));
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| unavailable(format!("no usable device {ordinal}: {e}")))?;
         let name = ctx.name().unwrap_or_else(|_| "unknown".into());
