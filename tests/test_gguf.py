@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import math
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -66,8 +68,11 @@ def test_missing_tensor_and_file(llamacpp_tiny_l: Path, tmp_path: Path) -> None:
     f = ds4.GGUFFile(llamacpp_tiny_l)
     with pytest.raises(KeyError, match="nope"):
         f.read("nope")
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError) as e:
         ds4.GGUFFile(tmp_path / "absent.gguf")
+    # The fields and text of Python's own error for a missing file.
+    assert e.value.errno == errno.ENOENT and e.value.strerror == os.strerror(errno.ENOENT)
+    assert e.value.filename == str(tmp_path / "absent.gguf")
     with pytest.raises(OSError):
         ds4.GGUFFile(tmp_path)
 

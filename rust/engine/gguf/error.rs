@@ -4,7 +4,7 @@
 /// A malformed or unsupported GGUF file.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum GgufError {
-    #[error("not a GGUF file: magic is {found:?}, expected \"GGUF\"")]
+    #[error("not a GGUF file: it starts with \"{}\", expected \"GGUF\"", found.escape_ascii())]
     BadMagic { found: [u8; 4] },
     #[error("unsupported GGUF version {0} (supported: 2 and 3)")]
     UnsupportedVersion(u32),

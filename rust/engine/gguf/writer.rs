@@ -267,6 +267,11 @@ mod tests {
         let mut b = sample();
         b[0] = b'X';
         assert!(matches!(GgufFile::from_bytes(b).unwrap_err(), Error::Gguf(GgufError::BadMagic { .. })));
+        // The message shows the first bytes as text, escaped where they are not printable.
+        let mut b = sample();
+        b[..4].copy_from_slice(b"\x7fEL\xff");
+        let e = GgufFile::from_bytes(b).unwrap_err().to_string();
+        assert!(e.contains(r#"starts with "\x7fEL\xff", expected "GGUF""#), "{e}");
         let mut b = sample();
         b[4] = 1;
         assert!(matches!(GgufFile::from_bytes(b).unwrap_err(), Error::Gguf(GgufError::UnsupportedVersion(1))));

@@ -35,7 +35,11 @@ static BACKEND_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 pub(crate) fn to_pyerr(e: Error) -> PyErr {
     Python::attach(|py| match e {
         Error::Io { path, source } => {
-            let args = (source.raw_os_error().unwrap_or(0), source.to_string(), path.display().to_string());
+            // Python's own OSError text: the description without Rust's " (os error N)".
+            let errno = source.raw_os_error().unwrap_or(0);
+            let text = source.to_string();
+            let text = text.strip_suffix(&format!(" (os error {errno})")).unwrap_or(&text).to_string();
+            let args = (errno, text, path.display().to_string());
             match source.kind() {
                 std::io::ErrorKind::NotFound => PyFileNotFoundError::new_err(args),
                 std::io::ErrorKind::PermissionDenied => PyPermissionError::new_err(args),
