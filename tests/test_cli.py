@@ -30,6 +30,20 @@ def test_info_errors(tmp_path: Path) -> None:
     assert r.stderr.startswith("ds4: error: unsupported GGUF version 9")
     r = run("info", str(tmp_path / "missing.gguf"))
     assert r.returncode == 1 and "No such file" in r.stderr
+    assert "os error" not in r.stderr  # Python's text, not Rust's
+    not_gguf = tmp_path / "notes.txt"
+    not_gguf.write_bytes(b"garbage\n")
+    r = run("info", str(not_gguf))
+    assert r.returncode == 1
+    assert r.stderr.startswith('ds4: error: not a GGUF file: it starts with "garb", expected "GGUF"'), r.stderr
+
+
+def test_block_option_is_checked_before_loading(tmp_path: Path) -> None:
+    # argparse rejects it (exit 2) naming the option, before any file is read.
+    for bad, why in [("0", "must be in 1..16, got 0"), ("17", "got 17"), ("x", "not an integer")]:
+        r = run("generate", str(tmp_path / "absent.gguf"), "hi", "--spec", "ngram", "--block", bad)
+        assert r.returncode == 2
+        assert "argument --block" in r.stderr and why in r.stderr, r.stderr
 
 
 def test_version() -> None:

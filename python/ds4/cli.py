@@ -126,6 +126,17 @@ def _continue(session: Session, ids: list[int]) -> list[int]:
     return ids
 
 
+def _block(text: str) -> int:
+    """--block: an int in Speculative's range, so that the message names the option."""
+    try:
+        k = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 1 <= k <= 16:
+        raise argparse.ArgumentTypeError(f"must be in 1..16, got {k}")
+    return k
+
+
 def _speculative(args: argparse.Namespace) -> Speculative | None:
     if args.spec is None:
         return None
@@ -229,7 +240,7 @@ def _add_speculation(p: argparse.ArgumentParser, backend: str) -> None:
     p.add_argument("--draft", default=None, help="drafter support GGUF (MTP or DSpark) for --spec mtp|dspark")
     p.add_argument("--backend", choices=["auto", "cpu", "cuda"], default=backend,
                    help=f"where the matrix products run (default {backend}; auto: CUDA if a GPU is usable)")
-    p.add_argument("--block", type=int, default=5, help="most draft tokens verified per cycle (default 5)")
+    p.add_argument("--block", type=_block, default=5, help="most draft tokens verified per cycle, 1..16 (default 5)")
     p.add_argument("--fixed-block", action="store_true", help="always verify what the drafter offers (no scheduler)")
 
 
