@@ -171,6 +171,9 @@ def test_context_limit_and_errors(model: ds4.Model) -> None:
     assert out.finish_reason == "length" and len(out.tokens) == 5 and s.position == 12
     with pytest.raises(ds4.ContextOverflowError):
         model.session(4).generate(list(range(1, 9)))
+    for ctx in (0, -5):
+        with pytest.raises(ValueError, match=f"the context size must be at least 1, got {ctx}"):
+            model.session(ctx)
     s = model.session(64)
     for bad in [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(min_p=1.0), dict(top_k=-1)]:
         with pytest.raises(ValueError):

@@ -436,10 +436,16 @@ def test_decode_rejects_unknown_ids(v4: ds4.Tokenizer) -> None:
     with pytest.raises(ValueError, match="129280"):
         v4.decode([1, 129280])
     d = v4.stream_decoder()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="token id 1000000 is not in the vocabulary of 129280"):
         d.feed([5, 10**6])
-    with pytest.raises(OverflowError):
-        v4.decode([-1])
+    # Ids no u32 holds are the same ValueError (not a conversion's OverflowError), and the
+    # decoder consumes nothing on an error.
+    for bad in (-1, 2**32, 2**40):
+        with pytest.raises(ValueError, match=f"token id {bad} is not in the vocabulary"):
+            v4.decode([1, bad])
+        with pytest.raises(ValueError, match=f"token id {bad} is not in the vocabulary"):
+            d.feed([5, bad])
+    assert d.feed([]) == "" and d.flush() == ""
 
 
 def test_encode_releases_the_gil(v4: ds4.Tokenizer) -> None:

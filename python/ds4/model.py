@@ -205,6 +205,9 @@ class Model:
         ``kv`` is how the attention state is stored: "f32" (exact, the default), "f16"
         (rounded to half precision) or "fp8" (the official model's FP8 KV rows and FP4
         indexer keys, simulated)."""
+        if ctx < 1:
+            # (The engine says so for 0; a negative size would not even convert.)
+            raise ValueError(f"the context size must be at least 1, got {ctx}")
         return Session(self._native.session(ctx, kv), self.vocab_size, self.tokenizer,
                        self.config.get("eos_id"))
 

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use ds4::tokenizer::{ChatMessage, Role, StreamDecoder, Tokenizer};
-use pyo3::exceptions::PyRuntimeError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -12,6 +12,17 @@ use crate::IntoPy;
 
 /// Texts longer than this (bytes) are encoded with the GIL released.
 const DETACH_BYTES: usize = 4096;
+
+/// `ids` as token ids of a vocabulary of `vocab`: a negative or too large id is the ValueError
+/// the engine gives for an id past the vocabulary (not PyO3's OverflowError for a u32).
+fn token_ids(ids: Vec<i64>, vocab: usize) -> PyResult<Vec<u32>> {
+    ids.into_iter()
+        .map(|id| match u32::try_from(id) {
+            Ok(t) if (t as usize) < vocab => Ok(t),
+            _ => Err(PyValueError::new_err(format!("token id {id} is not in the vocabulary of {vocab}"))),
+        })
+        .collect()
+}
 
 /// A byte-level BPE tokenizer (DeepSeek V4), read from GGUF metadata or a `tokenizer.json`.
 #[pyclass(name = "Tokenizer", module = "ds4._ds4", frozen)]
@@ -53,13 +64,16 @@ impl PyTokenizer {
     }
 
     /// The text of `ids`; invalid UTF-8 becomes U+FFFD.
-    fn decode(&self, ids: Vec<u32>) -> PyResult<String> {
-        self.inner.decode(&ids).into_py_result()
+    fn decode(&self, ids: Vec<i64>) -> PyResult<String> {
+        self.inner.decode(&token_ids(ids, self.inner.vocab_size())?).into_py_result()
     }
 
     /// A new incremental decoder.
     fn stream_decoder(&self) -> PyStreamDecoder {
-        PyStreamDecoder { inner: Mutex::new(StreamDecoder::new(Arc::clone(&self.inner))) }
+        PyStreamDecoder {
+            inner: Mutex::new(StreamDecoder::new(Arc::clone(&self.inner))),
+            vocab: self.inner.vocab_size(),
+        }
     }
 
     /// Number of token ids.
@@ -110,6 +124,7 @@ impl PyTokenizer {
 #[pyclass(name = "StreamDecoder", module = "ds4._ds4", frozen)]
 pub struct PyStreamDecoder {
     inner: Mutex<StreamDecoder>,
+    vocab: usize,
 }
 
 impl PyStreamDecoder {
@@ -121,7 +136,8 @@ impl PyStreamDecoder {
 #[pymethods]
 impl PyStreamDecoder {
     /// The text completed by `ids` (bytes of an unfinished character are held back).
-    fn feed(&self, ids: Vec<u32>) -> PyResult<String> {
+    fn feed(&self, ids: Vec<i64>) -> PyResult<String> {
+        let ids = token_ids(ids, self.vocab)?;
         self.lock()?.feed(&ids).into_py_result()
     }
 
