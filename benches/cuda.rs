@@ -12,7 +12,8 @@
 //! - `call/Q8_0/<k>x(64x4096)/n=1`: one `matmul_many` call of k small products, the fixed
 //!   cost of a call (one input copy, one launch per kernel group, one output copy, one sync).
 //!
-//! Run with `cargo bench --features cuda --bench cuda`.
+//! Run with `cargo bench --features cuda --bench cuda`; with `DS4_CUDA_Q8=mma` the Q8_0 rows
+//! time the tensor-core kernel and its tiled weight layout instead of the float-x kernel.
 
 use std::time::Duration;
 
