@@ -11,16 +11,15 @@
 # TESTS_BINARY: the engine's test executable built with `--features cuda` (its CUDA kernel
 # tests run first, then again the product and routed-expert ones with DS4_CUDA_Q8=mma, Q8_0 on
 # the tensor cores). Then: the CUDA tests (in both Q8_0 modes), and decode / verify / prefill
-# timings of a random MID
-# model at 2K and 32K context; with FLASH_GEN (the synthetic full-size Flash generator,
-# gen_flash_q2_gguf.py) and TOKENIZER (the V4 tokenizer.json) set, the same for a full-size
-# Flash file (80.8 GiB, sparse on disk) at 2K context (in both Q8_0 modes), and with FLASH_32K=1 at 32K context with
-# an 8K-token prefill too; with FLASH_FILL=1 the routed experts of as many layers as the disk
-# holds get pseudo-random blocks first (scripts/fill_experts.py: the generator's zero experts
-# make the IQ2_XXS kernels look up one lattice entry only, which flatters them);
-# with TRACE=1 the kernels of two
-# Flash decode steps as they ran, summed per kernel (scripts/kernel_lab/kernel_trace.cpp, built
-# here with nvcc against the toolkit's CUPTI).
+# timings of a random MID model at 2K and 32K context; with FLASH_GEN (the synthetic full-size
+# Flash generator, gen_flash_q2_gguf.py) and TOKENIZER (the V4 tokenizer.json) set, the same
+# for a full-size Flash file (80.8 GiB, sparse on disk) at 2K context (in both Q8_0 modes),
+# and with FLASH_32K=1 at 32K context with an 8K-token prefill too; with FLASH_FILL=1 the
+# routed experts of as many layers as the disk holds get pseudo-random blocks first
+# (scripts/fill_experts.py: the generator's zero experts make the IQ2_XXS kernels look up one
+# lattice entry only, which flatters them); with TRACE=1 the kernels of two Flash decode steps
+# as they ran, summed per kernel (scripts/kernel_lab/kernel_trace.cpp, built here with nvcc
+# against the toolkit's CUPTI).
 set -euo pipefail
 wheel=${1:?usage: gpu_suite.sh WHEEL [WHEELHOUSE] [TESTS_BINARY]}
 python3 -m venv --system-site-packages /tmp/ds4-gpu-venv

@@ -219,7 +219,7 @@ fn piece_end(row: usize, n: usize, plane: usize, rows: usize) -> usize {
 mod tests {
     use super::{piece, piece_end, split_piece};
     use crate::model::weights::Mat;
-    use crate::quant::split::split_rows;
+    use crate::quant::split::{random_rows, split_rows};
     use crate::quant::GgmlType;
 
     /// The upload's pieces and parallel parts give the bytes of the whole tensor split plane by
@@ -228,7 +228,6 @@ mod tests {
     /// that end inside a piece. (The split is a byte permutation: random bytes will do.)
     #[test]
     fn upload_pieces_split_as_the_whole() {
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
         let cases = [
             (GgmlType::Q8_0, true, 3, 37, 50),
             (GgmlType::Q8_0, true, 3, 37, 20),
@@ -240,18 +239,10 @@ mod tests {
             (GgmlType::Q2_K, false, 2, 150, 64),
             (GgmlType::IQ2_XXS, false, 4, 40, 30),
         ];
-        for (ty, tiled, planes, plane, rows) in cases {
+        for (i, (ty, tiled, planes, plane, rows)) in cases.into_iter().enumerate() {
             let n_in = 2 * ty.block_elems();
-            let rb = ty.row_bytes(n_in as u64).unwrap() as usize;
+            let (raw, rb) = random_rows(ty, n_in, planes * plane, i as u64 + 1);
             let t = Mat { ty, n_in, n_out: planes * plane, start: 0, row_bytes: rb };
-            let raw: Vec<u8> = (0..t.nbytes())
-                .map(|_| {
-                    seed ^= seed << 13;
-                    seed ^= seed >> 7;
-                    seed ^= seed << 17;
-                    (seed >> 32) as u8
-                })
-                .collect();
             let mut whole = raw.clone();
             for p in whole.chunks_mut(plane * rb) {
                 split_rows(ty, rb, p, tiled.then_some((plane, 0)));
