@@ -116,9 +116,9 @@ MVS_KERNELS(q8_0, FmtQ8_0)
 #endif
 #define MQ_WARP_ROWS (16 * MQ_TILES)
 
-struct FmtQ8_0Mq {
-    static constexpr int LUT_BYTES = 0;
-};
+// The format tag of the kernel's instantiations (MV_KERNEL_RUN takes one; no table, no
+// shared-memory staging).
+struct FmtQ8_0Mq {};
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 800
 // c + the dot of the signed bytes of a and the bytes of b (unsigned when U).
