@@ -102,7 +102,10 @@ MVS_KERNELS(q8_0, FmtQ8_0)
 // warp_rows) and walks the row in *chunks*, one block pair each; as in matvec_split, the
 // D->group warps of a row group take chunks p, p + G, ..., their sums added in warp order,
 // and the host may split the chunks in slices over blocks (mv_slice, mv_add_slices). Each
-// warp quantizes x itself, for each block, once for its tiles. A warp whose tiles are all
+// warp quantizes x itself, for each block, once for its tiles; at one batch row all 32 lanes
+// share that work (mq_quantize_coop: two elements a lane instead of sixteen for the four lanes
+// of the row's column; 279 instructions in the sm_90 loop of a chunk against 386, 110
+// registers against 128; not yet timed on a GPU). A warp whose tiles are all
 // whole runs the fast path (mq_loop<.., true, ..>); the few with a plane's last rows run a
 // general one.
 
@@ -114,7 +117,20 @@ MVS_KERNELS(q8_0, FmtQ8_0)
 #ifndef MQ_X_PREFETCH
 #define MQ_X_PREFETCH 1
 #endif
+// Whether a warp of one batch row quantizes its x together, each lane two elements of the
+// chunk (1), or each lane of the row's column the 16 elements of its B fragments (0).
+#ifndef MQ_X_COOP
+#define MQ_X_COOP 1
+#endif
 #define MQ_WARP_ROWS (16 * MQ_TILES)
+
+// How a warp of whole tiles gets its x (the MqChunk and mq_load template argument XM):
+// loaded as a chunk is computed (0), loaded with the chunk's weights by the lanes of each
+// batch row's column (1), or, for one batch row, loaded with the weights by all 32 lanes, two
+// elements each (2: mq_quantize_coop).
+#define MQ_X_LATE 0
+#define MQ_X_LANES 1
+#define MQ_X_SPREAD 2
 
 // The format tag of the kernel's instantiations (MV_KERNEL_RUN takes one; no table, no
 // shared-memory staging).
@@ -230,17 +246,59 @@ __device__ __forceinline__ float mq_quantize(float4 xa, float4 xb, u32 (&b)[3][2
     return inv;
 }
 
+// The B operands and scales of the chunk's two blocks (b[kk], sx[kk]) for one batch row, from
+// the row's x spread over the warp: lane l holds elements 2 (l & 15) and 2 (l & 15) + 1 of
+// block l / 16 (zeros past the row's last block). The same integers and scales as
+// mq_quantize (row invariance), computed by all 32 lanes instead of the 4 of the row's
+// column: the 16 lanes of a block find its largest |x| in four steps, each lane converts two
+// elements, adjacent lanes join their bytes to the four-byte runs of the fragments, and each
+// lane takes the runs of its fragment positions. Every column of B gets row 0's values; only
+// column 0's outputs are stored.
+__device__ __forceinline__ void mq_quantize_coop(float2 xv, int lane, u32 (&b)[2][3][2], float (&sx)[2]) {
+    u32 m = umax(__float_as_uint(xv.x) & 0x7fffffffu, __float_as_uint(xv.y) & 0x7fffffffu);
+#pragma unroll
+    for (int o = 1; o < 16; o *= 2) {
+        m = umax(m, __shfl_xor_sync(0xffffffffu, m, o));
+    }
+    // As in mq_quantize.
+    const int eb = (int)(m >> 23);
+    const int e = eb < 23 ? 23 : eb;
+    const float mul = __uint_as_float((u32)(276 - e) << 23);
+    const float inv = e == 255 ? __uint_as_float(0x7fc00000u) : __uint_as_float((u32)(e - 22) << 23);
+    const u32 q0 = (u32)imin(__float2int_rn(xv.x * mul), 8388607);
+    const u32 q1 = (u32)imin(__float2int_rn(xv.y * mul), 8388607);
+    // This lane's two elements: bytes 0 and 1 (n0, n1) in one word, byte 2 (n2) in another;
+    // with the odd neighbour's, the even lane 2j of a half holds elements 4j..4j+3 per byte.
+    const u32 p01 = __byte_perm(q0, q1, 0x5140);
+    const u32 p2 = __byte_perm(q0, q1, 0x0062);
+    const u32 o01 = __shfl_xor_sync(0xffffffffu, p01, 1);
+    const u32 o2 = __shfl_xor_sync(0xffffffffu, p2, 1);
+    const u32 run[3] = {__byte_perm(p01, o01, 0x5410), __byte_perm(p01, o01, 0x7632), __byte_perm(p2, o2, 0x5410)};
+    // Fragment lane (g, t) takes elements 4t..4t+3 (even lane 2t) and 16+4t..19+4t (lane 8 + 2t).
+    const int t = lane & 3;
+#pragma unroll
+    for (int kk = 0; kk < 2; kk++) {
+#pragma unroll
+        for (int p = 0; p < 3; p++) {
+            b[kk][p][0] = __shfl_sync(0xffffffffu, run[p], 16 * kk + 2 * t);
+            b[kk][p][1] = __shfl_sync(0xffffffffu, run[p], 16 * kk + 8 + 2 * t);
+        }
+        sx[kk] = __shfl_sync(0xffffffffu, inv, 16 * kk);
+    }
+}
+
 // A warp's weights in one chunk (block pair): per tile, for a tile stored whole
 // (rust/engine/quant/split/q8_0.rs) the lane's A registers of each block (v[mt][kk]) and its
 // rows' scales (s[mt][kk]: rows g, g + 8); for a plane's last rows, row by row, per row g and
 // g + 8 (h) the lane's 16 bytes of the pair (8 for a last odd block, in .x, .y) and the two
-// blocks' scales. With XP, the lane's x of the chunk too (loaded with the weights, so that it
-// waits on nothing).
-template <bool XP>
+// blocks' scales. With XM (MQ_X_LANES, MQ_X_SPREAD), the lane's x of the chunk too (loaded
+// with the weights, so that it waits on nothing).
+template <int XM>
 struct MqChunk {
     uint4 v[MQ_TILES][2];
     u32 s[MQ_TILES][2];
-    float4 x[XP ? 2 : 1][2];
+    float4 x[XM == MQ_X_LANES ? 2 : 1][2];
+    float2 xs;  // MQ_X_SPREAD
 };
 
 // The rows of tile mt: a tile stored whole (the first n_out & ~15 rows), or row by row.
@@ -252,9 +310,9 @@ struct MqRows {
 };
 
 // ALL: every tile of the warp is stored whole (the fast path: no row-by-row code at all).
-template <bool ALL, bool XP>
+template <bool ALL, int XM>
 __device__ __forceinline__ void mq_load(const MqRows& R, long long pay, int nb, int c, int lane,
-                                        const float* __restrict__ x, int n_in, int n, MqChunk<XP>& k) {
+                                        const float* __restrict__ x, int n_in, int n, MqChunk<XM>& k) {
     const bool two = 2 * c + 1 < nb;
     const int t = lane & 3;
 #pragma unroll
@@ -289,7 +347,14 @@ __device__ __forceinline__ void mq_load(const MqRows& R, long long pay, int nb, 
             }
         }
     }
-    if (XP) {
+    if (XM == MQ_X_SPREAD) {
+        // Row 0's elements 64 c + 2 lane and the next (block 2c + lane / 16).
+        k.xs = make_float2(0.0f, 0.0f);
+        if (lane < 16 || two) {
+            k.xs = __ldg((const float2*)(x + 64ll * c + 2 * lane));
+        }
+    }
+    if (XM == MQ_X_LANES) {
         const int r = lane >> 2;
 #pragma unroll
         for (int kk = 0; kk < 2; kk++) {
@@ -306,13 +371,18 @@ __device__ __forceinline__ void mq_load(const MqRows& R, long long pay, int nb, 
 
 // Adds chunk c (blocks 2c and 2c + 1) of the warp's rows to acc[tile][token group][i]: the
 // output of row 16 tile + g + 8 (i / 2) and batch row 8 group + 2t + i % 2.
-template <int NB, bool ALL, bool XP>
-__device__ __forceinline__ void mq_chunk(const MqChunk<XP>& k, const MqRows& R, int nb, int c,
+template <int NB, bool ALL, int XM>
+__device__ __forceinline__ void mq_chunk(const MqChunk<XM>& k, const MqRows& R, int nb, int c,
                                          const float* __restrict__ x, int n_in, int n, int lane,
                                          float (&acc)[MQ_TILES][(NB + 7) / 8][4]) {
     constexpr int NG = (NB + 7) / 8;
     const int g = lane >> 2;
     const int t = lane & 3;
+    u32 bs[2][3][2];
+    float ss[2];
+    if (XM == MQ_X_SPREAD) {
+        mq_quantize_coop(k.xs, lane, bs, ss);
+    }
 #pragma unroll
     for (int kk = 0; kk < 2; kk++) {
         if (kk == 1 && 2 * c + 1 >= nb) {
@@ -322,9 +392,19 @@ __device__ __forceinline__ void mq_chunk(const MqChunk<XP>& k, const MqRows& R, 
         float sx[NG][2];
 #pragma unroll
         for (int tg = 0; tg < NG; tg++) {
+            if (XM == MQ_X_SPREAD) {
+#pragma unroll
+                for (int p = 0; p < 3; p++) {
+                    b[tg][p][0] = bs[kk][p][0];
+                    b[tg][p][1] = bs[kk][p][1];
+                }
+                sx[tg][0] = ss[kk];
+                sx[tg][1] = 0.0f;
+                continue;
+            }
             float4 xa;
             float4 xb;
-            if (XP) {
+            if (XM == MQ_X_LANES) {
                 xa = k.x[kk][0];
                 xb = k.x[kk][1];
             } else {
@@ -375,29 +455,29 @@ __device__ __forceinline__ void mq_chunk(const MqChunk<XP>& k, const MqRows& R, 
 
 // The warp's chunks first, first + G, ... < c1, each chunk's loads issued before the one before
 // it is computed.
-template <int NB, bool ALL, bool XP>
+template <int NB, bool ALL, int XM>
 __device__ __forceinline__ void mq_loop(const MqRows& R, const MvDesc* D, long long pay, int nb, int first, int c1,
                                         int lane, float (&acc)[MQ_TILES][(NB + 7) / 8][4]) {
     const float* x = D->x;
     const int n_in = D->n_in;
     const int n = D->n;
     const int G = D->group;
-    MqChunk<XP> cur;
+    MqChunk<XM> cur;
     if (!ALL) {
         // The tail of a matrix (a plane's last rows): few warps, no prefetch (registers).
         for (int c = first; c < c1; c += G) {
-            mq_load<ALL, XP>(R, pay, nb, c, lane, x, n_in, n, cur);
-            mq_chunk<NB, ALL, XP>(cur, R, nb, c, x, n_in, n, lane, acc);
+            mq_load<ALL, XM>(R, pay, nb, c, lane, x, n_in, n, cur);
+            mq_chunk<NB, ALL, XM>(cur, R, nb, c, x, n_in, n, lane, acc);
         }
         return;
     }
-    MqChunk<XP> nxt;
-    mq_load<ALL, XP>(R, pay, nb, first, lane, x, n_in, n, cur);
+    MqChunk<XM> nxt;
+    mq_load<ALL, XM>(R, pay, nb, first, lane, x, n_in, n, cur);
     for (int c = first; c < c1; c += G) {
         if (c + G < c1) {
-            mq_load<ALL, XP>(R, pay, nb, c + G, lane, x, n_in, n, nxt);
+            mq_load<ALL, XM>(R, pay, nb, c + G, lane, x, n_in, n, nxt);
         }
-        mq_chunk<NB, ALL, XP>(cur, R, nb, c, x, n_in, n, lane, acc);
+        mq_chunk<NB, ALL, XM>(cur, R, nb, c, x, n_in, n, lane, acc);
         cur = nxt;
     }
 }
@@ -493,9 +573,10 @@ __device__ __forceinline__ void matmul_q8_0(const MvDesc* __restrict__ descs, in
     const int first = c0 + B.p;
     if (B.nrows > 0 && first < c1) {
         if (B.o0 + MQ_WARP_ROWS <= whole_rows) {
-            mq_loop<NB, true, NG == 1 && MQ_X_PREFETCH>(R, D, pay, nb, first, c1, lane, acc);
+            constexpr int XM = NB == 1 && MQ_X_COOP ? MQ_X_SPREAD : NG == 1 && MQ_X_PREFETCH ? MQ_X_LANES : MQ_X_LATE;
+            mq_loop<NB, true, XM>(R, D, pay, nb, first, c1, lane, acc);
         } else {
-            mq_loop<NB, false, false>(R, D, pay, nb, first, c1, lane, acc);
+            mq_loop<NB, false, MQ_X_LATE>(R, D, pay, nb, first, c1, lane, acc);
         }
     }
     mq_store<NB>(acc, D, B, counters);
