@@ -5,7 +5,8 @@
 
 Concatenates shaders/cuda/ in the order of rust/engine/backend/cuda/context.rs `SOURCES`, with
 the IQ2_XXS table emitted from rust/engine/quant/tables.rs after the shared header, compiles it
-with NVRTC for compute_90 with the engine's options (--fmad=false, C++17) plus the -D options,
+with NVRTC for compute_90 with the engine's default options (--fmad=false, C++17,
+-D DS4_PDL_EARLY; --no-early drops the last) plus the -D options,
 and writes OUT.ptx; `--file q8_0.cu=variant.cu` replaces one source file. With ptxas at hand
 (PTXAS, or on PATH) it also writes OUT.cubin for sm_90 and prints each kernel's registers and
 spills (those whose name contains FILTER, default ds4_mv_). NVRTC: the library at $NVRTC, or
@@ -84,10 +85,12 @@ def main() -> None:
     ap.add_argument("-D", dest="defines", action="append", default=[])
     ap.add_argument("--file", action="append", default=[], help="NAME=PATH: use PATH for shaders/cuda/NAME")
     ap.add_argument("--regs", default="ds4_mv_")
+    ap.add_argument("--no-early", action="store_true", help="without the engine's -D DS4_PDL_EARLY")
     args = ap.parse_args()
+    defines = args.defines if args.no_early else ["DS4_PDL_EARLY", *args.defines]
     replace = dict(f.split("=", 1) for f in args.file)
     out = Path(args.out)
-    out.write_bytes(compile_ptx(program(replace), args.defines))
+    out.write_bytes(compile_ptx(program(replace), defines))
     ptxas = os.environ.get("PTXAS") or shutil.which("ptxas")
     if not ptxas:
         return

@@ -205,7 +205,8 @@ static void run(const Config& c) {
     auto launch = [&](int i) {
         CUdeviceptr t = T + (size_t)(i % copies) * c.experts * c.desc_bytes;
         int count = c.experts;
-        void* args[] = {&t, &count, &C};
+        int early = 0;  // (older cubins without the parameter ignore it)
+        void* args[] = {&t, &count, &C, &early};
         CK(cuLaunchKernel(f, blocks, 1, 1, 128, 1, 1, smem, 0, args, 0));
     };
     const double us = lab_us_per_launch(launch, 20, 200);
@@ -216,7 +217,8 @@ static void run(const Config& c) {
         auto once = [&](CUfunction g, int gsmem) {
             CUdeviceptr t = T;
             int count = c.experts;
-            void* args[] = {&t, &count, &C};
+            int early = 0;
+            void* args[] = {&t, &count, &C, &early};
             CK(cuLaunchKernel(g, blocks, 1, 1, 128, 1, 1, gsmem, 0, args, 0));
         };
         check(c, ref, X, Y, once, f, smem);

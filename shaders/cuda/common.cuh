@@ -108,23 +108,62 @@ __device__ __forceinline__ int mv_row_blocks(const MvDesc& D) {
 // Programmatic dependent launch (sm_90 and later, when the host launches with the attribute:
 // rust/engine/backend/cuda/device.rs): the next kernel of the stream may be launched before
 // this one has finished, and its blocks wait here until this grid has finished and its writes
-// are visible. The wait comes before any global memory access, so each kernel sees exactly
-// what plain stream order gives it; what is saved is the launch gap between kernels. Every
-// __global__ kernel of the program calls this first. Elsewhere it is a no-op.
+// are visible. Every __global__ kernel of the program calls this before it reads anything a
+// kernel writes, so each kernel sees exactly what plain stream order gives it. Elsewhere it
+// is a no-op.
 //
-// The kernels do not trigger their dependents (griddepcontrol.launch_dependents) early: the
-// trigger is then implicit as each block exits, and the next kernel launches as this one's
-// last blocks finish. Triggering at the start of every kernel let a chain of later kernels
-// place waiting blocks on the SMs long before their turn; on the H200, Flash decode at 2K was
-// 11.26 / 11.10 ms that way and 10.88 / 10.84 ms this way (two A/B pairs in one session), and
-// a verify of 8 rows 49.2 / 49.8 against 47.8 / 47.9 ms. The early trigger is still there for
-// comparison: DS4_CUDA_PDL=start compiles the program with DS4_PDL_TRIGGER_AT_START.
+// When the next kernel launches: as this one's blocks exit, unless this one triggers it
+// earlier (griddepcontrol.launch_dependents). The default program (DS4_PDL_EARLY, below)
+// triggers early only where a product follows; a trigger at the start of every kernel let a
+// chain of later kernels place waiting blocks on the SMs long before their turn (H200, Flash
+// decode at 2K: 11.26 / 11.10 ms that way against 10.88 / 10.84 ms with no early trigger, two
+// A/B pairs in one session; a verify of 8 rows 49.2 / 49.8 against 47.8 / 47.9 ms). For
+// comparison, DS4_CUDA_PDL=start compiles the program with that trigger
+// (DS4_PDL_TRIGGER_AT_START) and DS4_CUDA_PDL=exit with no early trigger at all.
 __device__ __forceinline__ void ds4_grid_deps() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #ifdef DS4_PDL_TRIGGER_AT_START
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Early launch (DS4_PDL_EARLY, the default; rust/engine/backend/cuda/context.rs): a product
+// whose weights and descriptors are known when it is queued (the decode's own products, not
+// the routed experts, whose tables ds4_route writes) reads them before it waits for the
+// previous kernel. Its blocks load their first chunk into registers and ask L2 for the rest of
+// their rows (ds4_prefetch_l2) while that kernel still runs, so a product no longer starts with
+// a memory round trip after each small kernel of the decode (norms, hyper-connection mixing,
+// attention). For that the previous kernel lets it launch early: the small kernels that come
+// before products call ds4_grid_lead (let the dependent launch now, then wait), and every
+// product calls ds4_grid_launch once its weights are read, before its sums are stored. Only
+// reads of data no kernel writes move before the wait. On the H200, Flash decode at 2K: 9.02 /
+// 9.08 ms against 9.53 / 9.50 ms with DS4_CUDA_PDL=exit (two A/B pairs in one session); a
+// verify of 8 rows 34.3 / 34.4 against 35.3 / 35.1 ms. Without DS4_PDL_EARLY these two are
+// no-ops and the products wait first.
+__device__ __forceinline__ void ds4_grid_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(DS4_PDL_EARLY)
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// ds4_grid_deps for a small kernel that a product follows: its dependent may launch at once.
+__device__ __forceinline__ void ds4_grid_lead() {
+    ds4_grid_launch();
+    ds4_grid_deps();
+}
+
+// Asks L2 to fetch bytes [a, b) of `base` (16-byte aligned; the range is widened to 16-byte
+// units, so it must stay inside base's allocation when rounded up): a hint, no data moves to
+// the SM, and nothing waits for it.
+__device__ __forceinline__ void ds4_prefetch_l2(const u8* base, long long a, long long b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    a &= ~15ll;
+    b = (b + 15) & ~15ll;
+    if (b > a) {
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base + a), "r"((u32)(b - a)) : "memory");
+    }
 #endif
 }
 
@@ -365,7 +404,8 @@ __device__ __forceinline__ void mv_slice(int units, int slices, int slice, int& 
 
 template <class F, int NB>
 __device__ __forceinline__ void matvec(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters,
-                                       u8* smem) {
+                                       u8* smem, int) {
+    ds4_grid_deps();
     typedef Mv<F, NB> M;
     typedef typename VecT<F::VEC>::T V;
     constexpr int U = M::U;
@@ -683,11 +723,20 @@ __device__ __forceinline__ void scaled_dot4(const float (&wf)[MV_ROWS][4], const
 
 template <class F, int NB>
 __device__ __forceinline__ void matvec_split(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters,
-                                             u8* smem) {
+                                             u8* smem, int early) {
+#ifndef DS4_PDL_EARLY
+    early = 0;
+#endif
+    if (!early) {
+        ds4_grid_deps();
+    }
     const int tid = threadIdx.x;
     const MvBlock B = mv_block(descs, count);
     const MvDesc* D = B.D;
     if (D->n == 0) {
+        if (early) {
+            ds4_grid_deps();
+        }
         return;  // an unused expert slot (see matvec)
     }
     const u8* w = D->w;
@@ -731,6 +780,29 @@ __device__ __forceinline__ void matvec_split(const MvDesc* __restrict__ descs, i
     if (work) {
         load(first, cur);
     }
+    if (early) {
+        // The rest of the slice of the warp's rows into L2 (the first warp of a row group;
+        // lanes 0.. the payloads, lanes MV_ROWS.. the headers after them), then the wait
+        // (early launch: see ds4_grid_launch). The first chunk is in flight already.
+        if (work && vec && B.p == 0 && lane < 2 * MV_ROWS) {
+            const int q = lane % MV_ROWS;
+            const u8* row = rows[0];  // rows[q] without indexing registers at run time
+#pragma unroll
+            for (int i = 1; i < MV_ROWS; i++) {
+                row = q == i ? rows[i] : row;
+            }
+            const long long pay = (long long)nb * F::PAY;
+            const long long hb = (row_bytes - pay) / nb;
+            const long long b0 = (long long)F::CB * c0;
+            const long long b1 = imin(F::CB * c1, nb);
+            if (lane < MV_ROWS) {
+                ds4_prefetch_l2(row, b0 * F::PAY, b1 * F::PAY);
+            } else if (hb > 0) {
+                ds4_prefetch_l2(row, pay + b0 * hb, pay + b1 * hb);
+            }
+        }
+        ds4_grid_deps();
+    }
     // The lookup table is filled while the first loads are in flight.
     if (F::LUT_BYTES > 0) {
         F::init_lut(smem, tid);
@@ -758,6 +830,7 @@ __device__ __forceinline__ void matvec_split(const MvDesc* __restrict__ descs, i
             }
         }
     }
+    ds4_grid_launch();
     mv_store<NB>(acc, D, B.slice, B.rb, B.o0, B.nrows, counters);
 }
 
@@ -767,10 +840,9 @@ __device__ __forceinline__ void matvec_split(const MvDesc* __restrict__ descs, i
 #define MV_KERNEL_RUN(NAME, F, NB, RUN, BOUNDS, SMEM)                                                             \
     extern "C" __device__ int ds4_smem_##NAME##_##NB = SMEM;                                                     \
     extern "C" __global__ void __launch_bounds__ BOUNDS                                                          \
-        ds4_mv_##NAME##_##NB(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters) {          \
-        ds4_grid_deps();                                                                                         \
+        ds4_mv_##NAME##_##NB(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters, int early) {\
         extern __shared__ __align__(16) u8 smem[];                                                               \
-        RUN<F, NB>(descs, count, counters, smem);                                                                \
+        RUN<F, NB>(descs, count, counters, smem, early);                                                         \
     }
 
 // KERNEL(NAME, F, NB) for NB in 1, 2, 4, 8, 16 (the host picks the smallest NB >= n).

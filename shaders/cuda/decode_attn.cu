@@ -725,7 +725,7 @@ extern "C" __global__ void __launch_bounds__(DS4_ATTN_THREADS)
                   const int* __restrict__ nsel, int sel_stride, const float* __restrict__ sinks, int n_heads,
                   int head_dim, float* __restrict__ out, int groups, const float* __restrict__ inv_freq,
                   int rope_dim, const int* __restrict__ step) {
-    ds4_grid_deps();
+    ds4_grid_lead();
     constexpr int NW = DS4_ATTN_THREADS / 32;
     static_assert(NW == DS4_ATTN_HEADS && DS4_ATTN_TILE == DS4_ATTN_THREADS &&
                       DS4_ATTN_HEADS * DS4_ATTN_COLS == DS4_ATTN_THREADS && DS4_ATTN_COLS == 32,

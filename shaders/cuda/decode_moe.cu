@@ -431,7 +431,7 @@ extern "C" __global__ void ds4_moe_combine(const float* __restrict__ down_out, c
                                            const float* __restrict__ comb_w, const int* __restrict__ comb_cnt,
                                            const float* __restrict__ shared, float* __restrict__ out, int k, int d,
                                            float* x, const float* mix, int hc) {
-    ds4_grid_deps();
+    ds4_grid_lead();
     const int r = blockIdx.y;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= d) {

@@ -185,7 +185,7 @@ __device__ __forceinline__ void ds4_rms_store(const float* x, float* y, const fl
 // y = x * rms_scale(x), row by row (rust/engine/backend/cpu.rs rms_norm_plain). Grid (n);
 // x and y are [n, width] and may be the same buffer.
 extern "C" __global__ void ds4_rms_plain(const float* x, float* y, int width, float eps) {
-    ds4_grid_deps();
+    ds4_grid_lead();
     __shared__ double red[32];
     const long long off = (long long)blockIdx.x * width;
     float v[DS4_RMS_REGS];
@@ -196,7 +196,7 @@ extern "C" __global__ void ds4_rms_plain(const float* x, float* y, int width, fl
 // y = w * (x * rms_scale(x)), row by row (cpu.rs rms_norm: the weight after the scaling).
 // Grid (n); x and y are [n, width] and may be the same buffer; w has width floats.
 extern "C" __global__ void ds4_rms_weight(const float* x, float* y, const float* w, int width, float eps) {
-    ds4_grid_deps();
+    ds4_grid_lead();
     __shared__ double red[32];
     const long long off = (long long)blockIdx.x * width;
     float v[DS4_RMS_REGS];
@@ -555,7 +555,7 @@ __device__ __forceinline__ void hc_pre_streams(int hc, const float* raw, const f
 extern "C" __global__ void __launch_bounds__(1024) ds4_hc_pre(const float* logits, int n_mix, const float* x, float* y, float* mix,
                                       const float* base, const float* scale, int hc, int d, float hc_eps,
                                       int iters, const float* norm, float eps) {
-    ds4_grid_deps();
+    ds4_grid_lead();
     if (blockDim.x < 64) {
         __trap();  // no collapse warps (a host bug)
     }
@@ -593,7 +593,7 @@ __device__ __forceinline__ void ds4_hc_post_at(float* x, float fk, const float* 
 
 // ds4_hc_post_at over rows of f [n, d], the sublayer output. Grid (ceil(d / blockDim.x), n).
 extern "C" __global__ void ds4_hc_post(float* x, const float* f, const float* mix, int hc, int d) {
-    ds4_grid_deps();
+    ds4_grid_lead();
     const int r = blockIdx.y;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < d) {
@@ -605,7 +605,7 @@ extern "C" __global__ void ds4_hc_post(float* x, const float* f, const float* mi
 // base (hc floats) and scale (scale[0] used) of hc_head. Grid (n); hc <= DS4_HC_MAX.
 extern "C" __global__ void ds4_hc_head(const float* logits, const float* x, float* y, const float* base,
                                        const float* scale, int hc, int d, float hc_eps) {
-    ds4_grid_deps();
+    ds4_grid_lead();
     __shared__ float pre[DS4_HC_MAX];
     const int r = blockIdx.x;
     if (threadIdx.x < hc) {
@@ -715,7 +715,7 @@ extern "C" __global__ void ds4_finish_index(float* iq, float* g, int heads, int 
 // experts' down products when they take them (Q2_K). Grid (ceil(count / blockDim.x)).
 extern "C" __global__ void ds4_swiglu(const float* g, const float* u, float* out, int count, float clamp, int width,
                                       int act8) {
-    ds4_grid_deps();
+    ds4_grid_lead();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= count) {
         return;  // a whole warp when act8 (count is a multiple of 32)

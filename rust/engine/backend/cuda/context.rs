@@ -223,10 +223,14 @@ pub fn compile(arch: &str) -> Result<Arc<String>> {
         return Ok(Arc::clone(p));
     }
     let mut options = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
-    if std::env::var("DS4_CUDA_PDL").is_ok_and(|v| v == "start") {
-        // For A/B timing: each kernel lets the next one launch as it starts (common.cuh
-        // ds4_grid_deps), not as it exits.
-        options.push("-DDS4_PDL_TRIGGER_AT_START".into());
+    // How kernels let the next one launch (shaders/cuda/common.cuh ds4_grid_deps): by default
+    // the decode's products read their weights before waiting for the previous kernel
+    // (ds4_grid_launch); for A/B timing, `DS4_CUDA_PDL=exit` has every kernel let the next one
+    // launch as it exits, `=start` as it starts.
+    match std::env::var("DS4_CUDA_PDL").as_deref() {
+        Ok("start") => options.push("-DDS4_PDL_TRIGGER_AT_START".into()),
+        Ok("exit") => {}
+        _ => options.push("-DDS4_PDL_EARLY".into()),
     }
     let opts =
         nvrtc::CompileOptions { fmad: Some(false), options, name: Some("ds4_kernels.cu".into()), ..Default::default() };

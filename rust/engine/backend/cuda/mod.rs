@@ -488,11 +488,13 @@ impl CudaBackend {
         blocks: usize,
         counters: u64,
     ) -> Result<()> {
-        let (mut tp, mut cnt, mut cp) = (table, count as i32, counters);
-        let mut params: [*mut std::ffi::c_void; 3] =
-            [(&raw mut tp).cast(), (&raw mut cnt).cast(), (&raw mut cp).cast()];
-        // SAFETY: the parameters match the kernels' signature (pointer, int, pointer); the table
-        // and everything it points at are inside live allocations.
+        // `early` 0: the host uploads each table just before its launch (common.cuh
+        // ds4_grid_launch).
+        let (mut tp, mut cnt, mut cp, mut early) = (table, count as i32, counters, 0i32);
+        let mut params: [*mut std::ffi::c_void; 4] =
+            [(&raw mut tp).cast(), (&raw mut cnt).cast(), (&raw mut cp).cast(), (&raw mut early).cast()];
+        // SAFETY: the parameters match the kernels' signature (pointer, int, pointer, int); the
+        // table and everything it points at are inside live allocations.
         unsafe { cu::launch_kernel(f.0, (blocks as u32, 1, 1), (THREADS, 1, 1), f.1, ctx.stream, &mut params) }
             .map_err(driver_err("launching a kernel"))
     }

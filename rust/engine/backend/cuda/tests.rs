@@ -337,7 +337,7 @@ fn strided_outputs_fill_columns_of_wider_rows() {
                 }
                 let tb = DevBuf::from_slice(&table).unwrap();
                 let (f, smem) = g.ctx.kernel(ty, n).unwrap();
-                let args = [Arg::Ptr(tb.at(0)), Arg::I32(groups as i32), Arg::Ptr(counters.at(0))];
+                let args = [Arg::Ptr(tb.at(0)), Arg::I32(groups as i32), Arg::Ptr(counters.at(0)), Arg::I32(0)];
                 g.ctx.launch_args(f, (blocks as u32, 1, 1), THREADS, smem, &args).unwrap();
                 g.ctx.sync().unwrap();
                 y.read(0, n * stride).unwrap()
@@ -390,7 +390,7 @@ fn q8_0_portable_path_gives_the_same_bits() {
                     let counters = DevBuf::zeroed(4 * 4096).unwrap();
                     let (d, blocks) = CudaBackend::desc(img.addr(w.start), &w, xb.at(0), y.at(0), part.at(0), n, 0);
                     let tb = DevBuf::from_slice(&[d]).unwrap();
-                    let args = [Arg::Ptr(tb.at(0)), Arg::I32(1), Arg::Ptr(counters.at(0))];
+                    let args = [Arg::Ptr(tb.at(0)), Arg::I32(1), Arg::Ptr(counters.at(0)), Arg::I32(0)];
                     g.ctx.launch_args(f, (blocks as u32, 1, 1), THREADS, smem, &args).unwrap();
                     g.ctx.sync().unwrap();
                     y.read(0, n * w.n_out).unwrap()

@@ -916,7 +916,14 @@ impl CudaDecoder {
                     grid: (blocks as u32, 1, 1),
                     block: THREADS,
                     smem,
-                    args: vec![PArg::Table(start), PArg::A(Arg::I32(count as i32)), PArg::A(Arg::Ptr(b.counters.ptr))],
+                    // Early (common.cuh ds4_grid_launch): the table is the program's, written once,
+                    // and the weights are the model's.
+                    args: vec![
+                        PArg::Table(start),
+                        PArg::A(Arg::I32(count as i32)),
+                        PArg::A(Arg::Ptr(b.counters.ptr)),
+                        PArg::A(Arg::I32(1)),
+                    ],
                 }));
             }
             Ok(())
@@ -1284,7 +1291,8 @@ impl CudaDecoder {
                 ((max_descs * (bpd(&gm) + bpd(&um))) as u32, 1, 1),
                 THREADS,
                 sg,
-                vec![PArg::Table(gu_off), i(2 * max_descs), p(b.counters.ptr)],
+                // Not early: ds4_route writes this table.
+                vec![PArg::Table(gu_off), i(2 * max_descs), p(b.counters.ptr), i(0)],
             );
             if !shared_side {
                 shared_swiglu(&mut ops);
@@ -1316,7 +1324,7 @@ impl CudaDecoder {
                 ((max_descs * bpd(&dm)) as u32, 1, 1),
                 THREADS,
                 sd,
-                vec![PArg::Table(down_off), i(max_descs), p(b.counters.ptr)],
+                vec![PArg::Table(down_off), i(max_descs), p(b.counters.ptr), i(0)],
             );
             if fork {
                 ops.push(Op::Join);

@@ -133,7 +133,7 @@ fn launch_products(ctx: &Context, ty: GgmlType, n: usize, table: u64, count: usi
         (blocks as u32, 1, 1),
         THREADS,
         f.1,
-        &[Arg::Ptr(table), Arg::I32(count as i32), Arg::Ptr(counters.at(0))],
+        &[Arg::Ptr(table), Arg::I32(count as i32), Arg::Ptr(counters.at(0)), Arg::I32(0)],
     )
     .expect("launching products");
 }
