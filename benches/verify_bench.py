@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -70,6 +71,8 @@ def main() -> None:
     ap.add_argument("--host", action="store_true",
                     help="run the forward pass on the host even on CUDA (products on the GPU only)")
     args = ap.parse_args()
+    # Each figure as soon as it is measured, also into a pipe (a run cut short keeps them).
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     if args.host:
         os.environ["DS4_DEVICE_DECODE"] = "0"
     if args.profile:

@@ -167,6 +167,18 @@ __device__ __forceinline__ void ds4_prefetch_l2(const u8* base, long long a, lon
 #endif
 }
 
+// ds4_prefetch_l2 on absolute addresses [a, b) inside one allocation: the start rounded down
+// and the end rounded down to 16 bytes (never past the allocation's end).
+__device__ __forceinline__ void ds4_prefetch_l2_abs(unsigned long long a, unsigned long long b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    a &= ~15ull;
+    b &= ~15ull;
+    if (b > a) {
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"((u32)(b - a)) : "memory");
+    }
+#endif
+}
+
 __device__ __forceinline__ int imin(int a, int b) {
     return a < b ? a : b;
 }
