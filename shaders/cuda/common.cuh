@@ -154,22 +154,10 @@ __device__ __forceinline__ void ds4_grid_lead() {
     ds4_grid_deps();
 }
 
-// Asks L2 to fetch bytes [a, b) of `base` (16-byte aligned; the range is widened to 16-byte
-// units, so it must stay inside base's allocation when rounded up): a hint, no data moves to
-// the SM, and nothing waits for it.
-__device__ __forceinline__ void ds4_prefetch_l2(const u8* base, long long a, long long b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    a &= ~15ll;
-    b = (b + 15) & ~15ll;
-    if (b > a) {
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base + a), "r"((u32)(b - a)) : "memory");
-    }
-#endif
-}
-
-// ds4_prefetch_l2 on absolute addresses [a, b) inside one allocation: the start rounded down
-// and the end rounded down to 16 bytes (never past the allocation's end).
-__device__ __forceinline__ void ds4_prefetch_l2_abs(unsigned long long a, unsigned long long b) {
+// Asks L2 to fetch the bytes [a, b) (absolute addresses inside one allocation), both ends
+// rounded down to 16 bytes, so never past the allocation's end: a hint, no data moves to the
+// SM, and nothing waits for it.
+__device__ __forceinline__ void ds4_prefetch_l2(unsigned long long a, unsigned long long b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     a &= ~15ull;
     b &= ~15ull;
@@ -807,10 +795,11 @@ __device__ __forceinline__ void matvec_split(const MvDesc* __restrict__ descs, i
             const long long hb = (row_bytes - pay) / nb;
             const long long b0 = (long long)F::CB * c0;
             const long long b1 = imin(F::CB * c1, nb);
+            const unsigned long long r = (unsigned long long)row;
             if (lane < MV_ROWS) {
-                ds4_prefetch_l2(row, b0 * F::PAY, b1 * F::PAY);
+                ds4_prefetch_l2(r + b0 * F::PAY, r + b1 * F::PAY);
             } else if (hb > 0) {
-                ds4_prefetch_l2(row, pay + b0 * hb, pay + b1 * hb);
+                ds4_prefetch_l2(r + pay + b0 * hb, r + pay + b1 * hb);
             }
         }
         ds4_grid_deps();

@@ -344,7 +344,7 @@ extern "C" __global__ void __launch_bounds__(256)
             const long long e = s_exp[i / pieces];
             const unsigned long long a = (unsigned long long)(T.w + e * bytes) + (unsigned long long)(i % pieces) * piece;
             const unsigned long long end = (unsigned long long)(T.w + (e + 1) * bytes);
-            ds4_prefetch_l2_abs(a, a + piece < end ? a + piece : end);
+            ds4_prefetch_l2(a, a + piece < end ? a + piece : end);
         }
     }
 #endif
