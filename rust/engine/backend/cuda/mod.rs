@@ -243,28 +243,17 @@ pub(crate) fn group(w: &Mat) -> usize {
     if matches!(w.ty, GgmlType::Q4_K | GgmlType::MXFP4) {
         return 1;
     }
-    if tensor_cores(w.ty) {
-        // The tensor-core kernel: 32 rows a warp, so rows run out sooner; each warp keeps at
-        // least four block pairs.
-        let by_rows = match w.n_out.div_ceil(MQ_WARP_ROWS) {
-            0..=512 => 4,
-            513..=1024 => 2,
-            _ => 1,
-        };
-        let by_chunks = match w.n_in.div_ceil(tile_elems(w.ty)) / 4 {
-            0 | 1 => 1,
-            2 | 3 => 2,
-            _ => MV_WARPS,
-        };
-        return by_rows.min(by_chunks);
-    }
-    let chunks = w.n_in.div_ceil(tile_elems(w.ty));
-    let by_rows = match w.n_out {
-        0..=2048 => 4,
-        2049..=4096 => 2,
+    // Counted in row groups of `warp_rows` (4 rows; 32 in the tensor-core Q8_0 kernel, whose
+    // rows run out sooner) and in chunks a warp keeps (two; four block pairs on the tensor
+    // cores).
+    let row_groups = w.n_out.div_ceil(warp_rows(w.ty));
+    let per_warp = if tensor_cores(w.ty) { 4 } else { 2 };
+    let by_rows = match row_groups {
+        0..=512 => 4,
+        513..=1024 => 2,
         _ => 1,
     };
-    let by_chunks = match chunks / 2 {
+    let by_chunks = match w.n_in.div_ceil(tile_elems(w.ty)) / per_warp {
         0 | 1 => 1,
         2 | 3 => 2,
         _ => MV_WARPS,
