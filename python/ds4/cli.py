@@ -12,7 +12,7 @@ from .errors import Ds4Error, UnsupportedModelError
 from .gguf import GGUFFile
 from .model import Generation, Model, Session
 from .sampling import Sampling
-from .speculative import Speculative
+from .speculative import MAX_DRAFT, Speculative
 from .tokenizer import render_chat
 
 
@@ -132,8 +132,8 @@ def _block(text: str) -> int:
         k = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if not 1 <= k <= 16:
-        raise argparse.ArgumentTypeError(f"must be in 1..16, got {k}")
+    if not 1 <= k <= MAX_DRAFT:
+        raise argparse.ArgumentTypeError(f"must be in 1..{MAX_DRAFT}, got {k}")
     return k
 
 
@@ -240,7 +240,8 @@ def _add_speculation(p: argparse.ArgumentParser, backend: str) -> None:
     p.add_argument("--draft", default=None, help="drafter support GGUF (MTP or DSpark) for --spec mtp|dspark")
     p.add_argument("--backend", choices=["auto", "cpu", "cuda"], default=backend,
                    help=f"where the matrix products run (default {backend}; auto: CUDA if a GPU is usable)")
-    p.add_argument("--block", type=_block, default=5, help="most draft tokens verified per cycle, 1..16 (default 5)")
+    p.add_argument("--block", type=_block, default=5,
+                   help=f"most draft tokens verified per cycle, 1..{MAX_DRAFT} (default 5)")
     p.add_argument("--fixed-block", action="store_true", help="always verify what the drafter offers (no scheduler)")
 
 

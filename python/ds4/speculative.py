@@ -20,6 +20,9 @@ __all__ = ["SpecStats", "Speculative"]
 #: just chose), returns tokens it proposes to follow (any number; extra ones are ignored).
 DrafterFn = Callable[[list[int]], Sequence[int]]
 
+#: The most tokens one cycle verifies (``max_draft`` is 1..MAX_DRAFT).
+MAX_DRAFT = 16
+
 
 @dataclass(frozen=True)
 class Speculative:
@@ -47,8 +50,8 @@ class Speculative:
     def __post_init__(self) -> None:
         if not (callable(self.method) or self.method in ("ngram", "mtp", "dspark")):
             raise ValueError(f"method must be 'ngram', 'mtp', 'dspark' or a callable, got {self.method!r}")
-        if not 1 <= self.max_draft <= 16:
-            raise ValueError(f"max_draft must be in 1..16, got {self.max_draft}")
+        if not 1 <= self.max_draft <= MAX_DRAFT:
+            raise ValueError(f"max_draft must be in 1..{MAX_DRAFT}, got {self.max_draft}")
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
 

@@ -10,9 +10,9 @@
 //! that a warp reads with one 16-byte load per lane: in 512-byte *chunks* (16 Q8_0 blocks, 8
 //! super-blocks of the others, lane `l` bytes `512 c + 16 l`), or, for Q8_0 on the tensor
 //! cores, in the operand order of its tiles (`q8_0.rs`); the headers follow at
-//! `n_blocks * payload`. A row keeps
-//! its size and stays where it was (the split never mixes rows), so the split happens in
-//! place at upload and every product, row or expert offset the host computes stays valid.
+//! `n_blocks * payload`. A row keeps its size and stays where it was (the split never mixes
+//! rows), so the split happens in place at upload and every product, row or expert offset
+//! the host computes stays valid.
 //!
 //! Each format's file (`q8_0.rs`, `q2_k.rs`, `iq2_xxs.rs`) defines its layout: `split`, from a
 //! GGUF row to a split one, and, for the tests, `unsplit`, its inverse.
