@@ -107,36 +107,40 @@ enum PArg {
     Table(usize),
 }
 
-/// Per-kernel times of `DS4_DECODE_PROFILE=1`.
+/// Per-kernel times of `DS4_DECODE_PROFILE=1`, kept per row count (a prefill's 16-row steps
+/// and the decode's one-row steps each get their own table).
 #[derive(Default)]
 struct KernelProfile {
-    steps: usize,
-    /// "n=<rows> <kernel>" -> (launches, seconds).
-    by_kernel: HashMap<String, (u64, f64)>,
+    /// rows -> (steps, kernel name -> (launches, seconds)).
+    by_rows: HashMap<usize, (usize, HashMap<String, (u64, f64)>)>,
 }
 
 impl KernelProfile {
-    /// Adds one step's kernel times; prints the table every 32 steps.
+    /// Adds one step's kernel times; prints the table of its row count every 32 such steps.
     fn record(&mut self, n: usize, times: impl Iterator<Item = (String, f64)>) {
+        let (steps, by_kernel) = self.by_rows.entry(n).or_default();
         for (name, secs) in times {
-            let e = self.by_kernel.entry(format!("n={n} {name}")).or_insert((0, 0.0));
+            let e = by_kernel.entry(name).or_insert((0, 0.0));
             e.0 += 1;
             e.1 += secs;
         }
-        self.steps += 1;
-        if !self.steps.is_multiple_of(32) {
+        *steps += 1;
+        if !steps.is_multiple_of(32) {
             return;
         }
-        let steps = self.steps as f64;
-        let mut v: Vec<_> = self.by_kernel.iter().collect();
+        let count = *steps as f64;
+        let mut v: Vec<_> = by_kernel.iter().collect();
         v.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
         let total: f64 = v.iter().map(|x| x.1 .1).sum();
-        eprintln!("ds4 decode profile over {} steps: {:.3} ms of kernels per step", self.steps, 1e3 * total / steps);
+        eprintln!(
+            "ds4 decode profile, {n} rows, over {steps} steps: {:.3} ms of kernels per step",
+            1e3 * total / count
+        );
         for (name, (calls, secs)) in v.iter().take(48) {
             eprintln!(
                 "  {name:32} {:7.1} us/step  {:6.1} launches/step  {:6.2} us/launch",
-                1e6 * secs / steps,
-                *calls as f64 / steps,
+                1e6 * secs / count,
+                *calls as f64 / count,
                 1e6 * secs / *calls as f64
             );
         }
