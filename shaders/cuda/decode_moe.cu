@@ -32,9 +32,6 @@
 #define MOE_WORDS (MOE_MAX_EXPERTS / 32)
 // Scores ds4_route holds at once (rows of E).
 #define MOE_SCORES (MOE_MAX_WARPS * MOE_MAX_EXPERTS)
-// Most bytes of routed down matrices that ds4_route asks L2 to fetch (step 3b): under half
-// the H200's 50 MB L2, which the gate and up products stream through at the same time.
-#define DS4_MOE_PREFETCH_BYTES (24ll << 20)
 
 // A float's key under Rust's f32::total_cmp: keys compare as signed ints in the total order
 // (-NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN).
@@ -325,29 +322,6 @@ extern "C" __global__ void __launch_bounds__(256)
         }
     }
     __syncthreads();
-
-#ifdef DS4_MOE_PREFETCH
-    // ---- 3b (opt-in, DS4_CUDA_MOE_PREFETCH=1; rust/engine/backend/cuda/context.rs): the down
-    // matrices of the used experts into L2, in 64 KiB pieces, while the gather and the gate and
-    // up products run (those are bound by their lattice lookups, not by memory, so bandwidth is
-    // left), so that the down products might find their weights in L2. The first experts only,
-    // up to DS4_MOE_PREFETCH_BYTES in all: a batch's union of experts can be far larger than L2.
-    // A hint: no result depends on it (test_cuda.py passes with it on an H200). Not yet timed
-    // (the A/B run of stop 22 lost its output), hence off by default.
-    {
-        const MvDesc T = templ[2];
-        const long long bytes = T.row_bytes * T.n_out;
-        const int piece = 64 << 10;
-        const int pieces = (int)((bytes + piece - 1) / piece);
-        const int experts = (int)min((long long)upre[W], DS4_MOE_PREFETCH_BYTES / bytes);
-        for (int i = tid; i < experts * pieces; i += blockDim.x) {
-            const long long e = s_exp[i / pieces];
-            const unsigned long long a = (unsigned long long)(T.w + e * bytes) + (unsigned long long)(i % pieces) * piece;
-            const unsigned long long end = (unsigned long long)(T.w + (e + 1) * bytes);
-            ds4_prefetch_l2(a, a + piece < end ? a + piece : end);
-        }
-    }
-#endif
 
     // ---- 4. the product tables: expert e_i's c_i rows in chunks of at most `chunk` rows, one
     // descriptor per chunk (descriptor q of e_i covers its rows t * chunk .., t = q - first).

@@ -232,10 +232,6 @@ pub fn compile(arch: &str) -> Result<Arc<String>> {
         Ok("exit") => {}
         _ => options.push("-DDS4_PDL_EARLY".into()),
     }
-    if std::env::var("DS4_CUDA_MOE_PREFETCH").is_ok_and(|v| v == "1") {
-        // Opt-in, for A/B timing: ds4_route asks L2 for the routed down matrices (decode_moe.cu).
-        options.push("-DDS4_MOE_PREFETCH".into());
-    }
     let opts =
         nvrtc::CompileOptions { fmad: Some(false), options, name: Some("ds4_kernels.cu".into()), ..Default::default() };
     let ptx = nvrtc::compile_ptx_with_opts(kernel_source(), opts).map_err(|e| {
