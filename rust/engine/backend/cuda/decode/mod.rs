@@ -136,9 +136,9 @@ impl KernelProfile {
             "ds4 decode profile, {n} rows, over {steps} steps: {:.3} ms of kernels per step",
             1e3 * total / count
         );
-        for (name, (calls, secs)) in v.iter().take(48) {
+        for (name, (calls, secs)) in v.iter().take(64) {
             eprintln!(
-                "  {name:32} {:7.1} us/step  {:6.1} launches/step  {:6.2} us/launch",
+                "  {name:48} {:7.1} us/step  {:6.1} launches/step  {:6.2} us/launch",
                 1e6 * secs / count,
                 *calls as f64 / count,
                 1e6 * secs / *calls as f64
@@ -159,6 +159,9 @@ struct Launch<A = Arg> {
     block: u32,
     smem: u32,
     args: Vec<A>,
+    /// What the launch computes, for the profile: the matrices' shapes of a product launch,
+    /// else empty.
+    label: String,
 }
 
 impl<A> Launch<A> {
@@ -169,6 +172,7 @@ impl<A> Launch<A> {
             block: self.block,
             smem: self.smem,
             args: self.args.into_iter().map(f).collect(),
+            label: self.label,
         }
     }
 }
@@ -855,7 +859,7 @@ impl CudaDecoder {
         let fork = self.side.is_some();
         let launch =
             |ops: &mut Vec<_>, f: sys::CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, args: Vec<PArg>| {
-                ops.push(Op::Launch(Launch { f, grid, block, smem, args }));
+                ops.push(Op::Launch(Launch { f, grid, block, smem, args, label: String::new() }));
             };
         // Products: (matrix, x, y, rows), y's rows `y_stride` floats apart (None: n_out). One
         // launch per format; partial sums and counters laid out from 0 for each call (launches
@@ -928,6 +932,20 @@ impl CudaDecoder {
                         PArg::A(Arg::Ptr(b.counters.ptr)),
                         PArg::A(Arg::I32(1)),
                     ],
+                    label: {
+                        let mut shapes: Vec<(usize, usize, usize)> = Vec::new();
+                        for pr in prods.iter().filter(|pr| pr.0.ty == ty) {
+                            match shapes.iter_mut().find(|s| (s.0, s.1) == (pr.0.n_out, pr.0.n_in)) {
+                                Some(s) => s.2 += 1,
+                                None => shapes.push((pr.0.n_out, pr.0.n_in, 1)),
+                            }
+                        }
+                        let parts: Vec<String> = shapes
+                            .iter()
+                            .map(|&(o, i, c)| if c > 1 { format!("{c}x[{o}x{i}]") } else { format!("{o}x{i}") })
+                            .collect();
+                        parts.join(",")
+                    },
                 }));
             }
             Ok(())
@@ -990,6 +1008,7 @@ impl CudaDecoder {
                         block: 32,
                         smem: 0,
                         args: vec![p(mix), i(hc), fl(cfg.hc_eps), i(cfg.sinkhorn_iters)],
+                        label: String::new(),
                     }));
                 }
                 Ok(())
@@ -1753,11 +1772,18 @@ impl DeviceDecoder for CudaDecoder {
             let times = Self::profile_ops(ctx, &prog.ops)?;
             let k = &self.k;
             let names = prog.ops.iter().map(|op| match op {
-                Op::Launch(l) | Op::Side(l) => k
-                    .name_of(l.f)
-                    .map(str::to_string)
-                    .or_else(|| ctx.product_kernel_name(l.f))
-                    .unwrap_or_else(|| "?".into()),
+                Op::Launch(l) | Op::Side(l) => {
+                    let name = k
+                        .name_of(l.f)
+                        .map(str::to_string)
+                        .or_else(|| ctx.product_kernel_name(l.f))
+                        .unwrap_or_else(|| "?".into());
+                    if l.label.is_empty() {
+                        name
+                    } else {
+                        format!("{name} {}", l.label)
+                    }
+                }
                 Op::Copy { .. } => "copy".into(),
                 Op::Join => "join".into(),
             });
