@@ -137,9 +137,10 @@ __device__ __forceinline__ void ds4_grid_deps() {
 // a memory round trip after each small kernel of the decode (norms, hyper-connection mixing,
 // attention). For that the previous kernel lets it launch early: the small kernels that come
 // before products call ds4_grid_lead (let the dependent launch now, then wait), and the
-// products of matvec_split call ds4_grid_launch once their weights are read, before their
-// sums are stored (the staged matvec and the tensor-core Q8_0 kernel wait first and do not
-// trigger early). Only reads of data no kernel writes move before the wait. On the H200,
+// products of matvec_split and the tensor-core Q8_0 kernel call ds4_grid_launch once their
+// weights are read, before their sums are stored (the staged matvec waits first and does not
+// trigger early; the tensor-core Q8_0 kernel only asks L2 for its rows before the wait, its
+// loads carry x). Only reads of data no kernel writes move before the wait. On the H200,
 // Flash decode at 2K: 9.02 / 9.08 ms against 9.53 / 9.50 ms with DS4_CUDA_PDL=exit (two A/B
 // pairs in one session); a verify of 8 rows 34.3 / 34.4 against 35.3 / 35.1 ms. Without
 // DS4_PDL_EARLY these two are no-ops and the products wait first.

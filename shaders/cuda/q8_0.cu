@@ -538,13 +538,21 @@ __device__ __forceinline__ void mq_store(float (&acc)[MQ_TILES][(NB + 7) / 8][4]
 
 template <class F, int NB>
 __device__ __forceinline__ void matmul_q8_0(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters,
-                                            u8*, int) {
-    ds4_grid_deps();
+                                            u8*, int early) {
+#ifndef DS4_PDL_EARLY
+    early = 0;
+#endif
+    if (!early) {
+        ds4_grid_deps();
+    }
     constexpr int NG = (NB + 7) / 8;
     const int lane = threadIdx.x & 31;
     const MvBlock B = mv_block(descs, count);
     const MvDesc* D = B.D;
     if (D->n == 0) {
+        if (early) {
+            ds4_grid_deps();
+        }
         return;  // an unused expert slot (see matvec)
     }
     const u8* w = D->w;
@@ -572,6 +580,31 @@ __device__ __forceinline__ void matmul_q8_0(const MvDesc* __restrict__ descs, in
     R.vec_row = (((unsigned long long)w | (unsigned long long)row_bytes) & 15ull) == 0;
     float acc[MQ_TILES][NG][4] = {};
     const int first = c0 + B.p;
+    if (early) {
+        // Early launch (common.cuh ds4_grid_launch): the whole tiles' slice, payload and
+        // scales, into L2 before the wait (lanes 0.. the payloads, lanes MQ_TILES.. the scales;
+        // the first warp of a row group). The chunks' first loads come after the wait: they
+        // carry x, which the previous kernel writes.
+        if (B.nrows > 0 && first < c1 && B.p == 0 && lane < 2 * MQ_TILES) {
+            const int mt = lane % MQ_TILES;
+            bool tiled = R.tiled[0];
+            const u8* tb = R.p[0][0];  // R.p[mt][0] without indexing registers at run time
+#pragma unroll
+            for (int i = 1; i < MQ_TILES; i++) {
+                tiled = mt == i ? R.tiled[i] : tiled;
+                tb = mt == i ? R.p[i][0] : tb;
+            }
+            const unsigned long long t = (unsigned long long)tb;
+            const long long b0 = 2ll * c0;
+            const long long b1 = 2ll * c1 < nb ? 2ll * c1 : nb;
+            if (tiled && lane < MQ_TILES) {
+                ds4_prefetch_l2(t + 512 * b0, t + 512 * b1);
+            } else if (tiled) {
+                ds4_prefetch_l2(t + 512ll * nb + 32 * b0, t + 512ll * nb + 32 * b1);
+            }
+        }
+        ds4_grid_deps();
+    }
     if (B.nrows > 0 && first < c1) {
         if (B.o0 + MQ_WARP_ROWS <= whole_rows) {
             constexpr int XM = NB == 1 && MQ_X_COOP ? MQ_X_SPREAD : NG == 1 && MQ_X_PREFETCH ? MQ_X_LANES : MQ_X_LATE;
@@ -580,6 +613,7 @@ __device__ __forceinline__ void matmul_q8_0(const MvDesc* __restrict__ descs, in
             mq_loop<NB, false, MQ_X_LATE>(R, D, pay, nb, first, c1, lane, acc);
         }
     }
+    ds4_grid_launch();
     mq_store<NB>(acc, D, B, counters);
 }
 
