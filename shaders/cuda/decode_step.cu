@@ -49,8 +49,9 @@ __device__ __forceinline__ bool ds4_best_takes(Ds4Best a, Ds4Best b) {
 // ds4_best_takes, in each warp and then warp by warp; then the two cases of 0 above. Bit 31 is
 // set when the row has no greedy token for the sampler (rust/engine/sampling/filters.rs
 // argmax: a NaN or +inf in it, or no value above -inf): the host then reads the row's logits
-// and lets the sampler report it. Grid (rows), blockDim a multiple of 32 (1024).
-extern "C" __global__ void ds4_argmax_rows(const float* __restrict__ x, int width, u32* __restrict__ out) {
+// and lets the sampler report it. Grid (rows), blockDim a multiple of 32, at most 1024 (1024).
+extern "C" __global__ void __launch_bounds__(1024)
+    ds4_argmax_rows(const float* __restrict__ x, int width, u32* __restrict__ out) {
     ds4_grid_deps();
     __shared__ int s_idx[32];
     __shared__ float s_v[32];
