@@ -14,6 +14,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::backend::Greedy;
 use crate::model::Logits;
 use crate::sampling::SamplingParams;
 use crate::session::Session;
@@ -75,8 +76,9 @@ pub struct Generation {
     held: String,
     /// Logits of the session's last evaluated token (when no token is pending).
     logits: Vec<f32>,
-    /// A token already chosen by the target but not evaluated yet (speculative cycles end
-    /// with one: the correction or the bonus).
+    /// A token already chosen by the target but not evaluated yet: speculative cycles end
+    /// with one (the correction or the bonus), and greedy steps with the argmax of their last
+    /// row (see [`eval_last`]).
     pending: Option<u32>,
     tokens: Vec<u32>,
     finish: Option<FinishReason>,
@@ -116,7 +118,7 @@ impl Generation {
         }
         session.check(prompt)?;
         let t0 = Instant::now();
-        let logits = session.eval(prompt, Logits::Last)?;
+        let (logits, pending) = eval_last(session, prompt, opts.sampling.is_greedy())?;
         session.use_sampling(&opts.sampling)?;
         if let Some(sp) = spec.as_mut() {
             sp.drafter.rewind(session.tokens());
@@ -126,7 +128,7 @@ impl Generation {
             decoder: StreamDecoder::new(tokenizer),
             held: String::new(),
             logits,
-            pending: None,
+            pending,
             tokens: Vec::new(),
             finish: None,
             spec,
@@ -206,7 +208,7 @@ impl Generation {
     /// Evaluates the pending token `a` alone (and tells the scheduler and drafter, if any).
     fn plain_step(&mut self, session: &mut Session, a: u32) -> Result<()> {
         let t = Instant::now();
-        self.logits = session.eval(&[a], Logits::Last)?;
+        (self.logits, self.pending) = eval_last(session, &[a], self.opts.sampling.is_greedy())?;
         if let Some(sp) = self.spec.as_mut() {
             sp.scheduler.record_cost(1, t.elapsed().as_secs_f64());
             sp.drafter.observe(&[a]);
@@ -240,10 +242,21 @@ impl Generation {
         batch.push(a);
         batch.extend_from_slice(&draft.tokens);
         let t = Instant::now();
-        let (rows, log) = session.verify(&batch)?;
+        // At temperature 0 the verdict reads only each row's argmax (accept.rs): the rows'
+        // greedy tokens are all that comes back.
+        let (rows, log) = if self.opts.sampling.is_greedy() {
+            session.verify_argmax(&batch)?
+        } else {
+            let (logits, log) = session.verify(&batch)?;
+            (Greedy::Logits(logits), log)
+        };
         sp.scheduler.record_cost(l + 1, t.elapsed().as_secs_f64() + draft_seconds);
         let vocab = session.model().config.vocab;
-        let verdict = match crate::spec::accept::verify(session.sampler_mut()?, &rows, vocab, &draft) {
+        let verdict = match rows {
+            Greedy::Ids(ids) => crate::spec::accept::verify_greedy(&ids, &draft),
+            Greedy::Logits(rows) => crate::spec::accept::verify(session.sampler_mut()?, &rows, vocab, &draft),
+        };
+        let verdict = match verdict {
             Ok(v) => v,
             Err(e) => {
                 session.keep(log, 0)?;
@@ -289,6 +302,20 @@ impl Generation {
     }
 }
 
+/// Evaluates `tokens` on `session` and returns what the next step samples from: the last
+/// row's logits, or with a greedy sampler the token it takes from them as the pending token
+/// (the argmax is taken where the logits are: [`Session::eval_argmax`]), unless that row has
+/// no greedy token (its logits then come back for the sampler to report).
+fn eval_last(session: &mut Session, tokens: &[u32], greedy: bool) -> Result<(Vec<f32>, Option<u32>)> {
+    if !greedy {
+        return Ok((session.eval(tokens, Logits::Last)?, None));
+    }
+    Ok(match session.eval_argmax(tokens)? {
+        Greedy::Ids(ids) => (Vec::new(), ids.last().copied()),
+        Greedy::Logits(logits) => (logits, None),
+    })
+}
+
 /// Bytes at the end of `text` that could begin one of `stops` (to hold back). Always on a
 /// character boundary.
 fn held_back(text: &str, stops: &[String]) -> usize {
@@ -307,6 +334,159 @@ fn held_back(text: &str, stops: &[String]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::Model;
+    use crate::sampling::Sampler;
+    use crate::session::tests::{tiny_l, tiny_l_with_decoder, Seen};
+    use crate::spec::ngram::NgramDrafter;
+    use crate::spec::schedule::{Policy, Scheduler};
+    use crate::spec::Draft;
+    use crate::state::KvPrecision;
+    use std::sync::atomic::Ordering;
+
+    /// `n` tokens after `prompt` the way generation took them before the argmax path: the
+    /// last row's logits from `Session::eval`, a token from them with a sampler of `params`.
+    fn reference(model: &Arc<Model>, prompt: &[u32], n: usize, params: SamplingParams) -> Vec<u32> {
+        let mut s = Session::new(Arc::clone(model), 512, KvPrecision::F32).unwrap();
+        let mut sampler = Sampler::new(params).unwrap();
+        let mut logits = s.eval(prompt, Logits::Last).unwrap();
+        let mut out = Vec::new();
+        loop {
+            out.push(sampler.sample(&logits).unwrap());
+            if out.len() == n {
+                return out;
+            }
+            logits = s.eval(&out[out.len() - 1..], Logits::Last).unwrap();
+        }
+    }
+
+    /// A generation of `n` tokens (no stop strings or tokens), stepped until it ends or
+    /// fails: its tokens, and the error's message if it failed.
+    fn generate(
+        model: &Arc<Model>,
+        prompt: &[u32],
+        n: usize,
+        params: SamplingParams,
+        spec: Option<Speculation>,
+    ) -> (Vec<u32>, Option<String>) {
+        let mut s = Session::new(Arc::clone(model), 512, KvPrecision::F32).unwrap();
+        let tokenizer = Arc::new(Tokenizer::from_gguf(model.file()).unwrap());
+        let opts = GenerateOptions { max_tokens: n, sampling: params, stop: Vec::new(), stop_tokens: Vec::new() };
+        let mut g = Generation::start(&mut s, tokenizer, prompt, opts, spec).unwrap();
+        loop {
+            match g.step(&mut s) {
+                Ok(Some(_)) => {}
+                Ok(None) => return (g.tokens().to_vec(), None),
+                Err(e) => return (g.tokens().to_vec(), Some(e.to_string())),
+            }
+        }
+    }
+
+    /// Proposes the true continuation (`full` = prompt + the reference tokens), wrong at some
+    /// depths of some cycles, so that cycles accept every prefix length.
+    struct Oracle {
+        full: Vec<u32>,
+        calls: usize,
+    }
+
+    impl Drafter for Oracle {
+        fn name(&self) -> &str {
+            "oracle"
+        }
+
+        fn propose(&mut self, history: &[u32], max: usize) -> Result<Draft> {
+            self.calls += 1;
+            let n = history.len().min(self.full.len());
+            let mut out = self.full[n..(n + max).min(self.full.len())].to_vec();
+            for (i, t) in out.iter_mut().enumerate() {
+                if (self.calls + i) % 5 == 3 {
+                    *t = (*t + 1 + i as u32) % 300;
+                }
+            }
+            Ok(Draft::point(out))
+        }
+    }
+
+    fn speculation(drafter: Box<dyn Drafter>, policy: Policy) -> Option<Speculation> {
+        Some(Speculation { drafter, scheduler: Scheduler::new(policy).unwrap() })
+    }
+
+    /// Greedy generation, plain and speculative (every block size, an oracle with errors and
+    /// the n-gram drafter), gives the tokens of taking the argmax of the logits on the host,
+    /// on the host pass and through a device decoder, whose every pass is then an argmax pass
+    /// (no logits come back).
+    #[test]
+    fn greedy_generation_through_the_argmax_is_the_plain_greedy_output() {
+        let greedy = SamplingParams::greedy();
+        let host = Arc::new(tiny_l());
+        let prompt: Vec<u32> = vec![3, 40, 77, 40];
+        let n = 40;
+        let want = reference(&host, &prompt, n, greedy);
+        let full = [prompt.clone(), want.clone()].concat();
+        let oracle = || Box::new(Oracle { full: full.clone(), calls: 0 }) as Box<dyn Drafter>;
+        let seen = Seen::new();
+        let device = tiny_l_with_decoder(&seen);
+        for model in [&host, &device] {
+            assert_eq!(generate(model, &prompt, n, greedy, None), (want.clone(), None));
+            for k in [1, 2, 3, 4, 7, 16] {
+                let got = generate(model, &prompt, n, greedy, speculation(oracle(), Policy::Fixed(k)));
+                assert_eq!(got, (want.clone(), None), "oracle, block {k}");
+            }
+            let adaptive = speculation(oracle(), Policy::Adaptive { max: 8 });
+            assert_eq!(generate(model, &prompt, n, greedy, adaptive), (want.clone(), None));
+            let ngram = speculation(Box::new(NgramDrafter::new(1, 3).unwrap()), Policy::Fixed(3));
+            assert_eq!(generate(model, &prompt, n, greedy, ngram), (want.clone(), None));
+        }
+        // The decoder (at most 4 rows a pass) ran plain steps and verifies, all as argmax
+        // passes: one forward each.
+        let argmaxes = seen.argmaxes.load(Ordering::Relaxed);
+        assert!(seen.argmax_all.load(Ordering::Relaxed) > 20);
+        assert_eq!(seen.forwards.load(Ordering::Relaxed), argmaxes);
+    }
+
+    /// At temperature > 0 generation reads the logits as before (no argmax pass).
+    #[test]
+    fn sampled_generation_reads_the_logits() {
+        let params = SamplingParams { temperature: 0.8, top_p: 0.95, seed: 7, ..SamplingParams::default() };
+        let seen = Seen::new();
+        let device = tiny_l_with_decoder(&seen);
+        let prompt: Vec<u32> = vec![3, 40, 77, 40];
+        let want = reference(&device, &prompt, 24, params);
+        assert_eq!(generate(&device, &prompt, 24, params, None), (want.clone(), None));
+        let full = [prompt.clone(), want].concat();
+        let spec = speculation(Box::new(Oracle { full, calls: 0 }), Policy::Fixed(3));
+        let (tokens, err) = generate(&device, &prompt, 24, params, spec);
+        assert!(tokens.len() == 24 && err.is_none());
+        assert_eq!(seen.argmaxes.load(Ordering::Relaxed), 0);
+    }
+
+    /// Logits with no greedy token (a NaN) fail greedy generation where and as they did when
+    /// the host sampled every row: the step that samples from them (a plain step's row), or
+    /// the verdict of the verify that reads them, with the sampler's message.
+    #[test]
+    fn a_row_without_a_greedy_token_fails_as_before() {
+        let greedy = SamplingParams::greedy();
+        let seen = Seen::new();
+        let device = tiny_l_with_decoder(&seen);
+        let prompt: Vec<u32> = vec![3, 40, 77, 40];
+        let want = reference(&device, &prompt, 10, greedy);
+        let mut poisoned = vec![0.5f32; device.config.vocab];
+        poisoned[7] = f32::NAN;
+        let message = Sampler::new(greedy).unwrap().sample(&poisoned).unwrap_err().to_string();
+        // Pass 0 is the prompt's, pass i step i's: step 4 samples from pass 3's row.
+        seen.forwards.store(0, Ordering::Relaxed);
+        seen.poison_at.store(3, Ordering::Relaxed);
+        let (tokens, err) = generate(&device, &prompt, 10, greedy, None);
+        assert_eq!(tokens, want[..3]);
+        assert_eq!(err, Some(message.clone()));
+        // The first verify (pass 1) with a NaN in its first row.
+        let full = [prompt.clone(), want.clone()].concat();
+        seen.forwards.store(0, Ordering::Relaxed);
+        seen.poison_at.store(1, Ordering::Relaxed);
+        let spec = speculation(Box::new(Oracle { full, calls: 0 }), Policy::Fixed(2));
+        let (tokens, err) = generate(&device, &prompt, 10, greedy, spec);
+        assert_eq!(tokens, want[..1]);
+        assert_eq!(err, Some(message));
+    }
 
     #[test]
     fn holds_back_possible_stop_prefixes() {

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::backend::DeviceDecoder;
+use crate::backend::{DeviceDecoder, Greedy};
 use crate::model::draft::DraftKind;
 use crate::model::{DraftModel, Logits, Model, Proposal};
 use crate::sampling::{Sampler, SamplingParams};
@@ -106,38 +106,10 @@ impl Session {
         if tokens.is_empty() {
             return Ok(Vec::new());
         }
-        self.ensure_decoder();
-        let device_rows = self.decoder.as_ref().map_or(0, |d| d.max_rows());
-        let logits = if tokens.len() <= device_rows || (device_rows == 0 && tokens.len() <= crate::spec::MAX_DRAFT + 1)
-        {
-            // Decode-sized batches run in place with a log of what each row overwrites (a few
-            // KB a layer), undone if the pass fails half-way.
-            self.run_logged(tokens, which)?.0
-        } else {
-            // Longer batches work on a copy (it shares the compressed rows, so it costs the
-            // bounded state only, small next to the batch), so that a failure changes nothing;
-            // on the device, in chunks of the most rows it takes.
-            let mut next = self.state.clone();
-            let out = match self.decoder.as_mut() {
-                Some(dec) => {
-                    let mut out = Vec::new();
-                    let chunks: Vec<&[u32]> = tokens.chunks(device_rows).collect();
-                    for (ci, chunk) in chunks.iter().enumerate() {
-                        let last = ci + 1 == chunks.len();
-                        let w = match which {
-                            Logits::All => Logits::All,
-                            Logits::Last if last => Logits::Last,
-                            _ => Logits::None,
-                        };
-                        out.extend(dec.forward(&self.model, &mut next, chunk, w, None)?);
-                    }
-                    out
-                }
-                None => self.model.forward(&mut next, tokens, which, None)?,
-            };
-            self.state = next;
-            out
-        };
+        let logits = self.evaluate(tokens, which, logits_pass, |mut earlier, rows| {
+            earlier.extend(rows);
+            earlier
+        })?;
         let v = self.model.config.vocab;
         // Only a drafter's proposal reads it (the default anchor).
         self.last_greedy = (which != Logits::None && self.model.draft.is_some())
@@ -145,9 +117,73 @@ impl Session {
         Ok(logits)
     }
 
+    /// [`Session::eval`] for the greedy token after the last of `tokens` rather than its
+    /// logits (greedy decoding: see [`DeviceDecoder::forward_argmax`]): one id, or that row's
+    /// logits when it has no greedy token. On error nothing changes.
+    pub fn eval_argmax(&mut self, tokens: &[u32]) -> Result<Greedy> {
+        self.check(tokens)?;
+        if tokens.is_empty() {
+            return Ok(Greedy::Ids(Vec::new()));
+        }
+        // Only the last chunk of a long batch has a requested row, so `earlier` is empty.
+        let greedy = self.evaluate(tokens, Logits::Last, greedy_pass, |_, rows| rows)?;
+        let anchor = greedy.last_argmax(self.model.config.vocab);
+        self.last_greedy = anchor.filter(|_| self.model.draft.is_some());
+        Ok(greedy)
+    }
+
+    /// Evaluates `tokens` on the device decoder or the host, changing nothing on error: `pass`
+    /// runs one pass, `join` puts the logits of earlier chunks of a long batch before the
+    /// last chunk's rows. `tokens` is checked and not empty.
+    fn evaluate<T>(
+        &mut self,
+        tokens: &[u32],
+        which: Logits,
+        pass: Pass<T>,
+        join: impl FnOnce(Vec<f32>, T) -> T,
+    ) -> Result<T> {
+        self.ensure_decoder();
+        let device_rows = self.decoder.as_ref().map_or(0, |d| d.max_rows());
+        if tokens.len() <= device_rows || (device_rows == 0 && tokens.len() <= crate::spec::MAX_DRAFT + 1) {
+            // Decode-sized batches run in place with a log of what each row overwrites (a few
+            // KB a layer), undone if the pass fails half-way.
+            return Ok(self.run_logged(tokens, which, pass)?.0);
+        }
+        // Longer batches work on a copy (it shares the compressed rows, so it costs the
+        // bounded state only, small next to the batch), so that a failure changes nothing; on
+        // the device, in chunks of the most rows it takes.
+        let mut next = self.state.clone();
+        let out = match self.decoder.as_deref_mut() {
+            Some(dec) => {
+                let chunks: Vec<&[u32]> = tokens.chunks(device_rows).collect();
+                let (last, earlier) = chunks.split_last().ok_or_else(|| Error::invalid("no tokens to evaluate"))?;
+                let mut logits = Vec::new();
+                for chunk in earlier {
+                    let w = if which == Logits::All { Logits::All } else { Logits::None };
+                    logits.extend(dec.forward(&self.model, &mut next, chunk, w, None)?);
+                }
+                join(logits, pass(Some(dec), &self.model, &mut next, last, which, None)?)
+            }
+            None => pass(None, &self.model, &mut next, tokens, which, None)?,
+        };
+        self.state = next;
+        Ok(out)
+    }
+
     /// Evaluates `tokens` like [`Session::eval`] with every row's logits, keeping what is
     /// needed to cut the state back to any prefix of them with [`Session::keep`].
     pub fn verify(&mut self, tokens: &[u32]) -> Result<(Vec<f32>, BatchLog)> {
+        self.verify_with(tokens, logits_pass)
+    }
+
+    /// [`Session::verify`] for the greedy token of every row rather than its logits (a
+    /// temperature-0 verify: see [`DeviceDecoder::forward_argmax`]): one id per row, or every
+    /// row's logits when some row has no greedy token.
+    pub fn verify_argmax(&mut self, tokens: &[u32]) -> Result<(Greedy, BatchLog)> {
+        self.verify_with(tokens, greedy_pass)
+    }
+
+    fn verify_with<T>(&mut self, tokens: &[u32], pass: Pass<T>) -> Result<(T, BatchLog)> {
         self.check(tokens)?;
         if tokens.is_empty() || tokens.len() > crate::spec::MAX_DRAFT + 1 {
             return Err(Error::invalid(format!(
@@ -157,23 +193,21 @@ impl Session {
             )));
         }
         self.ensure_decoder();
-        let (logits, log) = self.run_logged(tokens, Logits::All)?;
+        let out = self.run_logged(tokens, Logits::All, pass)?;
         self.last_greedy = None;
-        Ok((logits, log))
+        Ok(out)
     }
 
     /// Runs `tokens` in place, on the device decoder when it takes that many rows, else on the
     /// host, logging what each row overwrites; a failure half-way is undone from the log.
-    fn run_logged(&mut self, tokens: &[u32], which: Logits) -> Result<(Vec<f32>, BatchLog)> {
+    fn run_logged<T>(&mut self, tokens: &[u32], which: Logits, pass: Pass<T>) -> Result<(T, BatchLog)> {
         let mut log = BatchLog::new(self.state.pos, tokens.len(), self.state.layers.len());
-        let run = match self.decoder.as_mut() {
-            Some(dec) if tokens.len() <= dec.max_rows() => {
-                dec.forward(&self.model, &mut self.state, tokens, which, Some(&mut log))
-            }
-            _ => self.model.forward(&mut self.state, tokens, which, Some(&mut log)),
+        let dec: Option<&mut dyn DeviceDecoder> = match self.decoder.as_mut() {
+            Some(d) if tokens.len() <= d.max_rows() => Some(&mut **d),
+            _ => None,
         };
-        match run {
-            Ok(logits) => Ok((logits, log)),
+        match pass(dec, &self.model, &mut self.state, tokens, which, Some(&mut log)) {
+            Ok(rows) => Ok((rows, log)),
             Err(e) => {
                 self.state.rollback(log);
                 Err(e)
@@ -340,8 +374,42 @@ impl Session {
     }
 }
 
+/// One forward pass of a batch: on the device decoder when given one, else on the host.
+type Pass<T> =
+    fn(Option<&mut dyn DeviceDecoder>, &Model, &mut State, &[u32], Logits, Option<&mut BatchLog>) -> Result<T>;
+
+/// A [`Pass`] for the requested rows' logits.
+fn logits_pass(
+    dec: Option<&mut dyn DeviceDecoder>,
+    model: &Model,
+    state: &mut State,
+    tokens: &[u32],
+    which: Logits,
+    log: Option<&mut BatchLog>,
+) -> Result<Vec<f32>> {
+    match dec {
+        Some(dec) => dec.forward(model, state, tokens, which, log),
+        None => model.forward(state, tokens, which, log),
+    }
+}
+
+/// A [`Pass`] for the requested rows' greedy tokens.
+fn greedy_pass(
+    dec: Option<&mut dyn DeviceDecoder>,
+    model: &Model,
+    state: &mut State,
+    tokens: &[u32],
+    which: Logits,
+    log: Option<&mut BatchLog>,
+) -> Result<Greedy> {
+    match dec {
+        Some(dec) => dec.forward_argmax(model, state, tokens, which, log),
+        None => Ok(Greedy::from_logits(model.forward(state, tokens, which, log)?, model.config.vocab)),
+    }
+}
+
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::backend::{Backend, Cpu};
     use crate::model::weights::Mat;
@@ -368,15 +436,32 @@ mod tests {
 
     /// What a [`HostDecoder`] saw, shared with the test.
     #[derive(Default)]
-    struct Seen {
-        forwards: AtomicUsize,
-        fail_at: AtomicUsize,
-        kept: AtomicUsize,
-        syncs: AtomicUsize,
+    pub(crate) struct Seen {
+        pub(crate) forwards: AtomicUsize,
+        pub(crate) fail_at: AtomicUsize,
+        /// The forward call whose logits get a NaN (at index 7 of the first row).
+        pub(crate) poison_at: AtomicUsize,
+        /// Calls of `forward_argmax`, and of those the ones for every row (verifies).
+        pub(crate) argmaxes: AtomicUsize,
+        pub(crate) argmax_all: AtomicUsize,
+        pub(crate) kept: AtomicUsize,
+        pub(crate) syncs: AtomicUsize,
+    }
+
+    impl Seen {
+        /// Nothing failing or poisoned.
+        pub(crate) fn new() -> Arc<Self> {
+            Arc::new(Seen {
+                fail_at: AtomicUsize::new(usize::MAX),
+                poison_at: AtomicUsize::new(usize::MAX),
+                ..Seen::default()
+            })
+        }
     }
 
     /// A stand-in device decoder: the host forward pass behind the [`DeviceDecoder`] calls,
-    /// taking at most 4 rows a call, failing the forward call numbered `fail_at`.
+    /// taking at most 4 rows a call, failing the forward call numbered `fail_at`, with a NaN
+    /// in the logits of the one numbered `poison_at`.
     struct HostDecoder(Arc<Seen>);
 
     impl DeviceDecoder for HostDecoder {
@@ -389,10 +474,31 @@ mod tests {
             log: Option<&mut BatchLog>,
         ) -> Result<Vec<f32>> {
             assert!(tokens.len() <= 4);
-            if self.0.forwards.fetch_add(1, Ordering::Relaxed) == self.0.fail_at.load(Ordering::Relaxed) {
+            let call = self.0.forwards.fetch_add(1, Ordering::Relaxed);
+            if call == self.0.fail_at.load(Ordering::Relaxed) {
                 return Err(Error::Backend("injected failure".into()));
             }
-            model.forward(state, tokens, which, log)
+            let mut logits = model.forward(state, tokens, which, log)?;
+            if call == self.0.poison_at.load(Ordering::Relaxed) && logits.len() > 7 {
+                logits[7] = f32::NAN;
+            }
+            Ok(logits)
+        }
+
+        fn forward_argmax(
+            &mut self,
+            model: &Model,
+            state: &mut State,
+            tokens: &[u32],
+            which: Logits,
+            log: Option<&mut BatchLog>,
+        ) -> Result<Greedy> {
+            self.0.argmaxes.fetch_add(1, Ordering::Relaxed);
+            if which == Logits::All {
+                self.0.argmax_all.fetch_add(1, Ordering::Relaxed);
+            }
+            // The trait's default.
+            Ok(Greedy::from_logits(self.forward(model, state, tokens, which, log)?, model.config.vocab))
         }
 
         fn kept(&mut self, _state: &mut State, _tag: u64, _keep: usize) -> Result<()> {
@@ -411,7 +517,7 @@ mod tests {
     }
 
     /// The CPU backend offering a [`HostDecoder`].
-    struct WithDecoder(Arc<Seen>);
+    pub(crate) struct WithDecoder(pub(crate) Arc<Seen>);
 
     impl Backend for WithDecoder {
         fn name(&self) -> &'static str {
@@ -440,7 +546,7 @@ mod tests {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/tiny-l");
         let plain = Arc::new(Model::load(dir.join("llamacpp-f32.gguf")).unwrap());
         let mut m = Model::load(dir.join("llamacpp-f32.gguf")).unwrap();
-        let seen = Arc::new(Seen { fail_at: AtomicUsize::new(usize::MAX), ..Seen::default() });
+        let seen = Seen::new();
         m.set_backend(Arc::new(WithDecoder(Arc::clone(&seen))));
         let m = Arc::new(m);
         let mut h = Session::new(plain, 512, KvPrecision::F32).unwrap();
@@ -477,6 +583,101 @@ mod tests {
         assert_eq!(seen.syncs.load(Ordering::Relaxed), 1);
         assert_eq!(d.eval(&[9], Logits::All).unwrap(), h.eval(&[9], Logits::All).unwrap());
         assert_eq!(d.digest(), h.digest());
+    }
+
+    /// The tiny-l golden model (llama.cpp's f32 file).
+    pub(crate) fn tiny_l() -> Model {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/tiny-l");
+        Model::load(dir.join("llamacpp-f32.gguf")).unwrap()
+    }
+
+    /// tiny-l with a [`HostDecoder`] reporting to `seen`.
+    pub(crate) fn tiny_l_with_decoder(seen: &Arc<Seen>) -> Arc<Model> {
+        let mut m = tiny_l();
+        m.set_backend(Arc::new(WithDecoder(Arc::clone(seen))));
+        Arc::new(m)
+    }
+
+    /// Drafting's argmax of each row.
+    fn argmaxes(logits: &[f32], vocab: usize) -> Vec<u32> {
+        logits.chunks(vocab).map(crate::model::drafting::argmax).collect()
+    }
+
+    /// `eval_argmax` and `verify_argmax`, on the host and through a device decoder (long
+    /// batches in chunks, verifies of more rows than it takes on the host), give the argmax of
+    /// the logits `eval` and `verify` give and leave the same state; a failure changes nothing.
+    #[test]
+    fn argmax_evaluation_is_the_argmax_of_the_logits() {
+        let plain = Arc::new(tiny_l());
+        let vocab = plain.config.vocab;
+        let seen = Seen::new();
+        let mut r = Session::new(Arc::clone(&plain), 512, KvPrecision::F32).unwrap();
+        let mut h = Session::new(plain, 512, KvPrecision::F32).unwrap();
+        let mut d = Session::new(tiny_l_with_decoder(&seen), 512, KvPrecision::F32).unwrap();
+        assert_eq!(d.forward_kind(), "device");
+        let prompt: Vec<u32> = (0..127).map(|i| (i * 37 % 500 + 3) as u32).collect();
+        let want = Greedy::Ids(argmaxes(&r.eval(&prompt, Logits::Last).unwrap(), vocab));
+        assert_eq!(h.eval_argmax(&prompt).unwrap(), want);
+        assert_eq!(d.eval_argmax(&prompt).unwrap(), want);
+        // 127 tokens in chunks of 4: only the last asks for the argmax.
+        assert_eq!(seen.argmaxes.load(Ordering::Relaxed), 1);
+        assert_eq!((h.digest(), d.digest()), (r.digest(), r.digest()));
+        let mut t = 11;
+        for _ in 0..6 {
+            let want = argmaxes(&r.eval(&[t], Logits::Last).unwrap(), vocab);
+            assert_eq!(h.eval_argmax(&[t]).unwrap(), Greedy::Ids(want.clone()));
+            assert_eq!(d.eval_argmax(&[t]).unwrap(), Greedy::Ids(want.clone()));
+            t = want[0];
+        }
+        assert_eq!(seen.argmaxes.load(Ordering::Relaxed), 7);
+
+        // Verifies of 3 rows (on the decoder) and of 17 (more than it takes: on the host),
+        // each cut back.
+        for (batch, keep) in [(vec![7, 8, 9], 2), ((0..17).map(|i| 20 + i).collect::<Vec<u32>>(), 5)] {
+            let (rows, rlog) = r.verify(&batch).unwrap();
+            let want = Greedy::Ids(argmaxes(&rows, vocab));
+            let (hg, hlog) = h.verify_argmax(&batch).unwrap();
+            let (dg, dlog) = d.verify_argmax(&batch).unwrap();
+            assert_eq!((&hg, &dg), (&want, &want));
+            r.keep(rlog, keep).unwrap();
+            h.keep(hlog, keep).unwrap();
+            d.keep(dlog, keep).unwrap();
+            assert_eq!((h.digest(), d.digest()), (r.digest(), r.digest()));
+        }
+        assert_eq!(seen.argmax_all.load(Ordering::Relaxed), 1);
+
+        // A failure anywhere (a step, a verify, any chunk of a long batch) changes nothing.
+        let digest = d.digest();
+        for (k, tokens) in [(0, vec![5]), (0, vec![5, 6, 7]), (0, vec![5; 10]), (1, vec![5; 10]), (2, vec![5; 10])] {
+            seen.fail_at.store(seen.forwards.load(Ordering::Relaxed) + k, Ordering::Relaxed);
+            if tokens.len() == 3 {
+                assert!(matches!(d.verify_argmax(&tokens), Err(Error::Backend(_))));
+            } else {
+                assert!(matches!(d.eval_argmax(&tokens), Err(Error::Backend(_))));
+            }
+            assert_eq!(d.digest(), digest, "{tokens:?} failing at chunk {k}");
+        }
+        seen.fail_at.store(usize::MAX, Ordering::Relaxed);
+        assert_eq!(d.eval_argmax(&[5]).unwrap(), Greedy::Ids(argmaxes(&r.eval(&[5], Logits::Last).unwrap(), vocab)));
+
+        // A row without a greedy token (a NaN): its logits come back, as `eval` gives them.
+        seen.poison_at.store(seen.forwards.load(Ordering::Relaxed), Ordering::Relaxed);
+        let mut want = r.eval(&[6], Logits::Last).unwrap();
+        want[7] = f32::NAN;
+        match d.eval_argmax(&[6]).unwrap() {
+            Greedy::Logits(l) => assert_eq!(bits(&l), bits(&want)),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(d.digest(), r.digest());
+        // Checks and empty batches as `eval`.
+        assert!(matches!(d.eval_argmax(&[vocab as u32]), Err(Error::InvalidArgument(_))));
+        assert_eq!(d.eval_argmax(&[]).unwrap(), Greedy::Ids(Vec::new()));
+        assert!(d.verify_argmax(&[]).is_err() && d.verify_argmax(&[1; 18]).is_err());
+        assert_eq!(d.digest(), r.digest());
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
     }
 
     #[test]

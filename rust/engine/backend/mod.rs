@@ -35,6 +35,24 @@ pub trait DeviceDecoder: Send {
         log: Option<&mut BatchLog>,
     ) -> Result<Vec<f32>>;
 
+    /// [`DeviceDecoder::forward`] for the greedy token of each requested row rather than its
+    /// logits: what greedy decoding and a temperature-0 verify read of them. A device
+    /// computes the argmax where the logits are and brings back one id per row instead of
+    /// `vocab` floats (129280 for Flash: 517 KB of download and a host scan per row avoided).
+    /// The state, the log and the errors are those of `forward`. The default takes the rows
+    /// from `forward` ([`Greedy::from_logits`]).
+    fn forward_argmax(
+        &mut self,
+        model: &Model,
+        state: &mut State,
+        tokens: &[u32],
+        which: Logits,
+        log: Option<&mut BatchLog>,
+    ) -> Result<Greedy> {
+        let logits = self.forward(model, state, tokens, which, log)?;
+        Ok(Greedy::from_logits(logits, model.config.vocab))
+    }
+
     /// Follows [`State::keep_prefix`] of the last batch on the device: `tag` is the state's
     /// sync tag before the cut. Leaves the mirror stale (re-uploaded later) when it cannot.
     fn kept(&mut self, state: &mut State, tag: u64, keep: usize) -> Result<()>;
@@ -45,6 +63,42 @@ pub trait DeviceDecoder: Send {
 
     /// Most rows one call takes.
     fn max_rows(&self) -> usize;
+}
+
+/// The greedy tokens of a pass's requested rows ([`DeviceDecoder::forward_argmax`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Greedy {
+    /// Each row's argmax (`model::drafting::argmax`: the lowest index of the largest value),
+    /// every row holding a greedy token for the sampler (no NaN or +inf, some value above
+    /// -inf): the token the greedy sampler takes from the row.
+    Ids(Vec<u32>),
+    /// The rows' logits, `rows * vocab` floats, when some row has no greedy token: the
+    /// sampler then fails on them exactly as it does on logits.
+    Logits(Vec<f32>),
+}
+
+impl Greedy {
+    /// The greedy tokens of `logits` (rows of `vocab` floats), or the logits themselves when
+    /// some row has none.
+    pub fn from_logits(logits: Vec<f32>, vocab: usize) -> Self {
+        if vocab > 0 && logits.chunks(vocab).all(|row| crate::sampling::greedy(row).is_ok()) {
+            Greedy::Ids(logits.chunks(vocab).map(crate::model::drafting::argmax).collect())
+        } else {
+            Greedy::Logits(logits)
+        }
+    }
+
+    /// The argmax of the last row (`model::drafting::argmax`, the drafters' anchor), if there
+    /// is a row.
+    pub fn last_argmax(&self, vocab: usize) -> Option<u32> {
+        match self {
+            Greedy::Ids(ids) => ids.last().copied(),
+            Greedy::Logits(l) if vocab > 0 && l.len() >= vocab => {
+                Some(crate::model::drafting::argmax(&l[l.len() - vocab..]))
+            }
+            Greedy::Logits(_) => None,
+        }
+    }
 }
 
 /// Matrix products over weights that live in a GGUF file image.
@@ -106,5 +160,224 @@ impl Ops<'_> {
     pub fn matmul_many(&self, specs: &[(&Mat, &[f32])]) -> Result<Vec<Vec<f32>>> {
         let _t = crate::profile::scope(crate::profile::Phase::Matmul);
         self.backend.matmul_many(self.raw, specs)
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::Greedy;
+    use crate::model::drafting::argmax;
+    use crate::quant::testutil::Rng;
+    use crate::sampling::greedy;
+
+    /// Rows of `len` values that the argmax must get right: ties (small integers, signed
+    /// zeros, equal values everywhere), NaN at 0 and elsewhere, -inf and +inf anywhere, every
+    /// value -inf or NaN, the largest value last, and plain random ones.
+    pub(crate) fn hard_rows(len: usize, rng: &mut Rng) -> Vec<Vec<f32>> {
+        let (nan, inf) = (f32::NAN, f32::INFINITY);
+        let at = |rng: &mut Rng| (rng.next_u64() % len as u64) as usize;
+        let ties = |rng: &mut Rng| -> Vec<f32> { (0..len).map(|_| (rng.next_u64() % 5) as f32 - 2.0).collect() };
+        let mut rows = vec![
+            rng.f32s(len),
+            ties(rng),
+            (0..len).map(|i| if i % 3 == 0 { 0.0 } else { -0.0 }).collect(),
+            (0..len).map(|i| if i % 2 == 0 { -0.0 } else { f32::MIN_POSITIVE / 4.0 }).collect(),
+            vec![1.5; len],
+            vec![-inf; len],
+            vec![nan; len],
+            (0..len).map(|i| i as f32).collect(),
+            (0..len).map(|i| if i == 0 { -inf } else { nan }).collect(),
+        ];
+        for _ in 0..4 {
+            let mut r = ties(rng);
+            r[0] = nan;
+            rows.push(r);
+            let mut r = ties(rng);
+            let k = at(rng);
+            r[k] = nan;
+            r[at(rng)] = nan;
+            rows.push(r);
+            let mut r = rng.f32s(len);
+            r[at(rng)] = inf;
+            r[at(rng)] = inf;
+            rows.push(r);
+            let mut r = ties(rng);
+            r[at(rng)] = -inf;
+            r[0] = -inf;
+            rows.push(r);
+            let mut r = vec![-inf; len];
+            r[at(rng)] = rng.f32();
+            rows.push(r);
+            let mut r = vec![-inf; len];
+            r[at(rng)] = nan;
+            rows.push(r);
+            let mut r = vec![nan; len];
+            r[at(rng)] = 1.0;
+            rows.push(r);
+            let mut r = ties(rng);
+            r[at(rng)] = -inf;
+            r[at(rng)] = nan;
+            r[at(rng)] = 2.0;
+            rows.push(r);
+        }
+        rows
+    }
+
+    /// What a thread of `ds4_argmax_rows` holds: the index (-1: none) and value of the first
+    /// largest value above -inf it has seen.
+    #[derive(Clone, Copy, Debug)]
+    struct Best {
+        idx: i64,
+        v: f32,
+    }
+
+    const NONE: Best = Best { idx: -1, v: f32::NEG_INFINITY };
+
+    /// A thread's scan of `idxs` (increasing): takes x[i] iff x[i] > v.
+    fn scan(row: &[f32], idxs: impl Iterator<Item = usize>) -> Best {
+        let mut b = NONE;
+        for i in idxs {
+            if row[i] > b.v {
+                b = Best { idx: i as i64, v: row[i] };
+            }
+        }
+        b
+    }
+
+    /// ds4_best_takes.
+    fn takes(a: Best, b: Best) -> bool {
+        b.idx >= 0 && (a.idx < 0 || b.v > a.v || (b.v == a.v && b.idx < a.idx))
+    }
+
+    fn combine(a: Best, b: Best) -> Best {
+        if takes(a, b) {
+            b
+        } else {
+            a
+        }
+    }
+
+    /// The kernel's answer from the combined result: (the argmax, whether the row has no
+    /// greedy token).
+    fn finish(row: &[f32], b: Best) -> (u32, bool) {
+        let bad = row.iter().any(|&v| v.is_nan() || v == f32::INFINITY) || b.idx < 0;
+        (if row[0].is_nan() || b.idx < 0 { 0 } else { b.idx as u32 }, bad)
+    }
+
+    /// ds4_argmax_rows step by step for a block of `threads` threads (a multiple of 32): the
+    /// float4 or scalar split, each warp's butterfly, then warp by warp in thread 0.
+    fn kernel(row: &[f32], threads: usize) -> (u32, bool) {
+        let n = row.len();
+        let mut held: Vec<Best> = (0..threads)
+            .map(|t| {
+                if n.is_multiple_of(4) {
+                    scan(row, (t..n / 4).step_by(threads).flat_map(|j| 4 * j..4 * j + 4))
+                } else {
+                    scan(row, (t..n).step_by(threads))
+                }
+            })
+            .collect();
+        for warp in held.chunks_mut(32) {
+            for o in [16, 8, 4, 2, 1] {
+                let before = warp.to_vec();
+                for (lane, b) in warp.iter_mut().enumerate() {
+                    *b = combine(before[lane], before[lane ^ o]);
+                }
+            }
+        }
+        let b = held.iter().step_by(32).skip(1).fold(held[0], |a, &w| combine(a, w));
+        finish(row, b)
+    }
+
+    /// The values split between `parts` threads at random, combined in a random order.
+    fn random_split(row: &[f32], parts: usize, rng: &mut Rng) -> (u32, bool) {
+        let owner: Vec<usize> = (0..row.len()).map(|_| (rng.next_u64() % parts as u64) as usize).collect();
+        let mut held: Vec<Best> = (0..parts).map(|p| scan(row, (0..row.len()).filter(|&i| owner[i] == p))).collect();
+        while held.len() > 1 {
+            let a = held.swap_remove((rng.next_u64() % held.len() as u64) as usize);
+            let b = held.swap_remove((rng.next_u64() % held.len() as u64) as usize);
+            held.push(if rng.next_u64().is_multiple_of(2) { combine(a, b) } else { combine(b, a) });
+        }
+        finish(row, held[0])
+    }
+
+    /// Contiguous ranges combined left to right by the rule without the index tie-break
+    /// (`b.idx >= 0 && (a.idx < 0 || b.v > a.v)`), enough when a's indices are below b's.
+    fn contiguous_split(row: &[f32], cuts: &[usize]) -> (u32, bool) {
+        let mut bounds = vec![0];
+        bounds.extend(cuts.iter().copied());
+        bounds.push(row.len());
+        let b = bounds.windows(2).map(|w| scan(row, w[0]..w[1])).fold(NONE, |a, b| {
+            if b.idx >= 0 && (a.idx < 0 || b.v > a.v) {
+                b
+            } else {
+                a
+            }
+        });
+        finish(row, b)
+    }
+
+    #[track_caller]
+    fn check(row: &[f32], got: (u32, bool), how: &str) {
+        let want = argmax(row);
+        assert_eq!(got.0, want, "{how}: argmax of {row:?}");
+        assert_eq!(got.1, greedy(row).is_err(), "{how}: no greedy token for {row:?}");
+        if !got.1 {
+            assert_eq!(greedy(row).unwrap(), want, "{how}: the sampler's token for {row:?}");
+        }
+    }
+
+    /// The reduction of `ds4_argmax_rows` (shaders/cuda/decode_step.cu), modelled here, is the
+    /// host's sequential scan (`drafting::argmax`), NaNs and infinities included, and its flag
+    /// is the greedy sampler's refusal: for the kernel's own split and block sizes, for any
+    /// split of the values between threads combined in any order, and for contiguous splits
+    /// combined left to right by the simpler rule.
+    #[test]
+    fn the_kernels_argmax_reduction_is_the_sequential_scan() {
+        let mut rng = Rng(0x05ee_da11);
+        for len in [1usize, 2, 3, 4, 5, 7, 8, 31, 32, 33, 64, 100, 128, 129, 257, 1000, 4096, 5003] {
+            for row in hard_rows(len, &mut rng) {
+                for threads in [32, 64, 256, 1024] {
+                    check(&row, kernel(&row, threads), &format!("kernel, {threads} threads"));
+                }
+                for parts in [1, 2, 3, 7, 32] {
+                    check(&row, random_split(&row, parts, &mut rng), &format!("{parts} random parts"));
+                }
+                let mut cuts: Vec<usize> = (0..3).map(|_| (rng.next_u64() % (len as u64 + 1)) as usize).collect();
+                cuts.sort_unstable();
+                check(&row, contiguous_split(&row, &cuts), &format!("contiguous at {cuts:?}"));
+            }
+        }
+        // The tie-break is needed when the threads' indices interleave: without it, thread 1
+        // (holding index 1) would win over thread 0 (holding index 4) of the same value.
+        let row = [0.0, 2.0, 0.0, 0.0, 2.0];
+        let (a, b) = (scan(&row, [0, 4].into_iter()), scan(&row, [1, 2, 3].into_iter()));
+        assert_eq!(combine(a, b).idx, 1);
+        assert_eq!(combine(b, a).idx, 1);
+    }
+
+    #[test]
+    fn greedy_from_logits_is_the_argmax_or_the_logits() {
+        let (nan, inf) = (f32::NAN, f32::INFINITY);
+        let rows = [0.0, 3.0, 3.0, 1.0, /* */ -inf, -1.0, -2.0, -1.0];
+        let g = Greedy::from_logits(rows.to_vec(), 4);
+        assert_eq!(g, Greedy::Ids(vec![1, 1]));
+        assert_eq!(g.last_argmax(4), Some(1));
+        // A row with no greedy token anywhere: every row's logits come back.
+        for bad in [[0.0, nan, 1.0, 0.0], [0.0, inf, 1.0, 0.0], [-inf; 4]] {
+            let logits = [rows.to_vec(), bad.to_vec()].concat();
+            match Greedy::from_logits(logits.clone(), 4) {
+                Greedy::Logits(l) => assert_eq!(
+                    l.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    logits.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                ),
+                other => panic!("{other:?}"),
+            }
+        }
+        // The anchor of rows without a greedy token is still drafting's argmax of the last.
+        assert_eq!(Greedy::Logits(vec![nan, 5.0, 1.0]).last_argmax(3), Some(0));
+        assert_eq!(Greedy::Logits(vec![1.0, nan, 5.0]).last_argmax(3), Some(2));
+        assert_eq!(Greedy::Logits(vec![]).last_argmax(3), None);
+        assert_eq!(Greedy::Ids(vec![]).last_argmax(3), None);
     }
 }

@@ -213,6 +213,13 @@ impl Distribution {
     }
 }
 
+/// The greedy token of `logits` (temperature 0): the argmax, the lowest id on ties. An error
+/// for logits that define no distribution (a NaN or +inf, or every logit -inf), as
+/// [`distribution`] rejects them.
+pub(crate) fn greedy(logits: &[f32]) -> Result<u32> {
+    Ok(filters::argmax(logits)?.0 as u32)
+}
+
 /// Samples tokens with fixed [`SamplingParams`] and a persistent random stream.
 /// `Clone` snapshots it (parameters and stream position).
 #[derive(Clone, Debug)]
@@ -258,7 +265,7 @@ impl Sampler {
     /// temperature 0, otherwise one draw.
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32> {
         if self.params.is_greedy() {
-            return Ok(filters::argmax(logits)?.0 as u32);
+            return greedy(logits);
         }
         let d = self.distribution(logits)?;
         Ok(self.sample_from(&d))

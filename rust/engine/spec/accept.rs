@@ -80,6 +80,27 @@ pub fn verify(sampler: &mut Sampler, rows: &[f32], vocab: usize, draft: &Draft) 
     Ok(Verdict { accepted: l, next })
 }
 
+/// [`verify`] at temperature 0 from each row's greedy token, `ids[i]` for row `i` (e.g. from
+/// [`crate::Session::verify_argmax`]), instead of its logits: the same verdict, since a greedy
+/// row's distribution is the point mass on its argmax. Draws nothing.
+pub fn verify_greedy(ids: &[u32], draft: &Draft) -> Result<Verdict> {
+    let l = draft.tokens.len();
+    if ids.len() != l + 1 {
+        return Err(Error::invalid(format!("verify: {l} drafts need {} rows of logits", l + 1)));
+    }
+    if let Some(q) = &draft.dists {
+        if q.len() != l {
+            return Err(Error::invalid("verify: one draft distribution per draft token"));
+        }
+    }
+    for (i, &d) in draft.tokens.iter().enumerate() {
+        if d != ids[i] {
+            return Ok(Verdict { accepted: i, next: ids[i] });
+        }
+    }
+    Ok(Verdict { accepted: l, next: ids[l] })
+}
+
 /// `p` with `d` removed, renormalized (`p(d) < 1` whenever this is reached: a uniform in
 /// [0, 1) is always below 1).
 fn without(p: &Distribution, d: u32) -> Result<Distribution> {
@@ -125,6 +146,30 @@ mod tests {
         assert_eq!(verify(&mut s, &r, 8, &Draft::point(vec![5, 7, 1])).unwrap().accepted, 0);
         assert_eq!(verify(&mut s, &r[..8], 8, &Draft::point(vec![])).unwrap(), Verdict { accepted: 0, next: 3 });
         assert!(verify(&mut s, &r, 8, &Draft::point(vec![3])).is_err());
+    }
+
+    /// The verdict from the rows' greedy tokens is the verdict from their logits, for blocks
+    /// rejected at every depth or accepted whole; the checks are the same.
+    #[test]
+    fn greedy_ids_give_the_verdict_of_the_logits() {
+        let best = [3, 5, 7, 1, 0];
+        let r = rows(&best, 8);
+        let mut s = sampler(0.0, 0);
+        for l in 0..best.len() {
+            for wrong in 0..=l {
+                let mut d = best[..l].to_vec();
+                if wrong < l {
+                    d[wrong] = (d[wrong] + 1 + wrong as u32) % 8;
+                }
+                let draft = Draft::point(d);
+                let want = verify(&mut s, &r[..(l + 1) * 8], 8, &draft).unwrap();
+                assert_eq!(verify_greedy(&best[..=l], &draft).unwrap(), want, "{l} drafts, wrong at {wrong}");
+            }
+        }
+        assert!(verify_greedy(&best[..2], &Draft::point(vec![3, 5])).is_err());
+        let q = Distribution::point_mass(3);
+        let draft = Draft { tokens: vec![3, 5], dists: Some(vec![q]), survival: None };
+        assert!(verify_greedy(&best[..3], &draft).is_err());
     }
 
     /// Sampled drafts with their q: min(1, p/q) acceptance and the (p - q)+ residual give

@@ -66,7 +66,6 @@ impl DevBuf {
 
     /// `len` values of type `T` from byte offset `off`, synchronously (callers sync the
     /// context's stream first: this copy does not wait for it).
-    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn read<T: Copy + Default>(&self, off: usize, len: usize) -> Result<Vec<T>> {
         let mut out = vec![T::default(); len];
         if len == 0 {

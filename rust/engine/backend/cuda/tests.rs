@@ -102,6 +102,7 @@ fn kernels_compile_with_nvrtc() {
                         assert!(ptx.contains(&format!(".entry {name}(")), "{arch}: no kernel {name} in the PTX");
                     }
                 }
+                assert!(ptx.contains(".entry ds4_argmax_rows("), "{arch}: no kernel ds4_argmax_rows in the PTX");
                 eprintln!("{arch}: {} bytes of PTX", ptx.len());
             }
             Err(e) => panic!("{e}"),

@@ -6,8 +6,10 @@
 //! so every kernel argument and product descriptor is fixed; captured once as a CUDA graph),
 //! packs what the host needs to follow the step (each row's raw K=V rows, compressor
 //! projections and emitted rows) into one buffer, and brings that and the logits back in one
-//! wait. The host replays the state writes from it (with the undo log), so the host state
-//! stays the reference copy (see [`crate::backend::DeviceDecoder`]); a speculative cut is
+//! wait (or, for [`DeviceDecoder::forward_argmax`], each requested row's argmax instead of its
+//! logits: the program then ends with `ds4_argmax_rows`). The host replays the state writes
+//! from it (with the undo log), so the host state stays the reference copy (see
+//! [`crate::backend::DeviceDecoder`]); a speculative cut is
 //! followed on the device ([`DeviceDecoder::kept`]), anything else the host changes is
 //! re-uploaded (the state's sync tag tells). Nothing in a step depends on the host between its
 //! upload and its download: the routed experts' product descriptors are written on the device
@@ -18,7 +20,8 @@
 //!
 //! Kernels: `shaders/cuda/decode_ops.cu` (norms, hyper-connections, query/key finishing,
 //! SwiGLU), `decode_attn.cu` (ring and compressor updates, indexer, attention),
-//! `decode_moe.cu` (routing, expert gather and combine), `decode_step.cu` (packing).
+//! `decode_moe.cu` (routing, expert gather and combine), `decode_step.cu` (packing, the logits
+//! rows' argmax).
 
 #[cfg(test)]
 mod tests_attn;
@@ -26,6 +29,8 @@ mod tests_attn;
 mod tests_moe;
 #[cfg(test)]
 mod tests_ops;
+#[cfg(test)]
+mod tests_step;
 #[cfg(test)]
 mod testutil;
 
@@ -40,7 +45,7 @@ use super::context::{driver_err, Context, MAX_BATCH, THREADS};
 use super::device::{Arg, DevBuf};
 use super::weights::DeviceImage;
 use super::{chunk_rows, group, row_blocks, slices, split_in_launch, CudaBackend, Desc};
-use crate::backend::DeviceDecoder;
+use crate::backend::{DeviceDecoder, Greedy};
 use crate::model::config::AttentionKind;
 use crate::model::draft::DraftKind;
 use crate::model::forward::mean_of_streams;
@@ -79,6 +84,12 @@ fn attention_blocks(n_heads: usize, head_dim: usize, lg_stride: usize) -> Result
         |x: usize| u32::try_from(x).map_err(|_| Error::Backend("CUDA decode: attention grid too large".into()));
     Ok((blocks(groups * lg_stride.div_ceil(64))?, blocks(groups * head_dim.div_ceil(32))?))
 }
+
+/// Threads of `ds4_argmax_rows` (one block per logits row).
+const ARGMAX_THREADS: u32 = 1024;
+
+/// The bit of an argmax id that says its row has no greedy token (`ds4_argmax_rows`).
+const NO_GREEDY: u32 = 1 << 31;
 
 /// A new sync tag (never 0).
 fn fresh_tag() -> u64 {
@@ -343,6 +354,8 @@ struct Bufs {
     comb_cnt: DevBuf,
     y: DevBuf,
     logits: DevBuf,
+    /// The argmax of each logits row (u32), for the programs that end with it.
+    ids: DevBuf,
     part: DevBuf,
     part_floats: usize,
     counters: DevBuf,
@@ -424,6 +437,7 @@ struct Kernels {
     gather: sys::CUfunction,
     combine: sys::CUfunction,
     pack: sys::CUfunction,
+    argmax: sys::CUfunction,
     /// Every handle above with its name (profiles).
     names: Vec<(sys::CUfunction, &'static str)>,
 }
@@ -459,6 +473,7 @@ impl Kernels {
             gather: f("ds4_gather")?,
             combine: f("ds4_moe_combine")?,
             pack: f("ds4_pack")?,
+            argmax: f("ds4_argmax_rows")?,
             names: Vec::new(),
         };
         Ok(Kernels { names, ..k })
@@ -475,7 +490,9 @@ pub(crate) struct CudaDecoder {
     head_consts: (DevBuf, DevBuf, DevBuf),
     mirror: Vec<LayerMirror>,
     bufs: Bufs,
-    programs: HashMap<(usize, u8), Program>,
+    /// By (rows, requested logits rows: 0 all, 1 the last, 2 none; whether the argmax of
+    /// each requested row comes back instead of its logits).
+    programs: HashMap<(usize, u8, bool), Program>,
     up: Pinned,
     down: Pinned,
     /// Staging of [`DeviceDecoder::kept`]'s slot restores.
@@ -779,6 +796,7 @@ impl CudaDecoder {
             comb_cnt: DevBuf::zeroed(4 * N_MAX)?,
             y: f32_buf(N_MAX * d)?,
             logits: f32_buf(N_MAX * cfg.vocab)?,
+            ids: DevBuf::zeroed(4 * N_MAX)?,
             part: f32_buf(part_floats)?,
             part_floats,
             counters: DevBuf::zeroed(4 * counters_len.max(1))?,
@@ -833,7 +851,8 @@ impl CudaDecoder {
 
     // ------------------------------------------------------------------ programs
 
-    /// Builds the program of a step of `n` rows whose head runs on `head` = (first row, rows).
+    /// Builds the program of a step of `n` rows whose head runs on `head` = (first row, rows),
+    /// followed by the argmax of each of those logits rows when `argmax`.
     fn build(
         &self,
         ctx: &Context,
@@ -841,6 +860,7 @@ impl CudaDecoder {
         model: &Model,
         n: usize,
         head: Option<(usize, usize)>,
+        argmax: bool,
     ) -> Result<Program> {
         let cfg = &model.config;
         let w = &model.weights;
@@ -1403,6 +1423,9 @@ impl CudaDecoder {
                 vec![p(b.y.ptr), p(b.y.ptr), p(norm.ptr), i(d), fl(cfg.rms_eps)],
             );
             products(&mut ops, &mut table, &[(w.output, b.y.ptr, b.logits.ptr, rows)])?;
+            if argmax {
+                launch(&mut ops, k.argmax, gr, ARGMAX_THREADS, 0, vec![p(b.logits.ptr), i(cfg.vocab), p(b.ids.ptr)]);
+            }
         }
 
         let tables = DevBuf::from_slice(&table)?;
@@ -1655,19 +1678,20 @@ fn desc_bytes(d: &Desc) -> &[u8] {
     unsafe { std::slice::from_raw_parts((d as *const Desc).cast::<u8>(), std::mem::size_of::<Desc>()) }
 }
 
-impl DeviceDecoder for CudaDecoder {
-    fn max_rows(&self) -> usize {
-        N_MAX
-    }
-
-    fn forward(
+impl CudaDecoder {
+    /// One step ([`DeviceDecoder::forward`]): the requested rows' logits, or with `argmax`
+    /// their argmax ids (`ds4_argmax_rows`, with [`NO_GREEDY`]) and, only when some row has no
+    /// greedy token, their logits too.
+    #[allow(clippy::too_many_arguments)]
+    fn step(
         &mut self,
         model: &Model,
         state: &mut State,
         tokens: &[u32],
         which: Logits,
+        argmax: bool,
         mut log: Option<&mut BatchLog>,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<(Vec<f32>, Vec<u32>)> {
         let _t = crate::profile::scope(crate::profile::Phase::DeviceStep);
         let n = tokens.len();
         if n == 0 || n > N_MAX {
@@ -1695,6 +1719,7 @@ impl DeviceDecoder for CudaDecoder {
             Logits::Last => Some((n - 1, 1)),
             Logits::None => None,
         };
+        let argmax = argmax && head.is_some();
         let key = (
             n,
             match which {
@@ -1702,6 +1727,7 @@ impl DeviceDecoder for CudaDecoder {
                 Logits::Last => 1,
                 Logits::None => 2,
             },
+            argmax,
         );
         if !self.programs.contains_key(&key) {
             let img = guard
@@ -1709,7 +1735,7 @@ impl DeviceDecoder for CudaDecoder {
                 .iter()
                 .find(|i| i.is(model.file.raw()))
                 .ok_or_else(|| Error::Backend("CUDA decode: the model's weights are not on the device".into()))?;
-            let prog = self.build(ctx, img, model, n, head)?;
+            let prog = self.build(ctx, img, model, n, head, argmax)?;
             self.programs.insert(key, prog);
         }
 
@@ -1741,12 +1767,14 @@ impl DeviceDecoder for CudaDecoder {
             self.up.bytes_mut(step_bytes + x_bytes, runs_bytes).copy_from_slice(rb);
         }
         let logit_rows = head.map_or(0, |h| h.1);
+        // What comes back of the requested rows: one u32 id each, or their logits.
+        let head_words = if argmax { logit_rows } else { logit_rows * cfg.vocab };
         let want_x = state.draft.is_some() && model.draft.is_some();
         let capture_layers = match model.draft.as_ref().map(|dm| &dm.kind) {
             Some(DraftKind::DSpark(w)) if want_x => w.target_layers.len(),
             _ => 0,
         };
-        let down_floats = logit_rows * cfg.vocab + jfloats + if want_x { n * hc * d * (1 + capture_layers) } else { 0 };
+        let down_floats = head_words + jfloats + if want_x { n * hc * d * (1 + capture_layers) } else { 0 };
         self.down.reserve(4 * down_floats)?;
         if runs.len() * std::mem::size_of::<CopyRun>() > self.bufs.runs.bytes || jfloats * 4 > self.bufs.journal.bytes {
             return Err(Error::Backend("CUDA decode: journal buffers too small (internal)".into()));
@@ -1803,9 +1831,12 @@ impl DeviceDecoder for CudaDecoder {
         // SAFETY: as above.
         unsafe {
             let dn = std::slice::from_raw_parts_mut(self.down.ptr.cast::<f32>(), down_floats);
-            let (lg, rest) = dn.split_at_mut(logit_rows * cfg.vocab);
+            let (lg, rest) = dn.split_at_mut(head_words);
             let (jr, xr) = rest.split_at_mut(jfloats);
-            if !lg.is_empty() {
+            if argmax {
+                let ids = std::slice::from_raw_parts_mut(lg.as_mut_ptr().cast::<u32>(), lg.len());
+                cu::memcpy_dtoh_async(ids, self.bufs.ids.ptr, stream).map_err(driver_err("download"))?;
+            } else if !lg.is_empty() {
                 cu::memcpy_dtoh_async(lg, self.bufs.logits.ptr, stream).map_err(driver_err("download"))?;
             }
             cu::memcpy_dtoh_async(jr, self.bufs.journal.ptr, stream).map_err(driver_err("download"))?;
@@ -1823,12 +1854,26 @@ impl DeviceDecoder for CudaDecoder {
             let _w = crate::profile::scope(crate::profile::Phase::DeviceWait);
             ctx.sync()?;
         }
+        let ids: Vec<u32> = if argmax {
+            // SAFETY: the first `logit_rows` words of the pinned download, written by the copy
+            // waited for above.
+            unsafe { std::slice::from_raw_parts(self.down.ptr.cast::<u32>(), logit_rows) }.to_vec()
+        } else {
+            Vec::new()
+        };
+        // A row without a greedy token (NaN or infinite logits): the rows' logits too, for the
+        // sampler to report as it does on logits.
+        let fallback = if ids.iter().any(|&id| id & NO_GREEDY != 0) {
+            self.bufs.logits.read::<f32>(0, logit_rows * cfg.vocab)?
+        } else {
+            Vec::new()
+        };
         drop(guard);
 
         // SAFETY: the pinned download holds `down_floats` floats, all written by the copies
         // waited for above; nothing writes `self.down` again before the next step.
         let dn: &[f32] = unsafe { std::slice::from_raw_parts(self.down.ptr.cast::<f32>(), down_floats) };
-        let (lg, rest) = dn.split_at(logit_rows * cfg.vocab);
+        let (lg, rest) = dn.split_at(head_words);
         let (jr, xr) = rest.split_at(jfloats);
         {
             let _j = crate::profile::scope(crate::profile::Phase::Journal);
@@ -1853,7 +1898,36 @@ impl DeviceDecoder for CudaDecoder {
         state.sync = tag;
         self.tag = tag;
         self.last = Some((pos0, n));
-        Ok(lg.to_vec())
+        Ok((if argmax { fallback } else { lg.to_vec() }, ids))
+    }
+}
+
+impl DeviceDecoder for CudaDecoder {
+    fn max_rows(&self) -> usize {
+        N_MAX
+    }
+
+    fn forward(
+        &mut self,
+        model: &Model,
+        state: &mut State,
+        tokens: &[u32],
+        which: Logits,
+        log: Option<&mut BatchLog>,
+    ) -> Result<Vec<f32>> {
+        Ok(self.step(model, state, tokens, which, false, log)?.0)
+    }
+
+    fn forward_argmax(
+        &mut self,
+        model: &Model,
+        state: &mut State,
+        tokens: &[u32],
+        which: Logits,
+        log: Option<&mut BatchLog>,
+    ) -> Result<Greedy> {
+        let (logits, ids) = self.step(model, state, tokens, which, true, log)?;
+        Ok(if ids.iter().any(|&id| id & NO_GREEDY != 0) { Greedy::Logits(logits) } else { Greedy::Ids(ids) })
     }
 
     fn sync(&mut self, state: &mut State) -> Result<()> {

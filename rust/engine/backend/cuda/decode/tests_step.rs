@@ -1,0 +1,123 @@
+//! Tests of `ds4_argmax_rows` (shaders/cuda/decode_step.cu) and of the decoder's argmax steps:
+//! the ids are the host's argmax of the same logits, bit for bit the same decision. Without a
+//! GPU each test prints "skipped" and passes.
+
+use std::sync::Arc;
+
+use super::testutil::{context, read, Arg, DevBuf};
+use super::{ARGMAX_THREADS, NO_GREEDY};
+use crate::backend::cuda::context::Context;
+use crate::backend::tests::hard_rows;
+use crate::backend::Greedy;
+use crate::model::drafting::argmax;
+use crate::model::{Logits, Model};
+use crate::quant::testutil::Rng;
+use crate::sampling::greedy;
+use crate::session::Session;
+use crate::state::KvPrecision;
+use crate::Error;
+
+/// Every row of `rows` (each `width` floats) through the kernel, the first row `skip` floats
+/// into the buffer: the ids it writes.
+fn kernel_ids(ctx: &Context, rows: &[Vec<f32>], width: usize, skip: usize) -> Vec<u32> {
+    let mut flat = vec![0.0f32; skip];
+    for r in rows {
+        flat.extend_from_slice(r);
+    }
+    let x = DevBuf::from_slice(&flat).expect("rows");
+    let out = DevBuf::zeroed(4 * rows.len()).expect("ids");
+    let args = [Arg::Ptr(x.at(4 * skip)), Arg::I32(width as i32), Arg::Ptr(out.ptr)];
+    ctx.launch_named("ds4_argmax_rows", (rows.len() as u32, 1, 1), ARGMAX_THREADS, 0, &args)
+        .expect("launching ds4_argmax_rows");
+    read(ctx, &out, rows.len())
+}
+
+/// Rows with ties, NaNs (at 0 and elsewhere), infinities and nothing above -inf, of widths
+/// that take the float4 path (aligned multiples of 4, up to Flash's vocabulary) and the
+/// scalar one (other widths, or rows not 16-byte aligned): the argmax is the host scan's
+/// and the flag says what the greedy sampler refuses.
+#[test]
+fn argmax_rows_is_the_sequential_scan() {
+    let Some(ctx) = context() else { return };
+    let mut rng = Rng(0x000a_49ab);
+    for width in [1usize, 3, 4, 5, 33, 128, 1000, 1001, 4096, 129_280] {
+        let rows = hard_rows(width, &mut rng);
+        for skip in [0, 1] {
+            let ids = kernel_ids(&ctx, &rows, width, skip);
+            for (r, (row, &id)) in rows.iter().zip(&ids).enumerate() {
+                let what = format!("width {width}, skip {skip}, row {r}");
+                assert_eq!(id & !NO_GREEDY, argmax(row), "{what}: argmax");
+                assert_eq!(id & NO_GREEDY != 0, greedy(row).is_err(), "{what}: flag");
+            }
+        }
+    }
+}
+
+/// tiny-l on the GPU, or `None` (after saying why) without one.
+fn cuda_model() -> Option<Arc<Model>> {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/tiny-l");
+    let mut m = Model::load(dir.join("llamacpp-f32.gguf")).expect("tiny-l");
+    match m.select_backend("cuda", &mut |_, _| {}) {
+        Ok(()) => Some(Arc::new(m)),
+        Err(Error::BackendUnavailable(e)) => {
+            eprintln!("skipped: {e}");
+            None
+        }
+        Err(e) => panic!("selecting the CUDA backend: {e}"),
+    }
+}
+
+fn device_session(m: &Arc<Model>) -> Session {
+    let mut s = Session::new(Arc::clone(m), 1024, KvPrecision::F32).expect("session");
+    assert_eq!(s.forward_kind(), "device");
+    s
+}
+
+fn ids(g: Greedy) -> Vec<u32> {
+    match g {
+        Greedy::Ids(ids) => ids,
+        Greedy::Logits(_) => panic!("tiny-l's logits have a greedy token in every row"),
+    }
+}
+
+/// Over a prompt (in chunks), decode steps and verifies of several rows (cut back), the
+/// decoder's argmax steps give drafting's argmax of the logits its logits steps give, and the
+/// same state; a session that alternates the two kinds of step (both programs of each size)
+/// agrees with both.
+#[test]
+fn device_argmax_steps_are_the_argmax_of_the_device_logits() {
+    let Some(m) = cuda_model() else { return };
+    let vocab = m.config.vocab;
+    let rows = |l: &[f32]| l.chunks(vocab).map(argmax).collect::<Vec<u32>>();
+    let (mut a, mut b, mut c) = (device_session(&m), device_session(&m), device_session(&m));
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 37 % 500 + 3) as u32).collect();
+    let want = rows(&a.eval(&prompt, Logits::Last).unwrap());
+    assert_eq!(ids(b.eval_argmax(&prompt).unwrap()), want);
+    assert_eq!(rows(&c.eval(&prompt, Logits::Last).unwrap()), want);
+    let mut t = want[0];
+    for step in 0..12 {
+        let want = rows(&a.eval(&[t], Logits::Last).unwrap());
+        assert_eq!(ids(b.eval_argmax(&[t]).unwrap()), want, "step {step}");
+        let alt =
+            if step % 2 == 0 { ids(c.eval_argmax(&[t]).unwrap()) } else { rows(&c.eval(&[t], Logits::Last).unwrap()) };
+        assert_eq!(alt, want, "step {step}, alternating");
+        t = want[0];
+        if step % 3 == 2 {
+            // A verify of a few rows (all 16 once), kept in part.
+            let len = if step == 11 { 16 } else { 2 + step % 5 };
+            let batch: Vec<u32> = (0..len).map(|i| (t + 7 * i as u32) % 500 + 3).collect();
+            let (logits, alog) = a.verify(&batch).unwrap();
+            let (g, blog) = b.verify_argmax(&batch).unwrap();
+            assert_eq!(ids(g), rows(&logits), "verify after step {step}");
+            let (g, clog) = c.verify_argmax(&batch).unwrap();
+            assert_eq!(ids(g), rows(&logits), "verify after step {step}, alternating");
+            let keep = 1 + step % len;
+            a.keep(alog, keep).unwrap();
+            b.keep(blog, keep).unwrap();
+            c.keep(clog, keep).unwrap();
+            t = batch[keep - 1];
+        }
+        assert_eq!(b.digest(), a.digest(), "state after step {step}");
+        assert_eq!(c.digest(), a.digest(), "state after step {step}, alternating");
+    }
+}
