@@ -502,6 +502,10 @@ pub(crate) struct CudaDecoder {
     /// The last step: (first position, rows), for [`DeviceDecoder::kept`].
     last: Option<(usize, usize)>,
     use_graphs: bool,
+    /// Whether greedy steps take their tokens from the device's argmax (`DS4_CUDA_ARGMAX=0`:
+    /// from the downloaded logits, as `DeviceDecoder::forward_argmax`'s default; for A/B
+    /// timing).
+    device_argmax: bool,
     /// `DS4_DECODE_PROFILE=1`: every step runs its launches one by one with CUDA events
     /// between them and adds each kernel's time here (name -> (launches, seconds)); printed to
     /// stderr every 32 steps.
@@ -821,6 +825,7 @@ impl CudaDecoder {
             tag: 0,
             last: None,
             use_graphs: !std::env::var("DS4_CUDA_GRAPHS").is_ok_and(|v| v == "0"),
+            device_argmax: !std::env::var("DS4_CUDA_ARGMAX").is_ok_and(|v| v == "0"),
             profile: std::env::var("DS4_DECODE_PROFILE").is_ok_and(|v| v == "1").then(KernelProfile::default),
             resync_after_cut: std::env::var("DS4_DECODE_RESYNC").is_ok_and(|v| v == "1"),
             side: if std::env::var("DS4_CUDA_FORK").is_ok_and(|v| v == "0") { None } else { Some(SideBranch::new()?) },
@@ -1926,6 +1931,10 @@ impl DeviceDecoder for CudaDecoder {
         which: Logits,
         log: Option<&mut BatchLog>,
     ) -> Result<Greedy> {
+        if !self.device_argmax {
+            let logits = self.forward(model, state, tokens, which, log)?;
+            return Ok(Greedy::from_logits(logits, model.config.vocab));
+        }
         let (logits, ids) = self.step(model, state, tokens, which, true, log)?;
         Ok(if ids.iter().any(|&id| id & NO_GREEDY != 0) { Greedy::Logits(logits) } else { Greedy::Ids(ids) })
     }
