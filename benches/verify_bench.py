@@ -4,14 +4,16 @@
 
 After a prompt of --ctx tokens (random ids), measures with the median of --runs:
 
-* one decode step (``eval`` of 1 token);
+* one decode step (``eval`` of 1 token), and 4 * --runs (at most 48) of them in a row (positions
+  advancing, as in generation);
 * a verify of k rows for k = 2..8 (``eval`` of k tokens: the same computation), as a ratio
   to the decode step, beside the byte model of a verify (docs/performance.md 5d): the weights
   of one decode once, with the routed experts for the expected union of k rows' choices,
   n(1 - (1 - used/n)^k) of n experts under independent uniform routing;
 * prefill tokens/s for each --prefill length (from an empty session).
 
-Every timed call is preceded by a restore of the same snapshot, outside the timing.
+Every timed call but the steps in a row is preceded by a restore of the same snapshot,
+outside the timing.
 """
 
 from __future__ import annotations
@@ -97,6 +99,17 @@ def main() -> None:
     print(f"  decode step {1e3 * base:.2f} ms = {1 / base:.1f} tok/s "
           f"({m.decode_weight_bytes() / base / 1e9:.1f} GB/s of weights)")
     prof = {name: (calls, secs) for name, calls, secs in ds4._ds4.profile(reset=True)}
+    # The same steps one after another, positions advancing (what generation sees: the
+    # compressors close windows as they go, and no restore comes between two steps).
+    s.restore(snap)
+    steady = []
+    for i in range(min(4 * args.runs, 48)):
+        t = time.perf_counter()
+        s.eval([8 + i], logits="last")
+        steady.append(time.perf_counter() - t)
+    s.restore(snap)
+    print(f"  {len(steady)} decode steps in a row: median {1e3 * statistics.median(steady):.2f} ms, "
+          f"mean {1e3 * statistics.fmean(steady):.2f} ms = {len(steady) / sum(steady):.1f} tok/s")
     if args.profile and prof.get("forward", (0, 0))[0]:
         steps = max(prof["forward"][0], 1)
         fwd = prof["forward"][1] / steps
