@@ -122,9 +122,12 @@ enum PArg {
 /// and the decode's one-row steps each get their own table).
 #[derive(Default)]
 struct KernelProfile {
-    /// rows -> (steps, kernel name -> (launches, seconds)).
-    by_rows: HashMap<usize, (usize, HashMap<String, (u64, f64)>)>,
+    /// rows -> the profile of the steps of that many rows.
+    by_rows: HashMap<usize, RowsProfile>,
 }
+
+/// The steps of one row count: how many, and kernel name -> (launches, seconds).
+type RowsProfile = (usize, HashMap<String, (u64, f64)>);
 
 impl KernelProfile {
     /// Adds one step's kernel times; prints the table of its row count every 32 such steps.
