@@ -243,10 +243,83 @@ __device__ __forceinline__ float ds4_index_score_mem(const float* qs, const floa
 #define DS4_INDEX_MAX_Q 8192
 #define DS4_INDEX_MAX_HEADS 128
 
+// The wide indexer kernels (DS4_CUDA_INDEX=wide, rust/engine/backend/cuda/context.rs): the
+// scores one thread per (row, head) (ds4_index_scores_by_head) and the top-k's digit by a block
+// scan. Opt-in until they have run on a GPU: the same results by construction (the decode's
+// index tests check them bitwise against the CPU with DS4_CUDA_INDEX=wide set).
+#ifdef DS4_INDEX_WIDE
+#define DS4_INDEX_WIDE_ON true
+#else
+#define DS4_INDEX_WIDE_ON false
+#endif
+
+// ds4_index_scores with one thread per (row, head) rather than per row, for head_dim 128 and
+// heads dividing the block: thread t takes head h = t % heads of the block's row t / heads,
+// with its query head in registers, and row s's terms are then added in head order by one
+// thread. Every term and the sum are ds4_index_score_regs' operations in its order, so the
+// scores are bitwise the same; what changes is the latency: one thread per row ran 64 heads x
+// 128 FMAs in sequence, and at the Flash shape a row just past the top-k size (n_vis = 513)
+// left all but 3 blocks idle, about 20 us a layer whatever n_vis (not yet timed on a GPU).
+__device__ __forceinline__ void ds4_index_scores_by_head(const float* __restrict__ qr, const float* g_sh, int heads,
+                                                         float scale, const float* __restrict__ irows, int n_vis,
+                                                         float* out) {
+    __shared__ float terms[256];  // blockDim.x <= 256 (ds4_index_scores' launch bounds)
+    const int h = (int)threadIdx.x % heads;
+    const int lr = (int)threadIdx.x / heads;
+    const int per = (int)blockDim.x / heads;  // rows per block and sweep
+    float q[128];
+#pragma unroll
+    for (int i = 0; i < 128; i += 4) {
+        const float4 v = __ldg(reinterpret_cast<const float4*>(qr + (long long)h * 128 + i));
+        q[i] = v.x;
+        q[i + 1] = v.y;
+        q[i + 2] = v.z;
+        q[i + 3] = v.w;
+    }
+    const float gh = g_sh[h];
+    // Every thread runs the same sweeps (the barriers below).
+    for (int s0 = blockIdx.x * per; s0 < n_vis; s0 += gridDim.x * per) {
+        const int s = s0 + lr;
+        float term = 0.0f;
+        if (s < n_vis) {
+            const float* k = irows + (long long)s * 128;
+            float a[16];
+#pragma unroll
+            for (int l = 0; l < 16; l++) {
+                a[l] = 0.0f;
+            }
+#pragma unroll
+            for (int c = 0; c < 8; c++) {
+#pragma unroll
+                for (int l4 = 0; l4 < 4; l4++) {
+                    const float4 kv = __ldg(reinterpret_cast<const float4*>(k + 16 * c + 4 * l4));
+                    a[4 * l4 + 0] = fmaf(q[16 * c + 4 * l4 + 0], kv.x, a[4 * l4 + 0]);
+                    a[4 * l4 + 1] = fmaf(q[16 * c + 4 * l4 + 1], kv.y, a[4 * l4 + 1]);
+                    a[4 * l4 + 2] = fmaf(q[16 * c + 4 * l4 + 2], kv.z, a[4 * l4 + 2]);
+                    a[4 * l4 + 3] = fmaf(q[16 * c + 4 * l4 + 3], kv.w, a[4 * l4 + 3]);
+                }
+            }
+            const float d = ds4_dot_lanes(a);
+            term = (fmaxf(d, 0.0f) * scale) * gh;
+        }
+        terms[threadIdx.x] = term;
+        __syncthreads();
+        if (h == 0 && s < n_vis) {
+            float total = 0.0f;
+            for (int j = 0; j < heads; j++) {
+                total += terms[lr * heads + j];
+            }
+            out[s] = total;
+        }
+        __syncthreads();
+    }
+}
+
 // scores[r * score_stride + s] = Σ_h (max(q_h · K_s, 0) * scale) * g[r * heads + h] for every
 // visible indexer row s < n_vis = (pos + 1) / ratio, when n_vis > topk (else the row does
 // nothing: every row is selected). iq [n, heads * head_dim], g [n, heads], irows [cap, head_dim].
-// Grid (bx, n) for any bx; one thread per indexer row s (grid-stride over blockIdx.x), so the
+// Grid (bx, n) for any bx; one thread per indexer row s (grid-stride over blockIdx.x), or per
+// (row, head) for head_dim 128 with heads dividing the block (ds4_index_scores_by_head), so the
 // block size (a multiple of 32, at most 256) changes nothing in the results. No dynamic shared
 // memory. head_dim a multiple of 16.
 extern "C" __global__ void __launch_bounds__(256)
@@ -266,7 +339,12 @@ extern "C" __global__ void __launch_bounds__(256)
     const float* gr = g + (long long)r * heads;
     const bool q_fits = heads * head_dim <= DS4_INDEX_MAX_Q;
     const bool g_fits = heads <= DS4_INDEX_MAX_HEADS;
-    if (q_fits) {
+    // Keys in registers and the query in shared memory, or the general path.
+    const bool fast = q_fits && g_fits && ((unsigned long long)irows & 15ull) == 0ull;
+    // One thread per (row, head): its query head in registers, not in shared memory.
+    const bool by_head =
+        DS4_INDEX_WIDE_ON && head_dim == 128 && fast && heads <= (int)blockDim.x && blockDim.x % heads == 0;
+    if (q_fits && !by_head) {
         for (int i = threadIdx.x; i < heads * head_dim; i += blockDim.x) {
             q_sh[i] = qr[i];
         }
@@ -282,8 +360,10 @@ extern "C" __global__ void __launch_bounds__(256)
     const float scale = 1.0f / sqrtf((float)head_dim);
     float* out = scores + (long long)r * score_stride;
     const int stride = gridDim.x * blockDim.x;
-    // Keys in registers and the query in shared memory, or the general path.
-    const bool fast = q_fits && g_fits && ((unsigned long long)irows & 15ull) == 0ull;
+    if (by_head) {
+        ds4_index_scores_by_head(qr, g_sh, heads, scale, irows, n_vis, out);
+        return;
+    }
     for (int s = blockIdx.x * blockDim.x + threadIdx.x; s < n_vis; s += stride) {
         const float* k = irows + (long long)s * head_dim;
         float score;
@@ -401,7 +481,21 @@ extern "C" __global__ void __launch_bounds__(1024)
             }
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
+        // The digit: the largest b whose keys, with those of the larger digits, reach krem.
+        // Thread t holds the count of digit 255 - t; the block's prefix sum gives each the
+        // count of the larger digits, and the one thread with before < krem <= before + c has
+        // it (krem >= 1). With DS4_INDEX_WIDE, a scan rather than the loop in one thread over the
+        // 256 bins (kept for blocks of fewer than 256 threads), which is 4 x 256 dependent steps
+        // on the path of every decode step past the top-k size (not yet timed on a GPU).
+        if (DS4_INDEX_WIDE_ON && blockDim.x >= 256) {
+            const u32 c = threadIdx.x < 256 ? hist[255 - threadIdx.x] : 0u;
+            u32 total;
+            const u32 before = ds4_block_scan_u32(c, ws, &total);
+            if (threadIdx.x < 256 && before < krem && krem <= before + c) {
+                s_digit = 255u - threadIdx.x;
+                s_krem = krem - before;
+            }
+        } else if (threadIdx.x == 0) {
             u32 cum = 0u;
             for (int b = 255; b >= 0; b--) {
                 const u32 c = hist[b];

@@ -232,6 +232,11 @@ pub fn compile(arch: &str) -> Result<Arc<String>> {
         Ok("exit") => {}
         _ => options.push("-DDS4_PDL_EARLY".into()),
     }
+    if std::env::var("DS4_CUDA_INDEX").is_ok_and(|v| v == "wide") {
+        // Opt-in until timed and tested on a GPU: the indexer's scores one thread per (row,
+        // head) and its top-k digit by a block scan (decode_attn.cu DS4_INDEX_WIDE).
+        options.push("-DDS4_INDEX_WIDE".into());
+    }
     let opts =
         nvrtc::CompileOptions { fmad: Some(false), options, name: Some("ds4_kernels.cu".into()), ..Default::default() };
     let ptx = nvrtc::compile_ptx_with_opts(kernel_source(), opts).map_err(|e| {
