@@ -11,7 +11,8 @@
 # TESTS_BINARY: the engine's test executable built with `--features cuda` (its CUDA kernel
 # tests run first, then again the product and routed-expert ones with DS4_CUDA_Q8=mma, Q8_0 on
 # the tensor cores, and the attention-side ones with DS4_CUDA_INDEX=wide). Then: the CUDA
-# tests (in both Q8_0 modes), and decode / verify / prefill timings of a random MID model at 2K and 32K context; with FLASH_GEN (the synthetic full-size
+# tests (in both Q8_0 modes), and decode / verify / prefill timings of a random MID model at
+# 2K and 32K context; with FLASH_GEN (the synthetic full-size
 # Flash generator, gen_flash_q2_gguf.py) and TOKENIZER (the V4 tokenizer.json) set, the same
 # for a full-size Flash file (80.8 GiB, sparse on disk) at 2K context (in both Q8_0 modes),
 # and with FLASH_32K=1 at 32K context with an 8K-token prefill too; with FLASH_FILL=1 the
