@@ -5,7 +5,9 @@
 After a prompt of --ctx tokens (random ids), measures with the median of --runs:
 
 * one decode step (``eval`` of 1 token), and 4 * --runs (at most 48) of them in a row (positions
-  advancing, as in generation);
+  advancing, as in generation). For Flash at --ctx 2048 the two differ in kind: the indexer
+  keeps 512 compressed rows and a ratio-4 layer then sees exactly 512, so the one step skips
+  the indexer's selection, which every step from position 2051 on runs;
 * a verify of k rows for k = 2..8 (``eval`` of k tokens: the same computation), as a ratio
   to the decode step, beside the byte model of a verify (docs/performance.md 5d): the weights
   of one decode once, with the routed experts for the expected union of k rows' choices,
