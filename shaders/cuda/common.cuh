@@ -150,6 +150,19 @@ __device__ __forceinline__ void ds4_grid_launch() {
 #endif
 }
 
+// The start of a product kernel (matvec_split, the tensor-core Q8_0 kernel): whether it reads
+// its weights before waiting for the previous kernel (the launch's `early` argument, in a
+// program compiled with DS4_PDL_EARLY); if not, the wait, now.
+__device__ __forceinline__ bool ds4_product_begin(int early) {
+#ifdef DS4_PDL_EARLY
+    if (early) {
+        return true;
+    }
+#endif
+    ds4_grid_deps();
+    return false;
+}
+
 // ds4_grid_deps for a small kernel that a product follows: its dependent may launch at once.
 __device__ __forceinline__ void ds4_grid_lead() {
     ds4_grid_launch();
@@ -725,13 +738,8 @@ __device__ __forceinline__ void scaled_dot4(const float (&wf)[MV_ROWS][4], const
 
 template <class F, int NB>
 __device__ __forceinline__ void matvec_split(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters,
-                                             u8* smem, int early) {
-#ifndef DS4_PDL_EARLY
-    early = 0;
-#endif
-    if (!early) {
-        ds4_grid_deps();
-    }
+                                             u8* smem, int launch_early) {
+    const bool early = ds4_product_begin(launch_early);
     const int tid = threadIdx.x;
     const MvBlock B = mv_block(descs, count);
     const MvDesc* D = B.D;

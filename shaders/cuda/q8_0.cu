@@ -538,13 +538,8 @@ __device__ __forceinline__ void mq_store(float (&acc)[MQ_TILES][(NB + 7) / 8][4]
 
 template <class F, int NB>
 __device__ __forceinline__ void matmul_q8_0(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters,
-                                            u8*, int early) {
-#ifndef DS4_PDL_EARLY
-    early = 0;
-#endif
-    if (!early) {
-        ds4_grid_deps();
-    }
+                                            u8*, int launch_early) {
+    const bool early = ds4_product_begin(launch_early);
     constexpr int NG = (NB + 7) / 8;
     const int lane = threadIdx.x & 31;
     const MvBlock B = mv_block(descs, count);
