@@ -81,11 +81,13 @@ impl Greedy {
     /// The greedy tokens of `logits` (rows of `vocab` floats), or the logits themselves when
     /// some row has none.
     pub fn from_logits(logits: Vec<f32>, vocab: usize) -> Self {
-        if vocab > 0 && logits.chunks(vocab).all(|row| crate::sampling::greedy(row).is_ok()) {
-            Greedy::Ids(logits.chunks(vocab).map(crate::model::drafting::argmax).collect())
-        } else {
-            Greedy::Logits(logits)
+        // The sampler's greedy token is `drafting::argmax` wherever it has one: one scan a row.
+        if vocab > 0 {
+            if let Ok(ids) = logits.chunks(vocab).map(crate::sampling::greedy).collect::<Result<Vec<u32>>>() {
+                return Greedy::Ids(ids);
+            }
         }
+        Greedy::Logits(logits)
     }
 
     /// The argmax of the last row (`model::drafting::argmax`, the drafters' anchor), if there
