@@ -2,10 +2,12 @@
 
     ncu --profile-from-start off --clock-control none --cache-control none \\
         --metrics gpu__time_duration.sum --csv --print-units base \\
-        python scripts/kernel_lab/ncu_step.py MODEL.gguf [STEPS] > /tmp/ncu.csv
+        python scripts/kernel_lab/ncu_step.py MODEL.gguf [STEPS] [--prompt N] > /tmp/ncu.csv
     python scripts/kernel_lab/ncu_step.py --sum /tmp/ncu.csv [STEPS]
 
-The first form loads the model, runs a 64-token prompt and a few warm-up steps (the step
+The first form loads the model, runs a prompt of N random tokens (default 64; Flash's
+indexer selects rows only once a ratio-4 layer sees more than 512, from position 2051, so
+``--prompt 2100`` traces steps with the selection) and a few warm-up steps (the step
 programs are built and captured then), prints the mean wall time of 20 one-token steps, and
 turns the profiler on (cuProfilerStart) around STEPS more (default 1), so that ncu measures
 only those kernels. ncu runs each kernel alone, so the sum of the durations can differ from
@@ -32,14 +34,14 @@ import sys
 import time
 
 
-def profile(model: str, steps: int, cupti: str | None = None) -> None:
+def profile(model: str, steps: int, cupti: str | None = None, prompt: int = 64) -> None:
     import numpy as np
 
     import ds4
 
     m = ds4.Model.load(model, backend="cuda", draft=False)
-    s = m.session(4096)
-    s.eval(np.random.default_rng(0).integers(8, m.vocab_size, 64).tolist(), logits="last")
+    s = m.session(max(4096, prompt + 256))
+    s.eval(np.random.default_rng(0).integers(8, m.vocab_size, prompt).tolist(), logits="last")
     for i in range(5):
         s.eval([5 + i], logits="last")
     t = time.perf_counter()
@@ -130,7 +132,11 @@ if __name__ == "__main__":
     else:
         args = sys.argv[1:]
         out = None
+        prompt = 64
+        if "--prompt" in args:
+            prompt = int(args.pop(args.index("--prompt") + 1))
+            args.remove("--prompt")
         if "--cupti" in args:
             out = args.pop(args.index("--cupti") + 1)
             args.remove("--cupti")
-        profile(args[0], int(args[1]) if len(args) > 1 else 1, out)
+        profile(args[0], int(args[1]) if len(args) > 1 else 1, out, prompt)
