@@ -10,7 +10,7 @@
 # --python-version 3.12 --platform manylinux2014_x86_64` elsewhere); "" to use the index.
 # TESTS_BINARY: the engine's test executable built with `--features cuda` (its CUDA kernel
 # tests run first, then again the product and routed-expert ones with DS4_CUDA_Q8=mma, Q8_0 on
-# the tensor cores, and the attention-side ones with DS4_CUDA_INDEX=wide). Then: the CUDA
+# the tensor cores, and the attention-side ones with DS4_CUDA_INDEX=row). Then: the CUDA
 # tests (in both Q8_0 modes), and decode / verify / prefill timings of a random MID model at
 # 2K and 32K context; with FLASH_GEN (the synthetic full-size
 # Flash generator, gen_flash_q2_gguf.py) and TOKENIZER (the V4 tokenizer.json) set, the same
@@ -36,8 +36,8 @@ if [ -n "${3:-}" ]; then
     # Q8_0 on the tensor cores (an opt-in kernel and weight layout): the product and routed
     # expert tests again.
     DS4_CUDA_Q8=mma "$3" backend::cuda::tests backend::cuda::decode::tests_moe --test-threads=1
-    # The opt-in wide indexer kernels (DS4_CUDA_INDEX=wide): the attention-side tests again.
-    DS4_CUDA_INDEX=wide "$3" backend::cuda::decode::tests_attn --test-threads=1
+    # The indexer's one-thread-per-row kernels (DS4_CUDA_INDEX=row): the attention-side tests again.
+    DS4_CUDA_INDEX=row "$3" backend::cuda::decode::tests_attn --test-threads=1
 fi
 (cd tests && python -m pytest -q -p no:cacheprovider test_cuda.py)
 (cd tests && DS4_CUDA_Q8=mma python -m pytest -q -p no:cacheprovider test_cuda.py)

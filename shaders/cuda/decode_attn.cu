@@ -243,14 +243,16 @@ __device__ __forceinline__ float ds4_index_score_mem(const float* qs, const floa
 #define DS4_INDEX_MAX_Q 8192
 #define DS4_INDEX_MAX_HEADS 128
 
-// The wide indexer kernels (DS4_CUDA_INDEX=wide, rust/engine/backend/cuda/context.rs): the
-// scores one thread per (row, head) (ds4_index_scores_by_head) and the top-k's digit by a block
-// scan. Opt-in until they have run on a GPU: the same results by construction (the decode's
-// index tests check them bitwise against the CPU with DS4_CUDA_INDEX=wide set).
-#ifdef DS4_INDEX_WIDE
-#define DS4_INDEX_WIDE_ON true
-#else
+// The wide indexer kernels (the default; DS4_CUDA_INDEX=row compiles the program without them,
+// rust/engine/backend/cuda/context.rs): the scores one thread per (row, head)
+// (ds4_index_scores_by_head) and the top-k's digit by a block scan. The same results by
+// construction (the decode's index tests check both ways bitwise against the CPU). On an H200,
+// Flash decode past the top-k size (2100-token context, filled experts): 9.18 ms a step against
+// 10.31 with DS4_CUDA_INDEX=row, 9.12 against 10.24 ms for steps in a row.
+#ifdef DS4_INDEX_ROW
 #define DS4_INDEX_WIDE_ON false
+#else
+#define DS4_INDEX_WIDE_ON true
 #endif
 
 // ds4_index_scores with one thread per (row, head) rather than per row, for head_dim 128 and
@@ -259,7 +261,7 @@ __device__ __forceinline__ float ds4_index_score_mem(const float* qs, const floa
 // thread. Every term and the sum are ds4_index_score_regs' operations in its order, so the
 // scores are bitwise the same; what changes is the latency: one thread per row ran 64 heads x
 // 128 FMAs in sequence, and at the Flash shape a row just past the top-k size (n_vis = 513)
-// left all but 3 blocks idle, about 20 us a layer whatever n_vis (not yet timed on a GPU).
+// left all but 3 blocks idle (10.7 us a launch this way, in a CUPTI trace of Flash steps).
 __device__ __forceinline__ void ds4_index_scores_by_head(const float* __restrict__ qr, const float* g_sh, int heads,
                                                          float scale, const float* __restrict__ irows, int n_vis,
                                                          float* out) {
@@ -484,9 +486,9 @@ extern "C" __global__ void __launch_bounds__(1024)
         // The digit: the largest b whose keys, with those of the larger digits, reach krem.
         // Thread t holds the count of digit 255 - t; the block's prefix sum gives each the
         // count of the larger digits, and the one thread with before < krem <= before + c has
-        // it (krem >= 1). With DS4_INDEX_WIDE, a scan rather than the loop in one thread over the
-        // 256 bins (kept for blocks of fewer than 256 threads), which is 4 x 256 dependent steps
-        // on the path of every decode step past the top-k size (not yet timed on a GPU).
+        // it (krem >= 1). By default a scan rather than the loop in one thread over the 256 bins
+        // (kept for blocks of fewer than 256 threads, and DS4_CUDA_INDEX=row), which is
+        // 4 x 256 dependent steps on the path of every decode step past the top-k size.
         if (DS4_INDEX_WIDE_ON && blockDim.x >= 256) {
             const u32 c = threadIdx.x < 256 ? hist[255 - threadIdx.x] : 0u;
             u32 total;

@@ -232,10 +232,11 @@ pub fn compile(arch: &str) -> Result<Arc<String>> {
         Ok("exit") => {}
         _ => options.push("-DDS4_PDL_EARLY".into()),
     }
-    if std::env::var("DS4_CUDA_INDEX").is_ok_and(|v| v == "wide") {
-        // Opt-in until timed and tested on a GPU: the indexer's scores one thread per (row,
-        // head) and its top-k digit by a block scan (decode_attn.cu DS4_INDEX_WIDE).
-        options.push("-DDS4_INDEX_WIDE".into());
+    if std::env::var("DS4_CUDA_INDEX").is_ok_and(|v| v == "row") {
+        // For A/B timing and tests: the indexer's scores one thread per row and its top-k
+        // digit by one thread's loop, rather than per (row, head) and by a block scan
+        // (decode_attn.cu DS4_INDEX_WIDE_ON): the same results, longer latency.
+        options.push("-DDS4_INDEX_ROW".into());
     }
     let opts =
         nvrtc::CompileOptions { fmad: Some(false), options, name: Some("ds4_kernels.cu".into()), ..Default::default() };
