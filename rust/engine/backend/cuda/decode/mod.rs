@@ -734,16 +734,16 @@ impl CudaDecoder {
         };
         for l in &w.layers {
             need(&[l.hc_attn.proj], N_MAX);
-            let mut g1 = vec![l.q_a, l.kv];
+            need(&[l.q_a, l.kv], N_MAX);
+            // q_b with the compressors' and indexer's products (as `build` groups them).
+            let mut g2 = vec![l.q_b];
             if let Some(c) = &l.compressor {
-                g1.extend([c.kv, c.gate]);
+                g2.extend([c.kv, c.gate]);
             }
             if let Some(i) = &l.indexer {
-                g1.extend([i.proj, i.compressor.kv, i.compressor.gate]);
-                need(&[l.q_b, i.q_b], N_MAX);
+                g2.extend([i.proj, i.compressor.kv, i.compressor.gate, i.q_b]);
             }
-            need(&g1, N_MAX);
-            need(&[l.q_b], N_MAX);
+            need(&g2, N_MAX);
             let oa = Mat { n_out: cfg.o_lora_rank, ..l.o_a };
             need(&vec![oa; cfg.o_groups], N_MAX);
             need(&[l.o_b], N_MAX);
@@ -1043,22 +1043,7 @@ impl CudaDecoder {
             };
             // ---- attention
             hc_site(&mut ops, &mut table, &lw.hc_attn, &c.hc_attn, b.mix_a.ptr, c.attn_norm.ptr)?;
-            // The compressors' projections go to the layer's own buffers, which the compressor
-            // reads and the journal packs for the host's replay of the step. (A layer has
-            // compressor weights exactly when its mirror has a compressor, and indexer weights
-            // exactly when it has an indexer: see `decoder_for`.)
-            let mut g = vec![(lw.q_a, b.h.ptr, b.cq.ptr, n), (lw.kv, b.h.ptr, b.kv.ptr, n)];
-            if let (Some(cw), Some(cm)) = (&lw.compressor, &mm.comp) {
-                g.extend([(cw.kv, b.h.ptr, cm.log_kv.ptr, n), (cw.gate, b.h.ptr, cm.log_g.ptr, n)]);
-            }
-            if let (Some(iw), Some(im)) = (&lw.indexer, &mm.index) {
-                g.extend([
-                    (iw.proj, b.h.ptr, b.ig.ptr, n),
-                    (iw.compressor.kv, b.h.ptr, im.log_kv.ptr, n),
-                    (iw.compressor.gate, b.h.ptr, im.log_g.ptr, n),
-                ]);
-            }
-            products(&mut ops, &mut table, &g)?;
+            products(&mut ops, &mut table, &[(lw.q_a, b.h.ptr, b.cq.ptr, n), (lw.kv, b.h.ptr, b.kv.ptr, n)])?;
             launch(
                 &mut ops,
                 k.rms_weight,
@@ -1067,9 +1052,26 @@ impl CudaDecoder {
                 0,
                 vec![p(b.cq.ptr), p(b.cq.ptr), p(c.q_a_norm.ptr), i(cfg.q_lora_rank), fl(cfg.rms_eps)],
             );
+            // After q_b (which needs only q_a and its norm), in one call: the compressors' and
+            // indexer's products (F16 in ds4's layout), which finish_rows and the compressors
+            // need. Before q_a's norm, as they were, they held the query path back and took a
+            // launch of their own (on an H200, a Flash CSA layer's F16 products ran 14.8 us
+            // between q_a and its norm, and the indexer's q_b 8.3 us after q_b). The
+            // compressors' projections go to the layer's own buffers, which the compressor reads
+            // and the journal packs for the host's replay of the step. (A layer has compressor
+            // weights exactly when its mirror has a compressor, and indexer weights exactly when
+            // it has an indexer: see `decoder_for`.)
             let mut g = vec![(lw.q_b, b.cq.ptr, b.q.ptr, n)];
-            if let Some(iw) = &lw.indexer {
-                g.push((iw.q_b, b.cq.ptr, b.iq.ptr, n));
+            if let (Some(cw), Some(cm)) = (&lw.compressor, &mm.comp) {
+                g.extend([(cw.kv, b.h.ptr, cm.log_kv.ptr, n), (cw.gate, b.h.ptr, cm.log_g.ptr, n)]);
+            }
+            if let (Some(iw), Some(im)) = (&lw.indexer, &mm.index) {
+                g.extend([
+                    (iw.proj, b.h.ptr, b.ig.ptr, n),
+                    (iw.compressor.kv, b.h.ptr, im.log_kv.ptr, n),
+                    (iw.compressor.gate, b.h.ptr, im.log_g.ptr, n),
+                    (iw.q_b, b.cq.ptr, b.iq.ptr, n),
+                ]);
             }
             products(&mut ops, &mut table, &g)?;
             let rope_dim = cfg.rope_dim;
