@@ -734,16 +734,18 @@ impl CudaDecoder {
         };
         for l in &w.layers {
             need(&[l.hc_attn.proj], N_MAX);
-            need(&[l.q_a, l.kv], N_MAX);
-            // q_b with the compressors' and indexer's products (as `build` groups them).
-            let mut g2 = vec![l.q_b];
+            // The compressors' and indexer's products that read h, with q_a or with q_b (both
+            // ways `build` may group them).
+            let mut from_h = Vec::new();
             if let Some(c) = &l.compressor {
-                g2.extend([c.kv, c.gate]);
+                from_h.extend([c.kv, c.gate]);
             }
             if let Some(i) = &l.indexer {
-                g2.extend([i.proj, i.compressor.kv, i.compressor.gate, i.q_b]);
+                from_h.extend([i.proj, i.compressor.kv, i.compressor.gate]);
             }
-            need(&g2, N_MAX);
+            let q_b: Vec<Mat> = std::iter::once(l.q_b).chain(l.indexer.as_ref().map(|i| i.q_b)).collect();
+            need(&[[l.q_a, l.kv].as_slice(), &from_h].concat(), N_MAX);
+            need(&[q_b.as_slice(), &from_h].concat(), N_MAX);
             let oa = Mat { n_out: cfg.o_lora_rank, ..l.o_a };
             need(&vec![oa; cfg.o_groups], N_MAX);
             need(&[l.o_b], N_MAX);
@@ -885,6 +887,9 @@ impl CudaDecoder {
         let fl = |x: f32| PArg::A(Arg::F32(x));
         let null = PArg::A(Arg::Ptr(0));
         let fork = self.side.is_some();
+        // Where the compressors' and indexer's products that read h run: after q_b (the
+        // default), or with q_a as before (`DS4_CUDA_COMP_LATE=0`, for A/B timing).
+        let comp_late = !std::env::var("DS4_CUDA_COMP_LATE").is_ok_and(|v| v == "0");
         let launch =
             |ops: &mut Vec<_>, f: sys::CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, args: Vec<PArg>| {
                 ops.push(Op::Launch(Launch { f, grid, block, smem, args, label: String::new() }));
@@ -1043,7 +1048,23 @@ impl CudaDecoder {
             };
             // ---- attention
             hc_site(&mut ops, &mut table, &lw.hc_attn, &c.hc_attn, b.mix_a.ptr, c.attn_norm.ptr)?;
-            products(&mut ops, &mut table, &[(lw.q_a, b.h.ptr, b.cq.ptr, n), (lw.kv, b.h.ptr, b.kv.ptr, n)])?;
+            // The compressors' and indexer's products that read h (F16 in ds4's layout).
+            let mut from_h = Vec::new();
+            if let (Some(cw), Some(cm)) = (&lw.compressor, &mm.comp) {
+                from_h.extend([(cw.kv, b.h.ptr, cm.log_kv.ptr, n), (cw.gate, b.h.ptr, cm.log_g.ptr, n)]);
+            }
+            if let (Some(iw), Some(im)) = (&lw.indexer, &mm.index) {
+                from_h.extend([
+                    (iw.proj, b.h.ptr, b.ig.ptr, n),
+                    (iw.compressor.kv, b.h.ptr, im.log_kv.ptr, n),
+                    (iw.compressor.gate, b.h.ptr, im.log_g.ptr, n),
+                ]);
+            }
+            let mut g = vec![(lw.q_a, b.h.ptr, b.cq.ptr, n), (lw.kv, b.h.ptr, b.kv.ptr, n)];
+            if !comp_late {
+                g.append(&mut from_h);
+            }
+            products(&mut ops, &mut table, &g)?;
             launch(
                 &mut ops,
                 k.rms_weight,
@@ -1062,16 +1083,9 @@ impl CudaDecoder {
             // weights exactly when its mirror has a compressor, and indexer weights exactly when
             // it has an indexer: see `decoder_for`.)
             let mut g = vec![(lw.q_b, b.cq.ptr, b.q.ptr, n)];
-            if let (Some(cw), Some(cm)) = (&lw.compressor, &mm.comp) {
-                g.extend([(cw.kv, b.h.ptr, cm.log_kv.ptr, n), (cw.gate, b.h.ptr, cm.log_g.ptr, n)]);
-            }
-            if let (Some(iw), Some(im)) = (&lw.indexer, &mm.index) {
-                g.extend([
-                    (iw.proj, b.h.ptr, b.ig.ptr, n),
-                    (iw.compressor.kv, b.h.ptr, im.log_kv.ptr, n),
-                    (iw.compressor.gate, b.h.ptr, im.log_g.ptr, n),
-                    (iw.q_b, b.cq.ptr, b.iq.ptr, n),
-                ]);
+            g.append(&mut from_h);
+            if let Some(iw) = &lw.indexer {
+                g.push((iw.q_b, b.cq.ptr, b.iq.ptr, n));
             }
             products(&mut ops, &mut table, &g)?;
             let rope_dim = cfg.rope_dim;
