@@ -461,24 +461,36 @@ extern "C" __global__ void ds4_gather(const float* __restrict__ h, float* __rest
 // experts in increasing id, then the shared expert). down_out: [n * k, d] gathered rows.
 // With x (not null) the row's output is not stored: it goes straight into the FFN site's
 // hyper-connection expansion of x with mix (ds4_hc_post_at, hc streams), as ds4_hc_post
-// would do with it. Grid (ceil(d / 256), n), block 256.
+// would do with it; with x and parts (both not null) also the next layer's attention site's
+// partial products, as ds4_hc_post's (proj F16 [(2 + hc) * hc, hc * d] that site's projection,
+// parts [n, gridDim.x, (2 + hc) * hc]: hc_post_proj, decode_ops.cu; hc <= DS4_HC_PRE_MAX).
+// Grid (ceil(d / 256), n), block 256.
 extern "C" __global__ void ds4_moe_combine(const float* __restrict__ down_out, const int* __restrict__ comb_slot,
                                            const float* __restrict__ comb_w, const int* __restrict__ comb_cnt,
                                            const float* __restrict__ shared, float* __restrict__ out, int k, int d,
-                                           float* x, const float* mix, int hc) {
+                                           float* x, const float* mix, int hc, const unsigned short* proj,
+                                           float* parts) {
+    auto combined = [&](int r, int i) {
+        const int cnt = comb_cnt[r];
+        float o = 0.0f;
+        for (int j = 0; j < cnt; j++) {
+            const float u = down_out[(long long)comb_slot[r * k + j] * d + i];
+            o = o + u * comb_w[r * k + j];
+        }
+        return o + shared[(long long)r * d + i];
+    };
+    if (x != nullptr && parts != nullptr) {
+        ds4_grid_launch();
+        hc_post_proj_streams<DS4_HC_PRE_MAX>(hc, combined, x, mix, d, proj, parts);
+        return;
+    }
     ds4_grid_lead();
     const int r = blockIdx.y;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= d) {
         return;
     }
-    const int cnt = comb_cnt[r];
-    float o = 0.0f;
-    for (int j = 0; j < cnt; j++) {
-        const float u = down_out[(long long)comb_slot[r * k + j] * d + i];
-        o = o + u * comb_w[r * k + j];
-    }
-    o = o + shared[(long long)r * d + i];
+    const float o = combined(r, i);
     if (x != nullptr) {
         ds4_hc_post_at(x, o, mix, hc, d, r, i);
     } else {

@@ -85,6 +85,11 @@ fn attention_blocks(n_heads: usize, head_dim: usize, lg_stride: usize) -> Result
     Ok((blocks(groups * lg_stride.div_ceil(64))?, blocks(groups * head_dim.div_ceil(32))?))
 }
 
+/// Threads of the kernels that write the hyper-connection streams (ds4_hc_post,
+/// ds4_moe_combine: one block of this many elements of d per row), so also the blocks whose
+/// partial mixing logits ds4_hc_pre sums: ceil(d / this) per row.
+const HC_WRITER_THREADS: u32 = 256;
+
 /// Threads of `ds4_argmax_rows` (one block per logits row).
 const ARGMAX_THREADS: u32 = 1024;
 
@@ -324,6 +329,9 @@ struct Bufs {
     x: DevBuf,
     flat: DevBuf,
     mixl: DevBuf,
+    /// The next site's partial mixing logits [n, ceil(d / 256), n_mix] that ds4_hc_post and
+    /// ds4_moe_combine leave for ds4_hc_pre (see [`CudaDecoder::hc_fuse`]).
+    hc_part: DevBuf,
     mix_a: DevBuf,
     mix_f: DevBuf,
     h: DevBuf,
@@ -518,6 +526,15 @@ pub(crate) struct CudaDecoder {
     resync_after_cut: bool,
     /// The side branch (None with `DS4_CUDA_FORK=0`).
     side: Option<SideBranch>,
+    /// Whether the hyper-connection sites' mixing logits come from the kernel that writes their
+    /// streams (ds4_hc_post for the FFN site, the previous layer's ds4_moe_combine for the
+    /// attention site: each block's partial products, which ds4_hc_pre sums) instead of a
+    /// product launch of their own. In a CUPTI trace of a Flash decode step on an H200 that F16
+    /// product (24 x 16384, 786 KB) cost about 5 us on the critical path at each of the 86
+    /// sites, pure launch and latency (its input ready, little to read). Layer 0's attention
+    /// site (x as uploaded, no writer) keeps the product; `DS4_CUDA_HC_FUSE=0` keeps it
+    /// everywhere (A/B timing).
+    hc_fuse: bool,
 }
 
 // SAFETY: the raw handles (functions, graphs, pinned pointers) are only used by the thread
@@ -771,6 +788,7 @@ impl CudaDecoder {
             x: f32_buf(N_MAX * hc * d)?,
             flat: f32_buf(N_MAX * hc * d)?,
             mixl: f32_buf(N_MAX * n_mix)?,
+            hc_part: f32_buf(N_MAX * d.div_ceil(HC_WRITER_THREADS as usize) * n_mix)?,
             mix_a: f32_buf(N_MAX * (hc + hc * hc))?,
             mix_f: f32_buf(N_MAX * (hc + hc * hc))?,
             h: f32_buf(N_MAX * d)?,
@@ -832,6 +850,7 @@ impl CudaDecoder {
             profile: std::env::var("DS4_DECODE_PROFILE").is_ok_and(|v| v == "1").then(KernelProfile::default),
             resync_after_cut: std::env::var("DS4_DECODE_RESYNC").is_ok_and(|v| v == "1"),
             side: if std::env::var("DS4_CUDA_FORK").is_ok_and(|v| v == "0") { None } else { Some(SideBranch::new()?) },
+            hc_fuse: !std::env::var("DS4_CUDA_HC_FUSE").is_ok_and(|v| v == "0"),
         })
     }
 
@@ -994,6 +1013,22 @@ impl CudaDecoder {
         // ds4_route), at most one descriptor per (row, expert) pair.
         let chunk = n.min(EXPERT_CHUNK);
         let max_descs = if chunk >= n { (n * kk).min(cfg.n_experts) } else { n * kk };
+        // The sites whose mixing logits their streams' writer leaves as partial products
+        // (`hc_fuse`): the writers' kernels read the projection as F16 [n_mix, hc * d] with
+        // contiguous rows (F16 is not split on the device).
+        let hc_blocks = d.div_ceil(HC_WRITER_THREADS as usize);
+        let fusable = |m: &Mat| {
+            self.hc_fuse
+                && m.ty == crate::quant::GgmlType::F16
+                && m.n_out == n_mix
+                && m.n_in == hc * d
+                && m.row_bytes == 2 * m.n_in
+        };
+        // A writer's last two arguments: the next site's projection and the partials, or nulls.
+        let writer_proj = |m: Option<&Mat>| match m {
+            Some(m) => vec![p(img.addr(m.start)), p(b.hc_part.ptr)],
+            None => vec![null, null],
+        };
 
         for (li, (lw, spec)) in w.layers.iter().zip(&cfg.layers).enumerate() {
             let c = &self.consts[li];
@@ -1003,10 +1038,17 @@ impl CudaDecoder {
                            hw: &HyperWeights,
                            base_scale: &(DevBuf, DevBuf),
                            mix: u64,
-                           norm: u64|
+                           norm: u64,
+                           fused: bool|
              -> Result<()> {
-                // The mixing logits of the raw streams; ds4_hc_pre applies their RMS scale.
-                products(ops, table, &[(hw.proj, b.x.ptr, b.mixl.ptr, n)])?;
+                // The mixing logits of the raw streams (ds4_hc_pre applies their RMS scale): the
+                // partial products their writer left (fused), or a product.
+                let (logits, parts) = if fused {
+                    (b.hc_part.ptr, hc_blocks)
+                } else {
+                    products(ops, table, &[(hw.proj, b.x.ptr, b.mixl.ptr, n)])?;
+                    (b.mixl.ptr, 0)
+                };
                 launch(
                     ops,
                     k.hc_pre,
@@ -1014,8 +1056,9 @@ impl CudaDecoder {
                     wide(d),
                     0,
                     vec![
-                        p(b.mixl.ptr),
+                        p(logits),
                         i(n_mix),
+                        i(parts),
                         p(b.x.ptr),
                         p(b.h.ptr),
                         p(mix),
@@ -1042,7 +1085,9 @@ impl CudaDecoder {
                 Ok(())
             };
             // ---- attention
-            hc_site(&mut ops, &mut table, &lw.hc_attn, &c.hc_attn, b.mix_a.ptr, c.attn_norm.ptr)?;
+            // Layer 0's streams are the uploaded ones: no writer kernel, so a product.
+            let attn_fused = li > 0 && fusable(&lw.hc_attn.proj);
+            hc_site(&mut ops, &mut table, &lw.hc_attn, &c.hc_attn, b.mix_a.ptr, c.attn_norm.ptr, attn_fused)?;
             products(&mut ops, &mut table, &[(lw.q_a, b.h.ptr, b.cq.ptr, n), (lw.kv, b.h.ptr, b.kv.ptr, n)])?;
             launch(
                 &mut ops,
@@ -1225,15 +1270,20 @@ impl CudaDecoder {
             products_strided(&mut ops, &mut table, &oa, Some(groups * rank))?;
             products(&mut ops, &mut table, &[(lw.o_b, b.u.ptr, b.attn_out.ptr, n)])?;
             // The attention site's hyper-connection expansion of x (the FFN site's is fused
-            // into ds4_moe_combine).
-            let args = vec![p(b.x.ptr), p(b.attn_out.ptr), p(b.mix_a.ptr), i(hc), i(d)];
+            // into ds4_moe_combine), with the FFN site's partial mixing logits when fused.
+            let ffn_fused = fusable(&lw.hc_ffn.proj);
+            let args = [
+                vec![p(b.x.ptr), p(b.attn_out.ptr), p(b.mix_a.ptr), i(hc), i(d)],
+                writer_proj(ffn_fused.then_some(&lw.hc_ffn.proj)),
+            ]
+            .concat();
             if fork {
                 ops.push(Op::Join);
             }
-            launch(&mut ops, k.hc_post, rows_grid(d.div_ceil(256)), 256, 0, args);
+            launch(&mut ops, k.hc_post, rows_grid(hc_blocks), HC_WRITER_THREADS, 0, args);
 
             // ---- MoE
-            hc_site(&mut ops, &mut table, &lw.hc_ffn, &c.hc_ffn, b.mix_f.ptr, c.ffn_norm.ptr)?;
+            hc_site(&mut ops, &mut table, &lw.hc_ffn, &c.hc_ffn, b.mix_f.ptr, c.ffn_norm.ptr, ffn_fused)?;
             // The shared expert (its products, its swiglu) reads only h and its own buffers,
             // and only ds4_moe_combine reads its output: with the side branch it runs there,
             // beside the router and the routed experts, whose kernels leave DRAM bandwidth
@@ -1389,26 +1439,33 @@ impl CudaDecoder {
             if fork {
                 ops.push(Op::Join);
             }
+            // The next layer's attention site's partial mixing logits when fused (the last
+            // layer's streams go to the head, which keeps its product).
+            let next_attn = w.layers.get(li + 1).map(|nl| &nl.hc_attn.proj).filter(|m| fusable(m));
             launch(
                 &mut ops,
                 k.combine,
-                rows_grid(d.div_ceil(256)),
-                256,
+                rows_grid(hc_blocks),
+                HC_WRITER_THREADS,
                 0,
-                vec![
-                    p(b.down_out.ptr),
-                    p(b.comb_slot.ptr),
-                    p(b.comb_w.ptr),
-                    p(b.comb_cnt.ptr),
-                    p(b.dsh.ptr),
-                    null,
-                    i(kk),
-                    i(d),
-                    // The FFN site's expansion of x, fused (no separate ds4_hc_post).
-                    p(b.x.ptr),
-                    p(b.mix_f.ptr),
-                    i(hc),
-                ],
+                [
+                    vec![
+                        p(b.down_out.ptr),
+                        p(b.comb_slot.ptr),
+                        p(b.comb_w.ptr),
+                        p(b.comb_cnt.ptr),
+                        p(b.dsh.ptr),
+                        null,
+                        i(kk),
+                        i(d),
+                        // The FFN site's expansion of x, fused (no separate ds4_hc_post).
+                        p(b.x.ptr),
+                        p(b.mix_f.ptr),
+                        i(hc),
+                    ],
+                    writer_proj(next_attn),
+                ]
+                .concat(),
             );
             if let Some(j) = capture.iter().position(|&c| c == li) {
                 let bytes = n * hc * d * 4;

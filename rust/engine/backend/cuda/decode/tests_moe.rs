@@ -4,7 +4,7 @@
 //! gather, gate/up products over the device-written table, SwiGLU, down products, combine.
 //! Without a GPU they print "skipped" and pass.
 
-use super::testutil::{assert_close, context, split_image, step, Arg, DevBuf};
+use super::testutil::{assert_close, assert_hc_partials, context, f16_proj, split_image, step, Arg, DevBuf};
 use crate::backend::cuda::context::{Context, THREADS};
 use crate::backend::cuda::{row_blocks, slices, CudaBackend, Desc};
 use crate::backend::{cpu, Cpu, Ops};
@@ -586,7 +586,7 @@ fn gather_and_combine_match_reference() {
             Arg::I32(d as i32),
         ];
         let grid = (d.div_ceil(256) as u32, n as u32, 1);
-        let alone = [Arg::Ptr(0), Arg::Ptr(0), Arg::I32(0)];
+        let alone = [Arg::Ptr(0), Arg::Ptr(0), Arg::I32(0), Arg::Ptr(0), Arg::Ptr(0)];
         ctx.launch_named("ds4_moe_combine", grid, 256, 0, &[&args[..], &alone].concat()).expect("ds4_moe_combine");
         ctx.sync().expect("ds4_moe_combine");
         let got: Vec<f32> = out.read(0, n * d).expect("read");
@@ -605,10 +605,17 @@ fn gather_and_combine_match_reference() {
             DevBuf::from_slice(&x).expect("x"),
             DevBuf::from_slice(&mix).expect("mix"),
         );
-        let post =
-            [Arg::Ptr(xa.at(0)), Arg::Ptr(out.at(0)), Arg::Ptr(mb.at(0)), Arg::I32(hc as i32), Arg::I32(d as i32)];
+        let post = [
+            Arg::Ptr(xa.at(0)),
+            Arg::Ptr(out.at(0)),
+            Arg::Ptr(mb.at(0)),
+            Arg::I32(hc as i32),
+            Arg::I32(d as i32),
+            Arg::Ptr(0),
+            Arg::Ptr(0),
+        ];
         ctx.launch_named("ds4_hc_post", grid, 256, 0, &post).expect("ds4_hc_post");
-        let fused = [Arg::Ptr(xb.at(0)), Arg::Ptr(mb.at(0)), Arg::I32(hc as i32)];
+        let fused = [Arg::Ptr(xb.at(0)), Arg::Ptr(mb.at(0)), Arg::I32(hc as i32), Arg::Ptr(0), Arg::Ptr(0)];
         ctx.launch_named("ds4_moe_combine", grid, 256, 0, &[&args[..], &fused].concat())
             .expect("fused ds4_moe_combine");
         ctx.sync().expect("ds4_moe_combine with ds4_hc_post");
@@ -617,6 +624,44 @@ fn gather_and_combine_match_reference() {
         for (i, (a, b)) in got_x.iter().zip(&want_x).enumerate() {
             assert_eq!(a.to_bits(), b.to_bits(), "{what}: fused expansion x[{i}]: got {a}, want {b}");
         }
+
+        // With the next site's F16 projection (the decode's DS4_CUDA_HC_FUSE): x as before, and
+        // each block's partial products of the new x with it [n, blocks, n_mix], bitwise those
+        // of ds4_hc_post with the same projection (tests_ops.rs fused_mixing_logits_match_cpu
+        // checks those against the CPU) and close to exact sums.
+        let n_mix = (2 + hc) * hc;
+        let blocks = d.div_ceil(256);
+        let (proj_raw, proj) = f16_proj(n_mix, hc * d, 0x5eed_0003 + d as u64);
+        let wb = DevBuf::from_slice(&proj_raw).expect("projection");
+        let nan = vec![f32::NAN; n * blocks * n_mix];
+        let (pa, pb) = (DevBuf::from_slice(&nan).expect("partials"), DevBuf::from_slice(&nan).expect("partials"));
+        let (xc, xd) = (DevBuf::from_slice(&x).expect("x"), DevBuf::from_slice(&x).expect("x"));
+        let post = [
+            Arg::Ptr(xc.at(0)),
+            Arg::Ptr(out.at(0)),
+            Arg::Ptr(mb.at(0)),
+            Arg::I32(hc as i32),
+            Arg::I32(d as i32),
+            Arg::Ptr(wb.at(0)),
+            Arg::Ptr(pa.at(0)),
+        ];
+        ctx.launch_named("ds4_hc_post", grid, 256, 0, &post).expect("ds4_hc_post with partials");
+        let fused =
+            [Arg::Ptr(xd.at(0)), Arg::Ptr(mb.at(0)), Arg::I32(hc as i32), Arg::Ptr(wb.at(0)), Arg::Ptr(pb.at(0))];
+        ctx.launch_named("ds4_moe_combine", grid, 256, 0, &[&args[..], &fused].concat())
+            .expect("ds4_moe_combine with partials");
+        ctx.sync().expect("ds4_moe_combine with partials");
+        let (post_x, comb_x): (Vec<f32>, Vec<f32>) = (xc.read(0, x.len()).expect("x"), xd.read(0, x.len()).expect("x"));
+        let (post_p, comb_p): (Vec<f32>, Vec<f32>) =
+            (pa.read(0, nan.len()).expect("partials"), pb.read(0, nan.len()).expect("partials"));
+        for (i, ((a, b), c)) in comb_x.iter().zip(&want_x).zip(&post_x).enumerate() {
+            assert_eq!(a.to_bits(), b.to_bits(), "{what}: x[{i}] with partials: got {a}, want {b}");
+            assert_eq!(c.to_bits(), b.to_bits(), "{what}: ds4_hc_post's x[{i}] with partials: got {c}, want {b}");
+        }
+        for (i, (a, b)) in comb_p.iter().zip(&post_p).enumerate() {
+            assert_eq!(a.to_bits(), b.to_bits(), "{what}: partial {i}: got {a}, ds4_hc_post's {b}");
+        }
+        assert_hc_partials(&format!("{what}: combine"), &comb_p, &proj, &want_x, hc, d, 256);
     }
 }
 
@@ -745,6 +790,8 @@ fn moe_on_device(ctx: &Context, l: &MoeLayer, img: &DevBuf, h: &[f32], tokens: &
         Arg::Ptr(0),
         Arg::Ptr(0),
         Arg::I32(0),
+        Arg::Ptr(0),
+        Arg::Ptr(0),
     ];
     ctx.launch_named("ds4_moe_combine", (d.div_ceil(256) as u32, n as u32, 1), 256, 0, &args).expect("ds4_moe_combine");
     ctx.sync().expect("running the MoE kernels");
