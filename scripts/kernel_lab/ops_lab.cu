@@ -120,7 +120,7 @@ int main(int argc, char** argv) {
         }
         void* rms_args[] = {&x, &flat, &hc_d, &eps};
         time_kernel("rms_plain of 16384", rms_plain, 1, 1, 1024, rms_args);
-        void* post_args[] = {&x, &f, &mix, &hc, &d, &none, &none};
+        void* post_args[] = {&x, &f, &mix, &hc, &d};
         time_kernel("hc_post", hc_post, d / 256, 1, 256, post_args);
         int count = 6;
         float clamp = 10.0f;

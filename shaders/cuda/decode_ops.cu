@@ -547,8 +547,8 @@ __device__ __forceinline__ void hc_pre_streams(int hc, const float* raw, const f
 // The hyper-connection collapse of one row after its mixing logits (rust/engine/model/hyper.rs
 // pre). With parts = 0, logits [n, n_mix] (n_mix = (2 + hc) * hc) is the product of the site's
 // projection with the raw streams (see hc_pre_row); with parts > 0 it is the partial products
-// [n, parts, n_mix] that the writer of x left (ds4_hc_post or ds4_moe_combine with a
-// projection, one [n_mix] per block of theirs: hc_post_proj), and each logit is first their
+// [n, parts, n_mix] that the writer of x left (ds4_hc_post_proj or ds4_moe_combine_proj, one
+// [n_mix] per block of theirs: hc_post_proj), and each logit is first their
 // sum in block order b = 0, 1, ..., parts - 1 (float, from 0; the same order for every row and
 // batch). x [n, hc * d] streams, y [n, d] the collapse, mix [n, hc + hc * hc] the row's Mix
 // (post[0..hc], then comb[i * hc + j] = weight of input stream i in output stream j, after
@@ -611,8 +611,8 @@ __device__ __forceinline__ void ds4_hc_post_at(float* x, float fk, const float* 
     }
 }
 
-// The next site's mixing logits, fused into the kernel that writes its streams (ds4_hc_post,
-// ds4_moe_combine with `parts`): each block leaves the partial products of the new x values it
+// The next site's mixing logits, fused into the kernel that writes its streams
+// (ds4_hc_post_proj, ds4_moe_combine_proj): each block leaves the partial products of the new x values it
 // wrote (all HC streams of its elements) with the NM = (2 + HC) * HC rows of the site's
 // projection, and that site's ds4_hc_pre sums them (its `parts` argument). In a CUPTI trace of
 // a Flash decode step on an H200 the separate F16 product (24 x 16384, 786 KB) cost about 5 us
@@ -742,15 +742,26 @@ __device__ __forceinline__ void hc_post_proj_streams(int hc, F fk, float* x, con
     }
 }
 
-// ds4_hc_post_at over rows of f [n, d], the sublayer output. With `parts` (may be null) also the
-// next site's partial products: proj F16 [(2 + hc) * hc, hc * d] that site's projection, parts
-// [n, gridDim.x, (2 + hc) * hc] (hc_post_proj; hc <= DS4_HC_PRE_MAX, at most 1024 threads).
-// Grid (ceil(d / blockDim.x), n).
-extern "C" __global__ void ds4_hc_post(float* x, const float* f, const float* mix, int hc, int d,
-                                       const unsigned short* proj, float* parts) {
+// ds4_hc_post_at over rows of f [n, d], the sublayer output. Grid (ceil(d / blockDim.x), n).
+extern "C" __global__ void ds4_hc_post(float* x, const float* f, const float* mix, int hc, int d) {
+    ds4_grid_lead();
+    const int r = blockIdx.y;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < d) {
+        ds4_hc_post_at(x, f[(long long)r * d + i], mix, hc, d, r, i);
+    }
+}
+
+// ds4_hc_post and the next site's partial products: proj F16 [(2 + hc) * hc, hc * d] that
+// site's projection, parts [n, gridDim.x, (2 + hc) * hc] (hc_post_proj; hc <= DS4_HC_PRE_MAX, at
+// most 1024 threads). With parts null, exactly ds4_hc_post. Grid (ceil(d / blockDim.x), n).
+// (An entry point of its own: the fused path keeps its thread's weights in registers, about 230
+// a thread on sm_90, which would also be ds4_hc_post's and limit it to one block of 256 an SM.)
+extern "C" __global__ void ds4_hc_post_proj(float* x, const float* f, const float* mix, int hc, int d,
+                                            const unsigned short* proj, float* parts) {
+    auto fk = [&](int r, int i) { return f[(long long)r * d + i]; };
     if (parts != nullptr) {
         ds4_grid_launch();
-        auto fk = [&](int r, int i) { return f[(long long)r * d + i]; };
         hc_post_proj_streams<DS4_HC_PRE_MAX>(hc, fk, x, mix, d, proj, parts);
         return;
     }
@@ -758,7 +769,7 @@ extern "C" __global__ void ds4_hc_post(float* x, const float* f, const float* mi
     const int r = blockIdx.y;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < d) {
-        ds4_hc_post_at(x, f[(long long)r * d + i], mix, hc, d, r, i);
+        ds4_hc_post_at(x, fk(r, i), mix, hc, d, r, i);
     }
 }
 

@@ -329,8 +329,8 @@ struct Bufs {
     x: DevBuf,
     flat: DevBuf,
     mixl: DevBuf,
-    /// The next site's partial mixing logits [n, ceil(d / 256), n_mix] that ds4_hc_post and
-    /// ds4_moe_combine leave for ds4_hc_pre (see [`CudaDecoder::hc_fuse`]).
+    /// The next site's partial mixing logits [n, ceil(d / 256), n_mix] that ds4_hc_post_proj and
+    /// ds4_moe_combine_proj leave for ds4_hc_pre (see [`CudaDecoder::hc_fuse`]).
     hc_part: DevBuf,
     mix_a: DevBuf,
     mix_f: DevBuf,
@@ -435,6 +435,7 @@ struct Kernels {
     rms_weight: sys::CUfunction,
     hc_pre: sys::CUfunction,
     hc_post: sys::CUfunction,
+    hc_post_proj: sys::CUfunction,
     hc_sinkhorn: sys::CUfunction,
     hc_head: sys::CUfunction,
     finish_rows: sys::CUfunction,
@@ -447,6 +448,7 @@ struct Kernels {
     route: sys::CUfunction,
     gather: sys::CUfunction,
     combine: sys::CUfunction,
+    combine_proj: sys::CUfunction,
     pack: sys::CUfunction,
     argmax: sys::CUfunction,
     /// Every handle above with its name (profiles).
@@ -471,6 +473,7 @@ impl Kernels {
             rms_weight: f("ds4_rms_weight")?,
             hc_pre: f("ds4_hc_pre")?,
             hc_post: f("ds4_hc_post")?,
+            hc_post_proj: f("ds4_hc_post_proj")?,
             hc_sinkhorn: f("ds4_hc_sinkhorn")?,
             hc_head: f("ds4_hc_head")?,
             finish_rows: f("ds4_finish_rows")?,
@@ -483,6 +486,7 @@ impl Kernels {
             route: f("ds4_route")?,
             gather: f("ds4_gather")?,
             combine: f("ds4_moe_combine")?,
+            combine_proj: f("ds4_moe_combine_proj")?,
             pack: f("ds4_pack")?,
             argmax: f("ds4_argmax_rows")?,
             names: Vec::new(),
@@ -527,8 +531,8 @@ pub(crate) struct CudaDecoder {
     /// The side branch (None with `DS4_CUDA_FORK=0`).
     side: Option<SideBranch>,
     /// Whether the hyper-connection sites' mixing logits come from the kernel that writes their
-    /// streams (ds4_hc_post for the FFN site, the previous layer's ds4_moe_combine for the
-    /// attention site: each block's partial products, which ds4_hc_pre sums) instead of a
+    /// streams (ds4_hc_post_proj for the FFN site, the previous layer's ds4_moe_combine_proj
+    /// for the attention site: each block's partial products, which ds4_hc_pre sums) instead of a
     /// product launch of their own. In a CUPTI trace of a Flash decode step on an H200 that F16
     /// product (24 x 16384, 786 KB) cost about 5 us on the critical path at each of the 86
     /// sites, pure launch and latency (its input ready, little to read). Layer 0's attention
@@ -1024,10 +1028,12 @@ impl CudaDecoder {
                 && m.n_in == hc * d
                 && m.row_bytes == 2 * m.n_in
         };
-        // A writer's last two arguments: the next site's projection and the partials, or nulls.
-        let writer_proj = |m: Option<&Mat>| match m {
-            Some(m) => vec![p(img.addr(m.start)), p(b.hc_part.ptr)],
-            None => vec![null, null],
+        // A writer (ds4_hc_post, ds4_moe_combine) and its arguments after `args`: without a
+        // next site's projection, the plain kernel; with one, its _proj kernel, which also
+        // takes the projection and the partials (its own entry point, see decode_ops.cu).
+        let writer = |plain: sys::CUfunction, with: sys::CUfunction, args: Vec<PArg>, m: Option<&Mat>| match m {
+            Some(m) => (with, [args, vec![p(img.addr(m.start)), p(b.hc_part.ptr)]].concat()),
+            None => (plain, args),
         };
 
         for (li, (lw, spec)) in w.layers.iter().zip(&cfg.layers).enumerate() {
@@ -1272,15 +1278,16 @@ impl CudaDecoder {
             // The attention site's hyper-connection expansion of x (the FFN site's is fused
             // into ds4_moe_combine), with the FFN site's partial mixing logits when fused.
             let ffn_fused = fusable(&lw.hc_ffn.proj);
-            let args = [
+            let (post, args) = writer(
+                k.hc_post,
+                k.hc_post_proj,
                 vec![p(b.x.ptr), p(b.attn_out.ptr), p(b.mix_a.ptr), i(hc), i(d)],
-                writer_proj(ffn_fused.then_some(&lw.hc_ffn.proj)),
-            ]
-            .concat();
+                ffn_fused.then_some(&lw.hc_ffn.proj),
+            );
             if fork {
                 ops.push(Op::Join);
             }
-            launch(&mut ops, k.hc_post, rows_grid(hc_blocks), HC_WRITER_THREADS, 0, args);
+            launch(&mut ops, post, rows_grid(hc_blocks), HC_WRITER_THREADS, 0, args);
 
             // ---- MoE
             hc_site(&mut ops, &mut table, &lw.hc_ffn, &c.hc_ffn, b.mix_f.ptr, c.ffn_norm.ptr, ffn_fused)?;
@@ -1442,31 +1449,26 @@ impl CudaDecoder {
             // The next layer's attention site's partial mixing logits when fused (the last
             // layer's streams go to the head, which keeps its product).
             let next_attn = w.layers.get(li + 1).map(|nl| &nl.hc_attn.proj).filter(|m| fusable(m));
-            launch(
-                &mut ops,
+            let (combine, args) = writer(
                 k.combine,
-                rows_grid(hc_blocks),
-                HC_WRITER_THREADS,
-                0,
-                [
-                    vec![
-                        p(b.down_out.ptr),
-                        p(b.comb_slot.ptr),
-                        p(b.comb_w.ptr),
-                        p(b.comb_cnt.ptr),
-                        p(b.dsh.ptr),
-                        null,
-                        i(kk),
-                        i(d),
-                        // The FFN site's expansion of x, fused (no separate ds4_hc_post).
-                        p(b.x.ptr),
-                        p(b.mix_f.ptr),
-                        i(hc),
-                    ],
-                    writer_proj(next_attn),
-                ]
-                .concat(),
+                k.combine_proj,
+                vec![
+                    p(b.down_out.ptr),
+                    p(b.comb_slot.ptr),
+                    p(b.comb_w.ptr),
+                    p(b.comb_cnt.ptr),
+                    p(b.dsh.ptr),
+                    null,
+                    i(kk),
+                    i(d),
+                    // The FFN site's expansion of x, fused (no separate ds4_hc_post).
+                    p(b.x.ptr),
+                    p(b.mix_f.ptr),
+                    i(hc),
+                ],
+                next_attn,
             );
+            launch(&mut ops, combine, rows_grid(hc_blocks), HC_WRITER_THREADS, 0, args);
             if let Some(j) = capture.iter().position(|&c| c == li) {
                 let bytes = n * hc * d * 4;
                 ops.push(Op::Copy { dst: b.capture.ptr + (j * N_MAX * hc * d * 4) as u64, src: b.x.ptr, bytes });

@@ -367,12 +367,20 @@ fn hc_pre_matches_cpu() {
 
 /// `ds4_hc_post` in place on `x` (n rows of hc * d).
 fn run_hc_post(ctx: &Context, x: &[f32], f: &[f32], mix: &[f32], d: usize) -> Vec<f32> {
-    run_hc_post_parts(ctx, HC, x, f, mix, d, None).0
+    let n = f.len() / d;
+    let (xb, fb, mb) = (buf(x), buf(f), buf(mix));
+    launch(
+        ctx,
+        "ds4_hc_post",
+        (d.div_ceil(BLOCK as usize), n),
+        &[ptr(&xb), ptr(&fb), ptr(&mb), Arg::I32(HC as i32), Arg::I32(d as i32)],
+    );
+    read(ctx, &xb, x.len())
 }
 
-/// `ds4_hc_post` with `hc` streams, and with `proj` (the next site's F16 projection
-/// [(2 + hc) * hc, hc * d] on the device) its partial products [n, blocks, n_mix] too (else
-/// none, a null pointer): (x, the partials).
+/// `ds4_hc_post_proj` with `hc` streams: with `proj` (the next site's F16 projection
+/// [(2 + hc) * hc, hc * d] on the device) x and its partial products [n, blocks, n_mix], else
+/// (null pointers) only x, as ds4_hc_post: (x, the partials).
 fn run_hc_post_parts(
     ctx: &Context,
     hc: usize,
@@ -393,7 +401,7 @@ fn run_hc_post_parts(
     };
     launch(
         ctx,
-        "ds4_hc_post",
+        "ds4_hc_post_proj",
         (blocks, n),
         &[ptr(&xb), ptr(&fb), ptr(&mb), Arg::I32(hc as i32), Arg::I32(d as i32), wp, pp],
     );
@@ -416,8 +424,8 @@ fn random_mixes(n: usize, hc: usize, seed: u64) -> (Vec<Mix>, Vec<f32>) {
     (mixes, mix)
 }
 
-/// The decode's fused mixing logits (DS4_CUDA_HC_FUSE): ds4_hc_post with the next site's F16
-/// projection leaves each block's partial products of the new streams, and ds4_hc_pre sums
+/// The decode's fused mixing logits (DS4_CUDA_HC_FUSE): ds4_hc_post_proj with the next site's
+/// F16 projection leaves each block's partial products of the new streams, and ds4_hc_pre sums
 /// them. Checked against the CPU (hyper::post, then hyper::pre with the same F16 projection),
 /// against ds4_hc_pre given those sums as logits (bitwise: the same sums in the same order),
 /// and for row invariance. The same partials from ds4_moe_combine: tests_moe.rs.
@@ -455,10 +463,14 @@ fn fused_mixing_logits_match_cpu() {
             rms_norm(row, &nw, EPS);
         }
 
-        // The expansion: x bitwise as without the projection; the partials of the new x.
+        // The expansion: x bitwise as ds4_hc_post's, and as without the partials (null); the
+        // partials of the new x.
         let (got_x, parts) = run_hc_post_parts(&ctx, hc, &x, &f, &mix, d, Some(&wb));
-        let (plain_x, _) = run_hc_post_parts(&ctx, hc, &x, &f, &mix, d, None);
-        assert_bits(&format!("{what}: x against ds4_hc_post alone"), &got_x, &plain_x);
+        let (null_x, _) = run_hc_post_parts(&ctx, hc, &x, &f, &mix, d, None);
+        assert_bits(&format!("{what}: x without partials"), &null_x, &got_x);
+        if hc == HC {
+            assert_bits(&format!("{what}: x against ds4_hc_post"), &run_hc_post(&ctx, &x, &f, &mix, d), &got_x);
+        }
         assert_close(&format!("{what}: x"), &got_x, &want_x, 1e-5);
         assert_hc_partials(&what, &parts, &proj, &got_x, hc, d, BLOCK as usize);
 
