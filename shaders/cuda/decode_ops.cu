@@ -548,9 +548,8 @@ __device__ __forceinline__ void hc_pre_streams(int hc, const float* raw, const f
 // pre). With parts = 0, logits [n, n_mix] (n_mix = (2 + hc) * hc) is the product of the site's
 // projection with the raw streams (see hc_pre_row); with parts > 0 it is the partial products
 // [n, parts, n_mix] that the writer of x left (ds4_hc_post_proj or ds4_moe_combine_proj, one
-// [n_mix] per block of theirs: hc_post_proj), and each logit is first their
-// sum in block order b = 0, 1, ..., parts - 1 (float, from 0; the same order for every row and
-// batch). x [n, hc * d] streams, y [n, d] the collapse, mix [n, hc + hc * hc] the row's Mix
+// [n_mix] per block of theirs: hc_post_proj), and each logit is first their sum in block order
+// b = 0, 1, ..., parts - 1 (float, from 0; the same order for every row and batch). x [n, hc * d] streams, y [n, d] the collapse, mix [n, hc + hc * hc] the row's Mix
 // (post[0..hc], then comb[i * hc + j] = weight of input stream i in output stream j, after
 // Sinkhorn). base and scale are the site's HyperWeights base (n_mix floats) and scale (3
 // floats). With `norm` (d floats, may be null) y is then replaced by its RMS norm with that
@@ -612,9 +611,9 @@ __device__ __forceinline__ void ds4_hc_post_at(float* x, float fk, const float* 
 }
 
 // The next site's mixing logits, fused into the kernel that writes its streams
-// (ds4_hc_post_proj, ds4_moe_combine_proj): each block leaves the partial products of the new x values it
-// wrote (all HC streams of its elements) with the NM = (2 + HC) * HC rows of the site's
-// projection, and that site's ds4_hc_pre sums them (its `parts` argument). In a CUPTI trace of
+// (ds4_hc_post_proj, ds4_moe_combine_proj): each block leaves the partial products of the new
+// x values it wrote (all HC streams of its elements) with the NM = (2 + HC) * HC rows of the
+// site's projection, and that site's ds4_hc_pre sums them (its `parts` argument). In a CUPTI trace of
 // a Flash decode step on an H200 the separate F16 product (24 x 16384, 786 KB) cost about 5 us
 // on the critical path at each of the 86 sites, pure launch and latency: its input was ready
 // and it read little. DS4_CUDA_HC_FUSE=0 keeps that product (A/B), and layer 0's attention
