@@ -75,3 +75,76 @@ pub(crate) fn split_image(raw: &[u8], tensors: &[crate::model::weights::Mat]) ->
     }
     out
 }
+
+/// A hyper-connection projection of `n_out` rows over `n_in` inputs in F16, rows uniform in
+/// ±3/sqrt(n_in) (mixing logits of order one): (its bytes, rows contiguous as the writer
+/// kernels read them, and its values as floats, exactly).
+pub(crate) fn f16_proj(n_out: usize, n_in: usize, seed: u64) -> (Vec<u8>, Vec<f32>) {
+    let vals: Vec<f32> = randn(n_out * n_in, seed, 3.0 / (n_in as f32).sqrt())
+        .iter()
+        .map(|&v| half::f16::from_f32(v).to_f32())
+        .collect();
+    let raw = vals.iter().flat_map(|&v| half::f16::from_f32(v).to_bits().to_le_bytes()).collect();
+    (raw, vals)
+}
+
+/// The mixing logits [n, n_mix] from the partial products [n, blocks, n_mix] that ds4_hc_post
+/// and ds4_moe_combine leave: each the sum of its partials in block order in float, from 0, as
+/// ds4_hc_pre sums them.
+pub(crate) fn sum_partials(parts: &[f32], n_mix: usize, blocks: usize) -> Vec<f32> {
+    let n = parts.len() / (blocks * n_mix);
+    let mut out = vec![0f32; n * n_mix];
+    for r in 0..n {
+        for k in 0..n_mix {
+            let mut s = 0f32;
+            for b in 0..blocks {
+                s += parts[(r * blocks + b) * n_mix + k];
+            }
+            out[r * n_mix + k] = s;
+        }
+    }
+    out
+}
+
+/// Asserts that `parts` [n, blocks, n_mix] are the products of the projection `proj`
+/// [n_mix, hc * d] with the streams `x` [n, hc * d] over each block of `block` elements of d
+/// (all hc streams of them): each within 1e-5 of the block's sum of |w x| of the exact (f64)
+/// sum. Also that `x` has rows at all (a vacuous check fails).
+#[track_caller]
+pub(crate) fn assert_hc_partials(
+    what: &str,
+    parts: &[f32],
+    proj: &[f32],
+    x: &[f32],
+    hc: usize,
+    d: usize,
+    block: usize,
+) {
+    let n_in = hc * d;
+    let n_mix = proj.len() / n_in;
+    let blocks = d.div_ceil(block);
+    let n = x.len() / n_in;
+    assert!(n > 0 && n_mix > 0, "{what}: no rows");
+    assert_eq!(parts.len(), n * blocks * n_mix, "{what}: partials length");
+    for r in 0..n {
+        let xr = &x[r * n_in..(r + 1) * n_in];
+        for b in 0..blocks {
+            for k in 0..n_mix {
+                let wk = &proj[k * n_in..(k + 1) * n_in];
+                let (mut s, mut a) = (0f64, 0f64);
+                for st in 0..hc {
+                    for i in b * block..((b + 1) * block).min(d) {
+                        let t = wk[st * d + i] as f64 * xr[st * d + i] as f64;
+                        s += t;
+                        a += t.abs();
+                    }
+                }
+                let got = parts[(r * blocks + b) * n_mix + k];
+                assert!(
+                    (got as f64 - s).abs() <= 1e-5 * a + 1e-30,
+                    "{what}: partial [{r}, {b}, {k}]: got {got}, want {s} (sum of |w x| {a})"
+                );
+            }
+        }
+    }
+}
