@@ -63,108 +63,297 @@ extern "C" __global__ void ds4_finish_rows(float* q, int n_heads, int head_dim, 
 
 // ---- 2. compressor (rust/engine/state/layer.rs CompressorState::push, then
 // rust/engine/model/forward.rs compress_step's norm, rope and rounding of an emitted row)
+//
+// Staged loads: in an H200 trace a one-row launch that closed a window took about 18 us more
+// than one that did not, and a 16-row launch 46 us against 8. The loops waited on one global
+// load after another: without __restrict__ a copy's next load could not pass its last store
+// (the backup, the shift), and the pooling went over the candidates pass after pass. Here each
+// round's loads are all issued before their values are used: the slots of the rows up to a
+// window's close in one copy (DS4_COMP_STAGE floats per thread at a time, one barrier before
+// the close, none between rows that do not close), and a window's pooling reads each feature's
+// candidates and the shift's Ca halves into registers at once (DS4_COMP_CANDS), writing the
+// backup and the shifted previous window from them; the rope's cos and sin are computed while
+// those loads are in flight. The arithmetic is the reference's, operation for operation, in
+// the same order, so the results are unchanged.
 
 // Most features of a compressed row.
 #define DS4_COMP_MAX_WIDTH 1024
+// Floats per thread that a slot copy loads before storing.
+#define DS4_COMP_STAGE 8
+// Features per thread that a pooling pass handles together.
+#define DS4_COMP_FEATS 2
+// Candidates per feature that the pooling holds in registers: all of them when ratio <= half
+// this (CSA's 4: the previous window's and this one's), else it goes over each window's in
+// chunks of this many, three times (max, sum, weighted sum: HCA's 128).
+#define DS4_COMP_CANDS 8
+// Norm weights per thread held in registers (widths up to this many times the block).
+#define DS4_COMP_NORM 4
 
 // Feeds rows r = 0..n-1 (in order) of kv and gate ([n, pw] each) to one compressor. ape is
 // [R, pw], norm [width], inv_freq [rope_dim / 2]. When the row closes a window (and overlap),
 // prev is first saved to backup + r * 2 * R * width (16 areas), so the host can undo a
 // rejected row's window close. round_mode: ds4_round_store's mode. Grid (1); block a multiple
-// of 32, at most 1024 (the host launches 256); the same block size for every launch (the RMS
-// sum's tree depends on it). width <= DS4_COMP_MAX_WIDTH.
-extern "C" __global__ void ds4_compress(const float* __restrict__ kv, const float* __restrict__ gate,
-                                        const float* __restrict__ ape, const float* __restrict__ norm, float eps,
-                                        float* cur_kv, float* cur_score, float* prev, float* backup, float* rows,
-                                        int width, int ratio, int overlap, const float* __restrict__ inv_freq,
-                                        int rope_dim, int round_mode, int n, const int* __restrict__ step) {
+// of 32, at most 256 (the host launches 256: about 128 registers a thread); the same block
+// size for every launch (the RMS sum's tree depends on it). width <= DS4_COMP_MAX_WIDTH,
+// rope_dim <= width. The buffers are distinct allocations (none aliases another).
+extern "C" __global__ void __launch_bounds__(256)
+    ds4_compress(const float* __restrict__ kv, const float* __restrict__ gate, const float* __restrict__ ape,
+                 const float* __restrict__ norm, float eps, float* __restrict__ cur_kv, float* __restrict__ cur_score,
+                 float* __restrict__ prev, float* __restrict__ backup, float* __restrict__ rows, int width, int ratio,
+                 int overlap, const float* __restrict__ inv_freq, int rope_dim, int round_mode, int n,
+                 const int* __restrict__ step) {
     ds4_grid_deps();
     __shared__ double red[32];
     __shared__ float row[DS4_COMP_MAX_WIDTH];
+    constexpr int F = DS4_COMP_FEATS;
+    constexpr int C = DS4_COMP_CANDS;
+    constexpr int CS = C / 2;
+    const int tid = threadIdx.x;
+    const int bd = blockDim.x;
     const int R = ratio;
     const int pw = (overlap ? 2 : 1) * width;
     const int own = overlap ? width : 0;
     float* prev_kv = prev;
     float* prev_score = overlap ? prev + (long long)R * width : nullptr;
+    const bool fits = R <= CS;
     const long long pos0 = step[0];
-    for (int r = 0; r < n; r++) {
-        const long long pos = pos0 + r;
-        const int slot = (int)(pos % R);
-        // CompressorState::push: store the slot (score = gate + ape of the slot).
-        const float* kr = kv + (long long)r * pw;
-        const float* gr = gate + (long long)r * pw;
-        const float* ar = ape + (long long)slot * pw;
-        for (int f = threadIdx.x; f < pw; f += blockDim.x) {
-            cur_kv[slot * pw + f] = kr[f];
-            cur_score[slot * pw + f] = gr[f] + ar[f];
+    for (int r = 0; r < n;) {
+        // CompressorState::push: store the slots (score = gate + ape of the slot) of rows r ..
+        // r + cnt - 1, up to the one that closes the window (consecutive slots s0 ..).
+        const int s0 = (int)((pos0 + r) % R);
+        const int cnt = min(n - r, R - s0);
+        {
+            const int len = cnt * pw;
+            const float* kr = kv + (long long)r * pw;
+            const float* gr = gate + (long long)r * pw;
+            const float* ar = ape + (long long)s0 * pw;
+            float* dk = cur_kv + (long long)s0 * pw;
+            float* ds = cur_score + (long long)s0 * pw;
+            for (int i0 = tid; i0 < len; i0 += DS4_COMP_STAGE * bd) {
+                float a[DS4_COMP_STAGE];
+                float b[DS4_COMP_STAGE];
+#pragma unroll
+                for (int k = 0; k < DS4_COMP_STAGE; k++) {
+                    const int i = i0 + k * bd;
+                    a[k] = i < len ? kr[i] : 0.0f;
+                    b[k] = i < len ? gr[i] + ar[i] : 0.0f;
+                }
+#pragma unroll
+                for (int k = 0; k < DS4_COMP_STAGE; k++) {
+                    const int i = i0 + k * bd;
+                    if (i < len) {
+                        dk[i] = a[k];
+                        ds[i] = b[k];
+                    }
+                }
+            }
         }
+        r += cnt;
+        if (s0 + cnt != R) {
+            break;  // the launch's last rows leave the window open
+        }
+        const int rc = r - 1;  // the row that closes the window
+        const long long pos = pos0 + rc;
+        const int rpos = (int)(pos + 1 - R);
         __syncthreads();
-        if ((pos + 1) % R != 0) {
-            continue;
+        float nw[DS4_COMP_NORM];
+#pragma unroll
+        for (int k = 0; k < DS4_COMP_NORM; k++) {
+            const int f = tid + k * bd;
+            nw[k] = f < width ? norm[f] : 0.0f;
         }
-        if (overlap) {
-            float* b = backup + (long long)r * 2 * R * width;
-            for (int i = threadIdx.x; i < 2 * R * width; i += blockDim.x) {
-                b[i] = prev[i];
-            }
-        }
-        // Pool each feature: softmax over the candidates (the previous window's Ca slots when
-        // overlapping, then this window's own slots), in the reference's order.
-        for (int f = threadIdx.x; f < width; f += blockDim.x) {
-            float m = __int_as_float(0xff800000);  // -inf
-            if (overlap) {
-                for (int j = 0; j < R; j++) {
-                    m = fmaxf(m, prev_score[j * width + f]);
+        // The cosine and sine of this thread's rope pair (tid < rope_dim / 2 <= width / 2),
+        // computed while the first pooling loads are in flight.
+        float rope_c = 0.0f;
+        float rope_s = 0.0f;
+        bool rope_cs = false;
+        float* bk = overlap ? backup + rc * 2 * R * width : nullptr;
+        // Pool each feature: softmax over the candidates. Thread tid pools features tid + q * bd;
+        // it alone reads and writes column f of prev (and of the backup area).
+        for (int f0 = tid; f0 < width; f0 += F * bd) {
+            // The candidates' scores and kvs: when they fit, candidate j of segment seg (0: the
+            // previous window, 1: this one) at seg * CS + j, else a chunk of one segment's.
+            float s[F][C];
+            float k[F][C];
+            float ca_k[F][CS];  // when they fit (overlap): the shift's Ca halves
+            float ca_s[F][CS];
+            if (fits) {
+#pragma unroll
+                for (int q = 0; q < F; q++) {
+                    const int f = f0 + q * bd;
+#pragma unroll
+                    for (int c = 0; c < C; c++) {
+                        const int seg = c / CS;
+                        const int j = c % CS;
+                        const bool ok = f < width && j < R && (seg == 1 || overlap);
+                        const int at = seg ? j * pw + own + f : j * width + f;
+                        s[q][c] = ok ? (seg ? cur_score : prev_score)[at] : 0.0f;
+                        k[q][c] = ok ? (seg ? cur_kv : prev_kv)[at] : 0.0f;
+                    }
+#pragma unroll
+                    for (int j = 0; j < CS; j++) {
+                        const bool ok = overlap && f < width && j < R;
+                        ca_k[q][j] = ok ? cur_kv[j * pw + f] : 0.0f;
+                        ca_s[q][j] = ok ? cur_score[j * pw + f] : 0.0f;
+                    }
                 }
             }
-            for (int j = 0; j < R; j++) {
-                m = fmaxf(m, cur_score[j * pw + own + f]);
+            if (f0 == tid && tid < rope_dim / 2) {
+                ds4_rope_cs(inv_freq, rpos, tid, rope_c, rope_s);
+                rope_cs = true;
             }
-            float denom = 0.0f;
-            if (overlap) {
-                for (int j = 0; j < R; j++) {
-                    denom += expf(prev_score[j * width + f] - m);
+            float m[F];
+            float denom[F];
+            float acc[F];
+#pragma unroll
+            for (int q = 0; q < F; q++) {
+                m[q] = __int_as_float(0xff800000);  // -inf
+                denom[q] = 0.0f;
+                acc[q] = 0.0f;
+            }
+            // Pass 0 (m = the max score), 1 (s becomes expf(score - m), the softmax numerator,
+            // summed into denom) or 2 (acc = the weighted sum of the kvs) on candidate j of
+            // segment seg, at c in s and k; passes 0 and 2 copy the previous window's to the
+            // backup area.
+            auto op = [&](int pass, int c, int seg, int j) {
+#pragma unroll
+                for (int q = 0; q < F; q++) {
+                    const int f = f0 + q * bd;
+                    if (pass == 0) {
+                        m[q] = fmaxf(m[q], s[q][c]);
+                        if (seg == 0 && f < width) {
+                            bk[(R + j) * width + f] = s[q][c];  // prev_score
+                        }
+                    } else if (pass == 1) {
+                        s[q][c] = expf(s[q][c] - m[q]);
+                        denom[q] += s[q][c];
+                    } else {
+                        acc[q] += k[q][c] * (s[q][c] / denom[q]);
+                        if (seg == 0 && f < width) {
+                            bk[j * width + f] = k[q][c];  // prev_kv
+                        }
+                    }
+                }
+            };
+            // Runs a pass on every candidate in the reference's order (the previous window's,
+            // overlap only, then this window's own); when they do not fit, loads each chunk
+            // first (with the kvs and expf(score - m) for pass 2).
+            auto each = [&](int pass) {
+                if (fits) {
+#pragma unroll
+                    for (int c = 0; c < C; c++) {
+                        const int seg = c / CS;
+                        const int j = c % CS;
+                        if ((seg == 1 || overlap) && j < R) {
+                            op(pass, c, seg, j);
+                        }
+                    }
+                    return;
+                }
+                for (int seg = overlap ? 0 : 1; seg < 2; seg++) {
+                    const float* ps = seg ? cur_score + own : prev_score;
+                    const float* pk = seg ? cur_kv + own : prev_kv;
+                    const int stride = seg ? pw : width;
+                    for (int j0 = 0; j0 < R; j0 += C) {
+#pragma unroll
+                        for (int q = 0; q < F; q++) {
+                            const int f = f0 + q * bd;
+#pragma unroll
+                            for (int c = 0; c < C; c++) {
+                                const bool ok = f < width && j0 + c < R;
+                                s[q][c] = ok ? ps[(j0 + c) * stride + f] : 0.0f;
+                                if (pass == 2) {
+                                    k[q][c] = ok ? pk[(j0 + c) * stride + f] : 0.0f;
+                                    s[q][c] = expf(s[q][c] - m[q]);
+                                }
+                            }
+                        }
+#pragma unroll
+                        for (int c = 0; c < C; c++) {
+                            if (j0 + c < R) {
+                                op(pass, c, seg, j0 + c);
+                            }
+                        }
+                    }
+                }
+            };
+            each(0);
+            each(1);
+            each(2);
+#pragma unroll
+            for (int q = 0; q < F; q++) {
+                const int f = f0 + q * bd;
+                if (f < width) {
+                    row[f] = acc[q];
                 }
             }
-            for (int j = 0; j < R; j++) {
-                denom += expf(cur_score[j * pw + own + f] - m);
-            }
-            float acc = 0.0f;
-            if (overlap) {
-                for (int j = 0; j < R; j++) {
-                    acc += prev_kv[j * width + f] * (expf(prev_score[j * width + f] - m) / denom);
+            // The window's Ca halves become the previous window's (this thread's columns, all
+            // read above).
+            if (overlap && fits) {
+#pragma unroll
+                for (int q = 0; q < F; q++) {
+                    const int f = f0 + q * bd;
+#pragma unroll
+                    for (int j = 0; j < CS; j++) {
+                        if (f < width && j < R) {
+                            prev_kv[j * width + f] = ca_k[q][j];
+                            prev_score[j * width + f] = ca_s[q][j];
+                        }
+                    }
+                }
+            } else if (overlap) {
+                for (int j0 = 0; j0 < R; j0 += C) {
+#pragma unroll
+                    for (int q = 0; q < F; q++) {
+                        const int f = f0 + q * bd;
+#pragma unroll
+                        for (int c = 0; c < C; c++) {
+                            const bool ok = f < width && j0 + c < R;
+                            k[q][c] = ok ? cur_kv[(j0 + c) * pw + f] : 0.0f;
+                            s[q][c] = ok ? cur_score[(j0 + c) * pw + f] : 0.0f;
+                        }
+                    }
+#pragma unroll
+                    for (int q = 0; q < F; q++) {
+                        const int f = f0 + q * bd;
+#pragma unroll
+                        for (int c = 0; c < C; c++) {
+                            if (f < width && j0 + c < R) {
+                                prev_kv[(j0 + c) * width + f] = k[q][c];
+                                prev_score[(j0 + c) * width + f] = s[q][c];
+                            }
+                        }
+                    }
                 }
             }
-            for (int j = 0; j < R; j++) {
-                acc += cur_kv[j * pw + own + f] * (expf(cur_score[j * pw + own + f] - m) / denom);
-            }
-            row[f] = acc;
         }
         __syncthreads();
         // compress_step: rms_norm with the weight, rope at the window's first position, rounding.
-        const float s = ds4_rms_scale(row, width, eps, red);
-        for (int f = threadIdx.x; f < width; f += blockDim.x) {
-            row[f] = norm[f] * (row[f] * s);
+        const float sc = ds4_rms_scale(row, width, eps, red);
+#pragma unroll
+        for (int k = 0; k < DS4_COMP_NORM; k++) {
+            const int f = tid + k * bd;
+            if (f < width) {
+                row[f] = nw[k] * (row[f] * sc);
+            }
+        }
+        for (int f = tid + DS4_COMP_NORM * bd; f < width; f += bd) {
+            row[f] = norm[f] * (row[f] * sc);
         }
         __syncthreads();
-        const int rpos = (int)(pos + 1 - R);
-        for (int i = threadIdx.x; i < rope_dim / 2; i += blockDim.x) {
-            ds4_rope_pair(row, width, inv_freq, rope_dim, rpos, i, false);
+        for (int i = tid; i < rope_dim / 2; i += bd) {
+            if (i == tid && rope_cs) {  // (always, unless the block is smaller than rope_dim / 2)
+                ds4_rope_rotate(row + (width - rope_dim) + 2 * i, rope_c, rope_s);
+            } else {
+                ds4_rope_pair(row, width, inv_freq, rope_dim, rpos, i, false);
+            }
         }
         __syncthreads();
         float* out = rows + (pos / R) * width;
-        for (int f = threadIdx.x; f < width; f += blockDim.x) {
+        for (int f = tid; f < width; f += bd) {
             out[f] = ds4_round_store(row[f], round_mode);
         }
-        // The window's Ca halves become the previous window's.
-        if (overlap) {
-            for (int i = threadIdx.x; i < R * width; i += blockDim.x) {
-                const int j = i / width;
-                const int f = i - j * width;
-                prev_kv[i] = cur_kv[j * pw + f];
-                prev_score[i] = cur_score[j * pw + f];
-            }
-        }
+        // The next rows' slots overwrite what this window read.
         __syncthreads();
     }
 }

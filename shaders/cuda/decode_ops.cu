@@ -68,24 +68,35 @@ __device__ __forceinline__ float ds4_rms_scale(const float* x, int width, float 
     return 1.0f / sqrtf(mean + eps);
 }
 
-// Rotary embedding of pair i (0 <= i < rope_dim / 2) of a vector whose last rope_dim features
-// are rotary (`v` points at the vector, `width` its length), at position pos, inverse when
-// `inverse`: as rust/engine/model/rope.rs (angle = f32 product inv_freq * pos, sin and cos in
-// double, rounded to float).
-__device__ __forceinline__ void ds4_rope_pair(float* v, int width, const float* inv_freq, int rope_dim, int pos,
-                                              int i, bool inverse) {
+// The cosine and sine of rotary pair i's angle at position pos: as rust/engine/model/rope.rs,
+// angle = f32 product inv_freq * pos, sin and cos in double, rounded to float.
+__device__ __forceinline__ void ds4_rope_cs(const float* inv_freq, int pos, int i, float& c, float& s) {
     const float ang = inv_freq[i] * (float)pos;
     const double a = (double)ang;
-    const float c = (float)cos(a);
-    float s = (float)sin(a);
-    if (inverse) {
-        s = -s;
-    }
-    float* p = v + (width - rope_dim) + 2 * i;
+    c = (float)cos(a);
+    s = (float)sin(a);
+}
+
+// Rotates the pair p[0], p[1] by the angle of cosine c and sine s.
+__device__ __forceinline__ void ds4_rope_rotate(float* p, float c, float s) {
     const float x0 = p[0];
     const float x1 = p[1];
     p[0] = x0 * c + (-x1) * s;
     p[1] = x1 * c + x0 * s;
+}
+
+// Rotary embedding of pair i (0 <= i < rope_dim / 2) of a vector whose last rope_dim features
+// are rotary (`v` points at the vector, `width` its length), at position pos, inverse when
+// `inverse` (ds4_rope_cs's angle, negated).
+__device__ __forceinline__ void ds4_rope_pair(float* v, int width, const float* inv_freq, int rope_dim, int pos,
+                                              int i, bool inverse) {
+    float c;
+    float s;
+    ds4_rope_cs(inv_freq, pos, i, c, s);
+    if (inverse) {
+        s = -s;
+    }
+    ds4_rope_rotate(v + (width - rope_dim) + 2 * i, c, s);
 }
 
 // Rounds to half precision and back (round to nearest even), as half::f16::from_f32.
