@@ -81,7 +81,6 @@ int main(int argc, char** argv) {
     CUdeviceptr logits = buf(16 * n_mix, 0.1f), x = buf(16 * hc_d, 0.5f), y = buf(16 * d, 0.0f),
                 mix = buf(16 * (hc + hc * hc), 0.0f), base = buf(n_mix, 0.2f), scale = buf(3, 1.0f),
                 norm = buf(d, 1.0f), flat = buf(16 * hc_d, 0.0f), f = buf(16 * d, 0.3f), none = 0;
-    int no_parts = 0;  // ds4_hc_pre's logits are the product's, not partials
     for (int m = 1; m < argc; m++) {
         CUmodule mod;
         CK(cuModuleLoad(&mod, argv[m]));
@@ -96,7 +95,7 @@ int main(int argc, char** argv) {
         for (int iters : {20, 1}) {
             for (bool with_norm : {true, false}) {
                 CUdeviceptr* nm = with_norm ? &norm : &none;
-                void* args[] = {&logits, &n_mix, &no_parts, &x, &y, &mix, &base, &scale, &hc, &d, &hc_eps, &iters, nm, &eps};
+                void* args[] = {&logits, &n_mix, &x, &y, &mix, &base, &scale, &hc, &d, &hc_eps, &iters, nm, &eps};
                 char what[96];
                 snprintf(what, sizeof what, "hc_pre, %d iterations%s", iters, with_norm ? ", norm" : "");
                 time_kernel(what, hc_pre, 1, 1, 1024, args);
@@ -104,11 +103,11 @@ int main(int argc, char** argv) {
         }
         {
             int iters = 20;
-            void* args[] = {&logits, &n_mix, &no_parts, &x, &y, &mix, &base, &scale, &hc, &d, &hc_eps, &iters, &norm, &eps};
+            void* args[] = {&logits, &n_mix, &x, &y, &mix, &base, &scale, &hc, &d, &hc_eps, &iters, &norm, &eps};
             time_kernel("hc_pre, 20 iterations, norm, 256 threads", hc_pre, 1, 1, 256, args);
             time_kernel("hc_pre, 20 iterations, norm, 8 rows", hc_pre, 8, 1, 1024, args);
             int none_iters = 0;
-            void* args0[] = {&logits, &n_mix, &no_parts, &x, &y, &mix, &base, &scale,
+            void* args0[] = {&logits, &n_mix, &x, &y, &mix, &base, &scale,
                              &hc, &d, &hc_eps, &none_iters, &norm, &eps};
             time_alone("hc_pre, 0 iterations, norm (the decode's)", hc_pre, 1, 1, 1024, args0);
         }

@@ -15,8 +15,7 @@
 //   6. the down products over the max_descs descriptors of `down` (one launch);
 //   7. ds4_moe_combine: out = sum over the row's experts of weight * down output, then plus
 //      the shared expert's output; in the decode it goes straight into the FFN site's
-//      hyper-connection expansion (ds4_hc_post_at, decode_ops.cu), and ds4_moe_combine_proj
-//      also leaves the next layer's attention site's partial mixing logits (hc_post_proj).
+//      hyper-connection expansion (ds4_hc_post_at, decode_ops.cu).
 // Unused descriptor slots (the batch uses m <= max_descs experts) have n = 0: their blocks
 // return at once in matvec.
 //
@@ -457,19 +456,6 @@ extern "C" __global__ void ds4_gather(const float* __restrict__ h, float* __rest
     }
 }
 
-// The combined output of element i of row r (ds4_moe_combine).
-__device__ __forceinline__ float moe_combined(const float* __restrict__ down_out, const int* __restrict__ comb_slot,
-                                              const float* __restrict__ comb_w, const int* __restrict__ comb_cnt,
-                                              const float* __restrict__ shared, int k, int d, int r, int i) {
-    const int cnt = comb_cnt[r];
-    float o = 0.0f;
-    for (int j = 0; j < cnt; j++) {
-        const float u = down_out[(long long)comb_slot[r * k + j] * d + i];
-        o = o + u * comb_w[r * k + j];
-    }
-    return o + shared[(long long)r * d + i];
-}
-
 // out[r, i] = sum over j < comb_cnt[r] (ascending) of down_out[comb_slot[r, j], i] *
 // comb_w[r, j], starting from 0, then + shared[r, i] (the end of moe::forward: the row's
 // experts in increasing id, then the shared expert). down_out: [n * k, d] gathered rows.
@@ -486,37 +472,13 @@ extern "C" __global__ void ds4_moe_combine(const float* __restrict__ down_out, c
     if (i >= d) {
         return;
     }
-    const float o = moe_combined(down_out, comb_slot, comb_w, comb_cnt, shared, k, d, r, i);
-    if (x != nullptr) {
-        ds4_hc_post_at(x, o, mix, hc, d, r, i);
-    } else {
-        out[(long long)r * d + i] = o;
+    const int cnt = comb_cnt[r];
+    float o = 0.0f;
+    for (int j = 0; j < cnt; j++) {
+        const float u = down_out[(long long)comb_slot[r * k + j] * d + i];
+        o = o + u * comb_w[r * k + j];
     }
-}
-
-// ds4_moe_combine with the expansion (x not null) and the next layer's attention site's
-// partial products, as ds4_hc_post_proj's: proj F16 [(2 + hc) * hc, hc * d] that site's
-// projection, parts [n, gridDim.x, (2 + hc) * hc] (hc_post_proj, decode_ops.cu; hc <=
-// DS4_HC_PRE_MAX). With parts null, exactly ds4_moe_combine. Grid (ceil(d / 256), n), block
-// 256. (An entry point of its own for ds4_hc_post_proj's reason: the weights' registers.)
-extern "C" __global__ void ds4_moe_combine_proj(const float* __restrict__ down_out,
-                                                const int* __restrict__ comb_slot, const float* __restrict__ comb_w,
-                                                const int* __restrict__ comb_cnt, const float* __restrict__ shared,
-                                                float* __restrict__ out, int k, int d, float* x, const float* mix,
-                                                int hc, const unsigned short* proj, float* parts) {
-    auto combined = [&](int r, int i) { return moe_combined(down_out, comb_slot, comb_w, comb_cnt, shared, k, d, r, i); };
-    if (x != nullptr && parts != nullptr) {
-        ds4_grid_launch();
-        hc_post_proj_streams<DS4_HC_PRE_MAX>(hc, combined, x, mix, d, proj, parts);
-        return;
-    }
-    ds4_grid_lead();
-    const int r = blockIdx.y;
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= d) {
-        return;
-    }
-    const float o = combined(r, i);
+    o = o + shared[(long long)r * d + i];
     if (x != nullptr) {
         ds4_hc_post_at(x, o, mix, hc, d, r, i);
     } else {

@@ -556,41 +556,22 @@ __device__ __forceinline__ void hc_pre_streams(int hc, const float* raw, const f
 }
 
 // The hyper-connection collapse of one row after its mixing logits (rust/engine/model/hyper.rs
-// pre). With parts = 0, logits [n, n_mix] (n_mix = (2 + hc) * hc) is the product of the site's
-// projection with the raw streams (see hc_pre_row); with parts > 0 it is the partial products
-// [n, parts, n_mix] that the writer of x left (ds4_hc_post_proj or ds4_moe_combine_proj, one
-// [n_mix] per block of theirs: hc_post_proj), and each logit is first their sum in block order
-// b = 0, 1, ..., parts - 1 (float, from 0; the same order for every row and batch). x [n, hc * d] streams, y [n, d] the collapse, mix [n, hc + hc * hc] the row's Mix
-// (post[0..hc], then comb[i * hc + j] = weight of input stream i in output stream j, after
-// Sinkhorn). base and scale are the site's HyperWeights base (n_mix floats) and scale (3
-// floats). With `norm` (d floats, may be null) y is then replaced by its RMS norm with that
-// weight, as ds4_rms_weight (the sublayer's input norm, fused). Grid (n), at least 64 threads;
-// 1 <= hc <= DS4_HC_PRE_MAX.
-extern "C" __global__ void __launch_bounds__(1024) ds4_hc_pre(const float* logits, int n_mix, int parts, const float* x,
-                                      float* y, float* mix, const float* base, const float* scale, int hc, int d,
-                                      float hc_eps, int iters, const float* norm, float eps) {
+// pre): logits [n, n_mix] (n_mix = (2 + hc) * hc) the product of the site's projection with
+// the raw streams (see hc_pre_row), x [n, hc * d] streams, y [n, d] the
+// collapse, mix [n, hc + hc * hc] the row's Mix (post[0..hc], then comb[i * hc + j] = weight
+// of input stream i in output stream j, after Sinkhorn). base and scale are the site's
+// HyperWeights base (n_mix floats) and scale (3 floats). With `norm` (d floats, may be null)
+// y is then replaced by its RMS norm with that weight, as ds4_rms_weight (the sublayer's input
+// norm, fused). Grid (n), at least 64 threads; 1 <= hc <= DS4_HC_PRE_MAX.
+extern "C" __global__ void __launch_bounds__(1024) ds4_hc_pre(const float* logits, int n_mix, const float* x, float* y, float* mix,
+                                      const float* base, const float* scale, int hc, int d, float hc_eps,
+                                      int iters, const float* norm, float eps) {
     ds4_grid_lead();
     if (blockDim.x < 64) {
         __trap();  // no collapse warps (a host bug)
     }
-    __shared__ float summed[(2 + DS4_HC_PRE_MAX) * DS4_HC_PRE_MAX];
     const long long r = blockIdx.x;
     const float* m = logits + r * n_mix;
-    if (parts > 0) {
-        // (A read of the partials and a barrier before the row's x is read: about one memory
-        // round trip, against the separate product's launch.)
-        const float* pr = logits + r * parts * n_mix;
-        if (threadIdx.x < n_mix) {
-            float acc = 0.0f;
-#pragma unroll 4
-            for (int b = 0; b < parts; b++) {
-                acc += pr[(long long)b * n_mix + threadIdx.x];
-            }
-            summed[threadIdx.x] = acc;
-        }
-        __syncthreads();
-        m = summed;
-    }
     const float* xr = x + r * hc * d;
     float* yr = y + r * d;
     float* mr = mix + r * (hc + hc * hc);
@@ -621,137 +602,6 @@ __device__ __forceinline__ void ds4_hc_post_at(float* x, float fk, const float* 
     }
 }
 
-// The next site's mixing logits, fused into the kernel that writes its streams
-// (ds4_hc_post_proj, ds4_moe_combine_proj): each block leaves the partial products of the new
-// x values it wrote (all HC streams of its elements) with the NM = (2 + HC) * HC rows of the
-// site's projection, and that site's ds4_hc_pre sums them (its `parts` argument). In a CUPTI trace of
-// a Flash decode step on an H200 the separate F16 product (24 x 16384, 786 KB) cost about 5 us
-// on the critical path at each of the 86 sites, pure launch and latency: its input was ready
-// and it read little. DS4_CUDA_HC_FUSE=0 keeps that product (A/B), and layer 0's attention
-// site, whose x no kernel writes, always has it.
-//
-// The projection is F16 [NM, HC * d], rows contiguous (row k at proj + k * HC * d halves: F16
-// rows are not split on the device, rust/engine/quant/split/). Element i of stream s of row k
-// is at k * HC * d + s * d + i.
-
-// This thread's weights of the projection (element i of every stream of every row; 0 past d):
-// they are the model's, so the writers load them before they wait for the previous kernel.
-template <int HC>
-__device__ __forceinline__ void hc_proj_load(const unsigned short* proj, int d, int i,
-                                             unsigned short (&w)[(2 + HC) * HC][HC]) {
-    const long long n_in = (long long)HC * d;
-#pragma unroll
-    for (int k = 0; k < (2 + HC) * HC; k++) {
-#pragma unroll
-        for (int s = 0; s < HC; s++) {
-            w[k][s] = i < d ? proj[k * n_in + (long long)s * d + i] : (unsigned short)0;
-        }
-    }
-}
-
-// The block's partial products: for each row k, sum over the block's threads of (sum over
-// streams s ascending of w[k][s] * xn[s]), in float: each thread's own sum, then a fixed tree
-// (xor shuffles 16, 8, 4, 2, 1 in each warp, then the warps' sums added in warp order by thread
-// k), into out[k] (NM floats). The same for every block and launch of the same block size
-// (row invariance). Every thread of the block calls it (xn and w 0 past d).
-template <int HC>
-__device__ __forceinline__ void hc_proj_partials(const float (&xn)[HC], const unsigned short (&w)[(2 + HC) * HC][HC],
-                                                 float* out) {
-    constexpr int NM = (2 + HC) * HC;
-    __shared__ float red[32][NM];
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    float v[NM];
-#pragma unroll
-    for (int k = 0; k < NM; k++) {
-        float acc = 0.0f;
-#pragma unroll
-        for (int s = 0; s < HC; s++) {
-            acc += f16_bits_to_f32(w[k][s]) * xn[s];
-        }
-        v[k] = acc;
-    }
-#pragma unroll
-    for (int k = 0; k < NM; k++) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            v[k] += __shfl_xor_sync(0xffffffffu, v[k], o);
-        }
-    }
-    if (lane == 0) {
-#pragma unroll
-        for (int k = 0; k < NM; k++) {
-            red[warp][k] = v[k];
-        }
-    }
-    __syncthreads();
-    if ((int)threadIdx.x < NM) {
-        const int nw = blockDim.x >> 5;
-        float acc = 0.0f;
-        for (int j = 0; j < nw; j++) {
-            acc += red[j][threadIdx.x];
-        }
-        out[threadIdx.x] = acc;
-    }
-}
-
-// The expansion of element i of row r (ds4_hc_post_at's operations, so x is bitwise the same)
-// and the block's partial products of the next site's projection `proj` with the new x, into
-// parts [n, gridDim.x, NM] at [r, blockIdx.x]. fk(r, i): the sublayer output's element (read
-// after the wait). Called by every thread of a block of at most 1024 threads (grid
-// (ceil(d / blockDim.x), n)) after ds4_grid_launch; it waits for the previous kernel itself,
-// after loading its weights.
-template <int HC, typename F>
-__device__ __forceinline__ void hc_post_proj(F fk, float* x, const float* mix, int d, const unsigned short* proj,
-                                             float* parts) {
-    constexpr int NM = (2 + HC) * HC;
-    const int r = blockIdx.y;
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    unsigned short w[NM][HC];
-    hc_proj_load<HC>(proj, d, i, w);
-    ds4_grid_deps();
-    float xn[HC];
-#pragma unroll
-    for (int s = 0; s < HC; s++) {
-        xn[s] = 0.0f;
-    }
-    if (i < d) {
-        const float f = fk(r, i);
-        const float* mr = mix + (long long)r * (HC + HC * HC);
-        const float* comb = mr + HC;
-        float* xs = x + (long long)r * HC * d;
-        float old[HC];
-#pragma unroll
-        for (int s = 0; s < HC; s++) {
-            old[s] = xs[(long long)s * d + i];
-        }
-#pragma unroll
-        for (int j = 0; j < HC; j++) {
-            float acc = 0.0f;
-#pragma unroll
-            for (int s = 0; s < HC; s++) {
-                acc += comb[s * HC + j] * old[s];
-            }
-            xn[j] = mr[j] * f + acc;
-            xs[(long long)j * d + i] = xn[j];
-        }
-    }
-    hc_proj_partials<HC>(xn, w, parts + ((long long)r * gridDim.x + blockIdx.x) * NM);
-}
-
-// hc_post_proj for the runtime stream count hc <= H (one instance per count).
-template <int H, typename F>
-__device__ __forceinline__ void hc_post_proj_streams(int hc, F fk, float* x, const float* mix, int d,
-                                                     const unsigned short* proj, float* parts) {
-    if (hc == H) {
-        hc_post_proj<H>(fk, x, mix, d, proj, parts);
-    } else if constexpr (H > 1) {
-        hc_post_proj_streams<H - 1>(hc, fk, x, mix, d, proj, parts);
-    } else {
-        __trap();  // the host checks hc (a host bug)
-    }
-}
-
 // ds4_hc_post_at over rows of f [n, d], the sublayer output. Grid (ceil(d / blockDim.x), n).
 extern "C" __global__ void ds4_hc_post(float* x, const float* f, const float* mix, int hc, int d) {
     ds4_grid_lead();
@@ -759,27 +609,6 @@ extern "C" __global__ void ds4_hc_post(float* x, const float* f, const float* mi
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < d) {
         ds4_hc_post_at(x, f[(long long)r * d + i], mix, hc, d, r, i);
-    }
-}
-
-// ds4_hc_post and the next site's partial products: proj F16 [(2 + hc) * hc, hc * d] that
-// site's projection, parts [n, gridDim.x, (2 + hc) * hc] (hc_post_proj; hc <= DS4_HC_PRE_MAX, at
-// most 1024 threads). With parts null, exactly ds4_hc_post. Grid (ceil(d / blockDim.x), n).
-// (An entry point of its own: the fused path keeps its thread's weights in registers, about 230
-// a thread on sm_90, which would also be ds4_hc_post's and limit it to one block of 256 an SM.)
-extern "C" __global__ void ds4_hc_post_proj(float* x, const float* f, const float* mix, int hc, int d,
-                                            const unsigned short* proj, float* parts) {
-    auto fk = [&](int r, int i) { return f[(long long)r * d + i]; };
-    if (parts != nullptr) {
-        ds4_grid_launch();
-        hc_post_proj_streams<DS4_HC_PRE_MAX>(hc, fk, x, mix, d, proj, parts);
-        return;
-    }
-    ds4_grid_lead();
-    const int r = blockIdx.y;
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < d) {
-        ds4_hc_post_at(x, fk(r, i), mix, hc, d, r, i);
     }
 }
 

@@ -85,11 +85,6 @@ fn attention_blocks(n_heads: usize, head_dim: usize, lg_stride: usize) -> Result
     Ok((blocks(groups * lg_stride.div_ceil(64))?, blocks(groups * head_dim.div_ceil(32))?))
 }
 
-/// Threads of the kernels that write the hyper-connection streams (ds4_hc_post,
-/// ds4_moe_combine: one block of this many elements of d per row), so also the blocks whose
-/// partial mixing logits ds4_hc_pre sums: ceil(d / this) per row.
-const HC_WRITER_THREADS: u32 = 256;
-
 /// Threads of `ds4_argmax_rows` (one block per logits row).
 const ARGMAX_THREADS: u32 = 1024;
 
@@ -329,9 +324,6 @@ struct Bufs {
     x: DevBuf,
     flat: DevBuf,
     mixl: DevBuf,
-    /// The next site's partial mixing logits [n, ceil(d / 256), n_mix] that ds4_hc_post_proj and
-    /// ds4_moe_combine_proj leave for ds4_hc_pre (see [`CudaDecoder::hc_fuse`]).
-    hc_part: DevBuf,
     mix_a: DevBuf,
     mix_f: DevBuf,
     h: DevBuf,
@@ -435,7 +427,6 @@ struct Kernels {
     rms_weight: sys::CUfunction,
     hc_pre: sys::CUfunction,
     hc_post: sys::CUfunction,
-    hc_post_proj: sys::CUfunction,
     hc_sinkhorn: sys::CUfunction,
     hc_head: sys::CUfunction,
     finish_rows: sys::CUfunction,
@@ -448,7 +439,6 @@ struct Kernels {
     route: sys::CUfunction,
     gather: sys::CUfunction,
     combine: sys::CUfunction,
-    combine_proj: sys::CUfunction,
     pack: sys::CUfunction,
     argmax: sys::CUfunction,
     /// Every handle above with its name (profiles).
@@ -473,7 +463,6 @@ impl Kernels {
             rms_weight: f("ds4_rms_weight")?,
             hc_pre: f("ds4_hc_pre")?,
             hc_post: f("ds4_hc_post")?,
-            hc_post_proj: f("ds4_hc_post_proj")?,
             hc_sinkhorn: f("ds4_hc_sinkhorn")?,
             hc_head: f("ds4_hc_head")?,
             finish_rows: f("ds4_finish_rows")?,
@@ -486,7 +475,6 @@ impl Kernels {
             route: f("ds4_route")?,
             gather: f("ds4_gather")?,
             combine: f("ds4_moe_combine")?,
-            combine_proj: f("ds4_moe_combine_proj")?,
             pack: f("ds4_pack")?,
             argmax: f("ds4_argmax_rows")?,
             names: Vec::new(),
@@ -530,15 +518,6 @@ pub(crate) struct CudaDecoder {
     resync_after_cut: bool,
     /// The side branch (None with `DS4_CUDA_FORK=0`).
     side: Option<SideBranch>,
-    /// Whether the hyper-connection sites' mixing logits come from the kernel that writes their
-    /// streams (ds4_hc_post_proj for the FFN site, the previous layer's ds4_moe_combine_proj
-    /// for the attention site: each block's partial products, which ds4_hc_pre sums) instead of a
-    /// product launch of their own. In a CUPTI trace of a Flash decode step on an H200 that F16
-    /// product (24 x 16384, 786 KB) cost about 5 us on the critical path at each of the 86
-    /// sites, pure launch and latency (its input ready, little to read). Layer 0's attention
-    /// site (x as uploaded, no writer) keeps the product; `DS4_CUDA_HC_FUSE=0` keeps it
-    /// everywhere (A/B timing).
-    hc_fuse: bool,
 }
 
 // SAFETY: the raw handles (functions, graphs, pinned pointers) are only used by the thread
@@ -794,7 +773,6 @@ impl CudaDecoder {
             x: f32_buf(N_MAX * hc * d)?,
             flat: f32_buf(N_MAX * hc * d)?,
             mixl: f32_buf(N_MAX * n_mix)?,
-            hc_part: f32_buf(N_MAX * d.div_ceil(HC_WRITER_THREADS as usize) * n_mix)?,
             mix_a: f32_buf(N_MAX * (hc + hc * hc))?,
             mix_f: f32_buf(N_MAX * (hc + hc * hc))?,
             h: f32_buf(N_MAX * d)?,
@@ -856,7 +834,6 @@ impl CudaDecoder {
             profile: std::env::var("DS4_DECODE_PROFILE").is_ok_and(|v| v == "1").then(KernelProfile::default),
             resync_after_cut: std::env::var("DS4_DECODE_RESYNC").is_ok_and(|v| v == "1"),
             side: if std::env::var("DS4_CUDA_FORK").is_ok_and(|v| v == "0") { None } else { Some(SideBranch::new()?) },
-            hc_fuse: !std::env::var("DS4_CUDA_HC_FUSE").is_ok_and(|v| v == "0"),
         })
     }
 
@@ -1022,24 +999,6 @@ impl CudaDecoder {
         // ds4_route), at most one descriptor per (row, expert) pair.
         let chunk = n.min(EXPERT_CHUNK);
         let max_descs = if chunk >= n { (n * kk).min(cfg.n_experts) } else { n * kk };
-        // The sites whose mixing logits their streams' writer leaves as partial products
-        // (`hc_fuse`): the writers' kernels read the projection as F16 [n_mix, hc * d] with
-        // contiguous rows (F16 is not split on the device).
-        let hc_blocks = d.div_ceil(HC_WRITER_THREADS as usize);
-        let fusable = |m: &Mat| {
-            self.hc_fuse
-                && m.ty == crate::quant::GgmlType::F16
-                && m.n_out == n_mix
-                && m.n_in == hc * d
-                && m.row_bytes == 2 * m.n_in
-        };
-        // A writer (ds4_hc_post, ds4_moe_combine) and its arguments after `args`: without a
-        // next site's projection, the plain kernel; with one, its _proj kernel, which also
-        // takes the projection and the partials (its own entry point, see decode_ops.cu).
-        let writer = |plain: sys::CUfunction, with: sys::CUfunction, args: Vec<PArg>, m: Option<&Mat>| match m {
-            Some(m) => (with, [args, vec![p(img.addr(m.start)), p(b.hc_part.ptr)]].concat()),
-            None => (plain, args),
-        };
 
         for (li, (lw, spec)) in w.layers.iter().zip(&cfg.layers).enumerate() {
             let c = &self.consts[li];
@@ -1049,17 +1008,10 @@ impl CudaDecoder {
                            hw: &HyperWeights,
                            base_scale: &(DevBuf, DevBuf),
                            mix: u64,
-                           norm: u64,
-                           fused: bool|
+                           norm: u64|
              -> Result<()> {
-                // The mixing logits of the raw streams (ds4_hc_pre applies their RMS scale): the
-                // partial products their writer left (fused), or a product.
-                let (logits, parts) = if fused {
-                    (b.hc_part.ptr, hc_blocks)
-                } else {
-                    products(ops, table, &[(hw.proj, b.x.ptr, b.mixl.ptr, n)])?;
-                    (b.mixl.ptr, 0)
-                };
+                // The mixing logits of the raw streams; ds4_hc_pre applies their RMS scale.
+                products(ops, table, &[(hw.proj, b.x.ptr, b.mixl.ptr, n)])?;
                 launch(
                     ops,
                     k.hc_pre,
@@ -1067,9 +1019,8 @@ impl CudaDecoder {
                     wide(d),
                     0,
                     vec![
-                        p(logits),
+                        p(b.mixl.ptr),
                         i(n_mix),
-                        i(parts),
                         p(b.x.ptr),
                         p(b.h.ptr),
                         p(mix),
@@ -1096,9 +1047,7 @@ impl CudaDecoder {
                 Ok(())
             };
             // ---- attention
-            // Layer 0's streams are the uploaded ones: no writer kernel, so a product.
-            let attn_fused = li > 0 && fusable(&lw.hc_attn.proj);
-            hc_site(&mut ops, &mut table, &lw.hc_attn, &c.hc_attn, b.mix_a.ptr, c.attn_norm.ptr, attn_fused)?;
+            hc_site(&mut ops, &mut table, &lw.hc_attn, &c.hc_attn, b.mix_a.ptr, c.attn_norm.ptr)?;
             // The compressors' and indexer's products that read h (F16 in ds4's layout).
             let mut from_h = Vec::new();
             if let (Some(cw), Some(cm)) = (&lw.compressor, &mm.comp) {
@@ -1290,21 +1239,15 @@ impl CudaDecoder {
             products_strided(&mut ops, &mut table, &oa, Some(groups * rank))?;
             products(&mut ops, &mut table, &[(lw.o_b, b.u.ptr, b.attn_out.ptr, n)])?;
             // The attention site's hyper-connection expansion of x (the FFN site's is fused
-            // into ds4_moe_combine), with the FFN site's partial mixing logits when fused.
-            let ffn_fused = fusable(&lw.hc_ffn.proj);
-            let (post, args) = writer(
-                k.hc_post,
-                k.hc_post_proj,
-                vec![p(b.x.ptr), p(b.attn_out.ptr), p(b.mix_a.ptr), i(hc), i(d)],
-                ffn_fused.then_some(&lw.hc_ffn.proj),
-            );
+            // into ds4_moe_combine).
+            let args = vec![p(b.x.ptr), p(b.attn_out.ptr), p(b.mix_a.ptr), i(hc), i(d)];
             if fork {
                 ops.push(Op::Join);
             }
-            launch(&mut ops, post, rows_grid(hc_blocks), HC_WRITER_THREADS, 0, args);
+            launch(&mut ops, k.hc_post, rows_grid(d.div_ceil(256)), 256, 0, args);
 
             // ---- MoE
-            hc_site(&mut ops, &mut table, &lw.hc_ffn, &c.hc_ffn, b.mix_f.ptr, c.ffn_norm.ptr, ffn_fused)?;
+            hc_site(&mut ops, &mut table, &lw.hc_ffn, &c.hc_ffn, b.mix_f.ptr, c.ffn_norm.ptr)?;
             // The shared expert (its products, its swiglu) reads only h and its own buffers,
             // and only ds4_moe_combine reads its output: with the side branch it runs there,
             // beside the router and the routed experts, whose kernels leave DRAM bandwidth
@@ -1460,12 +1403,12 @@ impl CudaDecoder {
             if fork {
                 ops.push(Op::Join);
             }
-            // The next layer's attention site's partial mixing logits when fused (the last
-            // layer's streams go to the head, which keeps its product).
-            let next_attn = w.layers.get(li + 1).map(|nl| &nl.hc_attn.proj).filter(|m| fusable(m));
-            let (combine, args) = writer(
+            launch(
+                &mut ops,
                 k.combine,
-                k.combine_proj,
+                rows_grid(d.div_ceil(256)),
+                256,
+                0,
                 vec![
                     p(b.down_out.ptr),
                     p(b.comb_slot.ptr),
@@ -1480,9 +1423,7 @@ impl CudaDecoder {
                     p(b.mix_f.ptr),
                     i(hc),
                 ],
-                next_attn,
             );
-            launch(&mut ops, combine, rows_grid(hc_blocks), HC_WRITER_THREADS, 0, args);
             if let Some(j) = capture.iter().position(|&c| c == li) {
                 let bytes = n * hc * d * 4;
                 ops.push(Op::Copy { dst: b.capture.ptr + (j * N_MAX * hc * d * 4) as u64, src: b.x.ptr, bytes });

@@ -1,11 +1,10 @@
 //! Tests of the routed-expert kernels (shaders/cuda/decode_moe.cu: ds4_route, ds4_gather,
-//! ds4_moe_combine, alone and fused with the hyper-connection expansion, and
-//! ds4_moe_combine_proj, which also leaves the next site's partial mixing logits) against the CPU reference (rust/engine/model/moe.rs `route` and
+//! ds4_moe_combine, alone and fused with the hyper-connection expansion) against the CPU reference (rust/engine/model/moe.rs `route` and
 //! `forward`), and of the whole routed-expert path on the device: router product, routing,
 //! gather, gate/up products over the device-written table, SwiGLU, down products, combine.
 //! Without a GPU they print "skipped" and pass.
 
-use super::testutil::{assert_close, assert_hc_partials, context, f16_proj, split_image, step, Arg, DevBuf};
+use super::testutil::{assert_close, context, split_image, step, Arg, DevBuf};
 use crate::backend::cuda::context::{Context, THREADS};
 use crate::backend::cuda::{row_blocks, slices, CudaBackend, Desc};
 use crate::backend::{cpu, Cpu, Ops};
@@ -618,66 +617,6 @@ fn gather_and_combine_match_reference() {
         for (i, (a, b)) in got_x.iter().zip(&want_x).enumerate() {
             assert_eq!(a.to_bits(), b.to_bits(), "{what}: fused expansion x[{i}]: got {a}, want {b}");
         }
-
-        // ds4_moe_combine_proj, which with the next site's F16 projection (the decode's
-        // DS4_CUDA_HC_FUSE) also leaves each block's partial products of the new x with it
-        // [n, blocks, n_mix]: x as before, the partials bitwise those of ds4_hc_post_proj with
-        // the same projection (tests_ops.rs fused_mixing_logits_match_cpu checks those against
-        // the CPU) and close to exact sums; with null partials, exactly ds4_moe_combine (with x
-        // and alone).
-        let n_mix = (2 + hc) * hc;
-        let blocks = d.div_ceil(256);
-        let (proj_raw, proj) = f16_proj(n_mix, hc * d, 0x5eed_0003 + d as u64);
-        let wb = DevBuf::from_slice(&proj_raw).expect("projection");
-        let nan = vec![f32::NAN; n * blocks * n_mix];
-        let (pa, pb) = (DevBuf::from_slice(&nan).expect("partials"), DevBuf::from_slice(&nan).expect("partials"));
-        let (xc, xd, xe) = (
-            DevBuf::from_slice(&x).expect("x"),
-            DevBuf::from_slice(&x).expect("x"),
-            DevBuf::from_slice(&x).expect("x"),
-        );
-        let post = [
-            Arg::Ptr(xc.at(0)),
-            Arg::Ptr(out.at(0)),
-            Arg::Ptr(mb.at(0)),
-            Arg::I32(hc as i32),
-            Arg::I32(d as i32),
-            Arg::Ptr(wb.at(0)),
-            Arg::Ptr(pa.at(0)),
-        ];
-        ctx.launch_named("ds4_hc_post_proj", grid, 256, 0, &post).expect("ds4_hc_post_proj");
-        let with =
-            [Arg::Ptr(xd.at(0)), Arg::Ptr(mb.at(0)), Arg::I32(hc as i32), Arg::Ptr(wb.at(0)), Arg::Ptr(pb.at(0))];
-        ctx.launch_named("ds4_moe_combine_proj", grid, 256, 0, &[&args[..], &with].concat())
-            .expect("ds4_moe_combine_proj");
-        let without = [Arg::Ptr(xe.at(0)), Arg::Ptr(mb.at(0)), Arg::I32(hc as i32), Arg::Ptr(0), Arg::Ptr(0)];
-        ctx.launch_named("ds4_moe_combine_proj", grid, 256, 0, &[&args[..], &without].concat())
-            .expect("ds4_moe_combine_proj without partials");
-        let out2 = DevBuf::from_slice(&vec![f32::NAN; n * d]).expect("out");
-        let mut alone2 = args.to_vec();
-        alone2[5] = Arg::Ptr(out2.at(0));
-        let none = [Arg::Ptr(0), Arg::Ptr(0), Arg::I32(0), Arg::Ptr(0), Arg::Ptr(0)];
-        ctx.launch_named("ds4_moe_combine_proj", grid, 256, 0, &[&alone2[..], &none].concat())
-            .expect("ds4_moe_combine_proj alone");
-        ctx.sync().expect("ds4_moe_combine_proj");
-        let read_x = |b: &DevBuf| -> Vec<f32> { b.read(0, x.len()).expect("x") };
-        let (post_x, comb_x, null_x) = (read_x(&xc), read_x(&xd), read_x(&xe));
-        let (post_p, comb_p): (Vec<f32>, Vec<f32>) =
-            (pa.read(0, nan.len()).expect("partials"), pb.read(0, nan.len()).expect("partials"));
-        for (i, b) in want_x.iter().enumerate() {
-            for (name, got) in [("ds4_moe_combine_proj", &comb_x), ("ds4_hc_post_proj", &post_x), ("null", &null_x)] {
-                let a = got[i];
-                assert_eq!(a.to_bits(), b.to_bits(), "{what}: {name} x[{i}]: got {a}, want {b}");
-            }
-        }
-        let got_out: Vec<f32> = out2.read(0, n * d).expect("out");
-        for (i, (a, b)) in got_out.iter().zip(&want).enumerate() {
-            assert_eq!(a.to_bits(), b.to_bits(), "{what}: ds4_moe_combine_proj alone, out[{i}]: got {a}, want {b}");
-        }
-        for (i, (a, b)) in comb_p.iter().zip(&post_p).enumerate() {
-            assert_eq!(a.to_bits(), b.to_bits(), "{what}: partial {i}: got {a}, ds4_hc_post_proj's {b}");
-        }
-        assert_hc_partials(&format!("{what}: combine"), &comb_p, &proj, &want_x, hc, d, 256);
     }
 }
 

@@ -5,9 +5,7 @@
 
 use half::f16;
 
-use super::testutil::{
-    assert_bits, assert_close, assert_hc_partials, context, f16_proj, randn, read, step, sum_partials, Arg, DevBuf,
-};
+use super::testutil::{assert_bits, assert_close, context, randn, read, step, Arg, DevBuf};
 use crate::backend::cpu::{rms_norm, rms_norm_plain, rms_norm_rows, silu};
 use crate::backend::cuda::context::Context;
 use crate::backend::{Cpu, Ops};
@@ -243,25 +241,8 @@ fn run_hc_pre(
     norm: Option<&[f32]>,
     apart: bool,
 ) -> (Vec<f32>, Vec<f32>) {
-    run_hc_pre_parts(ctx, hc, logits, 0, x, w, d, norm, apart)
-}
-
-/// [`run_hc_pre`] with `parts` > 0: `logits` are then the partial products [n, parts, n_mix]
-/// of the streams' writer (ds4_hc_post with a projection), which ds4_hc_pre sums.
-#[allow(clippy::too_many_arguments)]
-fn run_hc_pre_parts(
-    ctx: &Context,
-    hc: usize,
-    logits: &[f32],
-    parts: usize,
-    x: &[f32],
-    w: &HyperWeights,
-    d: usize,
-    norm: Option<&[f32]>,
-    apart: bool,
-) -> (Vec<f32>, Vec<f32>) {
     let n_mix = (2 + hc) * hc;
-    let n = logits.len() / (n_mix * parts.max(1));
+    let n = logits.len() / n_mix;
     let (lb, xb, bb, sb) = (buf(logits), buf(x), buf(&w.base), buf(&w.scale));
     let nb = norm.map(buf);
     let yb = DevBuf::zeroed(n * d * 4).expect("y");
@@ -276,7 +257,6 @@ fn run_hc_pre_parts(
         &[
             ptr(&lb),
             Arg::I32(n_mix as i32),
-            Arg::I32(parts as i32),
             ptr(&xb),
             ptr(&yb),
             ptr(&mb),
@@ -376,136 +356,6 @@ fn run_hc_post(ctx: &Context, x: &[f32], f: &[f32], mix: &[f32], d: usize) -> Ve
         &[ptr(&xb), ptr(&fb), ptr(&mb), Arg::I32(HC as i32), Arg::I32(d as i32)],
     );
     read(ctx, &xb, x.len())
-}
-
-/// `ds4_hc_post_proj` with `hc` streams: with `proj` (the next site's F16 projection
-/// [(2 + hc) * hc, hc * d] on the device) x and its partial products [n, blocks, n_mix], else
-/// (null pointers) only x, as ds4_hc_post: (x, the partials).
-fn run_hc_post_parts(
-    ctx: &Context,
-    hc: usize,
-    x: &[f32],
-    f: &[f32],
-    mix: &[f32],
-    d: usize,
-    proj: Option<&DevBuf>,
-) -> (Vec<f32>, Vec<f32>) {
-    let n = f.len() / d;
-    let blocks = d.div_ceil(BLOCK as usize);
-    let len = n * blocks * (2 + hc) * hc;
-    let (xb, fb, mb) = (buf(x), buf(f), buf(mix));
-    let pb = DevBuf::from_slice(&vec![f32::NAN; len]).expect("partials");
-    let (wp, pp) = match proj {
-        Some(w) => (ptr(w), ptr(&pb)),
-        None => (Arg::Ptr(0), Arg::Ptr(0)),
-    };
-    launch(
-        ctx,
-        "ds4_hc_post_proj",
-        (blocks, n),
-        &[ptr(&xb), ptr(&fb), ptr(&mb), Arg::I32(hc as i32), Arg::I32(d as i32), wp, pp],
-    );
-    let xs = read(ctx, &xb, x.len());
-    (xs, if proj.is_some() { read(ctx, &pb, len) } else { Vec::new() })
-}
-
-/// Random mixes of `n` rows of `hc` streams (post about 1, comb about 0.5) and their device
-/// layout [n, hc + hc * hc].
-fn random_mixes(n: usize, hc: usize, seed: u64) -> (Vec<Mix>, Vec<f32>) {
-    let post = randn(n * hc, seed, 1.0);
-    let comb = randn(n * hc * hc, seed + 1, 0.5);
-    let mixes: Vec<Mix> = (0..n)
-        .map(|r| Mix {
-            post: post[r * hc..(r + 1) * hc].iter().map(|v| v + 1.0).collect(),
-            comb: comb[r * hc * hc..(r + 1) * hc * hc].iter().map(|v| v + 0.5).collect(),
-        })
-        .collect();
-    let mix = mixes.iter().flat_map(|m| m.post.iter().chain(&m.comb).copied()).collect();
-    (mixes, mix)
-}
-
-/// The decode's fused mixing logits (DS4_CUDA_HC_FUSE): ds4_hc_post_proj with the next site's
-/// F16 projection leaves each block's partial products of the new streams, and ds4_hc_pre sums
-/// them. Checked against the CPU (hyper::post, then hyper::pre with the same F16 projection),
-/// against ds4_hc_pre given those sums as logits (bitwise: the same sums in the same order),
-/// and for row invariance. The same partials from ds4_moe_combine: tests_moe.rs.
-#[test]
-fn fused_mixing_logits_match_cpu() {
-    let Some(ctx) = context() else { return };
-    // d = 4096 and 1024: whole blocks (ds4_hc_pre's register paths); 1000 and 700: a last
-    // block partly past d (the general path).
-    for (k, &(hc, d)) in [(HC, 4096usize), (HC, 1000), (2, 1024), (5, 700), (1, 256)].iter().enumerate() {
-        let what = format!("fused mixing logits hc {hc} d {d}");
-        let n = 5;
-        let n_mix = (2 + hc) * hc;
-        let blocks = d.div_ceil(BLOCK as usize);
-        let seed = 300 + 10 * k as u64;
-        let (raw, proj) = f16_proj(n_mix, hc * d, seed);
-        let row_bytes = GgmlType::F16.row_bytes((hc * d) as u64).expect("f16 row") as usize;
-        let w = HyperWeights {
-            proj: Mat { ty: GgmlType::F16, n_in: hc * d, n_out: n_mix, start: 0, row_bytes },
-            base: randn(n_mix, seed + 1, 1.0),
-            scale: randn(3, seed + 2, 2.0),
-        };
-        let wb = DevBuf::from_slice(&raw).expect("projection");
-        let ops = Ops { raw: &raw, backend: &Cpu };
-        let x = randn(n * hc * d, seed + 3, 2.0);
-        let f = randn(n * d, seed + 4, 2.0);
-        let (mixes, mix) = random_mixes(n, hc, seed + 5);
-        let nw = randn(d, seed + 7, 1.0);
-
-        // The CPU: the expansion, then the next site with its norm.
-        let mut want_x = x.clone();
-        hyper::post(&mut want_x, &f, &mixes, hc, d);
-        let cfg = ModelConfig { hc_mult: hc, ..config(d, 1, 64) };
-        let (mut want_y, want_mixes) = hyper::pre(ops, &w, &want_x, &cfg).expect("hyper::pre");
-        for row in want_y.chunks_mut(d) {
-            rms_norm(row, &nw, EPS);
-        }
-
-        // The expansion: x bitwise as ds4_hc_post's, and as without the partials (null); the
-        // partials of the new x.
-        let (got_x, parts) = run_hc_post_parts(&ctx, hc, &x, &f, &mix, d, Some(&wb));
-        let (null_x, _) = run_hc_post_parts(&ctx, hc, &x, &f, &mix, d, None);
-        assert_bits(&format!("{what}: x without partials"), &null_x, &got_x);
-        if hc == HC {
-            assert_bits(&format!("{what}: x against ds4_hc_post"), &run_hc_post(&ctx, &x, &f, &mix, d), &got_x);
-        }
-        assert_close(&format!("{what}: x"), &got_x, &want_x, 1e-5);
-        assert_hc_partials(&what, &parts, &proj, &got_x, hc, d, BLOCK as usize);
-
-        // The site: from the partials, bitwise as from their sums (block order, float).
-        let (y, got_mix) = run_hc_pre_parts(&ctx, hc, &parts, blocks, &got_x, &w, d, Some(&nw), false);
-        let logits = sum_partials(&parts, n_mix, blocks);
-        let (y2, mix2) = run_hc_pre(&ctx, hc, &logits, &got_x, &w, d, Some(&nw), false);
-        assert_bits(&format!("{what}: y against the summed logits"), &y, &y2);
-        assert_bits(&format!("{what}: mix against the summed logits"), &got_mix, &mix2);
-        // The decode's way (Sinkhorn apart) agrees bitwise too.
-        let (y3, mix3) = run_hc_pre_parts(&ctx, hc, &parts, blocks, &got_x, &w, d, Some(&nw), true);
-        assert_bits(&format!("{what}: y, Sinkhorn apart"), &y3, &y);
-        assert_bits(&format!("{what}: mix, Sinkhorn apart"), &mix3, &got_mix);
-        // Against the CPU: the logits are sums in another order (and of the raw streams, scaled
-        // after), so a looser bound than hc_pre_matches_cpu's (which feeds the CPU's logits).
-        assert_close(&format!("{what}: normed y"), &y, &want_y, 1e-4);
-        let mw = hc + hc * hc;
-        for (r, m) in want_mixes.iter().enumerate() {
-            let got = &got_mix[r * mw..(r + 1) * mw];
-            assert_close(&format!("{what}: post, row {r}"), &got[..hc], &m.post, 1e-4);
-            assert_close(&format!("{what}: comb, row {r}"), &got[hc..], &m.comb, 5e-4);
-        }
-
-        // Row invariance: each row's partials, y and mix are bitwise those of the row alone.
-        let pw = blocks * n_mix;
-        for r in 0..n {
-            let (xr, fr, mr) = (&x[r * hc * d..(r + 1) * hc * d], &f[r * d..(r + 1) * d], &mix[r * mw..(r + 1) * mw]);
-            let (x1, p1) = run_hc_post_parts(&ctx, hc, xr, fr, mr, d, Some(&wb));
-            assert_bits(&format!("{what}: x of row {r} alone"), &x1, &got_x[r * hc * d..(r + 1) * hc * d]);
-            assert_bits(&format!("{what}: partials of row {r} alone"), &p1, &parts[r * pw..(r + 1) * pw]);
-            let (y1, m1) = run_hc_pre_parts(&ctx, hc, &p1, blocks, &x1, &w, d, Some(&nw), false);
-            assert_bits(&format!("{what}: y of row {r} alone"), &y1, &y[r * d..(r + 1) * d]);
-            assert_bits(&format!("{what}: mix of row {r} alone"), &m1, &got_mix[r * mw..(r + 1) * mw]);
-        }
-    }
 }
 
 #[test]
