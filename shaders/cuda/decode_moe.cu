@@ -32,8 +32,17 @@
 #define MOE_WORDS (MOE_MAX_EXPERTS / 32)
 // Scores ds4_route holds at once (rows of E).
 #define MOE_SCORES (MOE_MAX_WARPS * MOE_MAX_EXPERTS)
-// Blocks of 32 of hx a warp of ds4_route keeps in registers (d = 4096 at 8 warps).
-#define MOE_HX_REGS 16
+
+// Row s (d floats) quantized to 8-bit activations (rust/engine/quant/act8.rs) into o, the row's
+// slot of d floats: d int8 values, then d / 32 f32 scales. The warps of the row's blocks (part
+// `part` of `parts`) take its blocks of 32 in turn (ds4_act8_block).
+__device__ __forceinline__ void ds4_act8_row(const float* __restrict__ s, char* __restrict__ o, int d, int part,
+                                             int parts) {
+    const int warps = (blockDim.x >> 5) * parts;
+    for (int blk = part * (blockDim.x >> 5) + (threadIdx.x >> 5); blk < (d >> 5); blk += warps) {
+        ds4_act8_block(s[32 * blk + (threadIdx.x & 31)], o + 32 * blk, (float*)(o + d) + blk);
+    }
+}
 
 // A float's key under Rust's f32::total_cmp: keys compare as signed ints in the total order
 // (-NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN).
@@ -79,11 +88,11 @@ __device__ __forceinline__ float ds4_softplus(float x) {
 //   With chunk >= n every expert has one slot (the union of the batch).
 //
 // - With hx (not null; n = 1 only): the row hx [d] (d = templ[0].n_in, a multiple of 32) is
-//   written as 8-bit activations (ds4_act8_block, the bytes ds4_gather would write) to the gate
+//   written as 8-bit activations (ds4_act8_row, the bytes ds4_gather would write) to the gate
 //   template's x, and every gate and up descriptor reads that one row (x = templ.x): the
 //   decode's one-row steps then need no ds4_gather. (In a Flash decode step on an H200 the
 //   gather, which cannot launch before the routing ends, held the expert products back by
-//   about 7 us a layer for a 2.7 us kernel.)
+//   about 5 us a layer for a 2.7 us kernel; here the quantization runs beside the routing.)
 //
 // Grid (1), block 128 or 256 threads (any multiple of 32 from 64 to 256), no dynamic shared
 // memory. Requires E <= 1024, k <= 16, n <= 16, chunk >= 1, max_descs >= the number of
@@ -122,16 +131,9 @@ extern "C" __global__ void __launch_bounds__(256)
         max_descs > MOE_MAX_ROWS * MOE_MAX_K || chunk < 1 || (hx != nullptr && (n != 1 || templ[0].n_in % 32 != 0))) {
         __trap();
     }
-    // hx's blocks of 32, warp w taking blocks w, w + nw, ...: the first MOE_HX_REGS of them
-    // loaded now, all in flight at once, and quantized once the scores are computed (so the
-    // loads wait beside the softplus). Block after block, each load waiting for the one before,
-    // the quantization took about 10 us at d = 4096.
-    float hv[MOE_HX_REGS];
-    const int hblocks = hx != nullptr ? templ[0].n_in >> 5 : 0;
-#pragma unroll
-    for (int j = 0; j < MOE_HX_REGS; j++) {
-        const int blk = warp + j * nw;
-        hv[j] = blk < hblocks ? hx[32 * blk + lane] : 0.0f;
+    if (hx != nullptr) {
+        // The one row's 8-bit activations, by every warp in turn (nothing below reads them).
+        ds4_act8_row(hx, (char*)templ[0].x, templ[0].n_in, 0, 1);
     }
 
     for (int i = tid; i < MOE_MAX_ROWS * MOE_WORDS; i += blockDim.x) {
@@ -149,21 +151,6 @@ extern "C" __global__ void __launch_bounds__(256)
             sc[i] = sqrtf(ds4_softplus(logits[(long long)r0 * E + i]));
         }
         __syncthreads();
-        if (hblocks > 0 && r0 == 0) {
-            // The one row's 8-bit activations (nothing in this kernel reads them).
-            char* o = (char*)templ[0].x;
-            float* dx = (float*)(o + 32 * hblocks);
-#pragma unroll
-            for (int j = 0; j < MOE_HX_REGS; j++) {
-                const int blk = warp + j * nw;
-                if (blk < hblocks) {
-                    ds4_act8_block(hv[j], o + 32 * blk, dx + blk);
-                }
-            }
-            for (int blk = warp + MOE_HX_REGS * nw; blk < hblocks; blk += nw) {
-                ds4_act8_block(hx[32 * blk + lane], o + 32 * blk, dx + blk);
-            }
-        }
         for (int r = r0 + warp; r < r0 + rows; r += nw) {
             const float* rs = sc + (r - r0) * E;
             if (hash != nullptr) {
@@ -411,17 +398,6 @@ extern "C" __global__ void __launch_bounds__(256)
                 down[q] = D;
             }
         }
-    }
-}
-
-// Row s (d floats) quantized to 8-bit activations (rust/engine/quant/act8.rs) into o, the row's
-// slot of d floats: d int8 values, then d / 32 f32 scales. The warps of the row's blocks (part
-// `part` of `parts`) take its blocks of 32 in turn (ds4_act8_block).
-__device__ __forceinline__ void ds4_act8_row(const float* __restrict__ s, char* __restrict__ o, int d, int part,
-                                             int parts) {
-    const int warps = (blockDim.x >> 5) * parts;
-    for (int blk = part * (blockDim.x >> 5) + (threadIdx.x >> 5); blk < (d >> 5); blk += warps) {
-        ds4_act8_block(s[32 * blk + (threadIdx.x & 31)], o + 32 * blk, (float*)(o + d) + blk);
     }
 }
 

@@ -1301,8 +1301,7 @@ impl CudaDecoder {
             // for one row, ds4_route writes them and the gate and up products share that row
             // (no ds4_gather: see ds4_route).
             let act8 = crate::quant::act8::takes_act8(gm.ty);
-            // (`DS4_CUDA_GATHER=1`: the gather at one row too, for A/B timing.)
-            let route_x8 = n == 1 && act8 && d % 32 == 0 && !std::env::var("DS4_CUDA_GATHER").is_ok_and(|v| v == "1");
+            let route_x8 = n == 1 && act8 && d % 32 == 0;
             let t_off = table.len();
             for t in [
                 templ(gm, b.xg.ptr, b.g_out.ptr, 0, 0),
