@@ -33,17 +33,6 @@
 // Scores ds4_route holds at once (rows of E).
 #define MOE_SCORES (MOE_MAX_WARPS * MOE_MAX_EXPERTS)
 
-// Row s (d floats) quantized to 8-bit activations (rust/engine/quant/act8.rs) into o, the row's
-// slot of d floats: d int8 values, then d / 32 f32 scales. The warps of the row's blocks (part
-// `part` of `parts`) take its blocks of 32 in turn (ds4_act8_block).
-__device__ __forceinline__ void ds4_act8_row(const float* __restrict__ s, char* __restrict__ o, int d, int part,
-                                             int parts) {
-    const int warps = (blockDim.x >> 5) * parts;
-    for (int blk = part * (blockDim.x >> 5) + (threadIdx.x >> 5); blk < (d >> 5); blk += warps) {
-        ds4_act8_block(s[32 * blk + (threadIdx.x & 31)], o + 32 * blk, (float*)(o + d) + blk);
-    }
-}
-
 // A float's key under Rust's f32::total_cmp: keys compare as signed ints in the total order
 // (-NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN).
 __device__ __forceinline__ int ds4_total_key(float x) {
@@ -87,13 +76,6 @@ __device__ __forceinline__ float ds4_softplus(float x) {
 //   max_descs * bpd_gate + q * bpd_up, down q * bpd_down (bpd = row_blocks * slices).
 //   With chunk >= n every expert has one slot (the union of the batch).
 //
-// - With hx (not null; n = 1 only): the row hx [d] (d = templ[0].n_in, a multiple of 32) is
-//   written as 8-bit activations (ds4_act8_row, the bytes ds4_gather would write) to the gate
-//   template's x, and every gate and up descriptor reads that one row (x = templ.x): the
-//   decode's one-row steps then need no ds4_gather. (In a Flash decode step on an H200 the
-//   gather, which cannot launch before the routing ends, held the expert products back by
-//   about 5 us a layer for a 2.7 us kernel; here the quantization runs beside the routing.)
-//
 // Grid (1), block 128 or 256 threads (any multiple of 32 from 64 to 256), no dynamic shared
 // memory. Requires E <= 1024, k <= 16, n <= 16, chunk >= 1, max_descs >= the number of
 // chunks (n * k always is; min(n * k, E) is when chunk >= n) and <= 256, hash entries < E.
@@ -102,7 +84,7 @@ extern "C" __global__ void __launch_bounds__(256)
               const unsigned* __restrict__ hash, int norm, float wscale, int n, const int* __restrict__ step,
               MvDesc* __restrict__ gu, MvDesc* __restrict__ down, int max_descs, const MvDesc* __restrict__ templ,
               int* __restrict__ gather_src, int* __restrict__ comb_slot, float* __restrict__ comb_w,
-              int* __restrict__ comb_cnt, int chunk, const float* __restrict__ hx) {
+              int* __restrict__ comb_cnt, int chunk) {
     ds4_grid_deps();
     // The scores of up to MOE_SCORES / E rows at a time.
     __shared__ float sc[MOE_SCORES];
@@ -128,12 +110,8 @@ extern "C" __global__ void __launch_bounds__(256)
     const int W = (E + 31) >> 5;
     // Outside the limits the shared arrays would overflow: fail loudly (a host bug).
     if (E > MOE_MAX_EXPERTS || k > MOE_MAX_K || n > MOE_MAX_ROWS || k < 1 || nw < 2 || nw > MOE_MAX_WARPS ||
-        max_descs > MOE_MAX_ROWS * MOE_MAX_K || chunk < 1 || (hx != nullptr && (n != 1 || templ[0].n_in % 32 != 0))) {
+        max_descs > MOE_MAX_ROWS * MOE_MAX_K || chunk < 1) {
         __trap();
-    }
-    if (hx != nullptr) {
-        // The one row's 8-bit activations, by every warp in turn (nothing below reads them).
-        ds4_act8_row(hx, (char*)templ[0].x, templ[0].n_in, 0, 1);
     }
 
     for (int i = tid; i < MOE_MAX_ROWS * MOE_WORDS; i += blockDim.x) {
@@ -382,7 +360,7 @@ extern "C" __global__ void __launch_bounds__(256)
             const int bpd = rb * T.slices;
             MvDesc D = T;
             D.w = T.w + (long long)e * T.row_bytes * T.n_out;
-            D.x = hx != nullptr && t < 2 ? T.x : T.x + (long long)off * T.n_in;
+            D.x = T.x + (long long)off * T.n_in;
             D.y = T.y + (long long)off * T.n_out;
             D.part = T.part + (long long)q * T.slices * chunk * T.n_out;
             D.n = c;
@@ -398,6 +376,17 @@ extern "C" __global__ void __launch_bounds__(256)
                 down[q] = D;
             }
         }
+    }
+}
+
+// Row s (d floats) quantized to 8-bit activations (rust/engine/quant/act8.rs) into o, the row's
+// slot of d floats: d int8 values, then d / 32 f32 scales. The warps of the row's blocks (part
+// `part` of `parts`) take its blocks of 32 in turn (ds4_act8_block).
+__device__ __forceinline__ void ds4_act8_row(const float* __restrict__ s, char* __restrict__ o, int d, int part,
+                                             int parts) {
+    const int warps = (blockDim.x >> 5) * parts;
+    for (int blk = part * (blockDim.x >> 5) + (threadIdx.x >> 5); blk < (d >> 5); blk += warps) {
+        ds4_act8_block(s[32 * blk + (threadIdx.x & 31)], o + 32 * blk, (float*)(o + d) + blk);
     }
 }
 

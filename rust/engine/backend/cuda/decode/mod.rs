@@ -1297,11 +1297,6 @@ impl CudaDecoder {
                     "CUDA decode: partial-sum buffer too small for the experts (internal)".into(),
                 ));
             }
-            // The gathered rows as 8-bit activations when their gate and up products take them;
-            // for one row, ds4_route writes them and the gate and up products share that row
-            // (no ds4_gather: see ds4_route).
-            let act8 = crate::quant::act8::takes_act8(gm.ty);
-            let route_x8 = n == 1 && act8 && d % 32 == 0;
             let t_off = table.len();
             for t in [
                 templ(gm, b.xg.ptr, b.g_out.ptr, 0, 0),
@@ -1339,20 +1334,19 @@ impl CudaDecoder {
                     p(b.comb_w.ptr),
                     p(b.comb_cnt.ptr),
                     i(chunk),
-                    if route_x8 { p(b.h.ptr) } else { null },
                 ],
             );
-            if !route_x8 {
-                launch(
-                    &mut ops,
-                    k.gather,
-                    // One warp per block of 32 values (act8) or per 32 float4s (a copy).
-                    ((n * kk) as u32, d.div_ceil(if act8 { 256 } else { 1024 }) as u32, 1),
-                    256,
-                    0,
-                    vec![p(b.h.ptr), p(b.xg.ptr), p(b.gather_src.ptr), i(d), i(act8 as usize)],
-                );
-            }
+            // The gathered rows as 8-bit activations when their gate and up products take them.
+            let act8 = crate::quant::act8::takes_act8(gm.ty);
+            launch(
+                &mut ops,
+                k.gather,
+                // One warp per block of 32 values (act8) or per 32 float4s (a copy).
+                ((n * kk) as u32, d.div_ceil(if act8 { 256 } else { 1024 }) as u32, 1),
+                256,
+                0,
+                vec![p(b.h.ptr), p(b.xg.ptr), p(b.gather_src.ptr), i(d), i(act8 as usize)],
+            );
             let bpd = |m: &Mat| row_blocks(m) * slices(m);
             let (fg, sg) = ctx.kernel(gm.ty, chunk).ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
             if um.ty != gm.ty || um.n_out != gm.n_out || um.n_in != gm.n_in {
