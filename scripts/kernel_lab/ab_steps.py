@@ -2,7 +2,7 @@
 process (so machine-to-machine and run-to-run drift cancel out of the comparison).
 
     python scripts/kernel_lab/ab_steps.py MODEL.gguf [--ctx 2100] [--steps 32] [--reps 3] \\
-        base= gather=DS4_CUDA_GATHER=1 early=DS4_CUDA_COMP_LATE=0,DS4_CUDA_GATHER=1
+        base= nofork=DS4_CUDA_FORK=0 hostmax=DS4_CUDA_ARGMAX=0,DS4_CUDA_FORK=0
 
 A setting is NAME=[VAR=VALUE[,VAR=VALUE...]]. For each repetition and setting, in turn: the
 setting's variables are set (the others of all settings unset), a new session is made (its
@@ -10,8 +10,8 @@ device decoder reads the switches when it builds its step programs), a prompt of
 tokens is evaluated, three steps warm up, then --steps one-token steps run one after another
 (positions advancing, as in generation). Prints each run's median and mean step time, then
 per setting the median over its runs. The model is loaded once, so only switches a decoder
-reads when it is made or builds its programs compare this way (DS4_CUDA_GATHER,
-DS4_CUDA_COMP_LATE, DS4_CUDA_FORK, DS4_CUDA_ARGMAX); those read when the kernels are compiled
+reads when it is made or builds its programs compare this way (DS4_CUDA_FORK, DS4_CUDA_ARGMAX,
+and switches added for an experiment); those read when the kernels are compiled
 (DS4_CUDA_PDL, DS4_CUDA_INDEX, DS4_CUDA_Q8) hold for the whole process.
 """
 

@@ -734,18 +734,16 @@ impl CudaDecoder {
         };
         for l in &w.layers {
             need(&[l.hc_attn.proj], N_MAX);
-            // The compressors' and indexer's products that read h, with q_a or with q_b (both
-            // ways `build` may group them).
-            let mut from_h = Vec::new();
+            need(&[l.q_a, l.kv], N_MAX);
+            // q_b with the compressors' and indexer's products (as `build` groups them).
+            let mut g2 = vec![l.q_b];
             if let Some(c) = &l.compressor {
-                from_h.extend([c.kv, c.gate]);
+                g2.extend([c.kv, c.gate]);
             }
             if let Some(i) = &l.indexer {
-                from_h.extend([i.proj, i.compressor.kv, i.compressor.gate]);
+                g2.extend([i.proj, i.compressor.kv, i.compressor.gate, i.q_b]);
             }
-            let q_b: Vec<Mat> = std::iter::once(l.q_b).chain(l.indexer.as_ref().map(|i| i.q_b)).collect();
-            need(&[[l.q_a, l.kv].as_slice(), &from_h].concat(), N_MAX);
-            need(&[q_b.as_slice(), &from_h].concat(), N_MAX);
+            need(&g2, N_MAX);
             let oa = Mat { n_out: cfg.o_lora_rank, ..l.o_a };
             need(&vec![oa; cfg.o_groups], N_MAX);
             need(&[l.o_b], N_MAX);
@@ -887,9 +885,6 @@ impl CudaDecoder {
         let fl = |x: f32| PArg::A(Arg::F32(x));
         let null = PArg::A(Arg::Ptr(0));
         let fork = self.side.is_some();
-        // Where the compressors' and indexer's products that read h run: after q_b (the
-        // default), or with q_a as before (`DS4_CUDA_COMP_LATE=0`, for A/B timing).
-        let comp_late = !std::env::var("DS4_CUDA_COMP_LATE").is_ok_and(|v| v == "0");
         let launch =
             |ops: &mut Vec<_>, f: sys::CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, args: Vec<PArg>| {
                 ops.push(Op::Launch(Launch { f, grid, block, smem, args, label: String::new() }));
@@ -1011,6 +1006,11 @@ impl CudaDecoder {
                            norm: u64|
              -> Result<()> {
                 // The mixing logits of the raw streams; ds4_hc_pre applies their RMS scale.
+                // (Tried and dropped: the kernels that write the streams (ds4_hc_post,
+                // ds4_moe_combine) leaving each block's partial products with this projection,
+                // summed by ds4_hc_pre, with no product launch here. It held 96 F16 weights a
+                // thread in those kernels (230 registers) and made Flash steps slower on an
+                // H200: 10.24 against 9.81 ms at a 2100-token context, interleaved A/B.)
                 products(ops, table, &[(hw.proj, b.x.ptr, b.mixl.ptr, n)])?;
                 launch(
                     ops,
@@ -1048,23 +1048,7 @@ impl CudaDecoder {
             };
             // ---- attention
             hc_site(&mut ops, &mut table, &lw.hc_attn, &c.hc_attn, b.mix_a.ptr, c.attn_norm.ptr)?;
-            // The compressors' and indexer's products that read h (F16 in ds4's layout).
-            let mut from_h = Vec::new();
-            if let (Some(cw), Some(cm)) = (&lw.compressor, &mm.comp) {
-                from_h.extend([(cw.kv, b.h.ptr, cm.log_kv.ptr, n), (cw.gate, b.h.ptr, cm.log_g.ptr, n)]);
-            }
-            if let (Some(iw), Some(im)) = (&lw.indexer, &mm.index) {
-                from_h.extend([
-                    (iw.proj, b.h.ptr, b.ig.ptr, n),
-                    (iw.compressor.kv, b.h.ptr, im.log_kv.ptr, n),
-                    (iw.compressor.gate, b.h.ptr, im.log_g.ptr, n),
-                ]);
-            }
-            let mut g = vec![(lw.q_a, b.h.ptr, b.cq.ptr, n), (lw.kv, b.h.ptr, b.kv.ptr, n)];
-            if !comp_late {
-                g.append(&mut from_h);
-            }
-            products(&mut ops, &mut table, &g)?;
+            products(&mut ops, &mut table, &[(lw.q_a, b.h.ptr, b.cq.ptr, n), (lw.kv, b.h.ptr, b.kv.ptr, n)])?;
             launch(
                 &mut ops,
                 k.rms_weight,
@@ -1075,17 +1059,26 @@ impl CudaDecoder {
             );
             // After q_b (which needs only q_a and its norm), in one call: the compressors' and
             // indexer's products (F16 in ds4's layout), which finish_rows and the compressors
-            // need. Before q_a's norm, as they were, they held the query path back and took a
-            // launch of their own (on an H200, a Flash CSA layer's F16 products ran 14.8 us
-            // between q_a and its norm, and the indexer's q_b 8.3 us after q_b). The
+            // need. With q_a, as they were, they held the query path back and took a launch of
+            // their own (on an H200, a Flash CSA layer's F16 products ran 14.8 us between q_a
+            // and its norm, and the indexer's q_b 8.3 us after q_b); here they take 19 us after
+            // q_b, one launch less a CSA layer for about the same step (steps in a row at a
+            // 2100-token context, interleaved A/B: 10.24 ms against 10.28 with them with q_a). The
             // compressors' projections go to the layer's own buffers, which the compressor reads
             // and the journal packs for the host's replay of the step. (A layer has compressor
             // weights exactly when its mirror has a compressor, and indexer weights exactly when
             // it has an indexer: see `decoder_for`.)
             let mut g = vec![(lw.q_b, b.cq.ptr, b.q.ptr, n)];
-            g.append(&mut from_h);
-            if let Some(iw) = &lw.indexer {
-                g.push((iw.q_b, b.cq.ptr, b.iq.ptr, n));
+            if let (Some(cw), Some(cm)) = (&lw.compressor, &mm.comp) {
+                g.extend([(cw.kv, b.h.ptr, cm.log_kv.ptr, n), (cw.gate, b.h.ptr, cm.log_g.ptr, n)]);
+            }
+            if let (Some(iw), Some(im)) = (&lw.indexer, &mm.index) {
+                g.extend([
+                    (iw.proj, b.h.ptr, b.ig.ptr, n),
+                    (iw.compressor.kv, b.h.ptr, im.log_kv.ptr, n),
+                    (iw.compressor.gate, b.h.ptr, im.log_g.ptr, n),
+                    (iw.q_b, b.cq.ptr, b.iq.ptr, n),
+                ]);
             }
             products(&mut ops, &mut table, &g)?;
             let rope_dim = cfg.rope_dim;
@@ -1337,6 +1330,10 @@ impl CudaDecoder {
                 ],
             );
             // The gathered rows as 8-bit activations when their gate and up products take them.
+            // (Tried and dropped for one row: ds4_route quantizing the row itself and every
+            // descriptor reading that copy, with no gather launch. The routing got slower by more
+            // than the gather cost: Flash steps at a 2100-token context 10.24 against 10.09 ms,
+            // interleaved A/B on an H200.)
             let act8 = crate::quant::act8::takes_act8(gm.ty);
             launch(
                 &mut ops,
