@@ -13,7 +13,8 @@
 //!   cost of a call (one input copy, one launch per kernel group, one output copy, one sync).
 //!
 //! Run with `cargo bench --features cuda --bench cuda`; with `DS4_CUDA_Q8=mma` the Q8_0 rows
-//! time the tensor-core kernel and its tiled weight layout instead of the float-x kernel.
+//! time the tensor-core kernel and its tiled weight layout, with `DS4_CUDA_Q8=fma` the float-x
+//! kernel (by default rows of at most 1024 elements go to the first, longer ones to the second).
 
 use std::time::Duration;
 

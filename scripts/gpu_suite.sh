@@ -9,12 +9,15 @@
 # network (`pip download pytest hypothesis gguf -d WHEELHOUSE --only-binary=:all:
 # --python-version 3.12 --platform manylinux2014_x86_64` elsewhere); "" to use the index.
 # TESTS_BINARY: the engine's test executable built with `--features cuda` (its CUDA kernel
-# tests run first, then again the product and routed-expert ones with DS4_CUDA_Q8=mma, Q8_0 on
-# the tensor cores, and the attention-side ones with DS4_CUDA_INDEX=row). Then: the CUDA
-# tests (in both Q8_0 modes), and decode / verify / prefill timings of a random MID model at
+# tests run first, then all of them again with DS4_CUDA_Q8=fma (Q8_0 on the float-x kernel
+# only: by default the test models' short rows go to the tensor cores), the product and
+# routed-expert ones with DS4_CUDA_Q8=mma (Q8_0 on the tensor cores only), and the
+# attention-side ones with DS4_CUDA_INDEX=row). Then: the CUDA tests (in the three Q8_0
+# modes), and decode / verify / prefill timings of a random MID model at
 # 2K and 32K context; with FLASH_GEN (the synthetic full-size
 # Flash generator, gen_flash_q2_gguf.py) and TOKENIZER (the V4 tokenizer.json) set, the same
-# for a full-size Flash file (80.8 GiB, sparse on disk) at 2K context (in both Q8_0 modes),
+# for a full-size Flash file (80.8 GiB, sparse on disk) at 2K context (by default and with
+# DS4_CUDA_Q8=mma),
 # and with FLASH_32K=1 at 32K context with an 8K-token prefill too; with FLASH_FILL=1 the
 # routed experts of as many layers as the disk holds get pseudo-random blocks first
 # (scripts/fill_experts.py: the generator's zero experts make the IQ2_XXS kernels look up one
@@ -33,13 +36,15 @@ fi
 python -c "import ds4, sys; print('CUDA:', ds4.cuda_available(), ds4.cuda_device_name()); sys.exit(0 if ds4.cuda_available() else 1)"
 if [ -n "${3:-}" ]; then
     "$3" backend::cuda --test-threads=1
-    # Q8_0 on the tensor cores (an opt-in kernel and weight layout): the product and routed
-    # expert tests again.
+    # Q8_0 on the float-x kernel only (the default for long rows), then on the tensor cores
+    # only (the default for short rows): the tests again.
+    DS4_CUDA_Q8=fma "$3" backend::cuda --test-threads=1
     DS4_CUDA_Q8=mma "$3" backend::cuda::tests backend::cuda::decode::tests_moe --test-threads=1
     # The indexer's one-thread-per-row kernels (DS4_CUDA_INDEX=row): the attention-side tests again.
     DS4_CUDA_INDEX=row "$3" backend::cuda::decode::tests_attn --test-threads=1
 fi
 (cd tests && python -m pytest -q -p no:cacheprovider test_cuda.py)
+(cd tests && DS4_CUDA_Q8=fma python -m pytest -q -p no:cacheprovider test_cuda.py)
 (cd tests && DS4_CUDA_Q8=mma python -m pytest -q -p no:cacheprovider test_cuda.py)
 ds4 random MID /tmp/ds4-mid-q8_0.gguf --dtype q8_0 -q
 python benches/verify_bench.py /tmp/ds4-mid-q8_0.gguf --backend cuda --ctx 2048 --prefill 2048,8192

@@ -1,9 +1,16 @@
 // Q8_0: blocks of 32 weights, 34 bytes in GGUF: an f16 scale d, then 32 signed bytes q;
-// w = q * d (rust/engine/quant/q8_0.rs). Two kernels; the process uses one of them for all
-// its Q8_0 products (rust/engine/backend/cuda/context.rs `tensor_cores`), so each row is
-// computed the same way in every batch (row invariance) either way.
+// w = q * d (rust/engine/quant/q8_0.rs). Two kernels; which one multiplies a matrix depends
+// only on its row length (rust/engine/backend/cuda/context.rs `tensor_cores`), never on the
+// batch, so each row is computed the same way in every batch (row invariance) either way. By
+// default the tensor-core kernel takes rows of at most 1024 elements (Flash's q_b, 32768 x
+// 1024: as fast as the float-x kernel at one batch row, three times faster at eight) and the
+// float-x kernel the rest. On an H200, Flash with pseudo-random experts at a 2100-token
+// context, two A/B rounds in one session: steps in a row 9.16 / 9.05 ms against 9.14 / 9.13
+// with the float-x kernel everywhere (DS4_CUDA_Q8=fma), a verify of 8 rows 31.4 / 30.5 ms
+// against 32.2 / 32.1, the 2100-token prompt 6.52 / 6.49 s against 7.02 / 6.96. Adding rows of
+// 2048 (the shared expert's down) made steps slower (9.52 / 9.49 ms).
 //
-// ---- The float-x kernel (the default): matvec_split (common.cuh). On the device rows are
+// ---- The float-x kernel: matvec_split (common.cuh). On the device rows are
 // split (rust/engine/quant/split/): the 32-byte quant runs of all blocks, then the 2-byte
 // scales. Lane l's 16 bytes of chunk c are half (l & 1) of block 16 c + l / 2: elements
 // 32 k + 16 (l & 1) + 0..15. Per 4 elements: sum q * x in an fmaf chain, then acc += d * sum.
@@ -50,9 +57,19 @@ struct FmtQ8_0 {
     }
 };
 
+// Resident blocks a SM of the one-row kernel (MvMinBlocks); a -D option may override it for
+// A/B timing (DS4_CUDA_DEFINES, rust/engine/backend/cuda/context.rs).
+#ifndef MV_MIN_BLOCKS_Q8_0_1
+#define MV_MIN_BLOCKS_Q8_0_1 MV_MIN_BLOCKS
+#endif
+template <>
+struct MvMinBlocks<FmtQ8_0, 1> {
+    static constexpr int value = MV_MIN_BLOCKS_Q8_0_1;
+};
+
 MVS_KERNELS(q8_0, FmtQ8_0)
 
-// ---- The tensor-core kernel (DS4_CUDA_Q8=mma)
+// ---- The tensor-core kernel (short rows by default; all Q8_0 matrices with DS4_CUDA_Q8=mma)
 //
 // Q8_0 products on the tensor cores in exact integer arithmetic, one kernel for every
 // batch size (mma.sync m16n8k32 on 8-bit integers, 32-bit sums: sm_80 and later; older

@@ -49,21 +49,36 @@ pub(crate) const MQ_WARP_ROWS: usize = 32;
 /// Threads per block (`32 * MV_WARPS`).
 pub(crate) const THREADS: u32 = 128;
 
-/// Whether this process multiplies `ty` matrices on the tensor cores: Q8_0 ones with
-/// `DS4_CUDA_Q8=mma` (exact 8-bit integer products, flat in the batch size,
-/// shaders/cuda/q8_0.cu) rather than with the float-x kernel (the default: faster at one batch
-/// row, slower at several). Read once: every Q8_0 product of the process, and the device
-/// layout of its Q8_0 weights, follow one kernel, so a row computes the same way in every
-/// batch (row invariance).
-pub(crate) fn tensor_cores(ty: GgmlType) -> bool {
-    static MODE: OnceLock<bool> = OnceLock::new();
-    ty == GgmlType::Q8_0 && *MODE.get_or_init(|| std::env::var("DS4_CUDA_Q8").is_ok_and(|v| v == "mma"))
+/// Rows of at most this many elements go to Q8_0's tensor-core kernel by default (see
+/// [`tensor_cores`]).
+pub(crate) const Q8_MMA_MAX_IN: usize = 1024;
+
+/// Whether this process multiplies `ty` matrices whose rows have `n_in` elements on the tensor
+/// cores: Q8_0 ones through the exact 8-bit integer kernel (flat in the batch size,
+/// shaders/cuda/q8_0.cu) rather than the float-x kernel (faster at one batch row on long
+/// rows, slower at several). `DS4_CUDA_Q8`, read once: `mma` for all Q8_0 matrices, `fma`
+/// for none, by default those whose rows have at most `DS4_CUDA_Q8_MMA_MAX_IN` elements
+/// ([`Q8_MMA_MAX_IN`]). The choice depends only on the row length, never on the batch, and
+/// the device layout of the weights follows it, so a row computes the same way in every batch
+/// (row invariance); a matrix's row slices (o_a's groups) share its row length, so its layout.
+pub(crate) fn tensor_cores(ty: GgmlType, n_in: usize) -> bool {
+    static MAX_IN: OnceLock<usize> = OnceLock::new();
+    let max_in = *MAX_IN.get_or_init(|| match std::env::var("DS4_CUDA_Q8").as_deref() {
+        Ok("mma") => usize::MAX,
+        Ok("fma") => 0,
+        _ => std::env::var("DS4_CUDA_Q8_MMA_MAX_IN").ok().and_then(|v| v.parse().ok()).unwrap_or(Q8_MMA_MAX_IN),
+    });
+    ty == GgmlType::Q8_0 && n_in <= max_in
 }
 
-/// The kernel name stem of format `ty` in this process (Q8_0: "q8_0" or "q8_0_mq").
-pub(crate) fn stem(ty: GgmlType) -> Option<&'static str> {
-    if tensor_cores(ty) {
-        return Some("q8_0_mq");
+/// The stem of Q8_0's tensor-core kernels.
+const MQ_STEM: &str = "q8_0_mq";
+
+/// The kernel name stem of format `ty` for rows of `n_in` elements in this process (Q8_0:
+/// "q8_0" or "q8_0_mq").
+pub(crate) fn stem(ty: GgmlType, n_in: usize) -> Option<&'static str> {
+    if tensor_cores(ty, n_in) {
+        return Some(MQ_STEM);
     }
     FORMATS.iter().find(|(t, _)| *t == ty).map(|(_, s)| *s)
 }
@@ -73,11 +88,11 @@ pub(crate) fn stem(ty: GgmlType) -> Option<&'static str> {
 /// rows directly (`matvec_split` in shaders/cuda/common.cuh: the float formats and the split
 /// formats), one block pair for Q8_0's tensor-core kernel (q8_0.cu), `32 * F::UNIT` for the
 /// staged ones (`matvec`: Q4_K, MXFP4).
-pub(crate) fn tile_elems(ty: GgmlType) -> usize {
+pub(crate) fn tile_elems(ty: GgmlType, n_in: usize) -> usize {
     match ty {
         GgmlType::F32 => 128,
         GgmlType::F16 | GgmlType::BF16 => 256,
-        GgmlType::Q8_0 if tensor_cores(ty) => 64,
+        GgmlType::Q8_0 if tensor_cores(ty, n_in) => 64,
         GgmlType::Q8_0 => 512,
         GgmlType::Q2_K | GgmlType::IQ2_XXS => 2048,
         _ => 1024,
@@ -238,6 +253,12 @@ pub fn compile(arch: &str) -> Result<Arc<String>> {
         // (decode_attn.cu DS4_INDEX_WIDE_ON): the same results, longer latency.
         options.push("-DDS4_INDEX_ROW".into());
     }
+    // For A/B timing of compile-time variants in the engine: `DS4_CUDA_DEFINES="A=1 B"` adds
+    // -DA=1 -DB. The switches the kernels document (MV_MIN_BLOCKS, MV_MIN_BLOCKS_Q8_0_1, ...)
+    // change only how work is scheduled, never the results; other defines are unsupported.
+    if let Ok(defs) = std::env::var("DS4_CUDA_DEFINES") {
+        options.extend(defs.split_whitespace().map(|d| format!("-D{d}")));
+    }
     let opts =
         nvrtc::CompileOptions { fmad: Some(false), options, name: Some("ds4_kernels.cu".into()), ..Default::default() };
     let ptx = nvrtc::compile_ptx_with_opts(kernel_source(), opts).map_err(|e| {
@@ -263,7 +284,8 @@ pub(crate) struct Context {
     pub(crate) stream: sys::CUstream,
     module: sys::CUmodule,
     /// `(format, batch size) -> (kernel, bytes of dynamic shared memory)`.
-    kernels: HashMap<(GgmlType, usize), (sys::CUfunction, u32)>,
+    /// (kernel name stem, batch size) -> the kernel and its dynamic shared memory.
+    kernels: HashMap<(&'static str, usize), (sys::CUfunction, u32)>,
     pub(crate) name: String,
     pub(crate) compute_capability: (i32, i32),
     pub(crate) multiprocessors: i32,
@@ -352,8 +374,7 @@ impl Context {
             param_info: false,
             param_sizes: std::sync::Mutex::new(HashMap::new()),
         };
-        for (ty, _) in FORMATS {
-            let stem = stem(ty).expect("a listed format");
+        for stem in FORMATS.iter().map(|f| f.1).chain([MQ_STEM]) {
             for nb in BATCH_SIZES {
                 let fname = CString::new(format!("ds4_mv_{stem}_{nb}")).expect("no NUL in kernel names");
                 // SAFETY: the module is loaded and the context bound.
@@ -375,13 +396,13 @@ impl Context {
                     )
                     .map_err(driver_err("allowing a kernel its shared memory"))?;
                 }
-                me.kernels.insert((ty, nb), (f, smem[0] as u32));
+                me.kernels.insert((stem, nb), (f, smem[0] as u32));
             }
         }
         // The parameter check is on when the driver describes a known kernel right (a product
         // kernel: a descriptor table, a count, the counters); older drivers lack the entry
         // points, and cudarc panics on a missing one.
-        if let Some(&(f, _)) = me.kernels.get(&(GgmlType::F32, 1)) {
+        if let Some(&(f, _)) = me.kernels.get(&("f32", 1)) {
             // SAFETY: a function of the module loaded above.
             let sizes = std::panic::catch_unwind(|| unsafe { param_sizes(f) }).ok().flatten();
             me.param_info = sizes.as_deref() == Some(&[8, 4, 8][..]);
@@ -389,11 +410,16 @@ impl Context {
         Ok(me)
     }
 
-    /// The kernel for `ty` and a chunk of `n` (1..=16) batch rows: the one instantiated for
-    /// the smallest batch size `>= n`.
-    pub(crate) fn kernel(&self, ty: GgmlType, n: usize) -> Option<(sys::CUfunction, u32)> {
+    /// The kernel for `ty` matrices with rows of `n_in` elements and a chunk of `n` (1..=16)
+    /// batch rows: the one instantiated for the smallest batch size `>= n`.
+    pub(crate) fn kernel(&self, ty: GgmlType, n_in: usize, n: usize) -> Option<(sys::CUfunction, u32)> {
         let nb = BATCH_SIZES.iter().copied().find(|&b| b >= n)?;
-        self.kernels.get(&(ty, nb)).copied()
+        self.kernel_named(stem(ty, n_in)?, nb)
+    }
+
+    /// The kernel `ds4_mv_{stem}_{nb}` and its dynamic shared memory.
+    pub(crate) fn kernel_named(&self, stem: &'static str, nb: usize) -> Option<(sys::CUfunction, u32)> {
+        self.kernels.get(&(stem, nb)).copied()
     }
 
     /// The loaded module (the decode kernels are looked up in it by name).
@@ -403,10 +429,7 @@ impl Context {
 
     /// The name of a product kernel ("ds4_mv_q8_0_4"), for profiles.
     pub(crate) fn product_kernel_name(&self, f: sys::CUfunction) -> Option<String> {
-        self.kernels
-            .iter()
-            .find(|(_, v)| v.0 == f)
-            .map(|((ty, nb), _)| format!("ds4_mv_{}_{nb}", stem(*ty).unwrap_or("?")))
+        self.kernels.iter().find(|(_, v)| v.0 == f).map(|((stem, nb), _)| format!("ds4_mv_{stem}_{nb}"))
     }
 
     /// Makes the context current on the calling thread.

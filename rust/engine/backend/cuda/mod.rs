@@ -213,11 +213,11 @@ impl Desc {
     }
 }
 
-/// Output rows of one row group (the rows a warp computes) of a `ty` product: two 16-row
-/// tiles for Q8_0 on the tensor cores (`MQ_WARP_ROWS`, shaders/cuda/q8_0.cu), `MV_ROWS` for the
-/// other kernels.
-pub(crate) fn warp_rows(ty: GgmlType) -> usize {
-    if tensor_cores(ty) {
+/// Output rows of one row group (the rows a warp computes) of a `ty` product with rows of
+/// `n_in` elements: two 16-row tiles for Q8_0 on the tensor cores (`MQ_WARP_ROWS`,
+/// shaders/cuda/q8_0.cu), `MV_ROWS` for the other kernels.
+pub(crate) fn warp_rows(ty: GgmlType, n_in: usize) -> usize {
+    if tensor_cores(ty, n_in) {
         MQ_WARP_ROWS
     } else {
         MV_ROWS
@@ -246,14 +246,14 @@ pub(crate) fn group(w: &Mat) -> usize {
     // Counted in row groups of `warp_rows` (4 rows; 32 in the tensor-core Q8_0 kernel, whose
     // rows run out sooner) and in chunks a warp keeps (two; four block pairs on the tensor
     // cores).
-    let row_groups = w.n_out.div_ceil(warp_rows(w.ty));
-    let per_warp = if tensor_cores(w.ty) { 4 } else { 2 };
+    let row_groups = w.n_out.div_ceil(warp_rows(w.ty, w.n_in));
+    let per_warp = if tensor_cores(w.ty, w.n_in) { 4 } else { 2 };
     let by_rows = match row_groups {
         0..=512 => 4,
         513..=1024 => 2,
         _ => 1,
     };
-    let by_chunks = match w.n_in.div_ceil(tile_elems(w.ty)) / per_warp {
+    let by_chunks = match w.n_in.div_ceil(tile_elems(w.ty, w.n_in)) / per_warp {
         0 | 1 => 1,
         2 | 3 => 2,
         _ => MV_WARPS,
@@ -261,7 +261,7 @@ pub(crate) fn group(w: &Mat) -> usize {
     by_rows.min(by_chunks)
 }
 
-/// Most batch rows of one product chunk of a `ty` matrix: 8 for the quantized formats of
+/// Most batch rows of one product chunk of a `ty` matrix with rows of `n_in` elements: 8 for the quantized formats of
 /// `matvec_split` (Q8_0, Q2_K, IQ2_XXS), whose 16-row kernels run slower per row than two
 /// 8-row chunks (on an H200 a Q8_0 4096 x 8192 product takes 140.6 us for 16 rows and 61.6 us
 /// for 8, a Q2_K 6 x 4096 x 2048 one 275 us against 82 us; at 128 registers the 16-row
@@ -269,9 +269,9 @@ pub(crate) fn group(w: &Mat) -> usize {
 /// slower still), 16 for the others (Q8_0 on the tensor cores covers 8 batch rows per
 /// product). Every chunk size computes a row the same way (row invariance), so this changes
 /// only the speed.
-pub(crate) fn chunk_rows(ty: GgmlType) -> usize {
+pub(crate) fn chunk_rows(ty: GgmlType, n_in: usize) -> usize {
     match ty {
-        GgmlType::Q8_0 if tensor_cores(ty) => MAX_BATCH,
+        GgmlType::Q8_0 if tensor_cores(ty, n_in) => MAX_BATCH,
         GgmlType::Q8_0 | GgmlType::Q2_K | GgmlType::IQ2_XXS => MAX_BATCH / 2,
         _ => MAX_BATCH,
     }
@@ -284,7 +284,7 @@ pub(crate) fn row_blocks(w: &Mat) -> usize {
 
 /// Row blocks of `w`'s products at warp group `g`.
 fn row_blocks_in(w: &Mat, g: usize) -> usize {
-    w.n_out.div_ceil(MV_WARPS / g * warp_rows(w.ty))
+    w.n_out.div_ceil(MV_WARPS / g * warp_rows(w.ty, w.n_in))
 }
 
 /// The warp group and input slices of `w`'s products when one launch runs them with others of
@@ -308,10 +308,10 @@ pub(crate) fn split_in_launch(w: &Mat, rows: usize) -> (usize, usize) {
 /// slices' partial sums are added in slice order, so the split is part of each row's fixed
 /// reduction order (row invariance).
 fn slices(w: &Mat) -> usize {
-    let tiles = w.n_in.div_ceil(tile_elems(w.ty));
+    let tiles = w.n_in.div_ceil(tile_elems(w.ty, w.n_in));
     // The Q8_0 kernel's warps are few (32 rows each) and its chunks short: it asks for four
     // blocks an SM and two chunks a warp.
-    let (target, per_warp) = if tensor_cores(w.ty) { (4 * TARGET_BLOCKS, 2) } else { (TARGET_BLOCKS, 1) };
+    let (target, per_warp) = if tensor_cores(w.ty, w.n_in) { (4 * TARGET_BLOCKS, 2) } else { (TARGET_BLOCKS, 1) };
     let want = (target / row_blocks(w)).clamp(1, 32).min((tiles / group(w) / per_warp).max(1));
     // No empty slice: the kernels give each slice ceil(tiles / slices) tiles.
     tiles.div_ceil(tiles.div_ceil(want))
@@ -521,7 +521,7 @@ impl CudaBackend {
             counter: counter as i32,
             group: g as i32,
             y_stride: w.n_out as i32,
-            warp_rows: warp_rows(w.ty) as i32,
+            warp_rows: warp_rows(w.ty, w.n_in) as i32,
             pad: 0,
         };
         (d, row_blocks_in(w, g) * s)
@@ -541,9 +541,9 @@ impl CudaBackend {
         if mats.is_empty() || n == 0 || n > MAX_BATCH || mats.iter().any(|m| !Self::gpu_shape(img, m)) {
             return Err(Error::invalid("time_launches: matrices the kernels cannot take"));
         }
-        let f = g.ctx.kernel(mats[0].ty, n).ok_or_else(|| Error::Backend("CUDA: no kernel".into()))?;
-        if mats.iter().any(|m| m.ty != mats[0].ty) {
-            return Err(Error::invalid("time_launches: matrices of one format"));
+        let f = g.ctx.kernel(mats[0].ty, mats[0].n_in, n).ok_or_else(|| Error::Backend("CUDA: no kernel".into()))?;
+        if mats.iter().any(|m| context::stem(m.ty, m.n_in) != context::stem(mats[0].ty, mats[0].n_in)) {
+            return Err(Error::invalid("time_launches: matrices of one kernel"));
         }
         let table_len = DESC_FLOATS * mats.len();
         let x_len = (n * n_in).next_multiple_of(4);
@@ -648,8 +648,8 @@ impl Backend for CudaBackend {
         }
         // Scratch layout, in floats: the descriptor table, the inputs, the outputs, the partial
         // sums of split products. The table and the inputs go over in one copy.
-        let table_len =
-            DESC_FLOATS * placed.iter().map(|p| p.n.div_ceil(chunk_rows(specs[p.spec].0.ty))).sum::<usize>();
+        let table_len = DESC_FLOATS
+            * placed.iter().map(|p| p.n.div_ceil(chunk_rows(specs[p.spec].0.ty, specs[p.spec].0.n_in))).sum::<usize>();
         let x_end = table_len + x_len;
         let mut total = x_end;
         let mut counters = 0;
@@ -663,7 +663,7 @@ impl Backend for CudaBackend {
             let w = specs[p.spec].0;
             if slices(w) > 1 {
                 total += slices(w) * p.n * w.n_out;
-                counters += p.n.div_ceil(chunk_rows(w.ty)) * row_blocks(w);
+                counters += p.n.div_ceil(chunk_rows(w.ty, w.n_in)) * row_blocks(w);
             }
         }
         if !placed.is_empty() {
@@ -718,16 +718,16 @@ impl CudaBackend {
     ) -> Result<()> {
         let dev = scratch.dev;
         let at = |off: usize| dev + 4 * off as u64;
-        // (format index, batch size, descriptor, blocks), in call order.
+        // (kernel stem, batch size, descriptor, blocks), in call order.
         let mut chunks = Vec::with_capacity(table_len / DESC_FLOATS);
         let mut part = y_end;
         let mut counter = 0;
         for p in placed {
             let w = specs[p.spec].0;
-            let fi = context::FORMATS.iter().position(|&(t, _)| t == w.ty).expect("a GPU format");
+            let stem = context::stem(w.ty, w.n_in).expect("a GPU format");
             let mut r = 0;
             while r < p.n {
-                let c = (p.n - r).min(chunk_rows(w.ty));
+                let c = (p.n - r).min(chunk_rows(w.ty, w.n_in));
                 let nb = context::BATCH_SIZES.iter().copied().find(|&b| b >= c).expect("c <= 16");
                 let x = at(p.x_off + r * w.n_in);
                 let y = at(p.y_off + r * w.n_out);
@@ -736,7 +736,7 @@ impl CudaBackend {
                     part += d.slices as usize * c * w.n_out;
                     counter += row_blocks(w);
                 }
-                chunks.push((fi, nb, d, blocks));
+                chunks.push((stem, nb, d, blocks));
                 r += c;
             }
         }
@@ -780,9 +780,8 @@ impl CudaBackend {
         // synchronizes the stream before the pinned buffer is read, reused or freed.
         unsafe { cu::memcpy_htod_async(dev, &host[..x_end], ctx.stream) }.map_err(driver_err("copying inputs"))?;
         for &(first, count, blocks) in &groups {
-            let (fi, nb) = (chunks[first].0, chunks[first].1);
-            let ty = context::FORMATS[fi].0;
-            let f = ctx.kernel(ty, nb).ok_or_else(|| Error::Backend(format!("CUDA: no kernel for {ty}")))?;
+            let (stem, nb) = (chunks[first].0, chunks[first].1);
+            let f = ctx.kernel_named(stem, nb).ok_or_else(|| Error::Backend(format!("CUDA: no kernel {stem}")))?;
             let table = dev + (first * std::mem::size_of::<Desc>()) as u64;
             Self::launch(ctx, f, table, count, blocks, scratch.counters)?;
         }

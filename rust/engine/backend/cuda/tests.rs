@@ -254,7 +254,7 @@ fn split_formats_run_on_listed_tensors_only() {
         for r in 0..3 {
             assert_eq!(rows[r * 8..(r + 1) * 8], whole[r * 24 + 16..r * 24 + 24], "{ty}: rows 16..24, batch row {r}");
         }
-        if context::tensor_cores(ty) {
+        if context::tensor_cores(ty, w.n_in) {
             // Rows 8..16 start inside a tile: the kernel cannot take them, the CPU does.
             let inside = Mat { n_out: 8, start: w.start + 8 * w.row_bytes, ..w };
             assert_eq!(b.matmul(&raw, &inside, &x).unwrap(), cpu::matmul_new(&raw, &inside, &x).unwrap());
@@ -274,7 +274,7 @@ fn split_formats_run_on_listed_tensors_only() {
 #[test]
 fn launch_of_several_products_splits_as_one_matrix() {
     let oa = Mat { ty: GgmlType::Q8_0, n_in: 4096, n_out: 1024, start: 0, row_bytes: 4352 };
-    if context::tensor_cores(GgmlType::Q8_0) {
+    if context::tensor_cores(GgmlType::Q8_0, oa.n_in) {
         assert_eq!((group(&oa), slices(&oa)), (4, 8));
         assert_eq!(split_in_launch(&oa, 8 * 1024), (4, 2));
     } else {
@@ -337,7 +337,7 @@ fn strided_outputs_fill_columns_of_wider_rows() {
                     table.push(d);
                 }
                 let tb = DevBuf::from_slice(&table).unwrap();
-                let (f, smem) = g.ctx.kernel(ty, n).unwrap();
+                let (f, smem) = g.ctx.kernel(ty, n_in, n).unwrap();
                 let args = [Arg::Ptr(tb.at(0)), Arg::I32(groups as i32), Arg::Ptr(counters.at(0)), Arg::I32(0)];
                 g.ctx.launch_args(f, (blocks as u32, 1, 1), THREADS, smem, &args).unwrap();
                 g.ctx.sync().unwrap();
@@ -396,9 +396,9 @@ fn q8_0_portable_path_gives_the_same_bits() {
                     g.ctx.sync().unwrap();
                     y.read(0, n * w.n_out).unwrap()
                 };
-                let (native, smem) = g.ctx.kernel(GgmlType::Q8_0, n).unwrap();
+                let (native, smem) = g.ctx.kernel(GgmlType::Q8_0, n_in, n).unwrap();
                 let nb = context::BATCH_SIZES.iter().copied().find(|&s| s >= n).unwrap();
-                let stem = context::stem(GgmlType::Q8_0).unwrap();
+                let stem = context::stem(GgmlType::Q8_0, n_in).unwrap();
                 let name = std::ffi::CString::new(format!("ds4_mv_{stem}_{nb}")).unwrap();
                 // SAFETY: the module is loaded and the context bound.
                 let portable = unsafe { cu::module::get_function(module, name) }.unwrap();

@@ -63,7 +63,7 @@ impl DeviceImage {
                 && t.row_bytes == w.row_bytes
                 && (w.start - t.start).is_multiple_of(t.row_bytes)
                 && w.start + w.nbytes() <= t.start + t.nbytes()
-                && (!tensor_cores(w.ty) || q8_0::takes_rows((w.start - t.start) / t.row_bytes, w.n_out, *plane))
+                && (!tensor_cores(w.ty, w.n_in) || q8_0::takes_rows((w.start - t.start) / t.row_bytes, w.n_out, *plane))
         }
     }
 
@@ -137,7 +137,7 @@ impl DeviceImage {
                     }
                     Some((t, plane)) => {
                         let row = (at - t.start) / t.row_bytes;
-                        let tiled = tensor_cores(t.ty);
+                        let tiled = tensor_cores(t.ty, t.n_in);
                         let (end, par) = piece(t.n_out, plane, row, (CHUNK / t.row_bytes).max(1), tiled);
                         let next = t.start + t.row_bytes * end;
                         stage.clear();

@@ -1,5 +1,5 @@
 //! Q8_0 (blocks of 34 bytes: f16 d, then 32 signed quants) for the tensor-core kernel
-//! (shaders/cuda/q8_0.cu, `DS4_CUDA_Q8=mma`), which multiplies tiles of 16 rows by one block
+//! (shaders/cuda/q8_0.cu: short rows by default, all with `DS4_CUDA_Q8=mma`), which multiplies tiles of 16 rows by one block
 //! at a time. (The float-x kernel's layout is `split_scale_first` in `mod.rs`.)
 //!
 //! - **Tiles.** Each whole group of 16 rows of a matrix (counted from the matrix's first row)

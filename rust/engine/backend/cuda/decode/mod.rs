@@ -41,7 +41,7 @@ use std::sync::Arc;
 use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 
-use super::context::{driver_err, Context, MAX_BATCH, THREADS};
+use super::context::{driver_err, Context, BATCH_SIZES, MAX_BATCH, THREADS};
 use super::device::{Arg, DevBuf};
 use super::weights::DeviceImage;
 use super::{chunk_rows, group, row_blocks, slices, split_in_launch, CudaBackend, Desc};
@@ -555,7 +555,7 @@ fn split_need(mats: &[Mat], n: usize) -> (usize, usize) {
         let s = slices(w);
         if s > 1 {
             part += s * n * w.n_out;
-            counters += n.div_ceil(chunk_rows(w.ty)) * row_blocks(w);
+            counters += n.div_ceil(chunk_rows(w.ty, w.n_in)) * row_blocks(w);
         }
     }
     (part, counters)
@@ -899,13 +899,16 @@ impl CudaDecoder {
          -> Result<()> {
             let mut part_off = 0usize;
             let mut counter = 0usize;
-            let mut fmts: Vec<crate::quant::GgmlType> = Vec::new();
+            // One launch per kernel: (format, stem), in call order.
+            let stem_of = |m: &Mat| super::context::stem(m.ty, m.n_in);
+            let mut kernels: Vec<(crate::quant::GgmlType, Option<&'static str>)> = Vec::new();
             for pr in prods {
-                if !fmts.contains(&pr.0.ty) {
-                    fmts.push(pr.0.ty);
+                if !kernels.contains(&(pr.0.ty, stem_of(&pr.0))) {
+                    kernels.push((pr.0.ty, stem_of(&pr.0)));
                 }
             }
-            for ty in fmts {
+            for (ty, stem) in kernels {
+                let mine = |pr: &&(Mat, u64, u64, usize)| pr.0.ty == ty && stem_of(&pr.0) == stem;
                 if crate::quant::act8::takes_act8(ty) {
                     // `decodable` keeps such weights to the routed experts.
                     return Err(Error::Backend(format!("CUDA decode: a dense {ty} product (internal)")));
@@ -916,14 +919,14 @@ impl CudaDecoder {
                 let mut nmax = 1;
                 // Strided outputs are the o_a groups: products of one shape that share the
                 // launch's row blocks (split_in_launch).
-                let launch_rows: usize = prods.iter().filter(|pr| pr.0.ty == ty).map(|pr| pr.0.n_out).sum();
-                for &(m, x, y, rows) in prods.iter().filter(|pr| pr.0.ty == ty) {
+                let launch_rows: usize = prods.iter().filter(mine).map(|pr| pr.0.n_out).sum();
+                for &(m, x, y, rows) in prods.iter().filter(mine) {
                     let ys = y_stride.unwrap_or(m.n_out);
                     let split =
                         if y_stride.is_some() { split_in_launch(&m, launch_rows) } else { (group(&m), slices(&m)) };
                     let mut r0 = 0;
                     while r0 < rows {
-                        let c = (rows - r0).min(chunk_rows(ty));
+                        let c = (rows - r0).min(chunk_rows(ty, m.n_in));
                         let part = b.part.ptr + 4 * part_off as u64;
                         let (xc, yc) = (x + 4 * (r0 * m.n_in) as u64, y + 4 * (r0 * ys) as u64);
                         let (mut dsc, nblocks) =
@@ -946,7 +949,9 @@ impl CudaDecoder {
                 if part_off > b.part_floats || counter > b.counters_len {
                     return Err(Error::Backend("CUDA decode: partial-sum buffer too small (internal)".into()));
                 }
-                let (f, smem) = ctx.kernel(ty, nmax).ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
+                let (f, smem) = stem
+                    .and_then(|st| ctx.kernel_named(st, BATCH_SIZES.iter().copied().find(|&b| b >= nmax)?))
+                    .ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
                 ops.push(Op::Launch(Launch {
                     f,
                     grid: (blocks as u32, 1, 1),
@@ -962,7 +967,7 @@ impl CudaDecoder {
                     ],
                     label: {
                         let mut shapes: Vec<(usize, usize, usize)> = Vec::new();
-                        for pr in prods.iter().filter(|pr| pr.0.ty == ty) {
+                        for pr in prods.iter().filter(mine) {
                             match shapes.iter_mut().find(|s| (s.0, s.1) == (pr.0.n_out, pr.0.n_in)) {
                                 Some(s) => s.2 += 1,
                                 None => shapes.push((pr.0.n_out, pr.0.n_in, 1)),
@@ -1345,7 +1350,8 @@ impl CudaDecoder {
                 vec![p(b.h.ptr), p(b.xg.ptr), p(b.gather_src.ptr), i(d), i(act8 as usize)],
             );
             let bpd = |m: &Mat| row_blocks(m) * slices(m);
-            let (fg, sg) = ctx.kernel(gm.ty, chunk).ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
+            let (fg, sg) =
+                ctx.kernel(gm.ty, gm.n_in, chunk).ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
             if um.ty != gm.ty || um.n_out != gm.n_out || um.n_in != gm.n_in {
                 return Err(Error::Backend("CUDA decode: expert gate and up differ in shape (unsupported)".into()));
             }
@@ -1381,7 +1387,8 @@ impl CudaDecoder {
             if !shared_side {
                 products(&mut ops, &mut table, &down_sh)?;
             }
-            let (fd, sd) = ctx.kernel(dm.ty, chunk).ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
+            let (fd, sd) =
+                ctx.kernel(dm.ty, dm.n_in, chunk).ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
             launch(
                 &mut ops,
                 fd,

@@ -125,9 +125,10 @@ fn product(img: &DevBuf, w: &Mat, x: u64, y: u64, part: u64, n: usize, counter: 
     CudaBackend::desc(img.at(w.start), w, x, y, part, n, counter)
 }
 
-/// Launches the product kernel of `ty` for `n` batch rows over `count` descriptors at `table`.
-fn launch_products(ctx: &Context, ty: GgmlType, n: usize, table: u64, count: usize, blocks: usize, counters: &DevBuf) {
-    let f = ctx.kernel(ty, n).expect("a product kernel");
+/// Launches the product kernel of matrices shaped as `w` for `n` batch rows over `count`
+/// descriptors at `table`.
+fn launch_products(ctx: &Context, w: &Mat, n: usize, table: u64, count: usize, blocks: usize, counters: &DevBuf) {
+    let f = ctx.kernel(w.ty, w.n_in, n).expect("a product kernel");
     ctx.launch_args(
         f.0,
         (blocks as u32, 1, 1),
@@ -363,7 +364,7 @@ fn fake_templates(d: usize, ff: usize) -> [Desc; 3] {
         counter,
         group: 2,
         y_stride: n_out as i32,
-        warp_rows: crate::backend::cuda::warp_rows(GgmlType::Q8_0) as i32,
+        warp_rows: crate::backend::cuda::warp_rows(GgmlType::Q8_0, n_in) as i32,
         pad: 0,
     };
     [t(0x1000_0000_0000, d, ff, 2, 100), t(0x2000_0000_0000, d, ff, 3, 5000), t(0x3000_0000_0000, ff, d, 1, 9000)]
@@ -650,7 +651,6 @@ fn build_layer(rng: &mut Rng, hash: bool, n_exp: usize, k: usize, d: usize, ff: 
 fn moe_on_device(ctx: &Context, l: &MoeLayer, img: &DevBuf, h: &[f32], tokens: &[u32]) -> (Vec<f32>, Vec<f32>) {
     let (cfg, lw) = (&l.cfg, &l.lw);
     let (n, d, n_exp, k, ff) = (tokens.len(), cfg.hidden, cfg.n_experts, cfg.n_experts_used, cfg.expert_ff);
-    let q8 = GgmlType::Q8_0;
     let mut keep: Vec<DevBuf> = Vec::new();
     let counters = DevBuf::zeroed(4 * COUNTERS).expect("counters");
     let hb = DevBuf::from_slice(h).expect("h");
@@ -662,7 +662,7 @@ fn moe_on_device(ctx: &Context, l: &MoeLayer, img: &DevBuf, h: &[f32], tokens: &
     let rpart = f32s(slices(rp) * n * rp.n_out);
     let (desc, blocks) = product(img, rp, hb.at(0), logits.at(0), rpart.at(0), n, 0);
     let table = DevBuf::from_slice(&[desc]).expect("table");
-    launch_products(ctx, rp.ty, n, table.at(0), 1, blocks, &counters);
+    launch_products(ctx, rp, n, table.at(0), 1, blocks, &counters);
     keep.extend([rpart, table]);
 
     // Shared expert: gate and up in one launch, SwiGLU, down.
@@ -673,11 +673,11 @@ fn moe_on_device(ctx: &Context, l: &MoeLayer, img: &DevBuf, h: &[f32], tokens: &
     let (mut du, bu) = product(img, us, hb.at(0), u_out.at(0), pu.at(0), n, row_blocks(gs));
     du.block_start = bg as i32;
     let table = DevBuf::from_slice(&[dg, du]).expect("table");
-    launch_products(ctx, q8, n, table.at(0), 2, bg + bu, &counters);
+    launch_products(ctx, gs, n, table.at(0), 2, bg + bu, &counters);
     swiglu(ctx, &g_out, &u_out, &act_sh, n * gs.n_out, l.spec.clamp_shared);
     let (dd, bd) = product(img, ds, act_sh.at(0), sh_out.at(0), pd.at(0), n, 0);
     let table2 = DevBuf::from_slice(&[dd]).expect("table");
-    launch_products(ctx, q8, n, table2.at(0), 1, bd, &counters);
+    launch_products(ctx, ds, n, table2.at(0), 1, bd, &counters);
     keep.extend([g_out, u_out, act_sh, pg, pu, pd, table, table2]);
 
     // Routed experts. Templates: expert 0's matrices, the gathered buffers, distinct
@@ -705,9 +705,9 @@ fn moe_on_device(ctx: &Context, l: &MoeLayer, img: &DevBuf, h: &[f32], tokens: &
         [Arg::Ptr(hb.at(0)), Arg::Ptr(xg.at(0)), Arg::Ptr(route.gather_src.at(0)), Arg::I32(d as i32), Arg::I32(0)];
     ctx.launch_named("ds4_gather", (rows as u32, 1, 1), 256, 0, &args).expect("ds4_gather");
     let bpd = |m: &Mat, s: usize| row_blocks(m) * s;
-    launch_products(ctx, q8, n, route.gu.at(0), 2 * md, md * (bpd(&gate, sg) + bpd(&up, su)), &counters);
+    launch_products(ctx, &gate, n, route.gu.at(0), 2 * md, md * (bpd(&gate, sg) + bpd(&up, su)), &counters);
     swiglu(ctx, &gout, &uout, &act, rows * ff, l.spec.clamp_routed);
-    launch_products(ctx, q8, n, route.down.at(0), md, md * bpd(&down, sd), &counters);
+    launch_products(ctx, &down, n, route.down.at(0), md, md * bpd(&down, sd), &counters);
     let out = f32s(n * d);
     let args = [
         Arg::Ptr(dout.at(0)),
