@@ -8,7 +8,10 @@
 // context, two A/B rounds in one session: steps in a row 9.16 / 9.05 ms against 9.14 / 9.13
 // with the float-x kernel everywhere (DS4_CUDA_Q8=fma), a verify of 8 rows 31.4 / 30.5 ms
 // against 32.2 / 32.1, the 2100-token prompt 6.52 / 6.49 s against 7.02 / 6.96. Adding rows of
-// 2048 (the shared expert's down) made steps slower (9.52 / 9.49 ms).
+// 2048 (the shared expert's down) made steps slower (9.52 / 9.49 ms). The bound is set for
+// Flash: the MID shape's rows are nearly all 1024 long, so there the default is close to
+// DS4_CUDA_Q8=mma (at 2K: steps in a row 1.54 ms against 1.48 with fma, a verify of 8 rows
+// 4.22 against 5.65 ms, a 2K prefill 3607 against 3128 tok/s).
 //
 // ---- The float-x kernel: matvec_split (common.cuh). On the device rows are
 // split (rust/engine/quant/split/): the 32-byte quant runs of all blocks, then the 2-byte
@@ -58,7 +61,9 @@ struct FmtQ8_0 {
 };
 
 // Resident blocks a SM of the one-row kernel (MvMinBlocks); a -D option may override it for
-// A/B timing (DS4_CUDA_DEFINES, rust/engine/backend/cuda/context.rs).
+// A/B timing (DS4_CUDA_DEFINES, rust/engine/backend/cuda/context.rs). Six (80 registers)
+// made Flash's q_b faster in the lab (26.6 -> 22.2 us) but Flash steps in a row slower in the
+// engine (H200, two A/B rounds at 2100: 9.18 / 9.16 ms against 9.10 / 9.12).
 #ifndef MV_MIN_BLOCKS_Q8_0_1
 #define MV_MIN_BLOCKS_Q8_0_1 MV_MIN_BLOCKS
 #endif
