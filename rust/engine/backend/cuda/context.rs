@@ -283,8 +283,7 @@ pub(crate) struct Context {
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) stream: sys::CUstream,
     module: sys::CUmodule,
-    /// `(format, batch size) -> (kernel, bytes of dynamic shared memory)`.
-    /// (kernel name stem, batch size) -> the kernel and its dynamic shared memory.
+    /// `(kernel name stem, batch size) -> (kernel, bytes of dynamic shared memory)`.
     kernels: HashMap<(&'static str, usize), (sys::CUfunction, u32)>,
     pub(crate) name: String,
     pub(crate) compute_capability: (i32, i32),

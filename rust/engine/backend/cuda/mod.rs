@@ -261,14 +261,14 @@ pub(crate) fn group(w: &Mat) -> usize {
     by_rows.min(by_chunks)
 }
 
-/// Most batch rows of one product chunk of a `ty` matrix with rows of `n_in` elements: 8 for the quantized formats of
-/// `matvec_split` (Q8_0, Q2_K, IQ2_XXS), whose 16-row kernels run slower per row than two
-/// 8-row chunks (on an H200 a Q8_0 4096 x 8192 product takes 140.6 us for 16 rows and 61.6 us
-/// for 8, a Q2_K 6 x 4096 x 2048 one 275 us against 82 us; at 128 registers the 16-row
-/// kernels spill in their inner loop, and with more registers fewer warps fit and they were
-/// slower still), 16 for the others (Q8_0 on the tensor cores covers 8 batch rows per
-/// product). Every chunk size computes a row the same way (row invariance), so this changes
-/// only the speed.
+/// Most batch rows of one product chunk of a `ty` matrix with rows of `n_in` elements: 8 for
+/// the quantized formats of `matvec_split` (Q8_0, Q2_K, IQ2_XXS), whose 16-row kernels run
+/// slower per row than two 8-row chunks (on an H200 a Q8_0 4096 x 8192 product takes 140.6 us
+/// for 16 rows and 61.6 us for 8, a Q2_K 6 x 4096 x 2048 one 275 us against 82 us; at 128
+/// registers the 16-row kernels spill in their inner loop, and with more registers fewer warps
+/// fit and they were slower still), 16 for the others (Q8_0 on the tensor cores covers 8 batch
+/// rows per product). Every chunk size computes a row the same way (row invariance), so this
+/// changes only the speed.
 pub(crate) fn chunk_rows(ty: GgmlType, n_in: usize) -> usize {
     match ty {
         GgmlType::Q8_0 if tensor_cores(ty, n_in) => MAX_BATCH,
