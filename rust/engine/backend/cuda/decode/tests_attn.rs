@@ -7,7 +7,7 @@
 
 use half::f16;
 
-use super::attention_blocks;
+use super::program::attention_blocks;
 use super::testutil::{assert_bits, assert_close, context, randn, read, step, Arg, DevBuf};
 use crate::backend::cpu::dot_f32;
 use crate::backend::cuda::context::Context;

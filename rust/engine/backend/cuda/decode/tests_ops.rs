@@ -252,7 +252,7 @@ fn run_hc_pre(
     ctx.launch_named(
         "ds4_hc_pre",
         (n as u32, 1, 1),
-        super::wide(d),
+        super::program::wide(d),
         0,
         &[
             ptr(&lb),

@@ -4,8 +4,9 @@
 
 use std::sync::Arc;
 
+use super::program::ARGMAX_THREADS;
 use super::testutil::{context, read, Arg, DevBuf};
-use super::{ARGMAX_THREADS, NO_GREEDY};
+use super::NO_GREEDY;
 use crate::backend::cuda::context::Context;
 use crate::backend::tests::hard_rows;
 use crate::backend::Greedy;

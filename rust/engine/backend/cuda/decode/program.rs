@@ -1,0 +1,679 @@
+//! The step programs of the device decoder: every launch of a step of `n` rows (each layer's
+//! kernels in order, with their arguments and the product descriptor tables fixed), built once
+//! per batch size and logits choice, then captured as a CUDA graph and replayed
+//! (`CudaDecoder::replay`, in mod.rs). What each kernel computes is in `shaders/cuda/`; this
+//! file decides which kernels run, in which order, on which buffers, and why in that order.
+
+use cudarc::driver::sys;
+
+use super::super::context::{stem, Context, BATCH_SIZES, THREADS};
+use super::super::device::{Arg, DevBuf};
+use super::super::weights::DeviceImage;
+use super::super::{chunk_rows, group, row_blocks, slices, split_in_launch, CudaBackend, Desc};
+use super::{CompMirror, CudaDecoder, Launch, Op, Program, N_MAX};
+use crate::model::draft::DraftKind;
+use crate::model::weights::{HyperWeights, Mat};
+use crate::model::Model;
+use crate::{Error, Result};
+
+/// Most rows of one routed-expert product: the kernels for few rows read the weights much
+/// faster per row (IQ2_XXS at 16 rows runs at a fifth of its one-row speed), and in a batch
+/// most experts serve one or two rows.
+const EXPERT_CHUNK: usize = 2;
+
+/// Threads of a one-block-per-row kernel over rows of `width` floats: a whole row is read by
+/// one block, so wide rows get the most threads.
+pub(super) fn wide(width: usize) -> u32 {
+    if width >= 4096 {
+        1024
+    } else if width >= 1024 {
+        512
+    } else {
+        256
+    }
+}
+
+/// Blocks per row of the attention's two launches (decode_attn.cu section 5): groups of
+/// `DS4_ATTN_HEADS` = 8 heads, times `lg_stride` keys in chunks of `DS4_ATTN_KEYS` = 64 for
+/// `ds4_attention_logits` and `head_dim` columns in slices of `DS4_ATTN_COLS` = 32 for
+/// `ds4_attention`; both launch 256 threads (`DS4_ATTN_THREADS`).
+pub(super) fn attention_blocks(n_heads: usize, head_dim: usize, lg_stride: usize) -> Result<(u32, u32)> {
+    let groups = n_heads.div_ceil(8);
+    let blocks =
+        |x: usize| u32::try_from(x).map_err(|_| Error::Backend("CUDA decode: attention grid too large".into()));
+    Ok((blocks(groups * lg_stride.div_ceil(64))?, blocks(groups * head_dim.div_ceil(32))?))
+}
+
+/// Threads of `ds4_argmax_rows` (one block per logits row).
+pub(super) const ARGMAX_THREADS: u32 = 1024;
+
+/// A kernel argument of a program: a plain argument, or an offset in the program's table of
+/// product descriptors (its device address is known once the table is uploaded).
+#[derive(Clone, Copy, Debug)]
+enum PArg {
+    A(Arg),
+    Table(usize),
+}
+
+/// The bytes of a descriptor as the kernels read it.
+fn desc_bytes(d: &Desc) -> &[u8] {
+    // SAFETY: Desc is repr(C) plain data without implicit padding (four u64, one i64, ten i32,
+    // the last two an explicit pad that keeps its size a multiple of 16).
+    unsafe { std::slice::from_raw_parts((d as *const Desc).cast::<u8>(), std::mem::size_of::<Desc>()) }
+}
+
+impl CudaDecoder {
+    /// Builds the program of a step of `n` rows whose head runs on `head` = (first row, rows),
+    /// followed by the argmax of each of those logits rows when `argmax`.
+    pub(super) fn build(
+        &self,
+        ctx: &Context,
+        img: &DeviceImage,
+        model: &Model,
+        n: usize,
+        head: Option<(usize, usize)>,
+        argmax: bool,
+    ) -> Result<Program> {
+        let cfg = &model.config;
+        let w = &model.weights;
+        let b = &self.bufs;
+        let k = &self.k;
+        let (d, hc, hd, nh) = (cfg.hidden, cfg.hc_mult, cfg.head_dim, cfg.n_heads);
+        let n_mix = (2 + hc) * hc;
+        let step = b.step.ptr;
+        let mut ops: Vec<Op<PArg>> = Vec::new();
+        let mut table: Vec<u8> = Vec::new();
+        let nn = n as u32;
+        let p = |x: u64| PArg::A(Arg::Ptr(x));
+        let i = |x: usize| PArg::A(Arg::I32(x as i32));
+        let fl = |x: f32| PArg::A(Arg::F32(x));
+        let null = PArg::A(Arg::Ptr(0));
+        let fork = self.side.is_some();
+        let launch =
+            |ops: &mut Vec<_>, f: sys::CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, args: Vec<PArg>| {
+                ops.push(Op::Launch(Launch { f, grid, block, smem, args, label: String::new() }));
+            };
+        // Products: (matrix, x, y, rows), y's rows `y_stride` floats apart (None: n_out). One
+        // launch per format; partial sums and counters laid out from 0 for each call (launches
+        // of different calls never overlap).
+        let products_strided = |ops: &mut Vec<_>,
+                                table: &mut Vec<u8>,
+                                prods: &[(Mat, u64, u64, usize)],
+                                y_stride: Option<usize>|
+         -> Result<()> {
+            let mut part_off = 0usize;
+            let mut counter = 0usize;
+            // One launch per kernel: (format, stem), in call order.
+            let stem_of = |m: &Mat| stem(m.ty, m.n_in);
+            let mut kernels: Vec<(crate::quant::GgmlType, Option<&'static str>)> = Vec::new();
+            for pr in prods {
+                if !kernels.contains(&(pr.0.ty, stem_of(&pr.0))) {
+                    kernels.push((pr.0.ty, stem_of(&pr.0)));
+                }
+            }
+            for (ty, kstem) in kernels {
+                let mine = |pr: &&(Mat, u64, u64, usize)| pr.0.ty == ty && stem_of(&pr.0) == kstem;
+                if crate::quant::act8::takes_act8(ty) {
+                    // `decodable` keeps such weights to the routed experts.
+                    return Err(Error::Backend(format!("CUDA decode: a dense {ty} product (internal)")));
+                }
+                let start = table.len();
+                let mut blocks = 0usize;
+                let mut count = 0usize;
+                let mut nmax = 1;
+                // Strided outputs are the o_a groups: products of one shape that share the
+                // launch's row blocks (split_in_launch).
+                let launch_rows: usize = prods.iter().filter(mine).map(|pr| pr.0.n_out).sum();
+                for &(m, x, y, rows) in prods.iter().filter(mine) {
+                    let ys = y_stride.unwrap_or(m.n_out);
+                    let split =
+                        if y_stride.is_some() { split_in_launch(&m, launch_rows) } else { (group(&m), slices(&m)) };
+                    let mut r0 = 0;
+                    while r0 < rows {
+                        let c = (rows - r0).min(chunk_rows(ty, m.n_in));
+                        let part = b.part.ptr + 4 * part_off as u64;
+                        let (xc, yc) = (x + 4 * (r0 * m.n_in) as u64, y + 4 * (r0 * ys) as u64);
+                        let (mut dsc, nblocks) =
+                            CudaBackend::desc_split(img.addr(m.start), &m, xc, yc, part, c, counter, split);
+                        dsc.block_start = blocks as i32;
+                        dsc.y_stride = ys as i32;
+                        // Only split products use partial sums and counters.
+                        let s = split.1;
+                        if s > 1 {
+                            part_off += s * c * m.n_out;
+                            counter += nblocks / s;
+                        }
+                        blocks += nblocks;
+                        count += 1;
+                        nmax = nmax.max(c);
+                        table.extend_from_slice(desc_bytes(&dsc));
+                        r0 += c;
+                    }
+                }
+                if part_off > b.part_floats || counter > b.counters_len {
+                    return Err(Error::Backend("CUDA decode: partial-sum buffer too small (internal)".into()));
+                }
+                let (f, smem) = kstem
+                    .and_then(|st| ctx.kernel_named(st, BATCH_SIZES.iter().copied().find(|&b| b >= nmax)?))
+                    .ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
+                ops.push(Op::Launch(Launch {
+                    f,
+                    grid: (blocks as u32, 1, 1),
+                    block: THREADS,
+                    smem,
+                    // Early (common.cuh ds4_grid_launch): the table is the program's, written once,
+                    // and the weights are the model's.
+                    args: vec![
+                        PArg::Table(start),
+                        PArg::A(Arg::I32(count as i32)),
+                        PArg::A(Arg::Ptr(b.counters.ptr)),
+                        PArg::A(Arg::I32(1)),
+                    ],
+                    label: {
+                        let mut shapes: Vec<(usize, usize, usize)> = Vec::new();
+                        for pr in prods.iter().filter(mine) {
+                            match shapes.iter_mut().find(|s| (s.0, s.1) == (pr.0.n_out, pr.0.n_in)) {
+                                Some(s) => s.2 += 1,
+                                None => shapes.push((pr.0.n_out, pr.0.n_in, 1)),
+                            }
+                        }
+                        let parts: Vec<String> = shapes
+                            .iter()
+                            .map(|&(o, i, c)| if c > 1 { format!("{c}x[{o}x{i}]") } else { format!("{o}x{i}") })
+                            .collect();
+                        parts.join(",")
+                    },
+                }));
+            }
+            Ok(())
+        };
+        let products = |ops: &mut Vec<_>, table: &mut Vec<u8>, prods: &[(Mat, u64, u64, usize)]| {
+            products_strided(ops, table, prods, None)
+        };
+        let g1 = (nn, 1, 1);
+        let rows_grid = |blocks_x: usize| (blocks_x as u32, nn, 1);
+        let capture: Vec<usize> = match model.draft.as_ref().map(|dm| &dm.kind) {
+            Some(DraftKind::DSpark(w)) => w.target_layers.clone(),
+            _ => Vec::new(),
+        };
+        let ff = w.layers[0].gate_exps.first.n_out;
+        let ff_sh = w.layers[0].gate_sh.n_out;
+        let kk = cfg.n_experts_used;
+        // Routed expert products: each expert's rows in chunks of at most `chunk` rows (see
+        // ds4_route), at most one descriptor per (row, expert) pair.
+        let chunk = n.min(EXPERT_CHUNK);
+        let max_descs = if chunk >= n { (n * kk).min(cfg.n_experts) } else { n * kk };
+
+        for (li, (lw, spec)) in w.layers.iter().zip(&cfg.layers).enumerate() {
+            let c = &self.consts[li];
+            let mm = &self.mirror[li];
+            let hc_site = |ops: &mut Vec<_>,
+                           table: &mut Vec<u8>,
+                           hw: &HyperWeights,
+                           base_scale: &(DevBuf, DevBuf),
+                           mix: u64,
+                           norm: u64|
+             -> Result<()> {
+                // The mixing logits of the raw streams; ds4_hc_pre applies their RMS scale.
+                // (Tried and dropped: the kernels that write the streams (ds4_hc_post,
+                // ds4_moe_combine) leaving each block's partial products with this projection,
+                // summed by ds4_hc_pre, with no product launch here. It held 96 F16 weights a
+                // thread in those kernels (230 registers) and made Flash steps slower on an
+                // H200: 10.24 against 9.81 ms at a 2100-token context, interleaved A/B.)
+                products(ops, table, &[(hw.proj, b.x.ptr, b.mixl.ptr, n)])?;
+                launch(
+                    ops,
+                    k.hc_pre,
+                    g1,
+                    wide(d),
+                    0,
+                    vec![
+                        p(b.mixl.ptr),
+                        i(n_mix),
+                        p(b.x.ptr),
+                        p(b.h.ptr),
+                        p(mix),
+                        p(base_scale.0.ptr),
+                        p(base_scale.1.ptr),
+                        i(hc),
+                        i(d),
+                        fl(cfg.hc_eps),
+                        i(if fork { 0 } else { cfg.sinkhorn_iters }),
+                        p(norm),
+                        fl(cfg.rms_eps),
+                    ],
+                );
+                if fork {
+                    ops.push(Op::Side(Launch {
+                        f: k.hc_sinkhorn,
+                        grid: g1,
+                        block: 32,
+                        smem: 0,
+                        args: vec![p(mix), i(hc), fl(cfg.hc_eps), i(cfg.sinkhorn_iters)],
+                        label: String::new(),
+                    }));
+                }
+                Ok(())
+            };
+            // ---- attention
+            hc_site(&mut ops, &mut table, &lw.hc_attn, &c.hc_attn, b.mix_a.ptr, c.attn_norm.ptr)?;
+            products(&mut ops, &mut table, &[(lw.q_a, b.h.ptr, b.cq.ptr, n), (lw.kv, b.h.ptr, b.kv.ptr, n)])?;
+            launch(
+                &mut ops,
+                k.rms_weight,
+                g1,
+                wide(cfg.q_lora_rank),
+                0,
+                vec![p(b.cq.ptr), p(b.cq.ptr), p(c.q_a_norm.ptr), i(cfg.q_lora_rank), fl(cfg.rms_eps)],
+            );
+            // After q_b (which needs only q_a and its norm), in one call: the compressors' and
+            // indexer's products (F16 in ds4's layout), which finish_rows and the compressors
+            // need. With q_a, as they were, they held the query path back and took a launch of
+            // their own (on an H200, a Flash CSA layer's F16 products ran 14.8 us between q_a
+            // and its norm, and the indexer's q_b 8.3 us after q_b); here they take 19 us after
+            // q_b, one launch less a CSA layer for about the same step (steps in a row at a
+            // 2100-token context, interleaved A/B: 10.24 ms against 10.28 with them with q_a). The
+            // compressors' projections go to the layer's own buffers, which the compressor reads
+            // and the journal packs for the host's replay of the step. (A layer has compressor
+            // weights exactly when its mirror has a compressor, and indexer weights exactly when
+            // it has an indexer: see `decoder_for`.)
+            let mut g = vec![(lw.q_b, b.cq.ptr, b.q.ptr, n)];
+            if let (Some(cw), Some(cm)) = (&lw.compressor, &mm.comp) {
+                g.extend([(cw.kv, b.h.ptr, cm.log_kv.ptr, n), (cw.gate, b.h.ptr, cm.log_g.ptr, n)]);
+            }
+            if let (Some(iw), Some(im)) = (&lw.indexer, &mm.index) {
+                g.extend([
+                    (iw.proj, b.h.ptr, b.ig.ptr, n),
+                    (iw.compressor.kv, b.h.ptr, im.log_kv.ptr, n),
+                    (iw.compressor.gate, b.h.ptr, im.log_g.ptr, n),
+                    (iw.q_b, b.cq.ptr, b.iq.ptr, n),
+                ]);
+            }
+            products(&mut ops, &mut table, &g)?;
+            let rope_dim = cfg.rope_dim;
+            // Query heads, the K=V row (then its ring slot) and the indexer heads: one launch.
+            let ih = if lw.indexer.is_some() { cfg.index_heads } else { 0 };
+            launch(
+                &mut ops,
+                k.finish_rows,
+                ((nh + 1 + ih) as u32, nn, 1),
+                128,
+                0,
+                vec![
+                    p(b.q.ptr),
+                    i(nh),
+                    i(hd),
+                    fl(cfg.rms_eps),
+                    p(c.inv_freq.ptr),
+                    i(rope_dim),
+                    p(step),
+                    p(b.kv.ptr),
+                    p(c.kv_norm.ptr),
+                    i(self.round_mode as usize),
+                    p(mm.ring.ptr),
+                    i(mm.slots),
+                    p(b.iq.ptr),
+                    p(b.ig.ptr),
+                    i(ih),
+                    i(cfg.index_head_dim),
+                    fl(1.0 / (cfg.index_heads.max(1) as f32).sqrt()),
+                ],
+            );
+            let compress = |ops: &mut Vec<_>, cm: &CompMirror, cc: &(DevBuf, DevBuf)| {
+                launch(
+                    ops,
+                    k.compress,
+                    (1, 1, 1),
+                    256,
+                    0,
+                    vec![
+                        p(cm.log_kv.ptr),
+                        p(cm.log_g.ptr),
+                        p(cc.0.ptr),
+                        p(cc.1.ptr),
+                        fl(cfg.rms_eps),
+                        p(cm.cur_kv.ptr),
+                        p(cm.cur_score.ptr),
+                        cm.prev.as_ref().map_or(null, |b| p(b.ptr)),
+                        cm.backup.as_ref().map_or(null, |b| p(b.ptr)),
+                        p(cm.rows.ptr),
+                        i(cm.width),
+                        i(cm.ratio),
+                        i(cm.overlap as usize),
+                        p(c.inv_freq.ptr),
+                        i(rope_dim),
+                        i(self.round_mode as usize),
+                        i(n),
+                        p(step),
+                    ],
+                );
+            };
+            if let (Some(cm), Some(cc)) = (&mm.comp, &c.comp) {
+                compress(&mut ops, cm, cc);
+            }
+            if let (Some(im), Some(ic)) = (&mm.index, &c.index) {
+                compress(&mut ops, im, ic);
+                launch(
+                    &mut ops,
+                    k.index_scores,
+                    (132, nn, 1),
+                    256,
+                    0,
+                    vec![
+                        p(b.iq.ptr),
+                        p(b.ig.ptr),
+                        p(im.rows.ptr),
+                        i(cfg.index_heads),
+                        i(cfg.index_head_dim),
+                        i(spec.ratio),
+                        i(cfg.index_topk),
+                        p(b.scores.ptr),
+                        i(b.score_stride),
+                        p(step),
+                    ],
+                );
+                launch(
+                    &mut ops,
+                    k.index_topk,
+                    g1,
+                    1024,
+                    0,
+                    vec![
+                        p(b.scores.ptr),
+                        i(b.score_stride),
+                        i(spec.ratio),
+                        i(cfg.index_topk),
+                        p(b.sel.ptr),
+                        p(b.nsel.ptr),
+                        p(step),
+                    ],
+                );
+            }
+            let (crows, ratio, sel, nsel) = match (&mm.comp, &mm.index) {
+                (Some(cm), Some(_)) => (cm.rows.ptr, cm.ratio, b.sel.ptr, b.nsel.ptr),
+                (Some(cm), None) => (cm.rows.ptr, cm.ratio, 0, 0),
+                _ => (0, 1, 0, 0),
+            };
+            let lgs = mm.max_keys(cfg.window, cfg.index_topk);
+            let (logit_blocks, out_blocks) = attention_blocks(nh, hd, lgs)?;
+            // The keys of each row, as both kernels take them.
+            let keys =
+                [p(mm.ring.ptr), i(mm.slots), i(cfg.window), p(crows), i(ratio), p(sel), p(nsel), i(cfg.index_topk)];
+            launch(
+                &mut ops,
+                k.attention_logits,
+                (logit_blocks, nn, 1),
+                256,
+                0,
+                [vec![p(b.q.ptr)], keys.to_vec(), vec![i(nh), i(hd), p(b.lg.ptr), i(lgs), p(step)]].concat(),
+            );
+            launch(
+                &mut ops,
+                k.attention,
+                (out_blocks, nn, 1),
+                256,
+                0,
+                [
+                    vec![p(b.lg.ptr), i(lgs)],
+                    keys.to_vec(),
+                    vec![
+                        p(c.sinks.ptr),
+                        i(nh),
+                        i(hd),
+                        p(b.o.ptr),
+                        i(cfg.o_groups),
+                        p(c.inv_freq.ptr),
+                        i(rope_dim),
+                        p(step),
+                    ],
+                ]
+                .concat(),
+            );
+            // Each group's product fills its rank columns of u's rows [n, groups * rank].
+            let (groups, rank) = (cfg.o_groups, cfg.o_lora_rank);
+            let gin = nh * hd / groups;
+            let oa: Vec<(Mat, u64, u64, usize)> = (0..groups)
+                .map(|gi| {
+                    let m = Mat { n_out: rank, start: lw.o_a.start + gi * rank * lw.o_a.row_bytes, ..lw.o_a };
+                    (m, b.o.ptr + 4 * (gi * n * gin) as u64, b.u.ptr + 4 * (gi * rank) as u64, n)
+                })
+                .collect();
+            products_strided(&mut ops, &mut table, &oa, Some(groups * rank))?;
+            products(&mut ops, &mut table, &[(lw.o_b, b.u.ptr, b.attn_out.ptr, n)])?;
+            // The attention site's hyper-connection expansion of x (the FFN site's is fused
+            // into ds4_moe_combine).
+            let args = vec![p(b.x.ptr), p(b.attn_out.ptr), p(b.mix_a.ptr), i(hc), i(d)];
+            if fork {
+                ops.push(Op::Join);
+            }
+            launch(&mut ops, k.hc_post, rows_grid(d.div_ceil(256)), 256, 0, args);
+
+            // ---- MoE
+            hc_site(&mut ops, &mut table, &lw.hc_ffn, &c.hc_ffn, b.mix_f.ptr, c.ffn_norm.ptr)?;
+            // The shared expert (its products, its swiglu) reads only h and its own buffers,
+            // and only ds4_moe_combine reads its output: with the side branch it runs there,
+            // beside the router and the routed experts, whose kernels leave DRAM bandwidth
+            // unused (they are bound by issue and L1). Its products must not be split
+            // (slices > 1): the partial sums and counters belong to the main stream's launches.
+            let shared_side = fork && [lw.gate_sh, lw.up_sh, lw.down_sh].iter().all(|m| slices(m) == 1);
+            let shared_swiglu = |ops: &mut Vec<_>| {
+                launch(
+                    ops,
+                    k.swiglu,
+                    ((n * ff_sh).div_ceil(256) as u32, 1, 1),
+                    256,
+                    0,
+                    vec![p(b.gsh.ptr), p(b.ush.ptr), p(b.ash.ptr), i(n * ff_sh), fl(spec.clamp_shared), i(ff_sh), i(0)],
+                )
+            };
+            let gate_up_sh = [(lw.gate_sh, b.h.ptr, b.gsh.ptr, n), (lw.up_sh, b.h.ptr, b.ush.ptr, n)];
+            let down_sh = [(lw.down_sh, b.ash.ptr, b.dsh.ptr, n)];
+            if shared_side {
+                let mut sh = Vec::new();
+                products(&mut sh, &mut table, &gate_up_sh)?;
+                shared_swiglu(&mut sh);
+                products(&mut sh, &mut table, &down_sh)?;
+                ops.extend(sh.into_iter().map(|op| match op {
+                    Op::Launch(l) => Op::Side(l),
+                    other => other,
+                }));
+                products(&mut ops, &mut table, &[(lw.router_proj, b.h.ptr, b.rl.ptr, n)])?;
+            } else {
+                let mut g = vec![(lw.router_proj, b.h.ptr, b.rl.ptr, n)];
+                g.extend(gate_up_sh);
+                products(&mut ops, &mut table, &g)?;
+            }
+            // Templates of the routed products (ds4_route fills in expert, rows, offsets).
+            let templ = |m: Mat, x: u64, y: u64, part_base: usize, counter: usize| {
+                CudaBackend::desc(img.addr(m.start), &m, x, y, b.part.ptr + 4 * part_base as u64, 0, counter).0
+            };
+            let (gm, um, dm) = (lw.gate_exps.first, lw.up_exps.first, lw.down_exps.first);
+            // Partial sums only for split products (as `products` lays them out).
+            let part_of = |m: &Mat| if slices(m) > 1 { max_descs * slices(m) * chunk * m.n_out } else { 0 };
+            let gate_part = part_of(&gm);
+            let gate_counters = max_descs * row_blocks(&gm);
+            let up_part = part_of(&um);
+            let down_part = part_of(&dm);
+            if gate_part + up_part > b.part_floats || down_part > b.part_floats {
+                return Err(Error::Backend(
+                    "CUDA decode: partial-sum buffer too small for the experts (internal)".into(),
+                ));
+            }
+            let t_off = table.len();
+            for t in [
+                templ(gm, b.xg.ptr, b.g_out.ptr, 0, 0),
+                templ(um, b.xg.ptr, b.u_out.ptr, gate_part, gate_counters),
+                templ(dm, b.act.ptr, b.down_out.ptr, 0, 0),
+            ] {
+                table.extend_from_slice(desc_bytes(&t));
+            }
+            let gu_off = table.len();
+            table.resize(gu_off + 2 * max_descs * std::mem::size_of::<Desc>(), 0);
+            let down_off = table.len();
+            table.resize(down_off + max_descs * std::mem::size_of::<Desc>(), 0);
+            launch(
+                &mut ops,
+                k.route,
+                (1, 1, 1),
+                256,
+                0,
+                vec![
+                    p(b.rl.ptr),
+                    i(cfg.n_experts),
+                    i(kk),
+                    c.bias.as_ref().map_or(null, |x| p(x.ptr)),
+                    c.hash.as_ref().map_or(null, |x| p(x.ptr)),
+                    i(cfg.expert_weights_norm as usize),
+                    fl(cfg.expert_weights_scale),
+                    i(n),
+                    p(step),
+                    PArg::Table(gu_off),
+                    PArg::Table(down_off),
+                    i(max_descs),
+                    PArg::Table(t_off),
+                    p(b.gather_src.ptr),
+                    p(b.comb_slot.ptr),
+                    p(b.comb_w.ptr),
+                    p(b.comb_cnt.ptr),
+                    i(chunk),
+                ],
+            );
+            // The gathered rows as 8-bit activations when their gate and up products take them.
+            // (Tried and dropped for one row: ds4_route quantizing the row itself and every
+            // descriptor reading that copy, with no gather launch. The routing got slower by more
+            // than the gather cost: Flash steps at a 2100-token context 10.24 against 10.09 ms,
+            // interleaved A/B on an H200.)
+            let act8 = crate::quant::act8::takes_act8(gm.ty);
+            launch(
+                &mut ops,
+                k.gather,
+                // One warp per block of 32 values (act8) or per 32 float4s (a copy).
+                ((n * kk) as u32, d.div_ceil(if act8 { 256 } else { 1024 }) as u32, 1),
+                256,
+                0,
+                vec![p(b.h.ptr), p(b.xg.ptr), p(b.gather_src.ptr), i(d), i(act8 as usize)],
+            );
+            let bpd = |m: &Mat| row_blocks(m) * slices(m);
+            let (fg, sg) =
+                ctx.kernel(gm.ty, gm.n_in, chunk).ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
+            if um.ty != gm.ty || um.n_out != gm.n_out || um.n_in != gm.n_in {
+                return Err(Error::Backend("CUDA decode: expert gate and up differ in shape (unsupported)".into()));
+            }
+            launch(
+                &mut ops,
+                fg,
+                ((max_descs * (bpd(&gm) + bpd(&um))) as u32, 1, 1),
+                THREADS,
+                sg,
+                // Not early: ds4_route writes this table.
+                vec![PArg::Table(gu_off), i(2 * max_descs), p(b.counters.ptr), i(0)],
+            );
+            if !shared_side {
+                shared_swiglu(&mut ops);
+            }
+            launch(
+                &mut ops,
+                k.swiglu,
+                ((n * kk * ff).div_ceil(256) as u32, 1, 1),
+                256,
+                0,
+                vec![
+                    p(b.g_out.ptr),
+                    p(b.u_out.ptr),
+                    p(b.act.ptr),
+                    i(n * kk * ff),
+                    fl(spec.clamp_routed),
+                    i(ff),
+                    // The activations as 8-bit ones when the down products take them (Q2_K).
+                    i(crate::quant::act8::takes_act8(dm.ty) as usize),
+                ],
+            );
+            if !shared_side {
+                products(&mut ops, &mut table, &down_sh)?;
+            }
+            let (fd, sd) =
+                ctx.kernel(dm.ty, dm.n_in, chunk).ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
+            launch(
+                &mut ops,
+                fd,
+                ((max_descs * bpd(&dm)) as u32, 1, 1),
+                THREADS,
+                sd,
+                vec![PArg::Table(down_off), i(max_descs), p(b.counters.ptr), i(0)],
+            );
+            if fork {
+                ops.push(Op::Join);
+            }
+            launch(
+                &mut ops,
+                k.combine,
+                rows_grid(d.div_ceil(256)),
+                256,
+                0,
+                vec![
+                    p(b.down_out.ptr),
+                    p(b.comb_slot.ptr),
+                    p(b.comb_w.ptr),
+                    p(b.comb_cnt.ptr),
+                    p(b.dsh.ptr),
+                    null,
+                    i(kk),
+                    i(d),
+                    // The FFN site's expansion of x, fused (no separate ds4_hc_post).
+                    p(b.x.ptr),
+                    p(b.mix_f.ptr),
+                    i(hc),
+                ],
+            );
+            if let Some(j) = capture.iter().position(|&c| c == li) {
+                let bytes = n * hc * d * 4;
+                ops.push(Op::Copy { dst: b.capture.ptr + (j * N_MAX * hc * d * 4) as u64, src: b.x.ptr, bytes });
+            }
+        }
+
+        // ---- head
+        if let Some((r0, rows)) = head {
+            let xr = b.x.ptr + 4 * (r0 * hc * d) as u64;
+            let gr = (rows as u32, 1, 1);
+            let (norm, base, scale) = &self.head_consts;
+            launch(&mut ops, k.rms_plain, gr, wide(hc * d), 0, vec![p(xr), p(b.flat.ptr), i(hc * d), fl(cfg.rms_eps)]);
+            products(&mut ops, &mut table, &[(w.hc_head.proj, b.flat.ptr, b.mixl.ptr, rows)])?;
+            launch(
+                &mut ops,
+                k.hc_head,
+                gr,
+                wide(d),
+                0,
+                vec![p(b.mixl.ptr), p(xr), p(b.y.ptr), p(base.ptr), p(scale.ptr), i(hc), i(d), fl(cfg.hc_eps)],
+            );
+            launch(
+                &mut ops,
+                k.rms_weight,
+                gr,
+                wide(d),
+                0,
+                vec![p(b.y.ptr), p(b.y.ptr), p(norm.ptr), i(d), fl(cfg.rms_eps)],
+            );
+            products(&mut ops, &mut table, &[(w.output, b.y.ptr, b.logits.ptr, rows)])?;
+            if argmax {
+                launch(&mut ops, k.argmax, gr, ARGMAX_THREADS, 0, vec![p(b.logits.ptr), i(cfg.vocab), p(b.ids.ptr)]);
+            }
+        }
+
+        let tables = DevBuf::from_slice(&table)?;
+        let resolve = |a: PArg| match a {
+            PArg::A(a) => a,
+            PArg::Table(off) => Arg::Ptr(tables.ptr + off as u64),
+        };
+        let ops = ops
+            .into_iter()
+            .map(|op| match op {
+                Op::Copy { dst, src, bytes } => Op::Copy { dst, src, bytes },
+                Op::Launch(l) => Op::Launch(l.map_args(resolve)),
+                Op::Side(l) => Op::Side(l.map_args(resolve)),
+                Op::Join => Op::Join,
+            })
+            .collect();
+        Ok(Program { ops, _tables: tables, graph: None })
+    }
+}
