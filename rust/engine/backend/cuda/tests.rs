@@ -416,3 +416,30 @@ fn q8_0_portable_path_gives_the_same_bits() {
         b.release(&raw).unwrap();
     }
 }
+
+/// Which Q8_0 kernel takes a matrix is one decision, a function of the row length alone (row
+/// invariance, and a slice of a matrix shares its layout): the kernel stem, tile, rows a warp
+/// and batch chunk all follow `tensor_cores`, the rows it takes are those up to a bound, and
+/// no other format is affected. Host-side: no GPU needed.
+#[test]
+fn q8_0_kernel_choice_is_one_rule_of_the_row_length() {
+    let mut last = true;
+    for n_in in (32..=16384).step_by(32) {
+        let mma = context::tensor_cores(GgmlType::Q8_0, n_in);
+        assert!(last || !mma, "rows of {n_in} on the tensor cores but shorter ones not");
+        last = mma;
+        assert_eq!(context::stem(GgmlType::Q8_0, n_in), Some(if mma { "q8_0_mq" } else { "q8_0" }));
+        assert_eq!(context::tile_elems(GgmlType::Q8_0, n_in), if mma { 64 } else { 512 });
+        assert_eq!(warp_rows(GgmlType::Q8_0, n_in), if mma { context::MQ_WARP_ROWS } else { context::MV_ROWS });
+        assert_eq!(chunk_rows(GgmlType::Q8_0, n_in), if mma { MAX_BATCH } else { MAX_BATCH / 2 });
+        for (ty, _) in context::FORMATS.iter().filter(|f| f.0 != GgmlType::Q8_0) {
+            assert!(!context::tensor_cores(*ty, n_in));
+        }
+    }
+    // Unless the process chose otherwise, Flash's q_b (rows of 1024) is on the tensor cores and
+    // its o_b (8192) is not.
+    if std::env::var_os("DS4_CUDA_Q8").is_none() && std::env::var_os("DS4_CUDA_Q8_MMA_MAX_IN").is_none() {
+        assert!(context::tensor_cores(GgmlType::Q8_0, 1024));
+        assert!(!context::tensor_cores(GgmlType::Q8_0, 8192));
+    }
+}
