@@ -62,8 +62,9 @@ struct FmtQ8_0 {
 
 // Resident blocks a SM of the one-row kernel (MvMinBlocks); a -D option may override it for
 // A/B timing (DS4_CUDA_DEFINES, rust/engine/backend/cuda/context.rs). Six (80 registers)
-// made Flash's q_b faster in the lab (26.6 -> 22.2 us) but Flash steps in a row slower in the
-// engine (H200, two A/B rounds at 2100: 9.18 / 9.16 ms against 9.10 / 9.12).
+// made Flash's q_b faster in the lab (18.2 -> 17.4 us at the host's warp group, 26.6 -> 22.2
+// at two warps a group) but Flash steps in a row slower in the engine (H200, two A/B rounds
+// at 2100: 9.18 / 9.16 ms against 9.10 / 9.12).
 #ifndef MV_MIN_BLOCKS_Q8_0_1
 #define MV_MIN_BLOCKS_Q8_0_1 MV_MIN_BLOCKS
 #endif
