@@ -6,7 +6,7 @@
 
 use cudarc::driver::sys;
 
-use super::super::context::{stem, Context, BATCH_SIZES, THREADS};
+use super::super::context::{stem, Context, THREADS};
 use super::super::device::{Arg, DevBuf};
 use super::super::weights::DeviceImage;
 use super::super::{chunk_rows, group, row_blocks, slices, split_in_launch, CudaBackend, Desc};
@@ -103,15 +103,16 @@ impl CudaDecoder {
          -> Result<()> {
             let mut part_off = 0usize;
             let mut counter = 0usize;
-            // One launch per kernel: (format, stem), in call order.
+            // One launch per kernel, in call order: (format, stem, the row length of its first
+            // product, which picks the same kernel as every other of its products).
             let stem_of = |m: &Mat| stem(m.ty, m.n_in);
-            let mut kernels: Vec<(crate::quant::GgmlType, Option<&'static str>)> = Vec::new();
+            let mut kernels: Vec<(crate::quant::GgmlType, Option<&'static str>, usize)> = Vec::new();
             for pr in prods {
-                if !kernels.contains(&(pr.0.ty, stem_of(&pr.0))) {
-                    kernels.push((pr.0.ty, stem_of(&pr.0)));
+                if !kernels.iter().any(|k| (k.0, k.1) == (pr.0.ty, stem_of(&pr.0))) {
+                    kernels.push((pr.0.ty, stem_of(&pr.0), pr.0.n_in));
                 }
             }
-            for (ty, kstem) in kernels {
+            for (ty, kstem, k_in) in kernels {
                 let mine = |pr: &&(Mat, u64, u64, usize)| pr.0.ty == ty && stem_of(&pr.0) == kstem;
                 if crate::quant::act8::takes_act8(ty) {
                     // `decodable` keeps such weights to the routed experts.
@@ -153,9 +154,8 @@ impl CudaDecoder {
                 if part_off > b.part_floats || counter > b.counters_len {
                     return Err(Error::Backend("CUDA decode: partial-sum buffer too small (internal)".into()));
                 }
-                let (f, smem) = kstem
-                    .and_then(|st| ctx.kernel_named(st, BATCH_SIZES.iter().copied().find(|&b| b >= nmax)?))
-                    .ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
+                let (f, smem) =
+                    ctx.kernel(ty, k_in, nmax).ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
                 ops.push(Op::Launch(Launch {
                     f,
                     grid: (blocks as u32, 1, 1),
