@@ -1,10 +1,11 @@
 // Q8_0: blocks of 32 weights, 34 bytes in GGUF: an f16 scale d, then 32 signed bytes q;
 // w = q * d (rust/engine/quant/q8_0.rs). Two kernels; which one multiplies a matrix depends
-// only on its row length (rust/engine/backend/cuda/context.rs `tensor_cores`), never on the
-// batch, so each row is computed the same way in every batch (row invariance) either way. By
+// only on its shape (rust/engine/backend/cuda/context.rs `tensor_cores`), never on the batch,
+// so each row is computed the same way in every batch (row invariance) either way. By
 // default the tensor-core kernel takes rows of at most 1024 elements (Flash's q_b, 32768 x
-// 1024: as fast as the float-x kernel at one batch row, three times faster at eight) and the
-// float-x kernel the rest. On an H200, Flash with pseudo-random experts at a 2100-token
+// 1024: as fast as the float-x kernel at one batch row, three times faster at eight) and
+// matrices of at least 65536 rows (the head, 129280 x 4096: faster at one row with its x
+// staged, MQ_X_STAGED below, and 3.6 times faster at eight), the float-x kernel the rest. On an H200, Flash with pseudo-random experts at a 2100-token
 // context, two A/B rounds in one session: steps in a row 9.16 / 9.05 ms against 9.14 / 9.13
 // with the float-x kernel everywhere (DS4_CUDA_Q8=fma), a verify of 8 rows 31.4 / 30.5 ms
 // against 32.2 / 32.1, the 2100-token prompt 6.52 / 6.49 s against 7.02 / 6.96. Adding rows of
@@ -153,15 +154,37 @@ MVS_KERNELS(q8_0, FmtQ8_0)
 #ifndef MQ_X_COOP
 #define MQ_X_COOP 1
 #endif
+// Whether a block of one batch row first quantizes the x of its slice into shared memory, once
+// for its warps (1: mq_stage_x), when the slice is at most MQ_XS_CHUNKS chunks and each warp
+// of a row group walks at least MQ_XS_MIN_CHUNKS of them, or else each warp quantizes the x
+// of its chunks as it goes (0: MQ_X_COOP's way). The same integers and scales either way, so
+// the same bits. Measured (H200 lab, pseudo-random weights, one batch row, us per product,
+// staged for every slice that fits against not at all): the head 129280 x 4096 (one warp a
+// row group, 64 chunks a warp) 160.7 against 169.9, the float-x kernel 170.0; but q_a 1024 x
+// 4096 (2 chunks a warp) 8.64 against 7.84, o_b 4096 x 8192 (8) 19.4 against 17.8, the
+// shared expert's gate and up (2 chunks) 16.6 against 15.9, q_b 32768 x 1024 (8) 15.6 against
+// 15.8: the block's barrier and its quantization of the whole slice pay only where each warp
+// would quantize many chunks itself.
+#ifndef MQ_X_STAGED
+#define MQ_X_STAGED 1
+#endif
+#ifndef MQ_XS_MIN_CHUNKS
+#define MQ_XS_MIN_CHUNKS 16
+#endif
+// Chunks (block pairs) of x the staged one-row kernel holds: 4096 elements, 256 bytes a chunk
+// (16 KB of shared memory a block).
+#define MQ_XS_CHUNKS 64
 #define MQ_WARP_ROWS (16 * MQ_TILES)
 
 // How a warp of whole tiles gets its x (the MqChunk and mq_load template argument XM):
 // loaded as a chunk is computed (0), loaded with the chunk's weights by the lanes of each
 // batch row's column (1), or, for one batch row, loaded with the weights by all 32 lanes, two
-// elements each (2: mq_quantize_coop).
+// elements each (2: mq_quantize_coop), or, for one batch row, read as B operands from the
+// block's shared memory, where mq_stage_x wrote them (3).
 #define MQ_X_LATE 0
 #define MQ_X_LANES 1
 #define MQ_X_SPREAD 2
+#define MQ_X_STAGE 3
 
 // The format tag of the kernel's instantiations (MV_KERNEL_RUN takes one; no table, no
 // shared-memory staging).
@@ -318,6 +341,40 @@ __device__ __forceinline__ void mq_quantize_coop(float2 xv, int lane, u32 (&b)[2
     }
 }
 
+// The B operands and scales of one batch row's x, chunks [c0, c1) of the row (c1 - c0 <=
+// MQ_XS_CHUNKS), into the block's shared memory S, for mq_chunk's MQ_X_STAGE: the warps of the
+// block take chunks c0 + warp, c0 + warp + MV_WARPS, ..., each with mq_quantize_coop (so the
+// same integers and scales as every other way of getting them), and lanes t = 0..3 store what
+// fragment column t needs: per chunk, block kk, lane t, two uint4 at S[8 (2 (c - c0) + kk) + 2 t]:
+// {part 0 (h 0, 1), part 1 (h 0, 1)}, {part 2 (h 0, 1), the block's 2^-s, 0}. Why: at one batch
+// row the x of a chunk was quantized by every warp that reads the chunk (a third of the loop's
+// instructions), and a warp's first loads had to wait for the previous kernel (they carried x);
+// staged, a block quantizes each chunk once and its weight loads can start before the wait.
+// Every thread of the block calls it (it ends with a barrier).
+__device__ __forceinline__ void mq_stage_x(const float* __restrict__ x, int nb, int c0, int c1, uint4* S) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    for (int c = c0 + warp; c < c1; c += MV_WARPS) {
+        const bool two = 2 * c + 1 < nb;
+        float2 xs = make_float2(0.0f, 0.0f);
+        if (lane < 16 || two) {
+            xs = __ldg((const float2*)(x + 64ll * c + 2 * lane));
+        }
+        u32 b[2][3][2];
+        float sx[2];
+        mq_quantize_coop(xs, lane, b, sx);
+        if (lane < 4) {
+#pragma unroll
+            for (int kk = 0; kk < 2; kk++) {
+                uint4* q = S + 8 * (2 * (c - c0) + kk) + 2 * lane;
+                q[0] = make_uint4(b[kk][0][0], b[kk][0][1], b[kk][1][0], b[kk][1][1]);
+                q[1] = make_uint4(b[kk][2][0], b[kk][2][1], __float_as_uint(sx[kk]), 0u);
+            }
+        }
+    }
+    __syncthreads();
+}
+
 // A warp's weights in one chunk (block pair): per tile, for a tile stored whole
 // (rust/engine/quant/split/q8_0.rs) the lane's A registers of each block (v[mt][kk]) and its
 // rows' scales (s[mt][kk]: rows g, g + 8); for a plane's last rows, row by row, per row g and
@@ -402,10 +459,11 @@ __device__ __forceinline__ void mq_load(const MqRows& R, long long pay, int nb, 
 
 // Adds chunk c (blocks 2c and 2c + 1) of the warp's rows to acc[tile][token group][i]: the
 // output of row 16 tile + g + 8 (i / 2) and batch row 8 group + 2t + i % 2.
+// With MQ_X_STAGE, xq is the chunk's staged x (mq_stage_x).
 template <int NB, bool ALL, int XM>
 __device__ __forceinline__ void mq_chunk(const MqChunk<XM>& k, const MqRows& R, int nb, int c,
                                          const float* __restrict__ x, int n_in, int n, int lane,
-                                         float (&acc)[MQ_TILES][(NB + 7) / 8][4]) {
+                                         float (&acc)[MQ_TILES][(NB + 7) / 8][4], const uint4* xq = nullptr) {
     constexpr int NG = (NB + 7) / 8;
     const int g = lane >> 2;
     const int t = lane & 3;
@@ -413,6 +471,20 @@ __device__ __forceinline__ void mq_chunk(const MqChunk<XM>& k, const MqRows& R, 
     float ss[2];
     if (XM == MQ_X_SPREAD) {
         mq_quantize_coop(k.xs, lane, bs, ss);
+    }
+    if (XM == MQ_X_STAGE) {
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++) {
+            const uint4 u = xq[8 * kk + 2 * t];
+            const uint4 v = xq[8 * kk + 2 * t + 1];
+            bs[kk][0][0] = u.x;
+            bs[kk][0][1] = u.y;
+            bs[kk][1][0] = u.z;
+            bs[kk][1][1] = u.w;
+            bs[kk][2][0] = v.x;
+            bs[kk][2][1] = v.y;
+            ss[kk] = __uint_as_float(v.z);
+        }
     }
 #pragma unroll
     for (int kk = 0; kk < 2; kk++) {
@@ -423,7 +495,7 @@ __device__ __forceinline__ void mq_chunk(const MqChunk<XM>& k, const MqRows& R, 
         float sx[NG][2];
 #pragma unroll
         for (int tg = 0; tg < NG; tg++) {
-            if (XM == MQ_X_SPREAD) {
+            if (XM == MQ_X_SPREAD || XM == MQ_X_STAGE) {
 #pragma unroll
                 for (int p = 0; p < 3; p++) {
                     b[tg][p][0] = bs[kk][p][0];
@@ -513,6 +585,21 @@ __device__ __forceinline__ void mq_loop(const MqRows& R, const MvDesc* D, long l
     }
 }
 
+// mq_loop for one batch row with x staged (mq_stage_x, from chunk c0 at S), whole tiles only,
+// the first chunk's weights already in cur.
+__device__ __forceinline__ void mq_loop_staged(const MqRows& R, long long pay, int nb, int first, int c1, int G,
+                                               int c0, const uint4* S, int lane, MqChunk<MQ_X_STAGE>& cur,
+                                               float (&acc)[MQ_TILES][1][4]) {
+    MqChunk<MQ_X_STAGE> nxt;
+    for (int c = first; c < c1; c += G) {
+        if (c + G < c1) {
+            mq_load<true, MQ_X_STAGE>(R, pay, nb, c + G, lane, nullptr, 0, 1, nxt);
+        }
+        mq_chunk<1, true, MQ_X_STAGE>(cur, R, nb, c, nullptr, 0, 1, lane, acc, S + 16 * (c - c0));
+        cur = nxt;
+    }
+}
+
 // The end of the kernel: the G warps of a row group add their sums in warp order (warp p of
 // the group holds chunks p, p + G, ...), the first writes them to y (or to the slice's
 // partial sums), then mv_add_slices. Every thread of the block calls it.
@@ -569,7 +656,7 @@ __device__ __forceinline__ void mq_store(float (&acc)[MQ_TILES][(NB + 7) / 8][4]
 
 template <class F, int NB>
 __device__ __forceinline__ void matmul_q8_0(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters,
-                                            u8*, int launch_early) {
+                                            u8* smem, int launch_early) {
     const bool early = ds4_product_begin(launch_early);
     constexpr int NG = (NB + 7) / 8;
     const int lane = threadIdx.x & 31;
@@ -606,11 +693,20 @@ __device__ __forceinline__ void matmul_q8_0(const MvDesc* __restrict__ descs, in
     R.vec_row = (((unsigned long long)w | (unsigned long long)row_bytes) & 15ull) == 0;
     float acc[MQ_TILES][NG][4] = {};
     const int first = c0 + B.p;
+    const bool fast = B.nrows > 0 && first < c1 && B.o0 + MQ_WARP_ROWS <= whole_rows;
+    // One batch row, x staged (mq_stage_x): the same for the whole block.
+    const bool staged =
+        NB == 1 && MQ_X_STAGED && c1 - c0 <= MQ_XS_CHUNKS && c1 - c0 >= MQ_XS_MIN_CHUNKS * D->group;
+    MqChunk<MQ_X_STAGE> cur;
+    if (staged && fast) {
+        // Weights only: no kernel writes them, so before the wait when launched early.
+        mq_load<true, MQ_X_STAGE>(R, pay, nb, first, lane, nullptr, 0, 1, cur);
+    }
     if (early) {
         // Early launch (common.cuh ds4_grid_launch): the whole tiles' slice, payload and
         // scales, into L2 before the wait (lanes 0.. the payloads, lanes MQ_TILES.. the scales;
-        // the first warp of a row group). The chunks' first loads come after the wait: they
-        // carry x, which the previous kernel writes.
+        // the first warp of a row group). Otherwise the chunks' first loads come after the wait
+        // when they carry x, which the previous kernel writes (not when x is staged).
         if (B.nrows > 0 && first < c1 && B.p == 0 && lane < 2 * MQ_TILES) {
             const int mt = lane % MQ_TILES;
             bool tiled = R.tiled[0];
@@ -631,8 +727,19 @@ __device__ __forceinline__ void matmul_q8_0(const MvDesc* __restrict__ descs, in
         }
         ds4_grid_deps();
     }
-    if (B.nrows > 0 && first < c1) {
-        if (B.o0 + MQ_WARP_ROWS <= whole_rows) {
+    if constexpr (NB == 1) {
+        if (staged) {
+            uint4* S = (uint4*)smem;
+            mq_stage_x(D->x, nb, c0, c1, S);
+            if (fast) {
+                mq_loop_staged(R, pay, nb, first, c1, D->group, c0, S, lane, cur, acc);
+            } else if (B.nrows > 0 && first < c1) {
+                mq_loop<NB, false, MQ_X_LATE>(R, D, pay, nb, first, c1, lane, acc);
+            }
+        }
+    }
+    if (!staged && B.nrows > 0 && first < c1) {
+        if (fast) {
             constexpr int XM = NB == 1 && MQ_X_COOP ? MQ_X_SPREAD : NG == 1 && MQ_X_PREFETCH ? MQ_X_LANES : MQ_X_LATE;
             mq_loop<NB, true, XM>(R, D, pay, nb, first, c1, lane, acc);
         } else {
@@ -643,5 +750,7 @@ __device__ __forceinline__ void matmul_q8_0(const MvDesc* __restrict__ descs, in
     mq_store<NB>(acc, D, B, counters);
 }
 
-#define MQ_KERNEL(NAME, F, NB) MV_KERNEL_RUN(NAME, F, NB, matmul_q8_0, (32 * MV_WARPS, 4), 0)
+// Shared memory: the staged x of one batch row (MQ_X_STAGED).
+#define MQ_KERNEL(NAME, F, NB) \
+    MV_KERNEL_RUN(NAME, F, NB, matmul_q8_0, (32 * MV_WARPS, 4), (NB == 1 && MQ_X_STAGED ? 256 * MQ_XS_CHUNKS : 0))
 MV_BATCHES(MQ_KERNEL, q8_0_mq, FmtQ8_0Mq)

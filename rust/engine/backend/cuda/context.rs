@@ -53,31 +53,42 @@ pub(crate) const THREADS: u32 = 128;
 /// [`tensor_cores`]).
 pub(crate) const Q8_MMA_MAX_IN: usize = 1024;
 
-/// Whether this process multiplies `ty` matrices whose rows have `n_in` elements on the tensor
-/// cores: Q8_0 ones through the exact 8-bit integer kernel (flat in the batch size,
-/// shaders/cuda/q8_0.cu) rather than the float-x kernel (faster at one batch row on long
-/// rows, slower at several). `DS4_CUDA_Q8`, read once: `mma` for all Q8_0 matrices, `fma`
-/// for none, by default those whose rows have at most `DS4_CUDA_Q8_MMA_MAX_IN` elements
-/// ([`Q8_MMA_MAX_IN`]). The choice depends only on the row length, never on the batch, and
-/// the device layout of the weights follows it, so a row computes the same way in every batch
-/// (row invariance); a matrix's row slices (o_a's groups) share its row length, so its layout.
-pub(crate) fn tensor_cores(ty: GgmlType, n_in: usize) -> bool {
-    static MAX_IN: OnceLock<usize> = OnceLock::new();
-    let max_in = *MAX_IN.get_or_init(|| match std::env::var("DS4_CUDA_Q8").as_deref() {
-        Ok("mma") => usize::MAX,
-        Ok("fma") => 0,
-        _ => std::env::var("DS4_CUDA_Q8_MMA_MAX_IN").ok().and_then(|v| v.parse().ok()).unwrap_or(Q8_MMA_MAX_IN),
+/// Matrices (planes) of at least this many rows go to Q8_0's tensor-core kernel by default,
+/// whatever their row length (see [`tensor_cores`]): the LM head.
+pub(crate) const Q8_MMA_MIN_ROWS: usize = 65536;
+
+/// Whether this process multiplies `ty` matrices of `rows` rows (a plane: a 2-D tensor, one
+/// expert of a 3-D one) of `n_in` elements on the tensor cores: Q8_0 ones through the exact
+/// 8-bit integer kernel (flat in the batch size, shaders/cuda/q8_0.cu) rather than the float-x
+/// kernel (faster at one batch row on long rows of matrices that fill the GPU a few times,
+/// slower at several batch rows). `DS4_CUDA_Q8`, read once: `mma` for all Q8_0 matrices, `fma`
+/// for none; by default those whose rows have at most `DS4_CUDA_Q8_MMA_MAX_IN` elements
+/// ([`Q8_MMA_MAX_IN`]: Flash's q_b) and those of at least `DS4_CUDA_Q8_MMA_MIN_ROWS` rows
+/// ([`Q8_MMA_MIN_ROWS`]: the head, which the tensor-core kernel reads faster even at one row).
+/// The choice depends only on the shape, never on the batch, and the device layout of the
+/// weights follows it, so a row computes the same way in every batch (row invariance). A
+/// product on some rows of a plane must make the plane's choice: o_a's groups (1024 of 8192
+/// rows) do; `DeviceImage::holds_split` keeps any other on the CPU.
+pub(crate) fn tensor_cores(ty: GgmlType, n_in: usize, rows: usize) -> bool {
+    static BOUNDS: OnceLock<(usize, usize)> = OnceLock::new();
+    let (max_in, min_rows) = *BOUNDS.get_or_init(|| {
+        let var = |name: &str, default: usize| std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default);
+        match std::env::var("DS4_CUDA_Q8").as_deref() {
+            Ok("mma") => (usize::MAX, 0),
+            Ok("fma") => (0, usize::MAX),
+            _ => (var("DS4_CUDA_Q8_MMA_MAX_IN", Q8_MMA_MAX_IN), var("DS4_CUDA_Q8_MMA_MIN_ROWS", Q8_MMA_MIN_ROWS)),
+        }
     });
-    ty == GgmlType::Q8_0 && n_in <= max_in
+    ty == GgmlType::Q8_0 && (n_in <= max_in || rows >= min_rows)
 }
 
 /// The stem of Q8_0's tensor-core kernels.
 const MQ_STEM: &str = "q8_0_mq";
 
-/// The kernel name stem of format `ty` for rows of `n_in` elements in this process (Q8_0:
-/// "q8_0" or "q8_0_mq").
-pub(crate) fn stem(ty: GgmlType, n_in: usize) -> Option<&'static str> {
-    if tensor_cores(ty, n_in) {
+/// The kernel name stem of format `ty` for `rows` rows of `n_in` elements in this process
+/// (Q8_0: "q8_0" or "q8_0_mq").
+pub(crate) fn stem(ty: GgmlType, n_in: usize, rows: usize) -> Option<&'static str> {
+    if tensor_cores(ty, n_in, rows) {
         return Some(MQ_STEM);
     }
     FORMATS.iter().find(|(t, _)| *t == ty).map(|(_, s)| *s)
@@ -88,11 +99,11 @@ pub(crate) fn stem(ty: GgmlType, n_in: usize) -> Option<&'static str> {
 /// rows directly (`matvec_split` in shaders/cuda/common.cuh: the float formats and the split
 /// formats), one block pair for Q8_0's tensor-core kernel (q8_0.cu), `32 * F::UNIT` for the
 /// staged ones (`matvec`: Q4_K, MXFP4).
-pub(crate) fn tile_elems(ty: GgmlType, n_in: usize) -> usize {
+pub(crate) fn tile_elems(ty: GgmlType, n_in: usize, rows: usize) -> usize {
     match ty {
         GgmlType::F32 => 128,
         GgmlType::F16 | GgmlType::BF16 => 256,
-        GgmlType::Q8_0 if tensor_cores(ty, n_in) => 64,
+        GgmlType::Q8_0 if tensor_cores(ty, n_in, rows) => 64,
         GgmlType::Q8_0 => 512,
         GgmlType::Q2_K | GgmlType::IQ2_XXS => 2048,
         _ => 1024,
@@ -228,13 +239,20 @@ pub(crate) fn driver_available() -> bool {
 /// `--fmad=false`: the kernels spell every fused multiply-add they want as `fmaf`, and nothing
 /// else may be contracted, so that each kernel instantiation (batch size) rounds alike.
 pub fn compile(arch: &str) -> Result<Arc<String>> {
+    compile_with(arch, &[])
+}
+
+/// [`compile`] with `-D` options after the process's own (tests compare kernel variants that
+/// must give the same bits).
+pub(crate) fn compile_with(arch: &str, defines: &[&str]) -> Result<Arc<String>> {
     static CACHE: OnceLock<Mutex<HashMap<String, Arc<String>>>> = OnceLock::new();
     if !nvrtc_available() {
         return Err(Error::BackendUnavailable(format!("CUDA: libnvrtc not found ({NVRTC_HINT})")));
     }
     let cache = CACHE.get_or_init(Default::default);
     let mut cache = cache.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(p) = cache.get(arch) {
+    let key = [arch].iter().chain(defines).copied().collect::<Vec<_>>().join(" -D");
+    if let Some(p) = cache.get(&key) {
         return Ok(Arc::clone(p));
     }
     let mut options = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
@@ -259,6 +277,7 @@ pub fn compile(arch: &str) -> Result<Arc<String>> {
     if let Ok(defs) = std::env::var("DS4_CUDA_DEFINES") {
         options.extend(defs.split_whitespace().map(|d| format!("-D{d}")));
     }
+    options.extend(defines.iter().map(|d| format!("-D{d}")));
     let opts =
         nvrtc::CompileOptions { fmad: Some(false), options, name: Some("ds4_kernels.cu".into()), ..Default::default() };
     let ptx = nvrtc::compile_ptx_with_opts(kernel_source(), opts).map_err(|e| {
@@ -269,7 +288,7 @@ pub fn compile(arch: &str) -> Result<Arc<String>> {
         Error::Backend(format!("CUDA: NVRTC failed to compile the kernels for {arch}:\n{msg}"))
     })?;
     let ptx = Arc::new(ptx.to_src());
-    cache.insert(arch.to_string(), Arc::clone(&ptx));
+    cache.insert(key, Arc::clone(&ptx));
     Ok(ptx)
 }
 
@@ -409,11 +428,11 @@ impl Context {
         Ok(me)
     }
 
-    /// The kernel for `ty` matrices with rows of `n_in` elements and a chunk of `n` (1..=16)
-    /// batch rows: the one instantiated for the smallest batch size `>= n`.
-    pub(crate) fn kernel(&self, ty: GgmlType, n_in: usize, n: usize) -> Option<(sys::CUfunction, u32)> {
+    /// The kernel for `ty` matrices of `rows` rows of `n_in` elements and a chunk of `n`
+    /// (1..=16) batch rows: the one instantiated for the smallest batch size `>= n`.
+    pub(crate) fn kernel(&self, ty: GgmlType, n_in: usize, rows: usize, n: usize) -> Option<(sys::CUfunction, u32)> {
         let nb = BATCH_SIZES.iter().copied().find(|&b| b >= n)?;
-        self.kernel_named(stem(ty, n_in)?, nb)
+        self.kernel_named(stem(ty, n_in, rows)?, nb)
     }
 
     /// The kernel `ds4_mv_{stem}_{nb}` and its dynamic shared memory.

@@ -216,8 +216,8 @@ impl Desc {
 /// Output rows of one row group (the rows a warp computes) of a `ty` product with rows of
 /// `n_in` elements: two 16-row tiles for Q8_0 on the tensor cores (`MQ_WARP_ROWS`,
 /// shaders/cuda/q8_0.cu), `MV_ROWS` for the other kernels.
-pub(crate) fn warp_rows(ty: GgmlType, n_in: usize) -> usize {
-    if tensor_cores(ty, n_in) {
+pub(crate) fn warp_rows(ty: GgmlType, n_in: usize, rows: usize) -> usize {
+    if tensor_cores(ty, n_in, rows) {
         MQ_WARP_ROWS
     } else {
         MV_ROWS
@@ -246,14 +246,14 @@ pub(crate) fn group(w: &Mat) -> usize {
     // Counted in row groups of `warp_rows` (4 rows; 32 in the tensor-core Q8_0 kernel, whose
     // rows run out sooner) and in chunks a warp keeps (two; four block pairs on the tensor
     // cores).
-    let row_groups = w.n_out.div_ceil(warp_rows(w.ty, w.n_in));
-    let per_warp = if tensor_cores(w.ty, w.n_in) { 4 } else { 2 };
+    let row_groups = w.n_out.div_ceil(warp_rows(w.ty, w.n_in, w.n_out));
+    let per_warp = if tensor_cores(w.ty, w.n_in, w.n_out) { 4 } else { 2 };
     let by_rows = match row_groups {
         0..=512 => 4,
         513..=1024 => 2,
         _ => 1,
     };
-    let by_chunks = match w.n_in.div_ceil(tile_elems(w.ty, w.n_in)) / per_warp {
+    let by_chunks = match w.n_in.div_ceil(tile_elems(w.ty, w.n_in, w.n_out)) / per_warp {
         0 | 1 => 1,
         2 | 3 => 2,
         _ => MV_WARPS,
@@ -269,9 +269,9 @@ pub(crate) fn group(w: &Mat) -> usize {
 /// fit and they were slower still), 16 for the others (Q8_0 on the tensor cores covers 8 batch
 /// rows per product). Every chunk size computes a row the same way (row invariance), so this
 /// changes only the speed.
-pub(crate) fn chunk_rows(ty: GgmlType, n_in: usize) -> usize {
+pub(crate) fn chunk_rows(ty: GgmlType, n_in: usize, rows: usize) -> usize {
     match ty {
-        GgmlType::Q8_0 if tensor_cores(ty, n_in) => MAX_BATCH,
+        GgmlType::Q8_0 if tensor_cores(ty, n_in, rows) => MAX_BATCH,
         GgmlType::Q8_0 | GgmlType::Q2_K | GgmlType::IQ2_XXS => MAX_BATCH / 2,
         _ => MAX_BATCH,
     }
@@ -284,7 +284,7 @@ pub(crate) fn row_blocks(w: &Mat) -> usize {
 
 /// Row blocks of `w`'s products at warp group `g`.
 fn row_blocks_in(w: &Mat, g: usize) -> usize {
-    w.n_out.div_ceil(MV_WARPS / g * warp_rows(w.ty, w.n_in))
+    w.n_out.div_ceil(MV_WARPS / g * warp_rows(w.ty, w.n_in, w.n_out))
 }
 
 /// The warp group and input slices of `w`'s products when one launch runs them with others of
@@ -296,8 +296,13 @@ fn row_blocks_in(w: &Mat, g: usize) -> usize {
 /// each product's own split, 9.27 / 9.39 ms with this). Like [`group`] and [`slices`], a
 /// function of shapes only, never of the batch (row invariance); the host's products do not
 /// use it, so its o_a sums in another order than the device decoder's.
+/// (A launch whose rows would change the kernel, [`tensor_cores`], keeps each product's own
+/// split: the kernel is the product's.)
 pub(crate) fn split_in_launch(w: &Mat, rows: usize) -> (usize, usize) {
     let whole = Mat { n_out: rows.max(w.n_out), ..*w };
+    if tensor_cores(w.ty, w.n_in, w.n_out) != tensor_cores(whole.ty, whole.n_in, whole.n_out) {
+        return (group(w), slices(w));
+    }
     (group(&whole), slices(&whole))
 }
 
@@ -308,10 +313,11 @@ pub(crate) fn split_in_launch(w: &Mat, rows: usize) -> (usize, usize) {
 /// slices' partial sums are added in slice order, so the split is part of each row's fixed
 /// reduction order (row invariance).
 fn slices(w: &Mat) -> usize {
-    let tiles = w.n_in.div_ceil(tile_elems(w.ty, w.n_in));
+    let tiles = w.n_in.div_ceil(tile_elems(w.ty, w.n_in, w.n_out));
     // The Q8_0 kernel's warps are few (32 rows each) and its chunks short: it asks for four
     // blocks an SM and two chunks a warp.
-    let (target, per_warp) = if tensor_cores(w.ty, w.n_in) { (4 * TARGET_BLOCKS, 2) } else { (TARGET_BLOCKS, 1) };
+    let (target, per_warp) =
+        if tensor_cores(w.ty, w.n_in, w.n_out) { (4 * TARGET_BLOCKS, 2) } else { (TARGET_BLOCKS, 1) };
     let want = (target / row_blocks(w)).clamp(1, 32).min((tiles / group(w) / per_warp).max(1));
     // No empty slice: the kernels give each slice ceil(tiles / slices) tiles.
     tiles.div_ceil(tiles.div_ceil(want))
@@ -521,7 +527,7 @@ impl CudaBackend {
             counter: counter as i32,
             group: g as i32,
             y_stride: w.n_out as i32,
-            warp_rows: warp_rows(w.ty, w.n_in) as i32,
+            warp_rows: warp_rows(w.ty, w.n_in, w.n_out) as i32,
             pad: 0,
         };
         (d, row_blocks_in(w, g) * s)
@@ -541,8 +547,14 @@ impl CudaBackend {
         if mats.is_empty() || n == 0 || n > MAX_BATCH || mats.iter().any(|m| !Self::gpu_shape(img, m)) {
             return Err(Error::invalid("time_launches: matrices the kernels cannot take"));
         }
-        let f = g.ctx.kernel(mats[0].ty, mats[0].n_in, n).ok_or_else(|| Error::Backend("CUDA: no kernel".into()))?;
-        if mats.iter().any(|m| context::stem(m.ty, m.n_in) != context::stem(mats[0].ty, mats[0].n_in)) {
+        let f = g
+            .ctx
+            .kernel(mats[0].ty, mats[0].n_in, mats[0].n_out, n)
+            .ok_or_else(|| Error::Backend("CUDA: no kernel".into()))?;
+        if mats
+            .iter()
+            .any(|m| context::stem(m.ty, m.n_in, m.n_out) != context::stem(mats[0].ty, mats[0].n_in, mats[0].n_out))
+        {
             return Err(Error::invalid("time_launches: matrices of one kernel"));
         }
         let table_len = DESC_FLOATS * mats.len();
@@ -649,7 +661,10 @@ impl Backend for CudaBackend {
         // Scratch layout, in floats: the descriptor table, the inputs, the outputs, the partial
         // sums of split products. The table and the inputs go over in one copy.
         let table_len = DESC_FLOATS
-            * placed.iter().map(|p| p.n.div_ceil(chunk_rows(specs[p.spec].0.ty, specs[p.spec].0.n_in))).sum::<usize>();
+            * placed
+                .iter()
+                .map(|p| p.n.div_ceil(chunk_rows(specs[p.spec].0.ty, specs[p.spec].0.n_in, specs[p.spec].0.n_out)))
+                .sum::<usize>();
         let x_end = table_len + x_len;
         let mut total = x_end;
         let mut counters = 0;
@@ -663,7 +678,7 @@ impl Backend for CudaBackend {
             let w = specs[p.spec].0;
             if slices(w) > 1 {
                 total += slices(w) * p.n * w.n_out;
-                counters += p.n.div_ceil(chunk_rows(w.ty, w.n_in)) * row_blocks(w);
+                counters += p.n.div_ceil(chunk_rows(w.ty, w.n_in, w.n_out)) * row_blocks(w);
             }
         }
         if !placed.is_empty() {
@@ -724,10 +739,10 @@ impl CudaBackend {
         let mut counter = 0;
         for p in placed {
             let w = specs[p.spec].0;
-            let stem = context::stem(w.ty, w.n_in).expect("a GPU format");
+            let stem = context::stem(w.ty, w.n_in, w.n_out).expect("a GPU format");
             let mut r = 0;
             while r < p.n {
-                let c = (p.n - r).min(chunk_rows(w.ty, w.n_in));
+                let c = (p.n - r).min(chunk_rows(w.ty, w.n_in, w.n_out));
                 let nb = context::BATCH_SIZES.iter().copied().find(|&b| b >= c).expect("c <= 16");
                 let x = at(p.x_off + r * w.n_in);
                 let y = at(p.y_off + r * w.n_out);

@@ -254,7 +254,7 @@ fn split_formats_run_on_listed_tensors_only() {
         for r in 0..3 {
             assert_eq!(rows[r * 8..(r + 1) * 8], whole[r * 24 + 16..r * 24 + 24], "{ty}: rows 16..24, batch row {r}");
         }
-        if context::tensor_cores(ty, w.n_in) {
+        if context::tensor_cores(ty, w.n_in, w.n_out) {
             // Rows 8..16 start inside a tile: the kernel cannot take them, the CPU does.
             let inside = Mat { n_out: 8, start: w.start + 8 * w.row_bytes, ..w };
             assert_eq!(b.matmul(&raw, &inside, &x).unwrap(), cpu::matmul_new(&raw, &inside, &x).unwrap());
@@ -274,7 +274,7 @@ fn split_formats_run_on_listed_tensors_only() {
 #[test]
 fn launch_of_several_products_splits_as_one_matrix() {
     let oa = Mat { ty: GgmlType::Q8_0, n_in: 4096, n_out: 1024, start: 0, row_bytes: 4352 };
-    if context::tensor_cores(GgmlType::Q8_0, oa.n_in) {
+    if context::tensor_cores(GgmlType::Q8_0, oa.n_in, oa.n_out) {
         assert_eq!((group(&oa), slices(&oa)), (4, 8));
         assert_eq!(split_in_launch(&oa, 8 * 1024), (4, 2));
     } else {
@@ -337,7 +337,7 @@ fn strided_outputs_fill_columns_of_wider_rows() {
                     table.push(d);
                 }
                 let tb = DevBuf::from_slice(&table).unwrap();
-                let (f, smem) = g.ctx.kernel(ty, n_in, n).unwrap();
+                let (f, smem) = g.ctx.kernel(ty, n_in, rank, n).unwrap();
                 let args = [Arg::Ptr(tb.at(0)), Arg::I32(groups as i32), Arg::Ptr(counters.at(0)), Arg::I32(0)];
                 g.ctx.launch_args(f, (blocks as u32, 1, 1), THREADS, smem, &args).unwrap();
                 g.ctx.sync().unwrap();
@@ -367,6 +367,31 @@ fn strided_outputs_fill_columns_of_wider_rows() {
 /// (`DS4_CUDA_Q8=mma`) that is the path for devices before sm_80 (the same integer products
 /// from shuffled fragments and dp4a). Rows that are 16-byte aligned and rows that are not (an
 /// odd block count), 1, 3 and 16 batch rows.
+/// The products of `w` (uploaded in `img`) with the `n` rows of `x` by kernel `f`, one
+/// descriptor, as the host lays it out. The context must be bound.
+fn run_kernel(g: &Inner, img: &DeviceImage, w: &Mat, f: sys::CUfunction, smem: u32, x: &[f32], n: usize) -> Vec<f32> {
+    let xb = DevBuf::from_slice(x).unwrap();
+    let y = DevBuf::zeroed(4 * n * w.n_out).unwrap();
+    let part = DevBuf::zeroed(4 * 32 * n * w.n_out).unwrap();
+    let counters = DevBuf::zeroed(4 * 4096).unwrap();
+    let (d, blocks) = CudaBackend::desc(img.addr(w.start), w, xb.at(0), y.at(0), part.at(0), n, 0);
+    let tb = DevBuf::from_slice(&[d]).unwrap();
+    let args = [Arg::Ptr(tb.at(0)), Arg::I32(1), Arg::Ptr(counters.at(0)), Arg::I32(0)];
+    g.ctx.launch_args(f, (blocks as u32, 1, 1), THREADS, smem, &args).unwrap();
+    g.ctx.sync().unwrap();
+    y.read(0, n * w.n_out).unwrap()
+}
+
+/// Kernel `ds4_mv_{stem}_{nb}` of PTX `ptx` loaded as a module of its own (the context bound).
+fn load_kernel(ptx: &str, stem: &str, nb: usize) -> (sys::CUmodule, sys::CUfunction) {
+    let image = std::ffi::CString::new(ptx.as_bytes()).unwrap();
+    // SAFETY: a NUL-terminated PTX image; the context is bound.
+    let module = unsafe { cu::module::load_data(image.as_ptr().cast()) }.unwrap();
+    let name = std::ffi::CString::new(format!("ds4_mv_{stem}_{nb}")).unwrap();
+    // SAFETY: the module is loaded and the context bound.
+    (module, unsafe { cu::module::get_function(module, name) }.unwrap())
+}
+
 #[test]
 fn q8_0_portable_path_gives_the_same_bits() {
     let Some(b) = backend() else { return };
@@ -379,67 +404,142 @@ fn q8_0_portable_path_gives_the_same_bits() {
             let g = b.lock();
             g.ctx.bind().unwrap();
             let img = g.images.iter().find(|i| i.is(&raw)).unwrap();
-            let image = std::ffi::CString::new(ptx.as_bytes()).unwrap();
-            // SAFETY: a NUL-terminated PTX image; the context is bound.
-            let module = unsafe { cu::module::load_data(image.as_ptr().cast()) }.unwrap();
             for n in [1, 3, 16] {
                 let x: Vec<f32> = (0..n * n_in).map(|_| rng.f32()).collect();
-                let xb = DevBuf::from_slice(&x).unwrap();
-                let run = |f: sys::CUfunction, smem: u32| -> Vec<f32> {
-                    let y = DevBuf::zeroed(4 * n * w.n_out).unwrap();
-                    let part = DevBuf::zeroed(4 * 32 * n * w.n_out).unwrap();
-                    let counters = DevBuf::zeroed(4 * 4096).unwrap();
-                    let (d, blocks) = CudaBackend::desc(img.addr(w.start), &w, xb.at(0), y.at(0), part.at(0), n, 0);
-                    let tb = DevBuf::from_slice(&[d]).unwrap();
-                    let args = [Arg::Ptr(tb.at(0)), Arg::I32(1), Arg::Ptr(counters.at(0)), Arg::I32(0)];
-                    g.ctx.launch_args(f, (blocks as u32, 1, 1), THREADS, smem, &args).unwrap();
-                    g.ctx.sync().unwrap();
-                    y.read(0, n * w.n_out).unwrap()
-                };
-                let (native, smem) = g.ctx.kernel(GgmlType::Q8_0, n_in, n).unwrap();
+                let (native, smem) = g.ctx.kernel(GgmlType::Q8_0, n_in, w.n_out, n).unwrap();
                 let nb = context::BATCH_SIZES.iter().copied().find(|&s| s >= n).unwrap();
-                let stem = context::stem(GgmlType::Q8_0, n_in).unwrap();
-                let name = std::ffi::CString::new(format!("ds4_mv_{stem}_{nb}")).unwrap();
-                // SAFETY: the module is loaded and the context bound.
-                let portable = unsafe { cu::module::get_function(module, name) }.unwrap();
-                let want = run(native, smem);
-                let got = run(portable, 0);
+                let stem = context::stem(GgmlType::Q8_0, n_in, w.n_out).unwrap();
+                let (module, portable) = load_kernel(&ptx, stem, nb);
+                let want = run_kernel(&g, img, &w, native, smem, &x, n);
+                let got = run_kernel(&g, img, &w, portable, smem, &x, n);
                 assert!(
                     want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()),
                     "n_in {n_in}, n = {n}: the compute_75 kernel differs"
                 );
                 assert!(want.iter().any(|&v| v != 0.0));
+                // SAFETY: loaded above; nothing of it is used after this.
+                unsafe { cu::module::unload(module) }.unwrap();
             }
-            // SAFETY: loaded above; nothing of it is used after this.
-            unsafe { cu::module::unload(module) }.unwrap();
         }
         b.release(&raw).unwrap();
     }
 }
 
-/// Which Q8_0 kernel takes a matrix is one decision, a function of the row length alone (row
-/// invariance, and a slice of a matrix shares its layout): the kernel stem, tile, rows a warp
-/// and batch chunk all follow `tensor_cores`, the rows it takes are those up to a bound, and
-/// no other format is affected. Host-side: no GPU needed.
+/// Staging one batch row's x in shared memory (q8_0.cu MQ_X_STAGED) changes who quantizes it,
+/// not its integers or the order of any sum: the tensor-core kernel staging every slice that
+/// fits gives the bits of the one that never stages, on whole tiles, a plane's last rows
+/// (70 rows) and an odd block count (1120 elements).
 #[test]
-fn q8_0_kernel_choice_is_one_rule_of_the_row_length() {
-    let mut last = true;
-    for n_in in (32..=16384).step_by(32) {
-        let mma = context::tensor_cores(GgmlType::Q8_0, n_in);
-        assert!(last || !mma, "rows of {n_in} on the tensor cores but shorter ones not");
-        last = mma;
-        assert_eq!(context::stem(GgmlType::Q8_0, n_in), Some(if mma { "q8_0_mq" } else { "q8_0" }));
-        assert_eq!(context::tile_elems(GgmlType::Q8_0, n_in), if mma { 64 } else { 512 });
-        assert_eq!(warp_rows(GgmlType::Q8_0, n_in), if mma { context::MQ_WARP_ROWS } else { context::MV_ROWS });
-        assert_eq!(chunk_rows(GgmlType::Q8_0, n_in), if mma { MAX_BATCH } else { MAX_BATCH / 2 });
-        for (ty, _) in context::FORMATS.iter().filter(|f| f.0 != GgmlType::Q8_0) {
-            assert!(!context::tensor_cores(*ty, n_in));
+fn q8_0_staged_x_gives_the_same_bits() {
+    let Some(b) = backend() else { return };
+    let mut rng = Rng(0x57a6);
+    let cc = b.lock().ctx.compute_capability;
+    let arch = format!("compute_{}{}", cc.0, cc.1);
+    let always = context::compile_with(&arch, &["MQ_XS_MIN_CHUNKS=0"]).unwrap();
+    let never = context::compile_with(&arch, &["MQ_X_STAGED=0"]).unwrap();
+    for n_in in [1024, 1120] {
+        if !context::tensor_cores(GgmlType::Q8_0, n_in, 70) {
+            eprintln!("skipped: rows of {n_in} are not on the tensor cores in this process");
+            continue;
+        }
+        let (raw, w) = image(GgmlType::Q8_0, 70, n_in, &mut rng);
+        b.upload_image(&raw, 32, &[w], |_, _| {}).unwrap();
+        {
+            let g = b.lock();
+            g.ctx.bind().unwrap();
+            let img = g.images.iter().find(|i| i.is(&raw)).unwrap();
+            let x: Vec<f32> = (0..n_in).map(|_| rng.f32()).collect();
+            let (m1, staged) = load_kernel(&always, "q8_0_mq", 1);
+            let (m2, plain) = load_kernel(&never, "q8_0_mq", 1);
+            let smem = 256 * 64; // MQ_XS_CHUNKS chunks
+            let want = run_kernel(&g, img, &w, plain, smem, &x, 1);
+            let got = run_kernel(&g, img, &w, staged, smem, &x, 1);
+            assert!(want.iter().any(|&v| v != 0.0));
+            for (o, (a, b)) in want.iter().zip(&got).enumerate() {
+                assert_eq!(a.to_bits(), b.to_bits(), "n_in {n_in}, row {o}: staged {b}, not staged {a}");
+            }
+            // SAFETY: loaded above; nothing of them is used after this.
+            unsafe { cu::module::unload(m1) }.unwrap();
+            unsafe { cu::module::unload(m2) }.unwrap();
+        }
+        b.release(&raw).unwrap();
+    }
+}
+
+/// A plane of many rows (the LM head's class) takes the tensor-core kernel by default at any
+/// row length, and matches the CPU; a product on some of its rows that would take the other
+/// kernel (it cannot read the plane's layout) runs on the CPU.
+#[test]
+fn q8_0_plane_of_many_rows_and_its_slices() {
+    let Some(b) = backend() else { return };
+    let mut rng = Rng(0x4ead);
+    let rows = context::Q8_MMA_MIN_ROWS;
+    check_format(&b, GgmlType::Q8_0, rows, 64, &mut rng);
+    let (raw, w) = image(GgmlType::Q8_0, rows, 64, &mut rng);
+    b.upload_image(&raw, 32, &[w], |_, _| {}).unwrap();
+    let x: Vec<f32> = (0..3 * 64).map(|_| rng.f32()).collect();
+    let whole = b.matmul(&raw, &w, &x).unwrap();
+    let part = Mat { n_out: 1024, ..w };
+    let got = b.matmul(&raw, &part, &x).unwrap();
+    if context::tensor_cores(w.ty, w.n_in, w.n_out) != context::tensor_cores(part.ty, part.n_in, part.n_out) {
+        assert_eq!(got, cpu::matmul_new(&raw, &part, &x).unwrap());
+    }
+    for r in 0..3 {
+        let close = (0..1024).all(|o| (got[r * 1024 + o] - whole[r * rows + o]).abs() <= 1e-4);
+        assert!(close, "batch row {r}: the first 1024 rows alone differ from the plane's");
+    }
+    b.release(&raw).unwrap();
+}
+
+/// Which Q8_0 kernel takes a matrix is one decision, a function of its shape alone (row
+/// invariance, and a slice of a matrix shares its layout): the kernel stem, tile, rows a warp
+/// and batch chunk all follow `tensor_cores`, the rows it takes are those up to a bound and
+/// matrices of many rows, and no other format is affected. Host-side: no GPU needed.
+#[test]
+fn q8_0_kernel_choice_is_one_rule_of_the_shape() {
+    for rows in [1, 24, 1024, 8192, 65535, 65536, 129280] {
+        let mut last = true;
+        for n_in in (32..=16384).step_by(32) {
+            let mma = context::tensor_cores(GgmlType::Q8_0, n_in, rows);
+            assert!(last || !mma, "rows of {n_in} on the tensor cores but shorter ones not ({rows} rows)");
+            last = mma;
+            if mma {
+                // More rows never leave the tensor cores.
+                assert!(context::tensor_cores(GgmlType::Q8_0, n_in, 2 * rows));
+            }
+            assert_eq!(context::stem(GgmlType::Q8_0, n_in, rows), Some(if mma { "q8_0_mq" } else { "q8_0" }));
+            assert_eq!(context::tile_elems(GgmlType::Q8_0, n_in, rows), if mma { 64 } else { 512 });
+            let want_rows = if mma { context::MQ_WARP_ROWS } else { context::MV_ROWS };
+            assert_eq!(warp_rows(GgmlType::Q8_0, n_in, rows), want_rows);
+            assert_eq!(chunk_rows(GgmlType::Q8_0, n_in, rows), if mma { MAX_BATCH } else { MAX_BATCH / 2 });
+            for (ty, _) in context::FORMATS.iter().filter(|f| f.0 != GgmlType::Q8_0) {
+                assert!(!context::tensor_cores(*ty, n_in, rows));
+            }
         }
     }
-    // Unless the process chose otherwise, Flash's q_b (rows of 1024) is on the tensor cores and
-    // its o_b (8192) is not.
-    if std::env::var_os("DS4_CUDA_Q8").is_none() && std::env::var_os("DS4_CUDA_Q8_MMA_MAX_IN").is_none() {
-        assert!(context::tensor_cores(GgmlType::Q8_0, 1024));
-        assert!(!context::tensor_cores(GgmlType::Q8_0, 8192));
+    // Unless the process chose otherwise, Flash's q_b (32768 x 1024) and head (129280 x 4096)
+    // are on the tensor cores and its o_b (4096 x 8192) and o_a (8192 x 4096) are not.
+    let set = |v: &str| std::env::var_os(v).is_some();
+    if !set("DS4_CUDA_Q8") && !set("DS4_CUDA_Q8_MMA_MAX_IN") && !set("DS4_CUDA_Q8_MMA_MIN_ROWS") {
+        assert!(context::tensor_cores(GgmlType::Q8_0, 1024, 32768));
+        assert!(context::tensor_cores(GgmlType::Q8_0, 4096, 129280));
+        assert!(!context::tensor_cores(GgmlType::Q8_0, 8192, 4096));
+        assert!(!context::tensor_cores(GgmlType::Q8_0, 4096, 8192));
     }
+}
+
+/// A product on some rows of a plane runs on the GPU only with the plane's Q8_0 kernel (the
+/// plane's device layout follows its kernel): a launch whose rows would change the kernel keeps
+/// each product's own split. Host-side.
+#[test]
+fn q8_0_slices_of_a_plane_keep_its_kernel() {
+    let row_bytes = 4352;
+    let head = Mat { ty: GgmlType::Q8_0, n_in: 4096, n_out: 129280, start: 0, row_bytes };
+    let part = Mat { n_out: 1024, ..head };
+    let mma = |m: &Mat| context::tensor_cores(m.ty, m.n_in, m.n_out);
+    if mma(&head) != mma(&part) {
+        assert_eq!(split_in_launch(&part, 129280), (group(&part), slices(&part)));
+    }
+    let oa = Mat { n_out: 1024, ..head };
+    assert_eq!(mma(&oa), mma(&Mat { n_out: 8192, ..oa }), "o_a's groups and their plane");
 }

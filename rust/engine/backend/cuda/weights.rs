@@ -52,7 +52,8 @@ impl DeviceImage {
 
     /// Whether the rows of `w` (a split format) are stored split: inside one tensor of the
     /// same format and row length that was split at upload, at a row boundary of it.
-    /// For Q8_0 on the tensor cores the rows must also be a range its kernel takes
+    /// The rows must take the same Q8_0 kernel as their plane (`tensor_cores`, which decided
+    /// the plane's layout), and on the tensor cores be a range its kernel takes
     /// (`q8_0::takes_rows`: from a tile's start, ending at a tile's or a plane's end).
     pub(crate) fn holds_split(&self, w: &Mat) -> bool {
         let i = self.split.partition_point(|(t, _)| t.start <= w.start);
@@ -63,7 +64,9 @@ impl DeviceImage {
                 && t.row_bytes == w.row_bytes
                 && (w.start - t.start).is_multiple_of(t.row_bytes)
                 && w.start + w.nbytes() <= t.start + t.nbytes()
-                && (!tensor_cores(w.ty, w.n_in) || q8_0::takes_rows((w.start - t.start) / t.row_bytes, w.n_out, *plane))
+                && tensor_cores(w.ty, w.n_in, w.n_out) == tensor_cores(t.ty, t.n_in, *plane)
+                && (!tensor_cores(w.ty, w.n_in, w.n_out)
+                    || q8_0::takes_rows((w.start - t.start) / t.row_bytes, w.n_out, *plane))
         }
     }
 
@@ -137,7 +140,7 @@ impl DeviceImage {
                     }
                     Some((t, plane)) => {
                         let row = (at - t.start) / t.row_bytes;
-                        let tiled = tensor_cores(t.ty, t.n_in);
+                        let tiled = tensor_cores(t.ty, t.n_in, plane);
                         let (end, par) = piece(t.n_out, plane, row, (CHUNK / t.row_bytes).max(1), tiled);
                         let next = t.start + t.row_bytes * end;
                         stage.clear();

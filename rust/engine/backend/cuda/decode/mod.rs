@@ -517,7 +517,7 @@ fn split_need(mats: &[Mat], n: usize) -> (usize, usize) {
         let s = slices(w);
         if s > 1 {
             part += s * n * w.n_out;
-            counters += n.div_ceil(chunk_rows(w.ty, w.n_in)) * row_blocks(w);
+            counters += n.div_ceil(chunk_rows(w.ty, w.n_in, w.n_out)) * row_blocks(w);
         }
     }
     (part, counters)

@@ -103,16 +103,16 @@ impl CudaDecoder {
          -> Result<()> {
             let mut part_off = 0usize;
             let mut counter = 0usize;
-            // One launch per kernel, in call order: (format, stem, the row length of its first
-            // product, which picks the same kernel as every other of its products).
-            let stem_of = |m: &Mat| stem(m.ty, m.n_in);
-            let mut kernels: Vec<(crate::quant::GgmlType, Option<&'static str>, usize)> = Vec::new();
+            // One launch per kernel, in call order: (format, stem, its first product, whose shape
+            // picks the same kernel as every other of its products).
+            let stem_of = |m: &Mat| stem(m.ty, m.n_in, m.n_out);
+            let mut kernels: Vec<(crate::quant::GgmlType, Option<&'static str>, Mat)> = Vec::new();
             for pr in prods {
                 if !kernels.iter().any(|k| (k.0, k.1) == (pr.0.ty, stem_of(&pr.0))) {
-                    kernels.push((pr.0.ty, stem_of(&pr.0), pr.0.n_in));
+                    kernels.push((pr.0.ty, stem_of(&pr.0), pr.0));
                 }
             }
-            for (ty, kstem, k_in) in kernels {
+            for (ty, kstem, km) in kernels {
                 let mine = |pr: &&(Mat, u64, u64, usize)| pr.0.ty == ty && stem_of(&pr.0) == kstem;
                 if crate::quant::act8::takes_act8(ty) {
                     // `decodable` keeps such weights to the routed experts.
@@ -131,7 +131,7 @@ impl CudaDecoder {
                         if y_stride.is_some() { split_in_launch(&m, launch_rows) } else { (group(&m), slices(&m)) };
                     let mut r0 = 0;
                     while r0 < rows {
-                        let c = (rows - r0).min(chunk_rows(ty, m.n_in));
+                        let c = (rows - r0).min(chunk_rows(ty, m.n_in, m.n_out));
                         let part = b.part.ptr + 4 * part_off as u64;
                         let (xc, yc) = (x + 4 * (r0 * m.n_in) as u64, y + 4 * (r0 * ys) as u64);
                         let (mut dsc, nblocks) =
@@ -154,8 +154,9 @@ impl CudaDecoder {
                 if part_off > b.part_floats || counter > b.counters_len {
                     return Err(Error::Backend("CUDA decode: partial-sum buffer too small (internal)".into()));
                 }
-                let (f, smem) =
-                    ctx.kernel(ty, k_in, nmax).ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
+                let (f, smem) = ctx
+                    .kernel(ty, km.n_in, km.n_out, nmax)
+                    .ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
                 ops.push(Op::Launch(Launch {
                     f,
                     grid: (blocks as u32, 1, 1),
@@ -554,8 +555,9 @@ impl CudaDecoder {
                 vec![p(b.h.ptr), p(b.xg.ptr), p(b.gather_src.ptr), i(d), i(act8 as usize)],
             );
             let bpd = |m: &Mat| row_blocks(m) * slices(m);
-            let (fg, sg) =
-                ctx.kernel(gm.ty, gm.n_in, chunk).ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
+            let (fg, sg) = ctx
+                .kernel(gm.ty, gm.n_in, gm.n_out, chunk)
+                .ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
             if um.ty != gm.ty || um.n_out != gm.n_out || um.n_in != gm.n_in {
                 return Err(Error::Backend("CUDA decode: expert gate and up differ in shape (unsupported)".into()));
             }
@@ -591,8 +593,9 @@ impl CudaDecoder {
             if !shared_side {
                 products(&mut ops, &mut table, &down_sh)?;
             }
-            let (fd, sd) =
-                ctx.kernel(dm.ty, dm.n_in, chunk).ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
+            let (fd, sd) = ctx
+                .kernel(dm.ty, dm.n_in, dm.n_out, chunk)
+                .ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
             launch(
                 &mut ops,
                 fd,

@@ -128,7 +128,7 @@ fn product(img: &DevBuf, w: &Mat, x: u64, y: u64, part: u64, n: usize, counter: 
 /// Launches the product kernel of matrices shaped as `w` for `n` batch rows over `count`
 /// descriptors at `table`.
 fn launch_products(ctx: &Context, w: &Mat, n: usize, table: u64, count: usize, blocks: usize, counters: &DevBuf) {
-    let f = ctx.kernel(w.ty, w.n_in, n).expect("a product kernel");
+    let f = ctx.kernel(w.ty, w.n_in, w.n_out, n).expect("a product kernel");
     ctx.launch_args(
         f.0,
         (blocks as u32, 1, 1),
@@ -364,7 +364,7 @@ fn fake_templates(d: usize, ff: usize) -> [Desc; 3] {
         counter,
         group: 2,
         y_stride: n_out as i32,
-        warp_rows: crate::backend::cuda::warp_rows(GgmlType::Q8_0, n_in) as i32,
+        warp_rows: crate::backend::cuda::warp_rows(GgmlType::Q8_0, n_in, n_out) as i32,
         pad: 0,
     };
     [t(0x1000_0000_0000, d, ff, 2, 100), t(0x2000_0000_0000, d, ff, 3, 5000), t(0x3000_0000_0000, ff, d, 1, 9000)]

@@ -70,7 +70,7 @@ pub(crate) fn split_image(raw: &[u8], tensors: &[crate::model::weights::Mat]) ->
     let mut out = raw.to_vec();
     for t in tensors.iter().filter(|t| crate::quant::split::is_split(t.ty)) {
         // Each tensor one plane, as upload_image takes them.
-        let tiles = super::super::context::tensor_cores(t.ty, t.n_in).then_some((t.n_out, 0));
+        let tiles = super::super::context::tensor_cores(t.ty, t.n_in, t.n_out).then_some((t.n_out, 0));
         crate::quant::split::split_rows(t.ty, t.row_bytes, &mut out[t.start..t.start + t.nbytes()], tiles);
     }
     out
