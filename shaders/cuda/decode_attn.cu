@@ -235,6 +235,22 @@ extern "C" __global__ void __launch_bounds__(256)
                     }
                 }
             };
+            // Candidates j0 .. j0 + C - 1 of this thread's columns into s (scores at ps) and,
+            // with kvs, k (kvs at pk), rows `stride` floats apart; zeros past the last.
+            auto load_chunk = [&](const float* ps, const float* pk, int stride, int j0, bool kvs) {
+#pragma unroll
+                for (int q = 0; q < F; q++) {
+                    const int f = f0 + q * bd;
+#pragma unroll
+                    for (int c = 0; c < C; c++) {
+                        const bool ok = f < width && j0 + c < R;
+                        s[q][c] = ok ? ps[(j0 + c) * stride + f] : 0.0f;
+                        if (kvs) {
+                            k[q][c] = ok ? pk[(j0 + c) * stride + f] : 0.0f;
+                        }
+                    }
+                }
+            };
             // Runs a pass on every candidate in the reference's order (the previous window's,
             // overlap only, then this window's own); when they do not fit, loads each chunk
             // first (with the kvs and expf(score - m) for pass 2).
@@ -255,15 +271,12 @@ extern "C" __global__ void __launch_bounds__(256)
                     const float* pk = seg ? cur_kv + own : prev_kv;
                     const int stride = seg ? pw : width;
                     for (int j0 = 0; j0 < R; j0 += C) {
+                        load_chunk(ps, pk, stride, j0, pass == 2);
+                        if (pass == 2) {
 #pragma unroll
-                        for (int q = 0; q < F; q++) {
-                            const int f = f0 + q * bd;
+                            for (int q = 0; q < F; q++) {
 #pragma unroll
-                            for (int c = 0; c < C; c++) {
-                                const bool ok = f < width && j0 + c < R;
-                                s[q][c] = ok ? ps[(j0 + c) * stride + f] : 0.0f;
-                                if (pass == 2) {
-                                    k[q][c] = ok ? pk[(j0 + c) * stride + f] : 0.0f;
+                                for (int c = 0; c < C; c++) {
                                     s[q][c] = expf(s[q][c] - m[q]);
                                 }
                             }
@@ -303,16 +316,7 @@ extern "C" __global__ void __launch_bounds__(256)
                 }
             } else if (overlap) {
                 for (int j0 = 0; j0 < R; j0 += C) {
-#pragma unroll
-                    for (int q = 0; q < F; q++) {
-                        const int f = f0 + q * bd;
-#pragma unroll
-                        for (int c = 0; c < C; c++) {
-                            const bool ok = f < width && j0 + c < R;
-                            k[q][c] = ok ? cur_kv[(j0 + c) * pw + f] : 0.0f;
-                            s[q][c] = ok ? cur_score[(j0 + c) * pw + f] : 0.0f;
-                        }
-                    }
+                    load_chunk(cur_score, cur_kv, pw, j0, true);
 #pragma unroll
                     for (int q = 0; q < F; q++) {
                         const int f = f0 + q * bd;
