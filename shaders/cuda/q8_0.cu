@@ -118,9 +118,11 @@ MVS_KERNELS(q8_0, FmtQ8_0)
 // at 1 row, then at 8): q_a 1024 x 4096 7.98 vs 6.86, 9.40 vs 20.0; q_b 15.8 vs 18.4, 21.0 vs
 // 62.4; o_a's eight 1024 x 4096 27.3 vs 22.3, 33.4 vs 65.5; o_b 17.9 vs 16.2, 23.6 vs 62.9;
 // the shared gate and up 16.1 vs 13.0, 19.4 vs 39.8; its down 9.5 vs 8.0, 11.3 vs 21.9; the
-// head 169.1 vs 169.3, 257 vs 936. The head is as fast at one row and 3.6 times faster at
-// eight (a verify's logits), but its rows are 4096 long like the matrices that lose: taking it
-// needs a rule that sees the whole tensor, not only the row length.
+// head 169.1 vs 169.3, 257 vs 936. The head is as fast at one row (faster with its x staged,
+// below) and 3.6 times faster at eight (a verify's logits), so the rule takes it by its row
+// count. Neither warp group nor input slices make the others win at one row (H200 lab, best
+// of groups 1, 2, 4 by slices 1, 2, 4, 8, tensor cores against float-x: q_a 8.25 vs 6.67 us,
+// o_b 17.65 vs 16.01, the shared gate and up 12.63 vs 10.95, its down 9.53 vs 7.80).
 //
 // Layout on the device (rust/engine/quant/split/q8_0.rs): each whole 16-row tile of a plane (a
 // 2-D tensor, or one expert of a 3-D one) as one run, block k's 512 quant bytes at 512 k in
