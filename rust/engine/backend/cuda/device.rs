@@ -124,16 +124,32 @@ impl Context {
         smem: u32,
         args: &[Arg],
     ) -> Result<()> {
-        self.launch_on(self.stream, self.pdl, f, grid, block, smem, args)
+        self.launch_with(self.stream, self.pdl, self.priority, f, grid, block, smem, args)
     }
 
     /// [`Context::launch_args`] on `stream` (of this context), with programmatic dependent
-    /// launch only if `pdl`.
+    /// launch only if `pdl`, at the stream's own priority.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn launch_on(
         &self,
         stream: sys::CUstream,
         pdl: bool,
+        f: sys::CUfunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        self.launch_with(stream, pdl, None, f, grid, block, smem, args)
+    }
+
+    /// [`Context::launch_on`] at scheduling priority `priority` when given.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_with(
+        &self,
+        stream: sys::CUstream,
+        pdl: bool,
+        priority: Option<i32>,
         f: sys::CUfunction,
         grid: (u32, u32, u32),
         block: u32,
@@ -166,13 +182,22 @@ impl Context {
                 )
                 .map_err(driver_err("allowing a kernel its shared memory"))?;
             }
-            if !pdl {
+            if !pdl && priority.is_none() {
                 return cu::launch_kernel(f, grid, (block, 1, 1), smem, stream, &mut params)
                     .map_err(driver_err("launching a kernel"));
             }
-            let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
-            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            attr.value.programmaticStreamSerializationAllowed = 1;
+            let mut attrs: [sys::CUlaunchAttribute; 2] = std::mem::zeroed();
+            let mut count = 0;
+            if pdl {
+                attrs[count].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+                attrs[count].value.programmaticStreamSerializationAllowed = 1;
+                count += 1;
+            }
+            if let Some(p) = priority {
+                attrs[count].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PRIORITY;
+                attrs[count].value.priority = p;
+                count += 1;
+            }
             let cfg = sys::CUlaunchConfig {
                 gridDimX: grid.0,
                 gridDimY: grid.1,
@@ -182,8 +207,8 @@ impl Context {
                 blockDimZ: 1,
                 sharedMemBytes: smem,
                 hStream: stream,
-                attrs: &mut attr,
-                numAttrs: 1,
+                attrs: attrs.as_mut_ptr(),
+                numAttrs: count as u32,
             };
             sys::cuLaunchKernelEx(&cfg, f, params.as_mut_ptr(), std::ptr::null_mut())
                 .result()
