@@ -94,7 +94,8 @@ pub(crate) fn stem(ty: GgmlType, n_in: usize, rows: usize) -> Option<&'static st
     FORMATS.iter().find(|(t, _)| *t == ty).map(|(_, s)| *s)
 }
 
-/// Elements of a kernel tile of format `ty`, the unit of the input splits
+/// Elements of a kernel tile of format `ty` (matrices of `rows` rows of `n_in` elements), the
+/// unit of the input splits
 /// ([`crate::backend::cuda`] `slices`): one 512-byte payload chunk for the kernels that load
 /// rows directly (`matvec_split` in shaders/cuda/common.cuh: the float formats and the split
 /// formats), one block pair for Q8_0's tensor-core kernel (q8_0.cu), `32 * F::UNIT` for the

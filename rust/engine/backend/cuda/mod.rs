@@ -213,7 +213,7 @@ impl Desc {
     }
 }
 
-/// Output rows of one row group (the rows a warp computes) of a `ty` product with rows of
+/// Output rows of one row group (the rows a warp computes) of a `ty` product on `rows` rows of
 /// `n_in` elements: two 16-row tiles for Q8_0 on the tensor cores (`MQ_WARP_ROWS`,
 /// shaders/cuda/q8_0.cu), `MV_ROWS` for the other kernels.
 pub(crate) fn warp_rows(ty: GgmlType, n_in: usize, rows: usize) -> usize {
@@ -261,7 +261,7 @@ pub(crate) fn group(w: &Mat) -> usize {
     by_rows.min(by_chunks)
 }
 
-/// Most batch rows of one product chunk of a `ty` matrix with rows of `n_in` elements: 8 for
+/// Most batch rows of one product chunk of a `ty` matrix of `rows` rows of `n_in` elements: 8 for
 /// the quantized formats of `matvec_split` (Q8_0, Q2_K, IQ2_XXS), whose 16-row kernels run
 /// slower per row than two 8-row chunks (on an H200 a Q8_0 4096 x 8192 product takes 140.6 us
 /// for 16 rows and 61.6 us for 8, a Q2_K 6 x 4096 x 2048 one 275 us against 82 us; at 128
