@@ -96,9 +96,9 @@ pub(crate) fn stem(ty: GgmlType, n_in: usize, rows: usize) -> Option<&'static st
 
 /// Elements of a kernel tile of format `ty` (matrices of `rows` rows of `n_in` elements), the
 /// unit of the input splits ([`crate::backend::cuda`] `slices`): one 512-byte payload chunk
-/// for the kernels that load rows directly (`matvec_split` in shaders/cuda/common.cuh: the float formats and the split
-/// formats), one block pair for Q8_0's tensor-core kernel (q8_0.cu), `32 * F::UNIT` for the
-/// staged ones (`matvec`: Q4_K, MXFP4).
+/// for the kernels that load rows directly (`matvec_split` in shaders/cuda/common.cuh: the
+/// float formats and the split formats), one block pair for Q8_0's tensor-core kernel
+/// (q8_0.cu), `32 * F::UNIT` for the staged ones (`matvec`: Q4_K, MXFP4).
 pub(crate) fn tile_elems(ty: GgmlType, n_in: usize, rows: usize) -> usize {
     match ty {
         GgmlType::F32 => 128,
