@@ -5,10 +5,13 @@
 // default the tensor-core kernel takes rows of at most 1024 elements (Flash's q_b, 32768 x
 // 1024: as fast as the float-x kernel at one batch row, three times faster at eight) and
 // matrices of at least 65536 rows (the head, 129280 x 4096: faster at one row with its x
-// staged, MQ_X_STAGED below, and 3.6 times faster at eight), the float-x kernel the rest. On an H200, Flash with pseudo-random experts at a 2100-token
-// context, two A/B rounds in one session: steps in a row 9.16 / 9.05 ms against 9.14 / 9.13
-// with the float-x kernel everywhere (DS4_CUDA_Q8=fma), a verify of 8 rows 31.4 / 30.5 ms
-// against 32.2 / 32.1, the 2100-token prompt 6.52 / 6.49 s against 7.02 / 6.96. Adding rows of
+// staged, MQ_X_STAGED below, and 3.6 times faster at eight), the float-x kernel the rest.
+// Before the head moved (H200, Flash with pseudo-random experts at a 2100-token context, two
+// A/B rounds in one session; since, a verify of 8 rows takes 30.3 ms against 31.1 with the
+// head on the float-x kernel, steps 9.12 against 9.00 ms, 9.01 / 8.99 in the second round):
+// steps in a row 9.16 / 9.05 ms against 9.14 / 9.13 with the float-x kernel everywhere
+// (DS4_CUDA_Q8=fma), a verify of 8 rows 31.4 / 30.5 ms against 32.2 / 32.1, the 2100-token
+// prompt 6.52 / 6.49 s against 7.02 / 6.96. Adding rows of
 // 2048 (the shared expert's down) made steps slower (9.52 / 9.49 ms). The bound is set for
 // Flash: the MID shape's rows are nearly all 1024 long, so there the default is close to
 // DS4_CUDA_Q8=mma (at 2K: steps in a row 1.54 ms against 1.48 with fma, a verify of 8 rows
@@ -188,8 +191,8 @@ MVS_KERNELS(q8_0, FmtQ8_0)
 #define MQ_X_SPREAD 2
 #define MQ_X_STAGE 3
 
-// The format tag of the kernel's instantiations (MV_KERNEL_RUN takes one; no table, no
-// shared-memory staging).
+// The format tag of the kernel's instantiations (MV_KERNEL_RUN takes one; no lookup table:
+// its shared memory holds only a one-row x, MQ_X_STAGED).
 struct FmtQ8_0Mq {};
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 800
