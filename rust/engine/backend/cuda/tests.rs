@@ -362,11 +362,6 @@ fn strided_outputs_fill_columns_of_wider_rows() {
     }
 }
 
-/// The Q8_0 kernel built for compute_75 gives this device's bits: the module compiled for
-/// compute_75 runs here too (the driver compiles its PTX for it). On the tensor cores
-/// (`DS4_CUDA_Q8=mma`) that is the path for devices before sm_80 (the same integer products
-/// from shuffled fragments and dp4a). Rows that are 16-byte aligned and rows that are not (an
-/// odd block count), 1, 3 and 16 batch rows.
 /// The products of `w` (uploaded in `img`) with the `n` rows of `x` by kernel `f`, one
 /// descriptor, as the host lays it out. The context must be bound.
 fn run_kernel(g: &Inner, img: &DeviceImage, w: &Mat, f: sys::CUfunction, smem: u32, x: &[f32], n: usize) -> Vec<f32> {
@@ -382,16 +377,25 @@ fn run_kernel(g: &Inner, img: &DeviceImage, w: &Mat, f: sys::CUfunction, smem: u
     y.read(0, n * w.n_out).unwrap()
 }
 
-/// Kernel `ds4_mv_{stem}_{nb}` of PTX `ptx` loaded as a module of its own (the context bound).
-fn load_kernel(ptx: &str, stem: &str, nb: usize) -> (sys::CUmodule, sys::CUfunction) {
+/// PTX `ptx` loaded as a module of its own (the context bound); the caller unloads it.
+fn load_module(ptx: &str) -> sys::CUmodule {
     let image = std::ffi::CString::new(ptx.as_bytes()).unwrap();
     // SAFETY: a NUL-terminated PTX image; the context is bound.
-    let module = unsafe { cu::module::load_data(image.as_ptr().cast()) }.unwrap();
-    let name = std::ffi::CString::new(format!("ds4_mv_{stem}_{nb}")).unwrap();
-    // SAFETY: the module is loaded and the context bound.
-    (module, unsafe { cu::module::get_function(module, name) }.unwrap())
+    unsafe { cu::module::load_data(image.as_ptr().cast()) }.unwrap()
 }
 
+/// Product kernel `ds4_mv_{stem}_{nb}` of a module from [`load_module`].
+fn module_kernel(module: sys::CUmodule, stem: &str, nb: usize) -> sys::CUfunction {
+    let name = std::ffi::CString::new(format!("ds4_mv_{stem}_{nb}")).unwrap();
+    // SAFETY: the module is loaded and the context bound.
+    unsafe { cu::module::get_function(module, name) }.unwrap()
+}
+
+/// The Q8_0 kernel built for compute_75 gives this device's bits: the module compiled for
+/// compute_75 runs here too (the driver compiles its PTX for it). On the tensor cores
+/// (`DS4_CUDA_Q8=mma`) that is the path for devices before sm_80 (the same integer products
+/// from shuffled fragments and dp4a). Rows that are 16-byte aligned and rows that are not (an
+/// odd block count), 1, 3 and 16 batch rows.
 #[test]
 fn q8_0_portable_path_gives_the_same_bits() {
     let Some(b) = backend() else { return };
@@ -404,12 +408,13 @@ fn q8_0_portable_path_gives_the_same_bits() {
             let g = b.lock();
             g.ctx.bind().unwrap();
             let img = g.images.iter().find(|i| i.is(&raw)).unwrap();
+            let module = load_module(&ptx);
             for n in [1, 3, 16] {
                 let x: Vec<f32> = (0..n * n_in).map(|_| rng.f32()).collect();
                 let (native, smem) = g.ctx.kernel(GgmlType::Q8_0, n_in, w.n_out, n).unwrap();
                 let nb = context::BATCH_SIZES.iter().copied().find(|&s| s >= n).unwrap();
                 let stem = context::stem(GgmlType::Q8_0, n_in, w.n_out).unwrap();
-                let (module, portable) = load_kernel(&ptx, stem, nb);
+                let portable = module_kernel(module, stem, nb);
                 let want = run_kernel(&g, img, &w, native, smem, &x, n);
                 let got = run_kernel(&g, img, &w, portable, smem, &x, n);
                 assert!(
@@ -417,9 +422,9 @@ fn q8_0_portable_path_gives_the_same_bits() {
                     "n_in {n_in}, n = {n}: the compute_75 kernel differs"
                 );
                 assert!(want.iter().any(|&v| v != 0.0));
-                // SAFETY: loaded above; nothing of it is used after this.
-                unsafe { cu::module::unload(module) }.unwrap();
             }
+            // SAFETY: loaded above; nothing of it is used after this.
+            unsafe { cu::module::unload(module) }.unwrap();
         }
         b.release(&raw).unwrap();
     }
@@ -449,9 +454,11 @@ fn q8_0_staged_x_gives_the_same_bits() {
             g.ctx.bind().unwrap();
             let img = g.images.iter().find(|i| i.is(&raw)).unwrap();
             let x: Vec<f32> = (0..n_in).map(|_| rng.f32()).collect();
-            let (m1, staged) = load_kernel(&always, "q8_0_mq", 1);
-            let (m2, plain) = load_kernel(&never, "q8_0_mq", 1);
-            let smem = 256 * 64; // MQ_XS_CHUNKS chunks
+            let (m1, m2) = (load_module(&always), load_module(&never));
+            let (staged, plain) = (module_kernel(m1, "q8_0_mq", 1), module_kernel(m2, "q8_0_mq", 1));
+            // The one-row kernel's shared memory, as this process's program declares it.
+            let smem = g.ctx.kernel(GgmlType::Q8_0, n_in, w.n_out, 1).unwrap().1;
+            assert!(smem > 0, "the one-row tensor-core kernel declares no shared memory for its x");
             let want = run_kernel(&g, img, &w, plain, smem, &x, 1);
             let got = run_kernel(&g, img, &w, staged, smem, &x, 1);
             assert!(want.iter().any(|&v| v != 0.0));

@@ -59,14 +59,14 @@ impl DeviceImage {
         let i = self.split.partition_point(|(t, _)| t.start <= w.start);
         i > 0 && {
             let (t, plane) = &self.split[i - 1];
+            let tiled = tensor_cores(t.ty, t.n_in, *plane);
             t.ty == w.ty
                 && t.n_in == w.n_in
                 && t.row_bytes == w.row_bytes
                 && (w.start - t.start).is_multiple_of(t.row_bytes)
                 && w.start + w.nbytes() <= t.start + t.nbytes()
-                && tensor_cores(w.ty, w.n_in, w.n_out) == tensor_cores(t.ty, t.n_in, *plane)
-                && (!tensor_cores(w.ty, w.n_in, w.n_out)
-                    || q8_0::takes_rows((w.start - t.start) / t.row_bytes, w.n_out, *plane))
+                && tensor_cores(w.ty, w.n_in, w.n_out) == tiled
+                && (!tiled || q8_0::takes_rows((w.start - t.start) / t.row_bytes, w.n_out, *plane))
         }
     }
 
