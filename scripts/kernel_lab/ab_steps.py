@@ -5,7 +5,8 @@ machine-to-machine and run-to-run drift cancel out of the comparison).
         [--verify 4,8] [--processes] \\
         base= nofork=DS4_CUDA_FORK=0 hostmax=DS4_CUDA_ARGMAX=0,DS4_CUDA_FORK=0
 
-A setting is NAME=[VAR=VALUE[,VAR=VALUE...]]. For each repetition and setting, in turn: the
+A setting is NAME=[VAR=VALUE[,VAR=VALUE...]] (a value may hold commas: the variables are
+split only at a comma that starts another VAR=). For each repetition and setting, in turn: the
 setting's variables are set (the others of all settings unset), a new session is made (its
 device decoder reads the switches when it builds its step programs), a prompt of --ctx random
 tokens is evaluated (timed), three steps warm up, each --verify row count is timed (median of
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -93,7 +95,9 @@ def main() -> None:
     settings: list[tuple[str, dict[str, str]]] = []
     for s in args.settings:
         name, _, rest = s.partition("=")
-        env = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+        # Variables are split at the commas that start another VAR=, so a value may hold
+        # commas (pf=DS4_CUDA_PREFETCH=qb,sh).
+        env = dict(kv.split("=", 1) for kv in re.split(r",(?=[A-Za-z_][A-Za-z0-9_]*=)", rest) if kv)
         settings.append((name, env))
     every = {k for _, env in settings for k in env}
     m: ds4.Model | None = None if args.processes else ds4.Model.load(args.model, backend=args.backend, draft=False)

@@ -155,7 +155,10 @@ static void run(const Config& c) {
 
     const long long row_bytes = c.n_in / c.block_elems * c.block_bytes;
     const long long mat = row_bytes * c.n_out;
-    const int copies = (int)((400ll << 20) / (mat * c.experts)) + 1;
+    // LAB_COPIES=k: k copies instead (1: every launch reads the same matrix, from L2 when it
+    // fits: what a product gains when its weights were fetched ahead).
+    const char* ncopies = getenv("LAB_COPIES");
+    const int copies = ncopies && atoi(ncopies) > 0 ? atoi(ncopies) : (int)((400ll << 20) / (mat * c.experts)) + 1;
     const int rows_per_block = 4 / c.group * c.rows_per_warp;
     const int row_blocks = (int)((c.n_out + rows_per_block - 1) / rows_per_block);
     const int tiles = (int)((c.n_in + c.tile - 1) / c.tile);
