@@ -749,3 +749,20 @@ extern "C" __global__ void ds4_swiglu(const float* g, const float* u, float* out
         out[i] = v;
     }
 }
+
+// ---- L2 prefetch of a later product's weights (the decode's side branch)
+
+// Asks L2 for the bytes [a, end) (inside one allocation), `piece` bytes a thread (a multiple
+// of 16). A hint: it moves nothing to the SMs, reads nothing a kernel writes and waits for
+// nothing, so it runs on the side branch while the main stream's small kernels leave DRAM
+// idle, and the product that reads the bytes next finds them in L2 (rust/engine/backend/cuda/
+// decode/program.rs, prefetch_q_b). A no-op before sm_90 (ds4_prefetch_l2). Grid: enough
+// blocks for ceil((end - a) / piece) threads.
+extern "C" __global__ void ds4_prefetch(const u8* a, const u8* end, int piece) {
+    const unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    const unsigned long long lo = (unsigned long long)a + i * piece;
+    const unsigned long long e = (unsigned long long)end;
+    if (lo < e) {
+        ds4_prefetch_l2(lo, lo + piece < e ? lo + piece : e);
+    }
+}

@@ -403,6 +403,7 @@ struct Kernels {
     combine: sys::CUfunction,
     pack: sys::CUfunction,
     argmax: sys::CUfunction,
+    prefetch: sys::CUfunction,
     /// Every handle above with its name (profiles).
     names: Vec<(sys::CUfunction, &'static str)>,
 }
@@ -439,6 +440,7 @@ impl Kernels {
             combine: f("ds4_moe_combine")?,
             pack: f("ds4_pack")?,
             argmax: f("ds4_argmax_rows")?,
+            prefetch: f("ds4_prefetch")?,
             names: Vec::new(),
         };
         Ok(Kernels { names, ..k })
@@ -480,6 +482,8 @@ pub(crate) struct CudaDecoder {
     resync_after_cut: bool,
     /// The side branch (None with `DS4_CUDA_FORK=0`).
     side: Option<SideBranch>,
+    /// Whether each layer asks L2 for its q_b weights early ([`program::prefetch_q_b`]).
+    prefetch_q_b: bool,
 }
 
 // SAFETY: the raw handles (functions, graphs, pinned pointers) are only used by the thread
@@ -593,6 +597,7 @@ pub(crate) fn decoder_for(
 
 impl CudaDecoder {
     fn new(backend: Arc<CudaBackend>, model: &Model, ctx_len: usize, round_mode: i32) -> Result<Self> {
+        let prefetch_q_b = program::prefetch_q_b(std::env::var("DS4_CUDA_PREFETCH").ok().as_deref())?;
         let g = backend.lock();
         g.ctx.bind()?;
         let k = Kernels::load(&g.ctx)?;
@@ -794,6 +799,7 @@ impl CudaDecoder {
             profile: std::env::var("DS4_DECODE_PROFILE").is_ok_and(|v| v == "1").then(KernelProfile::default),
             resync_after_cut: std::env::var("DS4_DECODE_RESYNC").is_ok_and(|v| v == "1"),
             side: if std::env::var("DS4_CUDA_FORK").is_ok_and(|v| v == "0") { None } else { Some(SideBranch::new()?) },
+            prefetch_q_b,
         })
     }
 

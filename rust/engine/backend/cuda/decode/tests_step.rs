@@ -122,3 +122,17 @@ fn device_argmax_steps_are_the_argmax_of_the_device_logits() {
         assert_eq!(c.digest(), a.digest(), "state after step {step}, alternating");
     }
 }
+
+/// `DS4_CUDA_PREFETCH`: on by default, off with 0, and a typo refused (the session then runs on
+/// the host, as for any decoder it cannot make) rather than read as either. Host-side.
+#[test]
+fn prefetch_setting_parses() {
+    use super::program::prefetch_q_b;
+    for v in [None, Some(""), Some("1"), Some(" 1 ")] {
+        assert!(prefetch_q_b(v).expect("a valid setting"), "{v:?}");
+    }
+    assert!(!prefetch_q_b(Some("0")).expect("a valid setting"));
+    for v in ["yes", "2", "all", "none", "wide"] {
+        assert!(matches!(prefetch_q_b(Some(v)), Err(Error::InvalidArgument(_))), "{v:?}");
+    }
+}
