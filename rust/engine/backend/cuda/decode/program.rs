@@ -60,16 +60,18 @@ const PREFETCH_THREADS: usize = 128;
 /// context:
 /// - a one-row q_b (32768 x 1024, 35.6 MB) reading L2 takes 11.8 us against 15.7 from DRAM
 ///   (lab, `LAB_COPIES=1`); in the engine's step (CUPTI trace) 16.7 us against 19.5;
-/// - steps in a row, interleaved A/B in three calls: 9.04 against 9.15 ms (3 runs each),
-///   9.01 against 9.12 (5), 9.00 against 9.05 (4); verify and prompt times unchanged within
-///   their noise.
+/// - steps in a row, interleaved A/B in four calls: 9.04 against 9.15 ms (3 runs each),
+///   9.01 against 9.12 (5), 9.00 against 9.05 (4), 8.97 against 9.09 (4); verify and prompt
+///   times unchanged within their noise.
 ///
 /// Measured and not kept: o_a during the attention (9.07 against 9.00 ms: slower); the
 /// shared expert during the FFN site's mixing (9.12 against 9.15: no gain); `ds4_route`
 /// asking for a one-row batch's routed down matrices (16.5 MB): 11.75 against 9.00 ms, as a
 /// route is one block and one SM issues bulk prefetches at a fraction of DRAM's rate; and q_b
 /// in pieces of 8 KB over 136 blocks of 32 threads (9.03 ms: no better, the other kernels a
-/// little slower).
+/// little slower); the next layer's q_b asked for on the FFN site's side branch after the
+/// shared expert, during the routed experts (9.90 against 8.97 ms: the longer side chain then
+/// holds up the join before `ds4_moe_combine`).
 pub(super) fn prefetch_q_b(setting: Option<&str>) -> Result<bool> {
     match setting.map(str::trim) {
         None | Some("" | "1") => Ok(true),
