@@ -102,22 +102,31 @@ def summarize_trace(trace: str, steps: int) -> None:
     # before the previous kernel's end), ns by which it moved the end of the busy time (the
     # step's wall time is the sum of these and of the idle time; of two kernels running side
     # by side, the one that ends later is charged the overlap's end), ns of idle before it.
+    # A gap after ds4_pack (the journal's packing, each step's last kernel) is the host's part of
+    # the step, between two steps' graphs; it is counted apart, not as idle before the next
+    # step's first kernel.
     per = collections.defaultdict(lambda: [0, 0, 0, 0])
     busy_end = kernels[0][0]
-    idle = 0
+    last = ""  # the kernel that ended the busy time so far
+    idle = between = 0
     for s0, d, k in kernels:
         gap = max(0, s0 - busy_end)  # the GPU ran no kernel for this long before this one
-        idle += gap
         v = per[k]
+        if last == "ds4_pack":
+            between += gap
+        else:
+            idle += gap
+            v[3] += gap
         v[0] += 1
         v[1] += d
         v[2] += max(0, s0 + d - max(busy_end, s0))
-        v[3] += gap
-        busy_end = max(busy_end, s0 + d)
+        if s0 + d > busy_end:
+            busy_end = s0 + d
+            last = k
     span = busy_end - kernels[0][0]
-    # Idle time includes the gaps between steps (the host's part of a step).
     print(f"{len(kernels) / steps:.0f} launches per step; {span / steps / 1e6:.3f} ms from the first kernel's "
-          f"start to the last one's end, {idle / steps / 1e6:.3f} ms of it with no kernel running")
+          f"start to the last one's end, of which {idle / steps / 1e6:.3f} ms with no kernel running inside the "
+          f"steps and {between / steps / 1e6:.3f} ms between them (the host's part, longer under the tracer)")
     print(f"  {'kernel':32} {'us/step':>8} {'launches':>8} {'us each':>8} {'adds, us':>9} {'idle before':>11}")
     for k, (count, ns, ext, gap) in sorted(per.items(), key=lambda kv: -kv[1][2]):
         print(f"  {k:32} {ns / steps / 1e3:8.1f} {count / steps:8.1f} {ns / count / 1e3:8.2f} {ext / steps / 1e3:9.1f} "
