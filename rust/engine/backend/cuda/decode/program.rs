@@ -64,14 +64,15 @@ const PREFETCH_THREADS: usize = 128;
 ///   9.01 against 9.12 (5), 9.00 against 9.05 (4), 8.97 against 9.09 (4); verify and prompt
 ///   times unchanged within their noise.
 ///
-/// Measured and not kept: o_a during the attention (9.07 against 9.00 ms: slower); the
-/// shared expert during the FFN site's mixing (9.12 against 9.15: no gain); `ds4_route`
-/// asking for a one-row batch's routed down matrices (16.5 MB): 11.75 against 9.00 ms, as a
-/// route is one block and one SM issues bulk prefetches at a fraction of DRAM's rate; and q_b
-/// in pieces of 8 KB over 136 blocks of 32 threads (9.03 ms: no better, the other kernels a
-/// little slower); the next layer's q_b asked for on the FFN site's side branch after the
-/// shared expert, during the routed experts (9.90 against 8.97 ms: the longer side chain then
-/// holds up the join before `ds4_moe_combine`).
+/// Measured and not kept, against no prefetch in the same runs: o_a during the attention
+/// (9.07 against 9.00 ms: slower); the shared expert during the FFN site's mixing (9.12
+/// against 9.15: no gain); `ds4_route` asking for a one-row batch's routed down matrices
+/// (16.5 MB; 11.75 against 9.00 ms: a route is one block, and one SM issues bulk prefetches at
+/// a fraction of DRAM's rate). Against this q_b prefetch: q_b in pieces of 8 KB over 136
+/// blocks of 32 threads (9.03 against 9.00 ms: no better, the other kernels a little slower);
+/// the next layer's q_b asked for on the FFN site's side branch after the shared expert,
+/// during the routed experts (9.90 against 8.97 ms: the longer side chain holds up the join
+/// before `ds4_moe_combine`).
 pub(super) fn prefetch_q_b(setting: Option<&str>) -> Result<bool> {
     match setting.map(str::trim) {
         None | Some("" | "1") => Ok(true),
