@@ -220,7 +220,6 @@ def _child_logits(model: Path, prompt: list[int], env: dict[str, str], out: Path
     return logits
 
 
-
 @gpu
 def test_l2_prefetch_changes_no_bits(tmp_path: Path) -> None:
     # The side branch's L2 prefetch of each layer's q_b is a hint: every logit is the same bits
