@@ -53,6 +53,20 @@ pub(crate) const THREADS: u32 = 128;
 /// [`tensor_cores`]).
 pub(crate) const Q8_MMA_MAX_IN: usize = 1024;
 
+/// Rows of at least this many elements also go to Q8_0's tensor-core kernel by default (see
+/// [`tensor_cores`]): Flash's o_b (4096 x 8192), which it reads as fast as the float-x kernel
+/// at one batch row (H200 lab: 17.69 against 17.74 us) and 2.7 times faster at eight. In the
+/// engine (H200, Flash with filled experts at a 2100-token context, `ab_steps.py --processes`,
+/// three interleaved runs each, medians): steps in a row 8.99 ms against 9.01, verifies of 2 /
+/// 4 / 8 rows 11.70 / 17.51 / 28.44 ms against 11.76 / 18.33 / 30.63, the prompt 6.00 s against
+/// 6.50. The shared expert's down (4096 x 2048) as well, though as fast in the lab at one row
+/// (9.53 against 9.82 us), made steps slower in the engine (9.48 ms), as did all Q8_0 on the
+/// tensor cores (`DS4_CUDA_Q8=mma`: 9.70 against 8.96, for a verify of 8 rows in 26.07 ms and
+/// the prompt in 5.13 s). A bound on rows instead (`DS4_CUDA_Q8_MMA_MIN_ROWS=4096`, which also
+/// takes o_a's tensor of 8192 rows but not its products of 1024) made steps 0.8 ms slower and
+/// no verify faster.
+pub(crate) const Q8_MMA_MIN_IN: usize = 8192;
+
 /// Matrices (planes) of at least this many rows go to Q8_0's tensor-core kernel by default,
 /// whatever their row length (see [`tensor_cores`]): the LM head.
 pub(crate) const Q8_MMA_MIN_ROWS: usize = 65536;
@@ -63,23 +77,28 @@ pub(crate) const Q8_MMA_MIN_ROWS: usize = 65536;
 /// kernel (faster at one batch row on long rows of matrices that fill the GPU a few times,
 /// slower at several batch rows). `DS4_CUDA_Q8`, read once: `mma` for all Q8_0 matrices, `fma`
 /// for none; by default those whose rows have at most `DS4_CUDA_Q8_MMA_MAX_IN` elements
-/// ([`Q8_MMA_MAX_IN`]: Flash's q_b) and those of at least `DS4_CUDA_Q8_MMA_MIN_ROWS` rows
-/// ([`Q8_MMA_MIN_ROWS`]: the head, which the tensor-core kernel reads faster even at one row).
+/// ([`Q8_MMA_MAX_IN`]: Flash's q_b) or at least `DS4_CUDA_Q8_MMA_MIN_IN` ([`Q8_MMA_MIN_IN`]:
+/// its o_b), and those of at least `DS4_CUDA_Q8_MMA_MIN_ROWS` rows ([`Q8_MMA_MIN_ROWS`]: the
+/// head, which the tensor-core kernel reads faster even at one row).
 /// The choice depends only on the shape, never on the batch, and the device layout of the
 /// weights follows it, so a row computes the same way in every batch (row invariance). A
 /// product on some rows of a plane must make the plane's choice: o_a's groups (1024 of 8192
 /// rows) do; `DeviceImage::holds_split` keeps any other on the CPU.
 pub(crate) fn tensor_cores(ty: GgmlType, n_in: usize, rows: usize) -> bool {
-    static BOUNDS: OnceLock<(usize, usize)> = OnceLock::new();
-    let (max_in, min_rows) = *BOUNDS.get_or_init(|| {
+    static BOUNDS: OnceLock<(usize, usize, usize)> = OnceLock::new();
+    let (max_in, min_in, min_rows) = *BOUNDS.get_or_init(|| {
         let var = |name: &str, default: usize| std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default);
         match std::env::var("DS4_CUDA_Q8").as_deref() {
-            Ok("mma") => (usize::MAX, 0),
-            Ok("fma") => (0, usize::MAX),
-            _ => (var("DS4_CUDA_Q8_MMA_MAX_IN", Q8_MMA_MAX_IN), var("DS4_CUDA_Q8_MMA_MIN_ROWS", Q8_MMA_MIN_ROWS)),
+            Ok("mma") => (usize::MAX, 0, 0),
+            Ok("fma") => (0, usize::MAX, usize::MAX),
+            _ => (
+                var("DS4_CUDA_Q8_MMA_MAX_IN", Q8_MMA_MAX_IN),
+                var("DS4_CUDA_Q8_MMA_MIN_IN", Q8_MMA_MIN_IN),
+                var("DS4_CUDA_Q8_MMA_MIN_ROWS", Q8_MMA_MIN_ROWS),
+            ),
         }
     });
-    ty == GgmlType::Q8_0 && (n_in <= max_in || rows >= min_rows)
+    ty == GgmlType::Q8_0 && (n_in <= max_in || n_in >= min_in || rows >= min_rows)
 }
 
 /// The stem of Q8_0's tensor-core kernels.

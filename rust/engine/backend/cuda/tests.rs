@@ -171,6 +171,11 @@ fn every_format_matches_cpu_and_is_row_invariant() {
         for (n_out, n_in) in [(37, 256), (64, 4096 + 512), (5, 1024)] {
             check_format(&b, ty, n_out, n_in, &mut rng);
         }
+        if ty == GgmlType::Q8_0 {
+            // Rows long enough for the tensor-core kernel by default (o_b's class, 8192 and
+            // more: `Q8_MMA_MIN_IN`), an odd block count, a partial last tile.
+            check_format(&b, ty, 40, 8192 + 96, &mut rng);
+        }
         eprintln!("{ty}: ok");
     }
 }
@@ -500,15 +505,19 @@ fn q8_0_plane_of_many_rows_and_its_slices() {
 
 /// Which Q8_0 kernel takes a matrix is one decision, a function of its shape alone (row
 /// invariance, and a slice of a matrix shares its layout): the kernel stem, tile, rows a warp
-/// and batch chunk all follow `tensor_cores`, the rows it takes are those up to a bound and
-/// matrices of many rows, and no other format is affected. Host-side: no GPU needed.
+/// and batch chunk all follow `tensor_cores`, the rows it takes are those up to a bound, from
+/// another bound on, and matrices of many rows, and no other format is affected. Host-side: no
+/// GPU needed.
 #[test]
 fn q8_0_kernel_choice_is_one_rule_of_the_shape() {
     for rows in [1, 24, 1024, 8192, 65535, 65536, 129280] {
+        // Along the row length the choice changes at most twice: on, off, on again.
+        let mut changes = 0;
         let mut last = true;
         for n_in in (32..=16384).step_by(32) {
             let mma = context::tensor_cores(GgmlType::Q8_0, n_in, rows);
-            assert!(last || !mma, "rows of {n_in} on the tensor cores but shorter ones not ({rows} rows)");
+            changes += usize::from(mma != last);
+            assert!(changes <= 2, "the tensor cores leave rows of {n_in} twice ({rows} rows)");
             last = mma;
             if mma {
                 // More rows never leave the tensor cores.
@@ -524,14 +533,19 @@ fn q8_0_kernel_choice_is_one_rule_of_the_shape() {
             }
         }
     }
-    // Unless the process chose otherwise, Flash's q_b (32768 x 1024) and head (129280 x 4096)
-    // are on the tensor cores and its o_b (4096 x 8192) and o_a (8192 x 4096) are not.
+    // Unless the process chose otherwise, Flash's q_b (32768 x 1024), o_b (4096 x 8192) and
+    // head (129280 x 4096) are on the tensor cores, and its o_a (8192 x 4096), q_a (1024 x
+    // 4096) and shared expert (2048 x 4096, 4096 x 2048) are not.
     let set = |v: &str| std::env::var_os(v).is_some();
-    if !set("DS4_CUDA_Q8") && !set("DS4_CUDA_Q8_MMA_MAX_IN") && !set("DS4_CUDA_Q8_MMA_MIN_ROWS") {
-        assert!(context::tensor_cores(GgmlType::Q8_0, 1024, 32768));
-        assert!(context::tensor_cores(GgmlType::Q8_0, 4096, 129280));
-        assert!(!context::tensor_cores(GgmlType::Q8_0, 8192, 4096));
-        assert!(!context::tensor_cores(GgmlType::Q8_0, 4096, 8192));
+    let vars = ["DS4_CUDA_Q8", "DS4_CUDA_Q8_MMA_MAX_IN", "DS4_CUDA_Q8_MMA_MIN_IN", "DS4_CUDA_Q8_MMA_MIN_ROWS"];
+    if !vars.iter().any(|v| set(v)) {
+        for (n_in, rows, mma) in
+            [(1024, 32768, true), (8192, 4096, true), (4096, 129280, true), (4096, 8192, false), (4096, 1024, false)]
+                .into_iter()
+                .chain([(4096, 2048, false), (2048, 4096, false)])
+        {
+            assert_eq!(context::tensor_cores(GgmlType::Q8_0, n_in, rows), mma, "{rows} x {n_in}");
+        }
     }
 }
 
