@@ -36,8 +36,8 @@ fi
 python -c "import ds4, sys; print('CUDA:', ds4.cuda_available(), ds4.cuda_device_name()); sys.exit(0 if ds4.cuda_available() else 1)"
 if [ -n "${3:-}" ]; then
     "$3" backend::cuda --test-threads=1
-    # Q8_0 on the float-x kernel only (the default for rows of 2048 to 4096), then on the tensor cores
-    # only (the default for short rows): the tests again.
+    # Q8_0 on the float-x kernel only (the default for rows of 2048 to 4096 elements), then on
+    # the tensor cores only (the default for shorter and longer rows): the tests again.
     DS4_CUDA_Q8=fma "$3" backend::cuda --test-threads=1
     DS4_CUDA_Q8=mma "$3" backend::cuda::tests backend::cuda::decode::tests_moe --test-threads=1
     # The indexer's one-thread-per-row kernels (DS4_CUDA_INDEX=row): the attention-side tests again.

@@ -18,8 +18,9 @@ By default the model is loaded once, so only switches a decoder reads when it is
 its programs compare (DS4_CUDA_FORK, DS4_CUDA_ARGMAX, and switches added for an experiment).
 With --processes each run is a process of its own that loads the model, so the switches read
 when the kernels are compiled or the weights uploaded compare too (DS4_CUDA_Q8,
-DS4_CUDA_Q8_MMA_MAX_IN, DS4_CUDA_Q8_MMA_MIN_IN, DS4_CUDA_PDL, DS4_CUDA_INDEX, DS4_CUDA_DEFINES, which takes spaces:
-`q6=DS4_CUDA_DEFINES=MV_MIN_BLOCKS_Q8_0_1=6`); a Flash load costs tens of seconds a run.
+DS4_CUDA_Q8_MMA_MAX_IN, DS4_CUDA_Q8_MMA_MIN_IN, DS4_CUDA_PDL, DS4_CUDA_INDEX, and
+DS4_CUDA_DEFINES, which takes spaces: `q6=DS4_CUDA_DEFINES=MV_MIN_BLOCKS_Q8_0_1=6`); a Flash
+load costs tens of seconds a run.
 """
 
 from __future__ import annotations
