@@ -97,7 +97,7 @@ def main() -> None:
     for s in args.settings:
         name, _, rest = s.partition("=")
         # Variables are split at the commas that start another VAR=, so a value may hold
-        # commas (pf=DS4_CUDA_PREFETCH=qb,sh).
+        # commas (an experiment's list: X=a,b,Y=1 sets X to "a,b").
         env = dict(kv.split("=", 1) for kv in re.split(r",(?=[A-Za-z_][A-Za-z0-9_]*=)", rest) if kv)
         settings.append((name, env))
     every = {k for _, env in settings for k in env}

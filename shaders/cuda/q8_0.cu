@@ -4,7 +4,7 @@
 // so each row is computed the same way in every batch (row invariance) either way. By
 // default the tensor-core kernel takes rows of at most 1024 elements (Flash's q_b, 32768 x
 // 1024: as fast as the float-x kernel at one batch row, three times faster at eight), rows of
-// at least 8192 (o_b, 4096 x 8192: as fast at one row, 2.7 times faster at eight; a verify of
+// at least 8192 (o_b, 4096 x 8192: as fast at one row, 2.8 times faster at eight; a verify of
 // 8 rows 28.4 ms against 30.6, the 2100-token prompt 6.00 s against 6.50, steps unchanged:
 // figures at Q8_MMA_MIN_IN in context.rs) and matrices of at least 65536 rows (the head,
 // 129280 x 4096: faster at one row with its x staged, MQ_X_STAGED below, and 3.6 times faster

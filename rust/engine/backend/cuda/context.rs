@@ -55,16 +55,16 @@ pub(crate) const Q8_MMA_MAX_IN: usize = 1024;
 
 /// Rows of at least this many elements also go to Q8_0's tensor-core kernel by default (see
 /// [`tensor_cores`]): Flash's o_b (4096 x 8192), which it reads as fast as the float-x kernel
-/// at one batch row (H200 lab: 17.69 against 17.74 us) and 2.7 times faster at eight. In the
-/// engine (H200, Flash with filled experts at a 2100-token context, `ab_steps.py --processes`,
-/// three interleaved runs each, medians): steps in a row 8.99 ms against 9.01, verifies of 2 /
-/// 4 / 8 rows 11.70 / 17.51 / 28.44 ms against 11.76 / 18.33 / 30.63, the prompt 6.00 s against
-/// 6.50. The shared expert's down (4096 x 2048) as well, though as fast in the lab at one row
-/// (9.53 against 9.82 us), made steps slower in the engine (9.48 ms), as did all Q8_0 on the
-/// tensor cores (`DS4_CUDA_Q8=mma`: 9.70 against 8.96, for a verify of 8 rows in 26.07 ms and
-/// the prompt in 5.13 s). A bound on rows instead (`DS4_CUDA_Q8_MMA_MIN_ROWS=4096`, which also
-/// takes o_a's tensor of 8192 rows but not its products of 1024) made steps 0.8 ms slower and
-/// no verify faster.
+/// at one batch row (H200 lab: 17.69 against 17.74 us) and 2.8 times faster at eight (23.40
+/// against 65.41 us). In the engine (H200, Flash with filled experts at a 2100-token context,
+/// `ab_steps.py --processes`, three interleaved runs each, medians): steps in a row 8.99 ms
+/// against 9.01, verifies of 2 / 4 / 8 rows 11.70 / 17.51 / 28.44 ms against 11.76 / 18.33 /
+/// 30.63, the prompt 6.00 s against 6.50. The shared expert's down (4096 x 2048) as well,
+/// though as fast in the lab at one row (9.53 against 9.82 us), made steps slower in the engine
+/// (9.48 ms), as did all Q8_0 on the tensor cores (`DS4_CUDA_Q8=mma`: 9.70 against 8.96, for a
+/// verify of 8 rows in 26.07 ms and the prompt in 5.13 s). A bound on rows instead
+/// (`DS4_CUDA_Q8_MMA_MIN_ROWS=4096`, which also takes o_a's tensor of 8192 rows but not its
+/// products of 1024) made steps 0.8 ms slower and no verify faster.
 pub(crate) const Q8_MMA_MIN_IN: usize = 8192;
 
 /// Matrices (planes) of at least this many rows go to Q8_0's tensor-core kernel by default,
