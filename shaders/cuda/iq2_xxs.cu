@@ -3,7 +3,7 @@
 // `iq2xxs_grid` (8 coordinates each); word 1 four 7-bit sign indices (bits 0..28) and a 4-bit
 // scale s (bits 28..32). db = d * (0.5 + s) * 0.25; w = +-db * grid coordinate
 // (rust/engine/quant/iq2_xxs.rs). The sign table ksigns_iq2xs is `i | parity(i) << 7`,
-// computed here with popc (iq2_sign_mask). `iq2xxs_grid` is emitted by the host from
+// computed here (iq2_sign_half0, iq2_sign_half1). `iq2xxs_grid` is emitted by the host from
 // quant/tables.rs into the program, before this file; each block copies it to shared memory
 // (random per-lane indices into constant memory would serialize, and into global memory touch
 // many lines).
@@ -19,23 +19,39 @@
 // w = s g db with g the lattice bytes (8, 25 or 43, all < 128) and s = +-1, so
 // sum w x = db dx (sum g q - 2 sum (g & neg) q), neg the mask of the negative weights' bytes:
 // four dp4a each, with no byte arithmetic on the signs. Per group and row:
-// acc = fmaf(db * dx, (float)isum, acc). With float x this kernel was bound by instruction
-// issue (about 5 instructions a weight); on an H200, twelve 2048 x 4096 products take 30 us at
-// one row (35 with a sign table, 47 with float x), 33 at two (39, 74), 51 at four (54, 131).
+// acc = fmaf(db * dx, (float)isum, acc). The kernel is bound by instruction issue: on an H200
+// (scripts/kernel_lab, pseudo-random weights) twelve 2048 x 4096 products take 25.1 us at one
+// row, 30.8 at two, 43.8 at four; 160 of them at one row 273 us (1.27 TB/s). Before the inner
+// loop lost a third of its instructions (the sign masks, the lattice addresses and the row tests
+// as below; 1139 -> 774 in the one-row kernel's loop, the same bits): 29.5, 32.9, 46.9 and 319
+// us, and Flash steps at a 2100-token context 8.96 ms against 8.79 (interleaved A/B, medians
+// of 3). With a sign table 35 us at one row, with float x 47.
 
-// Half h (0: bytes 0..3, 1: bytes 4..7) of the sign mask of 7-bit sign index i: byte j is
-// 0xff when bit j of ksigns(i) = i | parity(i) << 7 is set. The four bits are spread to the
-// bytes' low bits by one multiply (bit j lands on bit 8 j: x * (1 + 2^7 + 2^14 + 2^21)), then
-// widened to 0xff by another. Computed, not looked up: the lattice lookups already keep the
-// shared-memory pipe busy, and a second 8-byte lookup per 8 weights made it the kernel's
-// bound (H200, Nsight Compute, twelve 2048 x 4096 products at one row: L1/TEX 79% busy with
-// the table, 61% without; the same bits, 34.8 -> 30.0 us, and 39.1 -> 33.2 us at two rows).
-// All-zero weights (the synthetic Flash file's experts) read one lattice entry, without bank
-// conflicts: there the arithmetic costs a little instead (scripts/fill_experts.py).
-__device__ __forceinline__ u32 iq2_sign_mask(u32 i, int h) {
-    const u32 s = i | ((__popc(i) & 1u) << 7);
-    const u32 x = (s >> (4 * h)) & 15u;
-    return ((x * 0x00204081u) & 0x01010101u) * 0xFFu;
+// The sign masks of a 7-bit sign index i, half 0 (weights 0..3) and half 1 (weights 4..7): byte
+// j is 0xff when bit j of ksigns(i) = i | parity(i) << 7 is set. One multiply moves sign bit j
+// onto bit 8 j + 7 (partial products 7 bits apart, which neither overlap nor carry for a 7-bit
+// i: half 0 i * (2^7 + 2^14 + 2^21 + 2^28), half 1 bits 4..6 by i * (2^3 + 2^10 + 2^17) and the
+// parity added on bit 31), and one byte permute replicates each byte's top bit over it. Computed,
+// not looked up: the lattice lookups already keep the shared-memory pipe busy, and a second
+// 8-byte lookup per 8 weights made it the kernel's bound (H200, Nsight Compute, twelve 2048 x
+// 4096 products at one row: L1/TEX 79% busy with the table, 61% without).
+__device__ __forceinline__ u32 iq2_sign_half0(u32 i) {
+    u32 m;
+    asm("prmt.b32 %0, %1, 0, 0xBA98;" : "=r"(m) : "r"(i * 0x10204080u));
+    return m;
+}
+
+__device__ __forceinline__ u32 iq2_sign_half1(u32 i) {
+    u32 m;
+    asm("prmt.b32 %0, %1, 0, 0xBA98;" : "=r"(m) : "r"(i * 0x00020408u + ((u32)__popc(i) << 31)));
+    return m;
+}
+
+// 8 bytes at shared-memory address a (8-byte aligned).
+__device__ __forceinline__ uint2 lds_u64(u32 a) {
+    uint2 v;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a));
+    return v;
 }
 
 struct FmtIQ2_XXS {
@@ -66,8 +82,12 @@ struct FmtIQ2_XXS {
         if (!mv_lane_in((long long)nb * PAY, c, lane)) {
             return;
         }
-        const u64* grid = (const u64*)lut;
+        // The lattice's shared-memory address, once: through the generic pointer each lookup
+        // paid four instructions to find the shared window.
+        const u32 grid = (u32)__cvta_generic_to_shared(lut);
         const int sb = CB * c + (lane >> 2);
+        // Row 0 of a batch always exists (a descriptor of no rows returns before the kernel
+        // gets here), so its loads and dots carry no test: the one-row kernel is straight code.
         float d[MV_ROWS];
 #pragma unroll
         for (int q = 0; q < MV_ROWS; q++) {
@@ -80,7 +100,7 @@ struct FmtIQ2_XXS {
             float dx[NB];
 #pragma unroll
             for (int r = 0; r < NB; r++) {
-                if (r < n) {
+                if (r == 0 || r < n) {
                     const char* xr = (const char*)(x + (long long)r * n_in);
                     const int4 a = __ldg((const int4*)(xr + e0));
                     const int4 b = __ldg((const int4*)(xr + e0 + 16));
@@ -108,16 +128,16 @@ struct FmtIQ2_XXS {
                 }
 #pragma unroll
                 for (int k = 0; k < 4; k++) {
-                    const u64 g = grid[(aux0 >> (8 * k)) & 0xffu];
-                    const u32 m0 = iq2_sign_mask((aux1 >> (7 * k)) & 127u, 0);
-                    const u32 m1 = iq2_sign_mask((aux1 >> (7 * k)) & 127u, 1);
-                    const int g0 = (int)(u32)g, g1 = (int)(u32)(g >> 32);
-                    const int n0 = (int)((u32)g & m0), n1 = (int)((u32)(g >> 32) & m1);
+                    const u32 i = (aux1 >> (7 * k)) & 127u;
+                    const uint2 gv = lds_u64(grid + 8u * __byte_perm(aux0, 0u, 0x4440u | (u32)k));
+                    const u32 g0 = gv.x, g1 = gv.y;
+                    const u32 m0 = iq2_sign_half0(i), m1 = iq2_sign_half1(i);
+                    const int n0 = (int)(g0 & m0), n1 = (int)(g1 & m1);
 #pragma unroll
                     for (int r = 0; r < NB; r++) {
-                        if (r < n) {
-                            sp[r] = __dp4a(g0, xi[r][2 * k], sp[r]);
-                            sp[r] = __dp4a(g1, xi[r][2 * k + 1], sp[r]);
+                        if (r == 0 || r < n) {
+                            sp[r] = __dp4a((int)g0, xi[r][2 * k], sp[r]);
+                            sp[r] = __dp4a((int)g1, xi[r][2 * k + 1], sp[r]);
                             sn[r] = __dp4a(n0, xi[r][2 * k], sn[r]);
                             sn[r] = __dp4a(n1, xi[r][2 * k + 1], sn[r]);
                         }
@@ -125,7 +145,7 @@ struct FmtIQ2_XXS {
                 }
 #pragma unroll
                 for (int r = 0; r < NB; r++) {
-                    if (r < n) {
+                    if (r == 0 || r < n) {
                         acc[q][r] = fmaf(db * dx[r], (float)(sp[r] - 2 * sn[r]), acc[q][r]);
                     }
                 }
