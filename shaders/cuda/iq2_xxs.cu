@@ -87,7 +87,10 @@ struct FmtIQ2_XXS {
         const u32 grid = (u32)__cvta_generic_to_shared(lut);
         const int sb = CB * c + (lane >> 2);
         // Row 0 of a batch always exists (a descriptor of no rows returns before the kernel
-        // gets here), so its loads and dots carry no test: the one-row kernel is straight code.
+        // gets here), so its loads and dots carry no test. (The same in the other formats' dots
+        // and in mv_store was slower: the Q8_0 float-x kernel took 124 registers instead of 100,
+        // o_a 24.1 against 23.0 us in the lab, Q2_K at two rows 23.1 against 20.2, and Flash
+        // steps 9.00 against 8.81 ms, a verify of 8 rows 29.2 against 28.0; H200, medians of 2.)
         float d[MV_ROWS];
 #pragma unroll
         for (int q = 0; q < MV_ROWS; q++) {
@@ -152,6 +155,29 @@ struct FmtIQ2_XXS {
             }
         }
     }
+};
+
+// Resident blocks a SM of the one- and two-row kernels (MvMinBlocks), -D options for A/B timing
+// (DS4_CUDA_DEFINES). The default four (124 and 128 registers) won in the engine (H200, Flash
+// at 2100 tokens with pseudo-random experts, interleaved A/B, medians of 2): steps 8.81 ms
+// against 8.97 with five for both (96 registers, a few bytes of spills) and 9.01 with six at one
+// row (80 registers); a verify of 8 rows 27.8 ms against 28.5 and 28.1. In the lab, five and six
+// were faster only for 160 products at once (257 and 262 against 274 us; twelve: 27.2 and 25.3
+// against 25.1, at two rows 37.9 and 36.5 against 30.8). Likewise for Q8_0's float-x kernel
+// (MV_MIN_BLOCKS_Q8_0_1, q8_0.cu).
+#ifndef MV_MIN_BLOCKS_IQ2_1
+#define MV_MIN_BLOCKS_IQ2_1 MV_MIN_BLOCKS
+#endif
+#ifndef MV_MIN_BLOCKS_IQ2_2
+#define MV_MIN_BLOCKS_IQ2_2 MV_MIN_BLOCKS
+#endif
+template <>
+struct MvMinBlocks<FmtIQ2_XXS, 1> {
+    static constexpr int value = MV_MIN_BLOCKS_IQ2_1;
+};
+template <>
+struct MvMinBlocks<FmtIQ2_XXS, 2> {
+    static constexpr int value = MV_MIN_BLOCKS_IQ2_2;
 };
 
 MVS_KERNELS(iq2_xxs, FmtIQ2_XXS)

@@ -71,7 +71,10 @@ struct FmtQ8_0 {
 // A/B timing (DS4_CUDA_DEFINES, rust/engine/backend/cuda/context.rs). Six (80 registers)
 // made Flash's q_b faster in the lab (18.2 -> 17.4 us at the host's warp group, 26.6 -> 22.2
 // at two warps a group) but Flash steps in a row slower in the engine (H200, two A/B rounds
-// at 2100: 9.18 / 9.16 ms against 9.10 / 9.12).
+// at 2100: 9.18 / 9.16 ms against 9.10 / 9.12). With q_b on the tensor cores, five (96
+// registers) made steps slower too: 8.92 ms against 8.81 (medians of 2), though o_a alone got
+// faster in the lab (8 x 1024 x 4096: 21.5 us with five, 21.0 with six, 22.9 with four; q_a
+// and the shared expert got slower).
 #ifndef MV_MIN_BLOCKS_Q8_0_1
 #define MV_MIN_BLOCKS_Q8_0_1 MV_MIN_BLOCKS
 #endif
