@@ -270,7 +270,16 @@ impl CudaDecoder {
                 // ds4_moe_combine) leaving each block's partial products with this projection,
                 // summed by ds4_hc_pre, with no product launch here. It held 96 F16 weights a
                 // thread in those kernels (230 registers) and made Flash steps slower on an
-                // H200: 10.24 against 9.81 ms at a 2100-token context, interleaved A/B.)
+                // H200: 10.24 against 9.81 ms at a 2100-token context, interleaved A/B. Also
+                // tried and dropped: the whole site in one launch, a few blocks a row each
+                // taking the product of a slice of the streams with their weights loaded before
+                // the wait, the last block to arrive (an atomic count) summing the slices and
+                // doing ds4_hc_pre's work; with and without the attention site's ds4_hc_post
+                // folded into the FFN site's launch. Each site then added about 19.5 us to the
+                // step (CUPTI trace) against about 11 for this product, ds4_hc_pre and
+                // ds4_hc_post together, and Flash steps at 2100 tokens took 9.30 ms against
+                // 8.78 (interleaved A/B, medians of 3; 32 or 8 blocks a row, the slices' sums
+                // read warp-parallel or one by one: all slower).)
                 products(ops, table, &[(hw.proj, b.x.ptr, b.mixl.ptr, n)])?;
                 launch(
                     ops,
