@@ -984,6 +984,15 @@ impl CudaDecoder {
     /// Applies a step's packed state writes to the host state (logging what they overwrite):
     /// the raw rows, and each compressor push replayed from the row's projections (score =
     /// gate + position bias, the one addition the device made) with the emitted rows.
+    ///
+    /// This runs after the step's GPU work, which therefore waits for it: with the rest of the
+    /// host's part of a step (the embedding and uploads before the graph's launch, the return
+    /// to Python) about 0.45 ms of a Flash step at a 2100-token context on an H200 machine
+    /// (`DS4_PROFILE`, 64 one-token evals: 9.0 ms a step, 8.48 ms of it waiting for the GPU,
+    /// 0.23 ms here; the same copies take 50 us a step on one core of the build machine with
+    /// warm caches). Applied during the next step's GPU work instead, it would be hidden, but
+    /// every reader of the host state (snapshots, digests, cuts, restores, the host forward
+    /// pass) would first have to apply a pending journal.
     fn apply(
         &self,
         model: &Model,
