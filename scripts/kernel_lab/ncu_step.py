@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import csv
 import ctypes
+import signal
 import sys
 import time
 
@@ -102,18 +103,21 @@ def summarize_trace(trace: str, steps: int) -> None:
     # before the previous kernel's end), ns by which it moved the end of the busy time (the
     # step's wall time is the sum of these and of the idle time; of two kernels running side
     # by side, the one that ends later is charged the overlap's end), ns of idle before it.
-    # A gap after ds4_pack (the journal's packing, each step's last kernel) is the host's part of
-    # the step, between two steps' graphs; it is counted apart, not as idle before the next
-    # step's first kernel.
+    # The gaps from ds4_pack (the journal's packing, each step's last kernel) to the next step's
+    # first main-stream kernel are the host's part of the step, between two steps' graphs; they
+    # are counted apart, not as idle before that kernel. (A step's program may start with a
+    # side-branch ds4_prefetch, which the graph launches at once: the host's gap then falls
+    # after it, and was counted as idle inside the step before this.)
     per = collections.defaultdict(lambda: [0, 0, 0, 0])
     busy_end = kernels[0][0]
-    last = ""  # the kernel that ended the busy time so far
+    host = True  # before a step's first main-stream kernel (the trace starts with a step)
     idle = between = 0
     for s0, d, k in kernels:
         gap = max(0, s0 - busy_end)  # the GPU ran no kernel for this long before this one
         v = per[k]
-        if last == "ds4_pack":
+        if host:
             between += gap
+            host = k == "ds4_prefetch"
         else:
             idle += gap
             v[3] += gap
@@ -122,7 +126,8 @@ def summarize_trace(trace: str, steps: int) -> None:
         v[2] += max(0, s0 + d - max(busy_end, s0))
         if s0 + d > busy_end:
             busy_end = s0 + d
-            last = k
+        if k == "ds4_pack":
+            host = True
     span = busy_end - kernels[0][0]
     print(f"{len(kernels) / steps:.0f} launches per step; {span / steps / 1e6:.3f} ms from the first kernel's "
           f"start to the last one's end, of which {idle / steps / 1e6:.3f} ms with no kernel running inside the "
@@ -134,6 +139,8 @@ def summarize_trace(trace: str, steps: int) -> None:
 
 
 if __name__ == "__main__":
+    # Quiet when piped into `head`.
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     if sys.argv[1] == "--sum":
         summarize(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 1)
     elif sys.argv[1] == "--trace":
