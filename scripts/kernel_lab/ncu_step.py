@@ -105,9 +105,9 @@ def summarize_trace(trace: str, steps: int) -> None:
     # by side, the one that ends later is charged the overlap's end), ns of idle before it.
     # The gaps from ds4_pack (the journal's packing, each step's last kernel) to the next step's
     # first main-stream kernel are the host's part of the step, between two steps' graphs; they
-    # are counted apart, not as idle before that kernel. (A step's program may start with a
-    # side-branch ds4_prefetch, which the graph launches at once: the host's gap then falls
-    # after it, and was counted as idle inside the step before this.)
+    # are counted apart, not as idle before that kernel. A step's program may start with a
+    # side-branch ds4_prefetch, which the graph launches at once, so the host's gap can fall
+    # after it.
     per = collections.defaultdict(lambda: [0, 0, 0, 0])
     busy_end = kernels[0][0]
     host = True  # before a step's first main-stream kernel (the trace starts with a step)
