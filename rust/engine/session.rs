@@ -152,6 +152,9 @@ impl Session {
         // Longer batches work on a copy (it shares the compressed rows, so it costs the
         // bounded state only, small next to the batch), so that a failure changes nothing; on
         // the device, in chunks of the most rows it takes.
+        // (Pending device writes made first, once: the copy would share them, and both states
+        // would make them.)
+        self.state.flush();
         let mut next = self.state.clone();
         let out = match self.decoder.as_deref_mut() {
             Some(dec) => {
@@ -201,7 +204,7 @@ impl Session {
     /// Runs `tokens` in place, on the device decoder when it takes that many rows, else on the
     /// host, logging what each row overwrites; a failure half-way is undone from the log.
     fn run_logged<T>(&mut self, tokens: &[u32], which: Logits, pass: Pass<T>) -> Result<(T, BatchLog)> {
-        let mut log = BatchLog::new(self.state.pos, tokens.len(), self.state.layers.len());
+        let mut log = BatchLog::new(self.state.pos, tokens.len(), self.state.n_layers());
         let dec: Option<&mut dyn DeviceDecoder> = match self.decoder.as_mut() {
             Some(d) if tokens.len() <= d.max_rows() => Some(&mut **d),
             _ => None,
@@ -289,7 +292,7 @@ impl Session {
 
     /// Returns to a snapshot taken on a session of the same model.
     pub fn restore(&mut self, snap: &Snapshot) -> Result<()> {
-        if snap.state.layers.len() != self.state.layers.len() || snap.state.pos > self.ctx {
+        if snap.state.n_layers() != self.state.n_layers() || snap.state.pos > self.ctx {
             return Err(Error::invalid("the snapshot does not belong to this session's model and context"));
         }
         if snap.state.draft.is_some() != self.state.draft.is_some() {
@@ -446,6 +449,8 @@ pub(crate) mod tests {
         pub(crate) argmax_all: AtomicUsize,
         pub(crate) kept: AtomicUsize,
         pub(crate) syncs: AtomicUsize,
+        /// Calls that left their writes pending.
+        pub(crate) deferred: AtomicUsize,
     }
 
     impl Seen {
@@ -461,8 +466,32 @@ pub(crate) mod tests {
 
     /// A stand-in device decoder: the host forward pass behind the [`DeviceDecoder`] calls,
     /// taking at most 4 rows a call, failing the forward call numbered `fail_at`, with a NaN
-    /// in the logits of the one numbered `poison_at`.
+    /// in the logits of the one numbered `poison_at`; like the CUDA decoder, it leaves its
+    /// writes pending in the state.
     struct HostDecoder(Arc<Seen>);
+
+    /// Pending writes of rows from `pos0`: the layers as each row left them.
+    #[derive(Debug)]
+    struct Layers {
+        pos0: usize,
+        after: Vec<Vec<crate::state::LayerState>>,
+    }
+
+    impl crate::state::PendingWrites for Layers {
+        fn apply(&self, layers: &mut [crate::state::LayerState]) {
+            if let Some(last) = self.after.last() {
+                layers.clone_from_slice(last);
+            }
+        }
+
+        fn rows(&self) -> (usize, usize) {
+            (self.pos0, self.after.len())
+        }
+
+        fn prefix(&self, keep: usize) -> Arc<dyn crate::state::PendingWrites> {
+            Arc::new(Layers { pos0: self.pos0, after: self.after[..keep].to_vec() })
+        }
+    }
 
     impl DeviceDecoder for HostDecoder {
         fn forward(
@@ -478,7 +507,31 @@ pub(crate) mod tests {
             if call == self.0.fail_at.load(Ordering::Relaxed) {
                 return Err(Error::Backend("injected failure".into()));
             }
-            let mut logits = model.forward(state, tokens, which, log)?;
+            // As the CUDA decoder (without a drafter), the layers' writes are left pending:
+            // here the layers as each row left them, row by row on a copy.
+            let mut logits = if state.draft.is_none() {
+                let mut next = state.clone();
+                let mut after = Vec::new();
+                let mut logits = Vec::new();
+                for (r, &t) in tokens.iter().enumerate() {
+                    let w = match which {
+                        Logits::All => Logits::All,
+                        Logits::Last if r + 1 == tokens.len() => Logits::Last,
+                        _ => Logits::None,
+                    };
+                    logits.extend(model.forward(&mut next, &[t], w, None)?);
+                    after.push(next.layers_mut().to_vec());
+                }
+                (state.pos, state.tokens) = (next.pos, std::mem::take(&mut next.tokens));
+                state.defer(Arc::new(Layers { pos0: state.pos - tokens.len(), after }));
+                if let Some(log) = log {
+                    log.layers_pending = true;
+                }
+                self.0.deferred.fetch_add(1, Ordering::Relaxed);
+                logits
+            } else {
+                model.forward(state, tokens, which, log)?
+            };
             if call == self.0.poison_at.load(Ordering::Relaxed) && logits.len() > 7 {
                 logits[7] = f32::NAN;
             }
@@ -557,6 +610,8 @@ pub(crate) mod tests {
         assert_eq!(a, b);
         assert_eq!(seen.forwards.load(Ordering::Relaxed), 32);
         assert_eq!(h.eval(&prompt[127..], Logits::Last).unwrap(), d.eval(&prompt[127..], Logits::Last).unwrap());
+        // Every call so far left its writes pending: the next read made them.
+        assert_eq!(seen.deferred.load(Ordering::Relaxed), 33);
         assert_eq!(h.digest(), d.digest());
 
         // A failure in any chunk of a long batch changes nothing.

@@ -167,7 +167,7 @@ impl Model {
 
         // Row by row: update the state with this token, then attend.
         let attention_time = crate::profile::scope(crate::profile::Phase::Attention);
-        let ls = &mut state.layers[li];
+        let ls = &mut state.layers_mut()[li];
         let mut o = vec![0f32; n * nh * hd];
         for r in 0..n {
             let pos = pos0 + r;

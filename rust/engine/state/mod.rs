@@ -18,7 +18,20 @@ pub use layer::{CompressorState, LayerState};
 pub use precision::{hadamard, KvPrecision};
 pub use rows::RowStore;
 
+use std::sync::Arc;
+
 use crate::model::config::{AttentionKind, ModelConfig};
+
+/// Writes to the layers' state that a device step computed and the host copy has not taken
+/// yet ([`State::defer`]).
+pub(crate) trait PendingWrites: Send + Sync + std::fmt::Debug {
+    /// Makes the writes, in the order the step made them.
+    fn apply(&self, layers: &mut [LayerState]);
+    /// The rows that made them: (position of the first, rows).
+    fn rows(&self) -> (usize, usize);
+    /// The writes of the first `keep` rows only, `1 <= keep < rows`.
+    fn prefix(&self, keep: usize) -> Arc<dyn PendingWrites>;
+}
 
 /// The decode state of one session.
 #[derive(Clone, Debug)]
@@ -27,7 +40,14 @@ pub struct State {
     pub pos: usize,
     /// The token ids processed so far.
     pub tokens: Vec<u32>,
-    pub layers: Vec<LayerState>,
+    /// Read and written through [`State::layers`] and [`State::layers_mut`], which first make
+    /// the writes still pending.
+    layers: Vec<LayerState>,
+    /// The last device step's writes to `layers`, not made yet. A device decoder leaves them
+    /// here so that the host copies them while the GPU runs the next step (on an H200 about
+    /// 0.25 ms of a 9 ms Flash step); every access to `layers` makes them first, and a clone
+    /// shares them, so no reader can see the layers without them.
+    pending: Option<Arc<dyn PendingWrites>>,
     /// How stored rows are rounded.
     pub precision: KvPrecision,
     /// The model drafter's rows, when the model has a drafter.
@@ -56,10 +76,43 @@ impl State {
                 LayerState::new(cfg.window, hd, comp, index)
             })
             .collect();
-        State { pos: 0, tokens: Vec::new(), layers, precision, draft: None, sync: 0 }
+        State { pos: 0, tokens: Vec::new(), layers, pending: None, precision, draft: None, sync: 0 }
     }
 
-    /// Bytes held by the state (shared chunks counted once per state).
+    /// The layers' state, after the writes still pending.
+    pub fn layers(&mut self) -> &[LayerState] {
+        self.flush();
+        &self.layers
+    }
+
+    /// The layers' state to write, after the writes still pending.
+    pub fn layers_mut(&mut self) -> &mut [LayerState] {
+        self.flush();
+        &mut self.layers
+    }
+
+    /// Number of layers.
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Leaves `writes` to be made at the next access to the layers. The caller has already
+    /// advanced `pos` and `tokens` past the rows that made them.
+    #[cfg_attr(not(any(feature = "cuda", test)), allow(dead_code))]
+    pub(crate) fn defer(&mut self, writes: Arc<dyn PendingWrites>) {
+        self.flush();
+        self.pending = Some(writes);
+    }
+
+    /// Makes the writes still pending, if any.
+    pub(crate) fn flush(&mut self) {
+        if let Some(w) = self.pending.take() {
+            w.apply(&mut self.layers);
+        }
+    }
+
+    /// Bytes held by the state (shared chunks counted once per state; not the writes still
+    /// pending, at most one step's rows).
     pub fn nbytes(&self) -> usize {
         self.layers.iter().map(LayerState::nbytes).sum::<usize>()
             + self.tokens.len() * 4
@@ -77,6 +130,10 @@ pub struct BatchLog {
     pub(crate) n: usize,
     pub(crate) layers: Vec<LayerLog>,
     pub(crate) draft: Option<DraftLog>,
+    /// Whether the batch's writes to the layers were left pending in the state
+    /// ([`State::defer`]) rather than made and logged: a cut then keeps the pending writes of
+    /// the kept rows only, and there is nothing of the layers to undo.
+    pub(crate) layers_pending: bool,
 }
 
 #[derive(Debug, Default)]
@@ -87,7 +144,13 @@ pub(crate) struct LayerLog {
 
 impl BatchLog {
     pub(crate) fn new(pos0: usize, n: usize, n_layers: usize) -> Self {
-        BatchLog { pos0, n, layers: (0..n_layers).map(|_| LayerLog::default()).collect(), draft: None }
+        BatchLog {
+            pos0,
+            n,
+            layers: (0..n_layers).map(|_| LayerLog::default()).collect(),
+            draft: None,
+            layers_pending: false,
+        }
     }
 
     /// Records, before row `pos` of layer `layer` writes anything, what it will overwrite.
@@ -109,6 +172,11 @@ impl State {
         if self.pos != log.pos0 + log.n || keep > log.n || log.layers.len() != self.layers.len() {
             return Err(crate::Error::invalid("keep_prefix: the log is not of the last batch"));
         }
+        if log.layers_pending && self.pending.as_ref().map(|p| p.rows()) != Some((log.pos0, log.n)) {
+            // (Cannot happen through a session: only a later batch makes them, and it moves the
+            // position.)
+            return Err(crate::Error::invalid("keep_prefix: the batch's writes were already made"));
+        }
         if keep == log.n {
             return Ok(());
         }
@@ -125,6 +193,16 @@ impl State {
     /// Undoes every logged row from `keep` on, newest first (a slot written twice ends up
     /// with what it held before the first write), and sets the position to `pos0 + keep`.
     fn undo(&mut self, log: BatchLog, keep: usize) {
+        if log.layers_pending {
+            // The batch's own writes (checked by `keep_prefix`; a failed batch leaves none):
+            // only the kept rows' are made.
+            match self.pending.take() {
+                Some(p) if p.rows() == (log.pos0, log.n) => self.pending = (keep > 0).then(|| p.prefix(keep)),
+                other => self.pending = other,
+            }
+        } else {
+            self.flush();
+        }
         self.sync = 0;
         if let (Some(ds), Some(dl)) = (self.draft.as_mut(), log.draft) {
             let cut = log.pos0 + keep;
@@ -158,6 +236,11 @@ impl State {
     /// A digest of every value of the state (position, tokens, raw rings, frontiers, emitted
     /// rows), for tests that compare states bit for bit.
     pub fn digest(&self) -> u64 {
+        if self.pending.is_some() {
+            let mut made = self.clone();
+            made.flush();
+            return made.digest();
+        }
         // FNV-1a over the bit patterns.
         let mut h: u64 = 0xcbf29ce484222325;
         let mut eat = |x: u64| {

@@ -38,7 +38,7 @@ mod testutil;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::result as cu;
 use cudarc::driver::sys;
@@ -52,7 +52,7 @@ use crate::model::draft::DraftKind;
 use crate::model::forward::mean_of_streams;
 use crate::model::weights::{HyperWeights, Mat, Router};
 use crate::model::{Logits, Model};
-use crate::state::{BatchLog, KvPrecision, State};
+use crate::state::{BatchLog, KvPrecision, LayerState, PendingWrites, State};
 use crate::{Error, Result};
 
 /// Rows of a step: one product chunk of the matrix kernels.
@@ -484,6 +484,15 @@ pub(crate) struct CudaDecoder {
     side: Option<SideBranch>,
     /// Whether each layer asks L2 for its q_b weights early ([`program::prefetch_q_b`]).
     prefetch_q_b: bool,
+    /// Whether a step leaves its state writes pending in the state ([`StepWrites`], made
+    /// while the GPU runs the next step) rather than making them before it returns;
+    /// `DS4_CUDA_DEFER=0` makes them at once (A/B timing).
+    defer: bool,
+    /// Each layer's compressors' position biases (the compressor, then the indexer's), which
+    /// the journal's replay adds to the gates.
+    apes: Arc<Vec<Vec<Vec<f32>>>>,
+    /// Journal copies that pending writes no longer hold, for the next steps.
+    spare: Arc<Mutex<Vec<Vec<f32>>>>,
 }
 
 // SAFETY: the raw handles (functions, graphs, pinned pointers) are only used by the thread
@@ -598,6 +607,11 @@ pub(crate) fn decoder_for(
 impl CudaDecoder {
     fn new(backend: Arc<CudaBackend>, model: &Model, ctx_len: usize, round_mode: i32) -> Result<Self> {
         let prefetch_q_b = program::prefetch_q_b(std::env::var("DS4_CUDA_PREFETCH").ok().as_deref())?;
+        let defer = match std::env::var("DS4_CUDA_DEFER").ok().as_deref() {
+            None | Some("1") => true,
+            Some("0") => false,
+            Some(v) => return Err(Error::invalid(format!("DS4_CUDA_DEFER takes 0 or 1, not {v:?}"))),
+        };
         let g = backend.lock();
         g.ctx.bind()?;
         let k = Kernels::load(&g.ctx)?;
@@ -800,6 +814,22 @@ impl CudaDecoder {
             resync_after_cut: std::env::var("DS4_DECODE_RESYNC").is_ok_and(|v| v == "1"),
             side: if std::env::var("DS4_CUDA_FORK").is_ok_and(|v| v == "0") { None } else { Some(SideBranch::new()?) },
             prefetch_q_b,
+            defer,
+            apes: Arc::new(
+                w.layers
+                    .iter()
+                    .map(|l| {
+                        [
+                            l.compressor.as_ref().map(|c| c.ape.clone()),
+                            l.indexer.as_ref().map(|i| i.compressor.ape.clone()),
+                        ]
+                        .into_iter()
+                        .flatten()
+                        .collect()
+                    })
+                    .collect(),
+            ),
+            spare: Arc::new(Mutex::new(Vec::new())),
         })
     }
 
@@ -929,8 +959,8 @@ impl CudaDecoder {
     // ------------------------------------------------------------------ state mirror
 
     /// Copies the whole host state to the device.
-    fn upload_state(&mut self, state: &State) -> Result<()> {
-        for (ls, mm) in state.layers.iter().zip(&self.mirror) {
+    fn upload_state(&mut self, state: &mut State) -> Result<()> {
+        for (ls, mm) in state.layers().iter().zip(&self.mirror) {
             mm.ring.write(0, &ls.ring)?;
             for (cs, cm) in [(&ls.compressor, &mm.comp), (&ls.indexer, &mm.index)] {
                 let (Some(cs), Some(cm)) = (cs, cm) else { continue };
@@ -980,75 +1010,123 @@ impl CudaDecoder {
         }
         (runs, off as usize)
     }
+}
 
-    /// Applies a step's packed state writes to the host state (logging what they overwrite):
-    /// the raw rows, and each compressor push replayed from the row's projections (score =
-    /// gate + position bias, the one addition the device made) with the emitted rows.
-    ///
-    /// This runs after the step's GPU work, which therefore waits for it: with the rest of the
-    /// host's part of a step (the embedding and uploads before the graph's launch, the return
-    /// to Python) about 0.45 ms of a Flash step at a 2100-token context on an H200 machine
-    /// (`DS4_PROFILE`, 64 one-token evals: 9.0 ms a step, 8.48 ms of it waiting for the GPU,
-    /// 0.23 ms here; the same copies take 50 us a step on one core of the build machine with
-    /// warm caches). Applied during the next step's GPU work instead, it would be hidden, but
-    /// every reader of the host state (snapshots, digests, cuts, restores, the host forward
-    /// pass) would first have to apply a pending journal.
-    fn apply(
-        &self,
-        model: &Model,
-        state: &mut State,
-        pos0: usize,
-        n: usize,
-        j: &[f32],
-        mut log: Option<&mut BatchLog>,
-    ) {
-        let mut at = 0usize;
-        let mut take = |len: usize| {
-            let s = at;
-            at += len;
-            s..at
-        };
-        let hd = state.layers.first().map_or(0, |l| l.head_dim);
-        for (li, ls) in state.layers.iter_mut().enumerate() {
-            let ring: Vec<std::ops::Range<usize>> = (0..n).map(|_| take(hd)).collect();
-            // Compressor runs per row: kv, score, and the emitted row when the row closes.
-            let mut comp_runs: Vec<Vec<PushRuns>> = Vec::new();
-            for cs in [&ls.compressor, &ls.indexer].into_iter().flatten() {
-                let pw = cs.proj_width();
-                let v = (0..n)
-                    .map(|r| {
-                        let kv = take(pw);
-                        let sc = take(pw);
-                        let row = (pos0 + r + 1).is_multiple_of(cs.ratio).then(|| take(cs.width));
-                        (kv, sc, row)
-                    })
-                    .collect();
-                comp_runs.push(v);
+/// Makes a step's packed state writes in the host state's layers (logging what they
+/// overwrite): the raw rows, and each compressor push replayed from the row's projections
+/// (score = gate + position bias, the one addition the device made) with the emitted rows.
+/// `j` is laid out as [`CudaDecoder::journal`] packs it for `n` rows, of which the first
+/// `keep` are made; `apes` holds each layer's position biases (the compressor's, then the
+/// indexer's).
+///
+/// Made before a step returned, this was about 0.23 ms of a 9.0 ms Flash step at a 2100-token
+/// context on an H200 machine (`DS4_PROFILE`, 64 one-token evals), with the logging of a
+/// verify's rows and the undo of its rejected ones more at several rows. Hence [`StepWrites`]:
+/// a step leaves them pending in the state, made during the next step's GPU work, and a cut
+/// keeps only the kept rows'. Measured against making them at once (`DS4_CUDA_DEFER=0`; H200,
+/// Flash with filled experts at 2100 tokens, interleaved A/B in one process, medians of 3 runs
+/// of 64 steps, in two calls): steps 8.78 against 8.92 ms and 8.86 against 9.21; evals of
+/// 2 / 4 / 8 rows 11.53 / 16.90 / 27.73 against 11.88 / 17.80 / 29.38 ms; greedy generation
+/// 8.46 and 8.48 against 8.62 and 8.78 ms a token; generation through verifies of 8 rows that
+/// keep all (an oracle drafter) 3.29 and 3.28 against 3.37 and 3.49 ms a token, and that keep
+/// one (a drafter always wrong) 26.9 and 25.6 against 27.0 and 28.5.
+#[allow(clippy::too_many_arguments)]
+fn replay_journal(
+    layers: &mut [LayerState],
+    apes: &[Vec<Vec<f32>>],
+    pos0: usize,
+    n: usize,
+    keep: usize,
+    j: &[f32],
+    mut log: Option<&mut BatchLog>,
+) {
+    let mut at = 0usize;
+    let mut take = |len: usize| {
+        let s = at;
+        at += len;
+        s..at
+    };
+    let hd = layers.first().map_or(0, |l| l.head_dim);
+    for (li, ls) in layers.iter_mut().enumerate() {
+        let ring: Vec<std::ops::Range<usize>> = (0..n).map(|_| take(hd)).collect();
+        // Compressor runs per row: kv, score, and the emitted row when the row closes.
+        let mut comp_runs: Vec<Vec<PushRuns>> = Vec::new();
+        for cs in [&ls.compressor, &ls.indexer].into_iter().flatten() {
+            let pw = cs.proj_width();
+            let v = (0..n)
+                .map(|r| {
+                    let kv = take(pw);
+                    let sc = take(pw);
+                    let row = (pos0 + r + 1).is_multiple_of(cs.ratio).then(|| take(cs.width));
+                    (kv, sc, row)
+                })
+                .collect();
+            comp_runs.push(v);
+        }
+        let apes = &apes[li];
+        let mut score = Vec::new();
+        for r in 0..keep.min(n) {
+            let pos = pos0 + r;
+            if let Some(log) = log.as_deref_mut() {
+                log.before_row(li, pos, ls);
             }
-            let lw = &model.weights.layers[li];
-            let apes: Vec<&[f32]> = [
-                lw.compressor.as_ref().map(|c| c.ape.as_slice()),
-                lw.indexer.as_ref().map(|i| i.compressor.ape.as_slice()),
-            ]
-            .into_iter()
-            .flatten()
-            .collect();
-            let mut score = Vec::new();
-            for r in 0..n {
-                let pos = pos0 + r;
-                if let Some(log) = log.as_deref_mut() {
-                    log.before_row(li, pos, ls);
-                }
-                ls.push_raw(pos, &j[ring[r].clone()]);
-                for (ci, cs) in [ls.compressor.as_mut(), ls.indexer.as_mut()].into_iter().flatten().enumerate() {
-                    let (kv, g, row) = &comp_runs[ci][r];
-                    let pw = cs.proj_width();
-                    let slot = pos % cs.ratio;
-                    score.clear();
-                    score.extend(j[g.clone()].iter().zip(&apes[ci][slot * pw..(slot + 1) * pw]).map(|(g, a)| g + a));
-                    let row = row.clone().map_or(&[][..], |rg| &j[rg]);
-                    cs.push_computed(pos, &j[kv.clone()], &score, row);
-                }
+            ls.push_raw(pos, &j[ring[r].clone()]);
+            for (ci, cs) in [ls.compressor.as_mut(), ls.indexer.as_mut()].into_iter().flatten().enumerate() {
+                let (kv, g, row) = &comp_runs[ci][r];
+                let pw = cs.proj_width();
+                let slot = pos % cs.ratio;
+                score.clear();
+                score.extend(j[g.clone()].iter().zip(&apes[ci][slot * pw..(slot + 1) * pw]).map(|(g, a)| g + a));
+                let row = row.clone().map_or(&[][..], |rg| &j[rg]);
+                cs.push_computed(pos, &j[kv.clone()], &score, row);
+            }
+        }
+    }
+}
+
+/// A step's state writes left pending in the state ([`State::defer`]): its journal, copied
+/// out of the pinned download (which the next step overwrites), made when the state's layers
+/// are next read, normally by the next step while the GPU runs it.
+/// A speculative cut keeps the writes of the kept rows only ([`PendingWrites::prefix`]), so a
+/// verify's rejected rows are never written to the host state, nor logged and undone.
+#[derive(Debug)]
+struct StepWrites {
+    pos0: usize,
+    n: usize,
+    /// Rows made (the first `keep` of the `n` the journal holds).
+    keep: usize,
+    journal: Arc<Vec<f32>>,
+    apes: Arc<Vec<Vec<Vec<f32>>>>,
+    /// Where the journal's buffer goes back when no writes hold it any more.
+    spare: Arc<Mutex<Vec<Vec<f32>>>>,
+}
+
+impl PendingWrites for StepWrites {
+    fn apply(&self, layers: &mut [LayerState]) {
+        replay_journal(layers, &self.apes, self.pos0, self.n, self.keep, &self.journal, None);
+    }
+
+    fn rows(&self) -> (usize, usize) {
+        (self.pos0, self.keep)
+    }
+
+    fn prefix(&self, keep: usize) -> Arc<dyn PendingWrites> {
+        Arc::new(StepWrites {
+            keep: keep.min(self.keep),
+            journal: Arc::clone(&self.journal),
+            apes: Arc::clone(&self.apes),
+            spare: Arc::clone(&self.spare),
+            ..*self
+        })
+    }
+}
+
+impl Drop for StepWrites {
+    fn drop(&mut self) {
+        let journal = std::mem::take(&mut self.journal);
+        if let (Ok(v), Ok(mut spare)) = (Arc::try_unwrap(journal), self.spare.lock()) {
+            if spare.len() < 2 {
+                spare.push(v);
             }
         }
     }
@@ -1093,6 +1171,7 @@ impl CudaDecoder {
             self.tag = 0;
             self.upload_state(state)?;
         }
+        let want_x = state.draft.is_some() && model.draft.is_some();
         // Stale until this step completes.
         self.tag = 0;
         self.last = None;
@@ -1151,7 +1230,6 @@ impl CudaDecoder {
         let logit_rows = head.map_or(0, |h| h.1);
         // What comes back of the requested rows: one u32 id each, or their logits.
         let head_words = if argmax { logit_rows } else { logit_rows * cfg.vocab };
-        let want_x = state.draft.is_some() && model.draft.is_some();
         let capture_layers = match model.draft.as_ref().map(|dm| &dm.kind) {
             Some(DraftKind::DSpark(w)) if want_x => w.target_layers.len(),
             _ => 0,
@@ -1233,6 +1311,11 @@ impl CudaDecoder {
             }
         }
         {
+            // The previous step's writes, while the GPU runs this one.
+            let _j = crate::profile::scope(crate::profile::Phase::Journal);
+            state.flush();
+        }
+        {
             let _w = crate::profile::scope(crate::profile::Phase::DeviceWait);
             ctx.sync()?;
         }
@@ -1257,10 +1340,6 @@ impl CudaDecoder {
         let dn: &[f32] = unsafe { std::slice::from_raw_parts(self.down.ptr.cast::<f32>(), down_floats) };
         let (lg, rest) = dn.split_at(head_words);
         let (jr, xr) = rest.split_at(jfloats);
-        {
-            let _j = crate::profile::scope(crate::profile::Phase::Journal);
-            self.apply(model, state, pos0, n, jr, log.as_deref_mut());
-        }
         if want_x {
             let (xf, cap) = xr.split_at(n * hc * d);
             // DSpark's capture: each target layer's streams averaged, as the host pass does.
@@ -1272,7 +1351,25 @@ impl CudaDecoder {
                     mean_of_streams(streams, &mut captured[(r * k + j) * d..(r * k + j + 1) * d]);
                 }
             }
-            model.draft_advance(state, xf, &captured, tokens, pos0, log)?;
+            // First: it changes nothing when it fails (its products come before its writes),
+            // and nothing else after the GPU work can fail.
+            model.draft_advance(state, xf, &captured, tokens, pos0, log.as_deref_mut())?;
+        }
+        {
+            let _j = crate::profile::scope(crate::profile::Phase::Journal);
+            if self.defer {
+                // Made while the GPU runs the next step, and for a cut only the kept rows'.
+                let mut journal = self.spare.lock().ok().and_then(|mut s| s.pop()).unwrap_or_default();
+                journal.clear();
+                journal.extend_from_slice(jr);
+                let (journal, apes, spare) = (Arc::new(journal), Arc::clone(&self.apes), Arc::clone(&self.spare));
+                state.defer(Arc::new(StepWrites { pos0, n, keep: n, journal, apes, spare }));
+                if let Some(log) = log.as_deref_mut() {
+                    log.layers_pending = true;
+                }
+            } else {
+                replay_journal(state.layers_mut(), &self.apes, pos0, n, n, jr, log);
+            }
         }
         state.pos += n;
         state.tokens.extend_from_slice(tokens);
@@ -1358,9 +1455,26 @@ impl DeviceDecoder for CudaDecoder {
         let cut = pos0 + keep;
         let mut fixes: Vec<(u64, usize, usize)> = Vec::new(); // (device address, layer, float offset)
         let mut staged: Vec<f32> = Vec::new();
-        for (ls, mm) in state.layers.iter().zip(&self.mirror) {
-            for (cs, cm) in [(&ls.compressor, &mm.comp), (&ls.indexer, &mm.index)] {
-                let (Some(cs), Some(cm)) = (cs, cm) else { continue };
+        // The slots of the open window's kept positions that rejected rows overwrote, for a
+        // compressor of `ratio`.
+        let w0 = |ratio: usize| cut - cut % ratio;
+        let overwritten = |ratio: usize| {
+            let mut slots: Vec<usize> = Vec::new();
+            for p in pos0 + keep..pos0 + n {
+                let slot = p % ratio;
+                if p >= w0(ratio) + ratio && w0(ratio) + slot < cut && !slots.contains(&slot) {
+                    slots.push(slot);
+                }
+            }
+            slots
+        };
+        // The host state is read only for those (its pending writes, the kept rows', are
+        // otherwise made during the next step's GPU work).
+        let comps = || self.mirror.iter().flat_map(|mm| [&mm.comp, &mm.index]).flatten();
+        let host = if comps().any(|cm| !overwritten(cm.ratio).is_empty()) { Some(state.layers()) } else { None };
+        for (li, mm) in self.mirror.iter().enumerate() {
+            for (ci, cm) in [&mm.comp, &mm.index].into_iter().enumerate() {
+                let Some(cm) = cm else { continue };
                 if let (Some(prev), Some(backup)) = (&cm.prev, &cm.backup) {
                     if let Some(r) = (keep..n).find(|&r| (pos0 + r + 1).is_multiple_of(cm.ratio)) {
                         let bytes = 4 * 2 * cm.ratio * cm.width;
@@ -1372,16 +1486,11 @@ impl DeviceDecoder for CudaDecoder {
                         }
                     }
                 }
+                let slots = overwritten(cm.ratio);
+                let Some(layers) = host.filter(|_| !slots.is_empty()) else { continue };
+                let ls = &layers[li];
+                let Some(cs) = (if ci == 0 { &ls.compressor } else { &ls.indexer }) else { continue };
                 let pw = cs.proj_width();
-                let w0 = cut - cut % cm.ratio;
-                let mut slots: Vec<usize> = Vec::new();
-                for r in keep..n {
-                    let p = pos0 + r;
-                    let slot = p % cm.ratio;
-                    if p >= w0 + cm.ratio && w0 + slot < cut && !slots.contains(&slot) {
-                        slots.push(slot);
-                    }
-                }
                 for slot in slots {
                     for (dev, host) in [(&cm.cur_kv, &cs.cur_kv), (&cm.cur_score, &cs.cur_score)] {
                         fixes.push((dev.ptr + 4 * (slot * pw) as u64, staged.len(), pw));
