@@ -272,3 +272,78 @@ impl State {
         h
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pending writes of raw rows from `pos0`, the same row to every layer.
+    #[derive(Debug)]
+    struct RawRows {
+        pos0: usize,
+        rows: Vec<Vec<f32>>,
+    }
+
+    impl PendingWrites for RawRows {
+        fn apply(&self, layers: &mut [LayerState]) {
+            for l in layers {
+                for (r, row) in self.rows.iter().enumerate() {
+                    l.push_raw(self.pos0 + r, row);
+                }
+            }
+        }
+
+        fn rows(&self) -> (usize, usize) {
+            (self.pos0, self.rows.len())
+        }
+
+        fn prefix(&self, keep: usize) -> Arc<dyn PendingWrites> {
+            Arc::new(RawRows { pos0: self.pos0, rows: self.rows[..keep].to_vec() })
+        }
+    }
+
+    /// A state with 3 rows pending, as a device step leaves it, and its log.
+    fn pending_state() -> (State, BatchLog, Vec<Vec<f32>>) {
+        let model = crate::session::tests::tiny_l();
+        let mut s = State::new(&model.config, KvPrecision::F32);
+        let hd = model.config.head_dim;
+        let rows: Vec<Vec<f32>> = (0..3).map(|r| (0..hd).map(|i| (r * hd + i) as f32 + 0.5).collect()).collect();
+        let mut log = BatchLog::new(0, 3, s.n_layers());
+        s.defer(Arc::new(RawRows { pos0: 0, rows: rows.clone() }));
+        log.layers_pending = true;
+        s.pos = 3;
+        s.tokens = vec![7, 8, 9];
+        (s, log, rows)
+    }
+
+    /// Pending writes are seen by every reader: the layers, a digest, a clone; a cut makes
+    /// only the kept rows' writes; a log whose writes were already made is refused.
+    #[test]
+    fn pending_writes_are_made_before_any_read() {
+        let (mut s, log, rows) = pending_state();
+        let (mut made, _, _) = pending_state();
+        made.flush();
+        assert!(made.pending.is_none());
+        assert_eq!(s.digest(), made.digest());
+        assert!(s.pending.is_some(), "a digest reads a copy");
+        let mut c = s.clone();
+        assert_eq!(c.layers()[0].raw(2), &rows[2][..]);
+        assert_eq!(c.digest(), made.digest());
+
+        // A cut to one row: rows 1 and 2 are never written.
+        s.keep_prefix(log, 1).unwrap();
+        assert_eq!((s.pos, s.tokens.clone()), (1, vec![7]));
+        let fresh = State::new(&crate::session::tests::tiny_l().config, KvPrecision::F32);
+        for (l, f) in s.layers().iter().zip(&fresh.layers) {
+            assert_eq!(l.raw(0), &rows[0][..]);
+            assert_eq!((l.raw(1), l.raw(2)), (f.raw(1), f.raw(2)));
+        }
+
+        // The batch's writes already made (a reader flushed them): the cut cannot be made.
+        let (mut s, log, _) = pending_state();
+        let before = s.digest();
+        s.flush();
+        assert!(matches!(s.keep_prefix(log, 1), Err(crate::Error::InvalidArgument(_))));
+        assert_eq!(s.digest(), before);
+    }
+}
