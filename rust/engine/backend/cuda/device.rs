@@ -12,6 +12,19 @@ use cudarc::driver::sys;
 use super::context::{driver_err, Context};
 use crate::{Error, Result};
 
+/// Waits for what was queued on the legacy stream (`CU_STREAM_LEGACY`, where the synchronous
+/// memsets and copies run), not for the whole context: a context-wide wait (cuCtxSynchronize)
+/// is refused while another thread captures a graph on one of the context's streams
+/// (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED), and invalidates that capture, which broke a
+/// session's first step when another thread allocated a buffer meanwhile (seen in the CUDA
+/// tests run in parallel on a cold driver cache, where a capture lasts seconds). Waiting for
+/// the legacy stream is allowed then: it does not encompass the context's streams, which are
+/// non-blocking, and is all these callers need.
+pub(crate) fn sync_legacy(what: &str) -> Result<()> {
+    // SAFETY: CU_STREAM_LEGACY is ((CUstream)0x1) in cuda.h, a handle valid in every context.
+    unsafe { cu::stream::synchronize(1usize as sys::CUstream) }.map_err(driver_err(what))
+}
+
 /// One device allocation, freed on drop (the owner keeps its context alive and bound).
 pub(crate) struct DevBuf {
     pub(crate) ptr: sys::CUdeviceptr,
@@ -29,7 +42,7 @@ impl DevBuf {
             cu::memset_d8_sync(ptr, 0, bytes).map_err(driver_err("clearing device memory"))?;
             // The memset runs on the legacy stream, which the context's non-blocking stream
             // does not wait for: finish it before anything is queued that may read the buffer.
-            cu::ctx::synchronize().map_err(driver_err("clearing device memory"))?;
+            sync_legacy("clearing device memory")?;
             Ok(b)
         }
     }
@@ -60,7 +73,7 @@ impl DevBuf {
         // context's non-blocking stream does not wait for that stream: finish it here.
         unsafe {
             cu::memcpy_htod_sync(self.ptr + off as u64, data).map_err(driver_err("copying to the device"))?;
-            cu::ctx::synchronize().map_err(driver_err("copying to the device"))
+            sync_legacy("copying to the device")
         }
     }
 

@@ -122,7 +122,7 @@ impl Scratch {
                 self.counters = cu::malloc_sync(cap * 4).map_err(driver_err("allocating device memory"))?;
                 cu::memset_d8_sync(self.counters, 0, cap * 4).map_err(driver_err("clearing counters"))?;
                 // (On the legacy stream: finish it before the backend's stream uses them.)
-                cu::ctx::synchronize().map_err(driver_err("clearing counters"))?;
+                device::sync_legacy("clearing counters")?;
             }
             self.counters_cap = cap;
         }

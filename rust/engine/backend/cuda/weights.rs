@@ -168,7 +168,7 @@ impl DeviceImage {
         img.split.shrink_to_fit();
         // The copies ran on the legacy stream, which the backend's non-blocking stream does not
         // wait for: finish them before any kernel may read the weights.
-        cu::ctx::synchronize().map_err(driver_err("copying the weights"))?;
+        super::device::sync_legacy("copying the weights")?;
         Ok(img)
     }
 }
