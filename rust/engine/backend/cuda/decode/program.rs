@@ -44,6 +44,22 @@ pub(super) fn attention_blocks(n_heads: usize, head_dim: usize, lg_stride: usize
     Ok((blocks(groups * lg_stride.div_ceil(64))?, blocks(groups * head_dim.div_ceil(32))?))
 }
 
+/// Blocks of a `ds4_index_scores` launch in all, shared by its batch rows.
+const INDEX_WAVE: usize = 132;
+
+/// Blocks per batch row of `ds4_index_scores` for a step of `n` rows: [`INDEX_WAVE`] in all
+/// (its grid-stride loop gives each block its share of the indexer rows, and which block
+/// scores a row never changes the score, so only the speed depends on it). A block holds its
+/// query heads in registers (one 256-thread block an SM) and loads them once for all the rows
+/// it scores. With 132 blocks a row, as before, a verify of 8 rows ran eight waves of blocks
+/// that each loaded 64 KB of queries to score 4 indexer rows (on an H200 at a 2100-token
+/// context 59 us a launch, against 13.6 for one row). Measured this way against that
+/// (interleaved A/B, Flash with filled experts at 2100 tokens, medians of 3): verifies of 2 / 4
+/// / 8 rows 11.36 / 16.39 / 26.60 ms against 11.48 / 16.82 / 27.31; one row is unchanged.
+pub(super) fn index_blocks(n: usize) -> u32 {
+    INDEX_WAVE.div_ceil(n.max(1)) as u32
+}
+
 /// Threads of `ds4_argmax_rows` (one block per logits row).
 pub(super) const ARGMAX_THREADS: u32 = 1024;
 
@@ -419,7 +435,7 @@ impl CudaDecoder {
                 launch(
                     &mut ops,
                     k.index_scores,
-                    (132, nn, 1),
+                    (index_blocks(n), nn, 1),
                     256,
                     0,
                     vec![
@@ -605,7 +621,10 @@ impl CudaDecoder {
             // (Tried and dropped for one row: ds4_route quantizing the row itself and every
             // descriptor reading that copy, with no gather launch. The routing got slower by more
             // than the gather cost: Flash steps at a 2100-token context 10.24 against 10.09 ms,
-            // interleaved A/B on an H200.)
+            // interleaved A/B on an H200. Also tried: ds4_hc_pre writing the FFN site's
+            // collapse as 8-bit activations into xg's row 0 and, at one row, no gather, every
+            // gate and up descriptor reading that row: the same bytes, and no faster (steps
+            // 8.778 against 8.781 ms, interleaved A/B, medians of 3).)
             let act8 = crate::quant::act8::takes_act8(gm.ty);
             launch(
                 &mut ops,

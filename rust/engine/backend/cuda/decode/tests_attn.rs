@@ -503,6 +503,10 @@ fn check_index(c: IndexCase) {
     }
     let other = run_scores(&ctx, &c, c.pos0, &iq, &g, &irows, stride, 5, 128);
     assert_bits(&format!("{what}: grid 5 x 128 threads vs 132 x 256"), &other, &got);
+    // The grid the decode's step of n rows uses (fewer blocks a row as rows are added).
+    let bx = super::program::index_blocks(n) as usize;
+    let at_step = run_scores(&ctx, &c, c.pos0, &iq, &g, &irows, stride, bx, 256);
+    assert_bits(&format!("{what}: the step's grid, {bx} blocks a row"), &at_step, &got);
 
     // The top-k of these scores is indexer::select's selection. The device's dot products
     // are the CPU's (x86 AVX2 dot_f32) operation for operation, so the scores agree bitwise
