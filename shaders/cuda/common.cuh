@@ -667,7 +667,13 @@ __device__ __forceinline__ void matvec(const MvDesc* __restrict__ descs, int cou
 // aligned), and dot<NB>(ch, nb, c, lane, x, n_in, n, acc, smem), which adds lane l's part of
 // chunk c of every row to acc in a fixed order. Both are called by every lane of the warp for
 // every chunk of the slice (a last partial chunk included); they skip the lanes with no data
-// themselves, so that dot may use warp-wide operations.
+// themselves, so that dot may use warp-wide operations. With PREFETCH, chunk c + G's loads go
+// out before chunk c is computed. (Tried: two chunks ahead, a ring of three a warp: the same
+// bits, more registers (one row: Q8_0 100 -> 120, F16 87 -> 101) and slower. H200 lab at one
+// row: Q8_0 8192 x 4096 16.44 against 15.50 us, 4096 x 4096 11.48 against 10.73, IQ2_XXS twelve
+// 2048 x 4096 25.75 against 25.16; Flash steps at 2100 tokens 8.92 against 8.82 ms, A/B in
+// separate processes, medians of 2. The one-row products are about 1.5 times the time of
+// reading their bytes once, scripts/kernel_lab/stream_lab.cu.)
 //
 // The input split (slices, groups) is by chunks; a row's chunks, lanes, fmaf chains, butterfly
 // and group order do not depend on the batch size (row invariance), as in matvec.
