@@ -49,13 +49,14 @@ const INDEX_WAVE: usize = 132;
 
 /// Blocks per batch row of `ds4_index_scores` for a step of `n` rows: [`INDEX_WAVE`] in all
 /// (its grid-stride loop gives each block its share of the indexer rows, and which block
-/// scores a row never changes the score, so only the speed depends on it). A block holds its
-/// query heads in registers (one 256-thread block an SM) and loads them once for all the rows
-/// it scores. With 132 blocks a row, as before, a verify of 8 rows ran eight waves of blocks
-/// that each loaded 64 KB of queries to score 4 indexer rows (on an H200 at a 2100-token
-/// context 59 us a launch, against 13.6 for one row). Measured this way against that
-/// (interleaved A/B, Flash with filled experts at 2100 tokens, medians of 3): verifies of 2 / 4
-/// / 8 rows 11.36 / 16.39 / 26.60 ms against 11.48 / 16.82 / 27.31; one row is unchanged.
+/// scores a row never changes the score, so only the speed depends on it). A thread holds its
+/// query head in registers (128 floats: few 256-thread blocks fit an SM) and a block loads
+/// them once for all the rows it scores. With 132 blocks a row, as before, a verify of 8 rows
+/// ran many waves of blocks that each loaded 64 KB of queries to score 4 indexer rows (on an
+/// H200 at a 2100-token context 59 us a launch, against 13.6 for one row). Measured this way
+/// against that (interleaved A/B, Flash with filled experts at 2100 tokens, medians of 3):
+/// verifies of 2 / 4 / 8 rows 11.36 / 16.39 / 26.60 ms against 11.48 / 16.82 / 27.31; one row
+/// is unchanged.
 pub(super) fn index_blocks(n: usize) -> u32 {
     INDEX_WAVE.div_ceil(n.max(1)) as u32
 }
