@@ -5,6 +5,8 @@
 #   cargo test --release --features cuda --lib --no-run   # optional: the Rust kernel tests
 #   bash scripts/gpu_suite.sh target/wheels/ds4-*.whl [WHEELHOUSE] [TESTS_BINARY]
 #
+# (scripts/gpu_kit.sh OUT builds all three into OUT: OUT/ds4-*.whl OUT/wheelhouse OUT/ds4-tests.)
+#
 # WHEELHOUSE: a folder of wheels for pytest, hypothesis and gguf when the GPU machine has no
 # network (`pip download pytest hypothesis gguf -d WHEELHOUSE --only-binary=:all:
 # --python-version 3.12 --platform manylinux2014_x86_64` elsewhere); "" to use the index.
