@@ -22,8 +22,9 @@ out=$(cd "$out" && pwd)
 cd "$root"
 rm -f "$out"/ds4-*.whl
 "$python" -m maturin build --release --quiet --out "$out"
-# The unit-test executable of the engine's library (the one whose target is lib.rs).
-tests=$(cargo test --release --features cuda --lib --no-run --message-format=json 2>/dev/null \
+# The unit-test executable of the engine's library (the one whose target is lib.rs); cargo's
+# own messages, a compile error among them, stay on stderr.
+tests=$(cargo test --release --features cuda --lib --no-run --message-format=json \
     | "$python" -c 'import json, sys
 for line in sys.stdin:
     m = json.loads(line)
