@@ -14,6 +14,7 @@ import pytest
 import ds4
 from ds4.testing import TINY, random_model
 from conftest import GOLDEN, LLAMACPP_TINY_L
+from test_drafters import check_sampling_is_exact, llamacpp_layout
 from test_speculative import Oracle, check_identical, prompts
 
 FIXTURES = ["tiny-a", "tiny-b", "tiny-l"]
@@ -230,3 +231,72 @@ def test_l2_prefetch_changes_no_bits(tmp_path: Path) -> None:
     p = np.random.default_rng(4).integers(8, cfg.vocab_size, 60).tolist()
     off, on = (_child_logits(path, p, {"DS4_CUDA_PREFETCH": v}, tmp_path / f"pf{v}.npy") for v in "01")
     assert np.array_equal(off.view(np.uint32), on.view(np.uint32))
+
+
+_MTP_CHILD = r"""
+import sys
+import numpy as np
+import ds4
+from ds4 import _ds4
+target, mtp, golden, where = sys.argv[1:5]
+g = np.load(golden)
+m = ds4.Model.load(target, draft=mtp, backend="cuda")
+def calls():
+    return {name: n for name, n, _ in _ds4.profile(True)}
+for i in range(3):
+    s = m.session(512)
+    s.eval(g[f"prompt_{i}"].tolist(), logits="last")
+    calls()
+    p = s.propose(k=3)  # anchor: the target's greedy token
+    c = calls()
+    if where == "device":
+        assert c["device_draft"] == 1 and c["matmul"] == 0, c
+    else:
+        assert c["device_draft"] == 0 and c["matmul"] > 0, c
+    assert p.tokens == g[f"mtp_chain_tokens_{i}"].tolist(), (i, p.tokens)
+    err = float(np.abs(p.logits - g[f"mtp_chain_logits_{i}"]).max())
+    assert err < 1e-4, (i, err)
+print("ok")
+"""
+
+
+@gpu
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_mtp_chain_matches_reference_on_cuda(files: dict[str, Path], where: str) -> None:
+    # The reference's depth-3 MTP chain: on the device decoder (no host product runs during
+    # the proposal), and on the host with DS4_CUDA_DRAFT=0. A child process each: the setting
+    # is read when a session's decoder is made, DS4_PROFILE when the process first times.
+    env = {"DS4_PROFILE": "1", "DS4_CUDA_DRAFT": "1" if where == "device" else "0"}
+    golden = GOLDEN / "drafters" / "tiny-l-mtp" / "golden.npz"
+    args = [sys.executable, "-c", _MTP_CHILD, str(files["tiny-l"]), str(files["mtp"]), str(golden), where]
+    r = subprocess.run(args, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stderr[-2000:])
+
+
+@gpu
+def test_mtp_layouts_and_pairing_on_cuda(files: dict[str, Path], tmp_path: Path) -> None:
+    # llama.cpp's layout (one fused eh_proj; the MTP's own head, or the trunk's) and ds4's
+    # pairing (the first step re-derives the last position): the device's proposals are the
+    # CPU's, and speculation with them gives plain decoding's tokens.
+    own = llamacpp_layout(files["tiny-l"], files["mtp"], tmp_path / "own.gguf", True)
+    trunk = llamacpp_layout(files["tiny-l"], files["mtp"], tmp_path / "trunk.gguf", False)
+    cases = [(own, {}), (trunk, {}), (files["tiny-l"], {"draft": files["mtp"], "mtp_pairing": "ds4"})]
+    for path, kw in cases:
+        gpu_m = ds4.Model.load(path, backend="cuda", **kw)  # type: ignore[arg-type]
+        cpu_m = ds4.Model.load(path, backend="cpu", **kw)  # type: ignore[arg-type]
+        for prompt in prompts("tiny-l")[:2]:
+            a, b = gpu_m.session(512), cpu_m.session(512)
+            a.eval(prompt, logits="last")
+            b.eval(prompt, logits="last")
+            pa, pb = a.propose(k=4), b.propose(k=4)
+            assert pa.tokens == pb.tokens, (path.name, kw)
+            assert np.abs(pa.logits - pb.logits).max() < 1e-4, (path.name, kw)
+        check_identical(gpu_m, prompts("tiny-l")[2], ds4.Speculative("mtp", max_draft=3), max_tokens=24,
+                        ignore_eos=True)
+
+
+@gpu
+def test_mtp_sampling_is_exact_on_cuda(files: dict[str, Path]) -> None:
+    # The device's proposals at T > 0: tokens drawn on the host from the downloaded logits, the
+    # target's distribution kept exactly.
+    check_sampling_is_exact(ds4.Model.load(files["tiny-l"], draft=files["mtp"], backend="cuda"), "mtp")

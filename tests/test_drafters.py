@@ -212,10 +212,13 @@ def test_worst_argmax_gap_is_zero(mtp: ds4.Model, dspark: ds4.Model, method: str
 
 @pytest.mark.parametrize("method", ["mtp", "dspark"])
 def test_temperature_sampling_is_exact(mtp: ds4.Model, dspark: ds4.Model, method: str) -> None:
-    # At T > 0 the drafter samples its tokens from its own filtered distribution q; the
-    # target accepts with min(1, p/q) and resamples rejections from (p - q)+. The second
-    # generated token (the first one a draft can supply) must follow the target's p exactly.
-    m = mtp if method == "mtp" else dspark
+    check_sampling_is_exact(mtp if method == "mtp" else dspark, method)
+
+
+def check_sampling_is_exact(m: ds4.Model, method: str) -> None:
+    """At T > 0 the drafter samples its tokens from its own filtered distribution q; the
+    target accepts with min(1, p/q) and resamples rejections from (p - q)+. The second
+    generated token (the first one a draft can supply) must follow the target's p exactly."""
     prompt = prompts("tiny-l")[0]
     params = dict(temperature=1.0, top_k=6)
     s = m.session(64)

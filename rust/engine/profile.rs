@@ -5,7 +5,7 @@
 //! time spent in the per-row attention loop (state updates, indexer, attention: the work that
 //! stays on the CPU whatever the backend). A device decoder's step adds its own phases: the
 //! whole step, the host's wait for the GPU, and the replay of the step's journal into the host
-//! state. [`report`] reads the totals, [`reset`] clears them.
+//! state; a drafter's proposal on the device its own. [`report`] reads the totals, [`reset`] clears them.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -26,10 +26,12 @@ pub enum Phase {
     DeviceWait = 4,
     /// Inside a device step: the step's journal applied to the host state.
     Journal = 5,
+    /// A drafter's proposal computed by a device decoder (its steps, uploads and downloads).
+    DeviceDraft = 6,
 }
 
-const N: usize = 6;
-const NAMES: [&str; N] = ["forward", "matmul", "attention", "device_step", "device_wait", "journal"];
+const N: usize = 7;
+const NAMES: [&str; N] = ["forward", "matmul", "attention", "device_step", "device_wait", "journal", "device_draft"];
 static NANOS: [AtomicU64; N] = [const { AtomicU64::new(0) }; N];
 static CALLS: [AtomicU64; N] = [const { AtomicU64::new(0) }; N];
 

@@ -320,9 +320,9 @@ impl Session {
     /// default the target's greedy next token, from the last evaluated logits), at most `k`
     /// tokens (by default the drafter's block: DSpark's block size, one MTP step), each the
     /// argmax of the drafter's logits. Changes nothing.
-    pub fn propose(&self, anchor: Option<u32>, k: Option<usize>) -> Result<Proposal> {
+    pub fn propose(&mut self, anchor: Option<u32>, k: Option<usize>) -> Result<Proposal> {
         let (anchor, k) = self.proposal_args(anchor, k)?;
-        self.model.propose(&self.state, anchor, k, None)
+        self.propose_on(anchor, k, false, true)
     }
 
     /// [`Session::propose`] for speculation: with a non-greedy sampler the tokens are drawn
@@ -330,7 +330,29 @@ impl Session {
     /// stream, and those distributions come back for exact rejection sampling.
     pub(crate) fn propose_for_verify(&mut self, anchor: u32, k: usize) -> Result<Proposal> {
         let (anchor, k) = self.proposal_args(Some(anchor), Some(k))?;
-        let sampler = self.sampler.as_mut();
+        // A verify reads the tokens (and, sampling, the distributions), not the logits.
+        self.propose_on(anchor, k, true, false)
+    }
+
+    /// The proposal on the device decoder when it has a path for the drafter, else on the host;
+    /// with the session's sampler when `sample`.
+    fn propose_on(&mut self, anchor: u32, k: usize, sample: bool, want_logits: bool) -> Result<Proposal> {
+        if anchor as usize >= self.model.config.vocab {
+            return Err(Error::invalid(format!(
+                "anchor {anchor} is outside the vocabulary of {}",
+                self.model.config.vocab
+            )));
+        }
+        if self.state.pos > 0 && k > 0 {
+            self.ensure_decoder();
+        }
+        if let Some(dec) = self.decoder.as_mut() {
+            let sampler = if sample { self.sampler.as_mut() } else { None };
+            if let Some(out) = dec.propose(&self.model, &self.state, anchor, k, sampler, want_logits) {
+                return out;
+            }
+        }
+        let sampler = if sample { self.sampler.as_mut() } else { None };
         self.model.propose(&self.state, anchor, k, sampler)
     }
 

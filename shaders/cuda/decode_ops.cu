@@ -215,6 +215,41 @@ extern "C" __global__ void ds4_rms_weight(const float* x, float* y, const float*
     ds4_rms_store(x + off, y + off, w, width, s, v);
 }
 
+// The MTP block's input norms (model/drafting.rs mtp_inputs), one row a block: blocks
+// 0..hc-1 the streams h [hc, d] with the weight hnorm, block hc the token's embedding e [d]
+// with enorm. cat == 0 (e_proj and h_proj apart): the streams' norms to hn [hc, d], the
+// embedding's to en [d]. cat == 1 (one [2d -> d] eh_proj): hn gets hc rows of 2d,
+// [enorm(e); hnorm(h_s)]. Grid (hc + 1).
+extern "C" __global__ void __launch_bounds__(1024) ds4_mtp_in(const float* h, const float* e, const float* hnorm, const float* enorm,
+                                      float* hn, float* en, int hc, int d, int cat, float eps) {
+    ds4_grid_lead();
+    __shared__ double red[32];
+    const int r = blockIdx.x;
+    const bool emb = r == hc;
+    const float* x = emb ? e : h + (long long)r * d;
+    float v[DS4_RMS_REGS];
+    const float s = ds4_rms_scale_regs(x, d, eps, red, v);
+    if (!cat) {
+        ds4_rms_store(x, emb ? en : hn + (long long)r * d, emb ? enorm : hnorm, d, s, v);
+    } else if (!emb) {
+        ds4_rms_store(x, hn + (long long)r * 2 * d + d, hnorm, d, s, v);
+    } else {
+        for (int q = 0; q < hc; q++) {
+            ds4_rms_store(x, hn + (long long)q * 2 * d, enorm, d, s, v);
+        }
+    }
+}
+
+// x[r, i] += v[i] for the rows r < rows of x [rows, width] (the MTP input: h_proj's rows plus
+// e_proj's one). Grid (rows * width / 256).
+extern "C" __global__ void ds4_add_rows(float* x, const float* v, int rows, int width) {
+    ds4_grid_lead();
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < (long long)rows * width) {
+        x[i] += v[i % width];
+    }
+}
+
 // 1 / (1 + e^-x) (cpu.rs sigmoid).
 __device__ __forceinline__ float ds4_sigmoid(float x) {
     return 1.0f / (1.0f + expf(-x));

@@ -13,7 +13,8 @@ pub mod cuda;
 use std::sync::Arc;
 
 use crate::model::weights::Mat;
-use crate::model::{Logits, Model};
+use crate::model::{Logits, Model, Proposal};
+use crate::sampling::Sampler;
 use crate::state::{BatchLog, KvPrecision, State};
 use crate::Result;
 
@@ -63,6 +64,24 @@ pub trait DeviceDecoder: Send {
 
     /// Most rows one call takes.
     fn max_rows(&self) -> usize;
+
+    /// What the model's drafter proposes after `state` and `anchor` (`Model::propose`, with
+    /// its arguments and contract), computed on the device, or `None` when this decoder has no
+    /// device path for the model's drafter (the host computes it then). The logits may differ
+    /// from the host's by rounding, so the tokens may too where two are close: a proposal
+    /// only decides what a verify checks, never what it commits. With `want_logits` false and
+    /// a greedy (or no) sampler, the proposal's `logits` are left empty.
+    fn propose(
+        &mut self,
+        _model: &Model,
+        _state: &State,
+        _anchor: u32,
+        _k: usize,
+        _sampler: Option<&mut Sampler>,
+        _want_logits: bool,
+    ) -> Option<Result<Proposal>> {
+        None
+    }
 }
 
 /// The greedy tokens of a pass's requested rows ([`DeviceDecoder::forward_argmax`]).

@@ -42,7 +42,13 @@ impl<'a> Chooser<'a> {
         Chooser { sampler: sampler.filter(|s| !s.params().is_greedy()), dists: Vec::new() }
     }
 
-    fn choose(&mut self, logits: &[f32]) -> Result<u32> {
+    /// Whether each token is the argmax (no sampler, or a greedy one).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn is_greedy(&self) -> bool {
+        self.sampler.is_none()
+    }
+
+    pub(crate) fn choose(&mut self, logits: &[f32]) -> Result<u32> {
         match self.sampler.as_deref_mut() {
             None => Ok(argmax(logits)),
             Some(s) => {
@@ -54,7 +60,7 @@ impl<'a> Chooser<'a> {
         }
     }
 
-    fn finish(self, out: &mut Proposal) {
+    pub(crate) fn finish(self, out: &mut Proposal) {
         if self.sampler.is_some() {
             out.dists = Some(self.dists);
         }

@@ -296,7 +296,8 @@ impl PySession {
         Option<Bound<'py, PyByteArray>>,
     )> {
         let p = py.detach(|| {
-            let s = self.inner.lock().map_err(|_| ds4::Error::InvalidArgument("the session was poisoned".into()))?;
+            let mut s =
+                self.inner.lock().map_err(|_| ds4::Error::InvalidArgument("the session was poisoned".into()))?;
             s.propose(anchor, k)
         });
         let p = p.into_py_result()?;

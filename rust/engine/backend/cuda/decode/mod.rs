@@ -48,11 +48,13 @@ use super::device::{Arg, DevBuf};
 use super::{chunk_rows, row_blocks, slices, CudaBackend};
 use crate::backend::{DeviceDecoder, Greedy};
 use crate::model::config::AttentionKind;
-use crate::model::draft::DraftKind;
+use crate::model::draft::{DraftKind, MtpInput, MtpPairing, MtpWeights};
+use crate::model::drafting::{Chooser, Proposal};
 use crate::model::forward::mean_of_streams;
 use crate::model::weights::{HyperWeights, Mat, Router};
 use crate::model::{Logits, Model};
-use crate::state::{BatchLog, KvPrecision, LayerState, PendingWrites, State};
+use crate::sampling::Sampler;
+use crate::state::{BatchLog, DraftState, KvPrecision, LayerState, PendingWrites, State};
 use crate::{Error, Result};
 
 /// Rows of a step: one product chunk of the matrix kernels.
@@ -280,6 +282,26 @@ impl LayerMirror {
     }
 }
 
+/// The MTP drafter on the device ([`DeviceDecoder::propose`]): its block's constants and
+/// window ring, its input norms, its head's constants, and the embedding row of the step's
+/// token. The ring is a scratch copy of the host's, uploaded at the start of each proposal
+/// (window + 17 rows, 290 KB for Flash): the host state stays the reference, kept up to date
+/// by `Model::draft_advance` after each step, and a proposal's rows are dropped with it. A
+/// proposal step is the trunk's layer program on the MTP block at one row, between trunk steps
+/// on the same stream and activation buffers.
+struct MtpDevice {
+    spec: crate::model::config::LayerSpec,
+    consts: LayerConsts,
+    mirror: LayerMirror,
+    enorm: DevBuf,
+    hnorm: DevBuf,
+    emb: DevBuf,
+    /// The final norm, the HC head's base and scale.
+    head: (DevBuf, DevBuf, DevBuf),
+    /// The step programs without and with the head.
+    programs: [Option<Program>; 2],
+}
+
 /// Activations of a step, each sized for 16 rows.
 struct Bufs {
     step: DevBuf,
@@ -404,6 +426,8 @@ struct Kernels {
     pack: sys::CUfunction,
     argmax: sys::CUfunction,
     prefetch: sys::CUfunction,
+    mtp_in: sys::CUfunction,
+    add_rows: sys::CUfunction,
     /// Every handle above with its name (profiles).
     names: Vec<(sys::CUfunction, &'static str)>,
 }
@@ -441,6 +465,8 @@ impl Kernels {
             pack: f("ds4_pack")?,
             argmax: f("ds4_argmax_rows")?,
             prefetch: f("ds4_prefetch")?,
+            mtp_in: f("ds4_mtp_in")?,
+            add_rows: f("ds4_add_rows")?,
             names: Vec::new(),
         };
         Ok(Kernels { names, ..k })
@@ -488,6 +514,9 @@ pub(crate) struct CudaDecoder {
     /// while the GPU runs the next step) rather than making them before it returns;
     /// `DS4_CUDA_DEFER=0` makes them at once (A/B timing).
     defer: bool,
+    /// The MTP drafter's device path (None: no MTP drafter, one the device does not run, or
+    /// `DS4_CUDA_DRAFT=0`; proposals then run on the host).
+    mtp: Option<MtpDevice>,
     /// Each layer's compressors' position biases (the compressor, then the indexer's), which
     /// the journal's replay adds to the gates.
     apes: Arc<Vec<Vec<Vec<f32>>>>,
@@ -504,7 +533,8 @@ impl Drop for CudaDecoder {
         let g = self.backend.lock();
         if g.ctx.bind().is_ok() {
             g.ctx.sync().ok();
-            for p in self.programs.values_mut() {
+            let mtp_programs = self.mtp.iter_mut().flat_map(|m| m.programs.iter_mut().flatten());
+            for p in self.programs.values_mut().chain(mtp_programs) {
                 if let Some(exec) = p.graph.take() {
                     // SAFETY: instantiated by this decoder, destroyed once.
                     unsafe { cu::graph::exec_destroy(exec).ok() };
@@ -604,6 +634,82 @@ pub(crate) fn decoder_for(
     Some(CudaDecoder::new(backend, model, ctx, round_mode).map(|d| Box::new(d) as Box<dyn DeviceDecoder>))
 }
 
+/// A layer's constants in device memory (`rope`: its rotary table).
+fn layer_consts(l: &crate::model::weights::LayerWeights, rope: &crate::model::rope::Rope) -> Result<LayerConsts> {
+    let hyper = |h: &HyperWeights| -> Result<(DevBuf, DevBuf)> {
+        Ok((DevBuf::from_slice(&h.base)?, DevBuf::from_slice(&h.scale)?))
+    };
+    Ok(LayerConsts {
+        attn_norm: DevBuf::from_slice(&l.attn_norm)?,
+        q_a_norm: DevBuf::from_slice(&l.q_a_norm)?,
+        kv_norm: DevBuf::from_slice(&l.kv_norm)?,
+        sinks: DevBuf::from_slice(&l.sinks)?,
+        ffn_norm: DevBuf::from_slice(&l.ffn_norm)?,
+        hc_attn: hyper(&l.hc_attn)?,
+        hc_ffn: hyper(&l.hc_ffn)?,
+        inv_freq: DevBuf::from_slice(rope.inv_freq())?,
+        comp: match &l.compressor {
+            Some(c) => Some((DevBuf::from_slice(&c.ape)?, DevBuf::from_slice(&c.norm)?)),
+            None => None,
+        },
+        index: match &l.indexer {
+            Some(i) => Some((DevBuf::from_slice(&i.compressor.ape)?, DevBuf::from_slice(&i.compressor.norm)?)),
+            None => None,
+        },
+        bias: match &l.router {
+            Router::Learned { bias } => Some(DevBuf::from_slice(bias)?),
+            Router::Hash { .. } => None,
+        },
+        hash: match &l.router {
+            Router::Hash { table } => Some(DevBuf::from_slice(table)?),
+            Router::Learned { .. } => None,
+        },
+    })
+}
+
+/// Whether the MTP drafter `mw` of `model` runs on the device: its weights uploaded in a shape
+/// the kernels take, its block a window-only one with a learned router and the target's
+/// expert and projection shapes (the decoder's buffers are the target's), 8-bit activations
+/// only for its routed experts.
+fn mtp_on_device(backend: &CudaBackend, model: &Model, mw: &MtpWeights) -> bool {
+    let Some(dm) = model.draft.as_ref() else { return false };
+    let g = backend.lock();
+    let find = |raw: &[u8]| g.images.iter().find(|i| i.is(raw));
+    let (Some(timg), Some(dimg)) = (find(model.file.raw()), find(dm.file.raw())) else { return false };
+    let (b, l0) = (&mw.block, &model.weights.layers[0]);
+    let same = |x: &Mat, y: &Mat| (x.n_in, x.n_out) == (y.n_in, y.n_out);
+    let mut dense = match &mw.input {
+        MtpInput::Split { e_proj, h_proj } => vec![*e_proj, *h_proj],
+        MtpInput::Fused { eh_proj } => vec![*eh_proj],
+    };
+    dense.extend([b.hc_attn.proj, b.q_a, b.q_b, b.kv, b.o_a, b.o_b, b.hc_ffn.proj, b.router_proj]);
+    dense.extend([b.gate_sh, b.up_sh, b.down_sh]);
+    let routed = [b.gate_exps.first, b.up_exps.first, b.down_exps.first];
+    let shapes = [
+        (b.q_a, l0.q_a),
+        (b.q_b, l0.q_b),
+        (b.kv, l0.kv),
+        (b.o_a, l0.o_a),
+        (b.o_b, l0.o_b),
+        (b.router_proj, l0.router_proj),
+        (b.gate_sh, l0.gate_sh),
+        (b.down_sh, l0.down_sh),
+        (b.gate_exps.first, l0.gate_exps.first),
+        (b.up_exps.first, l0.up_exps.first),
+        (b.down_exps.first, l0.down_exps.first),
+    ];
+    let head_img = if mw.head_from_target { timg } else { dimg };
+    dm.spec.kind == AttentionKind::Sliding
+        && matches!(b.router, Router::Learned { .. })
+        && b.compressor.is_none()
+        && b.indexer.is_none()
+        && shapes.iter().all(|(x, y)| same(x, y))
+        && dense.iter().all(|m| CudaBackend::gpu_shape(dimg, m) && !crate::quant::act8::takes_act8(m.ty))
+        && routed.iter().all(|m| CudaBackend::gpu_shape(dimg, m))
+        && CudaBackend::gpu_shape(head_img, &mw.hc_head.proj)
+        && !crate::quant::act8::takes_act8(mw.hc_head.proj.ty)
+}
+
 impl CudaDecoder {
     fn new(backend: Arc<CudaBackend>, model: &Model, ctx_len: usize, round_mode: i32) -> Result<Self> {
         let prefetch_q_b = program::prefetch_q_b(std::env::var("DS4_CUDA_PREFETCH").ok().as_deref())?;
@@ -619,44 +725,8 @@ impl CudaDecoder {
         let cfg = &model.config;
         let w = &model.weights;
         let (d, hc, hd) = (cfg.hidden, cfg.hc_mult, cfg.head_dim);
-        let consts = w
-            .layers
-            .iter()
-            .zip(&model.ropes)
-            .map(|(l, rope)| -> Result<LayerConsts> {
-                let hyper = |h: &HyperWeights| -> Result<(DevBuf, DevBuf)> {
-                    Ok((DevBuf::from_slice(&h.base)?, DevBuf::from_slice(&h.scale)?))
-                };
-                Ok(LayerConsts {
-                    attn_norm: DevBuf::from_slice(&l.attn_norm)?,
-                    q_a_norm: DevBuf::from_slice(&l.q_a_norm)?,
-                    kv_norm: DevBuf::from_slice(&l.kv_norm)?,
-                    sinks: DevBuf::from_slice(&l.sinks)?,
-                    ffn_norm: DevBuf::from_slice(&l.ffn_norm)?,
-                    hc_attn: hyper(&l.hc_attn)?,
-                    hc_ffn: hyper(&l.hc_ffn)?,
-                    inv_freq: DevBuf::from_slice(rope.inv_freq())?,
-                    comp: match &l.compressor {
-                        Some(c) => Some((DevBuf::from_slice(&c.ape)?, DevBuf::from_slice(&c.norm)?)),
-                        None => None,
-                    },
-                    index: match &l.indexer {
-                        Some(i) => {
-                            Some((DevBuf::from_slice(&i.compressor.ape)?, DevBuf::from_slice(&i.compressor.norm)?))
-                        }
-                        None => None,
-                    },
-                    bias: match &l.router {
-                        Router::Learned { bias } => Some(DevBuf::from_slice(bias)?),
-                        Router::Hash { .. } => None,
-                    },
-                    hash: match &l.router {
-                        Router::Hash { table } => Some(DevBuf::from_slice(table)?),
-                        Router::Learned { .. } => None,
-                    },
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let consts =
+            w.layers.iter().zip(&model.ropes).map(|(l, rope)| layer_consts(l, rope)).collect::<Result<Vec<_>>>()?;
         let head_consts = (
             DevBuf::from_slice(&w.output_norm)?,
             DevBuf::from_slice(&w.hc_head.base)?,
@@ -704,6 +774,16 @@ impl CudaDecoder {
             mirror.push(m);
         }
 
+        // The MTP drafter's device path, when its block runs here.
+        let mtp_w: Option<&MtpWeights> = match model.draft.as_ref().map(|dm| &dm.kind) {
+            Some(DraftKind::Mtp(mw))
+                if !std::env::var("DS4_CUDA_DRAFT").is_ok_and(|v| v == "0") && mtp_on_device(&backend, model, mw) =>
+            {
+                Some(mw)
+            }
+            _ => None,
+        };
+
         // Partial sums and counters: the most any launch group needs at 16 rows.
         let kk = cfg.n_experts_used;
         let max_descs = N_MAX * kk;
@@ -713,7 +793,7 @@ impl CudaDecoder {
             part_floats = part_floats.max(p);
             counters_len = counters_len.max(c);
         };
-        for l in &w.layers {
+        for l in w.layers.iter().chain(mtp_w.map(|m| &m.block)) {
             need(&[l.hc_attn.proj], N_MAX);
             need(&[l.q_a, l.kv], N_MAX);
             // q_b with the compressors' and indexer's products (as `build` groups them).
@@ -737,6 +817,35 @@ impl CudaDecoder {
         }
         need(&[w.hc_head.proj], N_MAX);
         need(&[w.output], N_MAX);
+        if let Some(mw) = mtp_w {
+            match &mw.input {
+                MtpInput::Split { e_proj, h_proj } => need(&[*e_proj, *h_proj], N_MAX),
+                MtpInput::Fused { eh_proj } => need(&[*eh_proj], N_MAX),
+            }
+            need(&[mw.hc_head.proj], N_MAX);
+        }
+        let mtp = match (mtp_w, model.draft.as_ref()) {
+            (Some(mw), Some(dm)) => Some(MtpDevice {
+                spec: dm.spec,
+                consts: layer_consts(&mw.block, &dm.rope)?,
+                mirror: LayerMirror {
+                    ring: f32_buf((cfg.window + crate::spec::MAX_DRAFT + 1) * hd)?,
+                    slots: cfg.window + crate::spec::MAX_DRAFT + 1,
+                    comp: None,
+                    index: None,
+                },
+                enorm: DevBuf::from_slice(&mw.enorm)?,
+                hnorm: DevBuf::from_slice(&mw.hnorm)?,
+                emb: f32_buf(d)?,
+                head: (
+                    DevBuf::from_slice(&mw.norm)?,
+                    DevBuf::from_slice(&mw.hc_head.base)?,
+                    DevBuf::from_slice(&mw.hc_head.scale)?,
+                ),
+                programs: [None, None],
+            }),
+            _ => None,
+        };
 
         let l0 = &w.layers[0];
         let ff = l0.gate_exps.first.n_out;
@@ -815,6 +924,7 @@ impl CudaDecoder {
             side: if std::env::var("DS4_CUDA_FORK").is_ok_and(|v| v == "0") { None } else { Some(SideBranch::new()?) },
             prefetch_q_b,
             defer,
+            mtp,
             apes: Arc::new(
                 w.layers
                     .iter()
@@ -1196,7 +1306,7 @@ impl CudaDecoder {
                 .iter()
                 .find(|i| i.is(model.file.raw()))
                 .ok_or_else(|| Error::Backend("CUDA decode: the model's weights are not on the device".into()))?;
-            let prog = self.build(ctx, img, model, n, head, argmax)?;
+            let prog = self.build(ctx, img, model, n, program::Body::Trunk { head, argmax })?;
             self.programs.insert(key, prog);
         }
 
@@ -1381,9 +1491,173 @@ impl CudaDecoder {
     }
 }
 
+impl CudaDecoder {
+    /// [`DeviceDecoder::propose`] for the MTP drafter: `Model::propose`'s steps (see
+    /// `propose_mtp` in model/drafting.rs), each one program run on the device. The first step
+    /// uploads the host's drafter ring and the pending trunk streams; every step uploads its
+    /// position, token and the token's embedding row, and brings back the argmax of the logits
+    /// (and the logits when `want_logits` or a non-greedy chooser needs them). Nothing in the
+    /// state changes.
+    fn propose_mtp(
+        &mut self,
+        model: &Model,
+        state: &State,
+        anchor: u32,
+        k: usize,
+        mut chooser: Chooser<'_>,
+        want_logits: bool,
+    ) -> Result<Proposal> {
+        let _t = crate::profile::scope(crate::profile::Phase::DeviceDraft);
+        let cfg = &model.config;
+        let (d, hc, v) = (cfg.hidden, cfg.hc_mult, cfg.vocab);
+        let (Some(dm), Some(DraftState::Mtp { ring, pending })) = (model.draft.as_ref(), state.draft.as_ref()) else {
+            return Err(Error::invalid("the session was created without the model's drafter state"));
+        };
+        let DraftKind::Mtp(mw) = &dm.kind else {
+            return Err(Error::invalid("the session's drafter state does not match the model's drafter"));
+        };
+        let mut out = Proposal::default();
+        if state.pos == 0 || k == 0 {
+            return Ok(out);
+        }
+        let p = state.pos - 1;
+        let slots = self.mtp.as_ref().map_or(0, |m| m.mirror.slots);
+        if pending.len() != hc * d || ring.ring.len() != slots * cfg.head_dim {
+            return Err(Error::Backend("CUDA decode: the drafter state does not fit the device's (internal)".into()));
+        }
+        // The first step's input: the trunk's last streams with the anchor (DeepSeek's
+        // pairing), or with the last token, whose output is then chained with the anchor (ds4's).
+        let (mut tok, mut pos) = match dm.pairing {
+            MtpPairing::Next => (anchor, p),
+            MtpPairing::Same => (state.tokens[p], p),
+        };
+        let backend = Arc::clone(&self.backend);
+        let guard = backend.lock();
+        let ctx = &guard.ctx;
+        ctx.bind()?;
+        let find = |raw: &[u8]| {
+            guard
+                .images
+                .iter()
+                .find(|i| i.is(raw))
+                .ok_or_else(|| Error::Backend("CUDA decode: the drafter's weights are not on the device".into()))
+        };
+        let (timg, dimg) = (find(model.file.raw())?, find(dm.file.raw())?);
+        for head in [false, true] {
+            let Some(dev) = self.mtp.as_ref() else {
+                return Err(Error::Backend("CUDA decode: no MTP path (internal)".into()));
+            };
+            if dev.programs[head as usize].is_none() {
+                let prog = self.build(ctx, timg, model, 1, program::Body::Mtp { dev, w: mw, img: dimg, head })?;
+                if let Some(dev) = self.mtp.as_mut() {
+                    dev.programs[head as usize] = Some(prog);
+                }
+            }
+        }
+        let step_bytes = 4 * (2 + N_MAX);
+        let ring_bytes = 4 * ring.ring.len();
+        let h_bytes = 4 * hc * d;
+        self.up.reserve(step_bytes + 4 * d + h_bytes + ring_bytes)?;
+        self.down.reserve(4 * (1 + v))?;
+        // The ring and the streams, once (they are the host's: this proposal's rows live only
+        // on the device).
+        self.up.floats(step_bytes + 4 * d, hc * d).copy_from_slice(pending);
+        self.up.floats(step_bytes + 4 * d + h_bytes, ring.ring.len()).copy_from_slice(&ring.ring);
+        let stream = ctx.stream;
+        let (x_dev, ring_dev, emb_dev) = match self.mtp.as_ref() {
+            Some(dev) => (self.bufs.x.ptr, dev.mirror.ring.ptr, dev.emb.ptr),
+            None => return Err(Error::Backend("CUDA decode: no MTP path (internal)".into())),
+        };
+        // SAFETY: pinned host ranges inside `up`, device buffers of this decoder of at least
+        // these sizes; the host waits for the stream before writing `up` again.
+        unsafe {
+            let upb = std::slice::from_raw_parts(self.up.ptr, step_bytes + 4 * d + h_bytes + ring_bytes);
+            cu::memcpy_htod_async(x_dev, &upb[step_bytes + 4 * d..step_bytes + 4 * d + h_bytes], stream)
+                .map_err(driver_err("upload"))?;
+            cu::memcpy_htod_async(ring_dev, &upb[step_bytes + 4 * d + h_bytes..], stream)
+                .map_err(driver_err("upload"))?;
+        }
+        let use_graphs = self.use_graphs && self.profile.is_none();
+        let mut first = true;
+        let mut e = vec![0f32; d];
+        while out.tokens.len() < k {
+            let chained = dm.pairing == MtpPairing::Same && first;
+            first = false;
+            let mut vals = vec![pos as i32, 1, tok as i32];
+            vals.resize(2 + N_MAX, 0);
+            for (c, x) in self.up.bytes_mut(0, step_bytes).chunks_mut(4).zip(vals) {
+                c.copy_from_slice(&x.to_le_bytes());
+            }
+            model.embed_row(tok, &mut e)?;
+            self.up.floats(step_bytes, d).copy_from_slice(&e);
+            let logits_back = !chained && (want_logits || !chooser.is_greedy());
+            // SAFETY: as above; `down` is written only by these copies and read after the wait.
+            unsafe {
+                let upb = std::slice::from_raw_parts(self.up.ptr, step_bytes + 4 * d);
+                cu::memcpy_htod_async(self.bufs.step.ptr, &upb[..step_bytes], stream).map_err(driver_err("upload"))?;
+                cu::memcpy_htod_async(emb_dev, &upb[step_bytes..], stream).map_err(driver_err("upload"))?;
+            }
+            let prog =
+                self.mtp.as_mut().and_then(|m| m.programs[!chained as usize].as_mut()).ok_or_else(lost_program)?;
+            Self::replay(ctx, prog, use_graphs, self.side.as_ref())?;
+            if !chained {
+                // SAFETY: as above.
+                unsafe {
+                    let dn = std::slice::from_raw_parts_mut(self.down.ptr.cast::<u32>(), 1 + v);
+                    cu::memcpy_dtoh_async(&mut dn[..1], self.bufs.ids.ptr, stream).map_err(driver_err("download"))?;
+                    if logits_back {
+                        let lg = std::slice::from_raw_parts_mut(self.down.ptr.cast::<f32>().add(1), v);
+                        cu::memcpy_dtoh_async(lg, self.bufs.logits.ptr, stream).map_err(driver_err("download"))?;
+                    }
+                }
+            }
+            ctx.sync()?;
+            pos += 1;
+            if chained {
+                tok = anchor;
+                continue;
+            }
+            // SAFETY: written by the copies waited for above.
+            let id = unsafe { *self.down.ptr.cast::<u32>() };
+            let logits: Vec<f32> = if logits_back {
+                // SAFETY: as above.
+                unsafe { std::slice::from_raw_parts(self.down.ptr.cast::<f32>().add(1), v) }.to_vec()
+            } else if id & NO_GREEDY != 0 {
+                // No greedy token on the device (NaN or infinite logits): the host's argmax
+                // decides, as on the host path.
+                self.bufs.logits.read::<f32>(0, v)?
+            } else {
+                Vec::new()
+            };
+            // Greedy: the device's argmax (the host's scan of the same logits, bit for bit).
+            tok = if chooser.is_greedy() && id & NO_GREEDY == 0 { id } else { chooser.choose(&logits)? };
+            out.tokens.push(tok);
+            if want_logits {
+                out.logits.extend_from_slice(&logits);
+            }
+        }
+        drop(guard);
+        chooser.finish(&mut out);
+        Ok(out)
+    }
+}
+
 impl DeviceDecoder for CudaDecoder {
     fn max_rows(&self) -> usize {
         N_MAX
+    }
+
+    fn propose(
+        &mut self,
+        model: &Model,
+        state: &State,
+        anchor: u32,
+        k: usize,
+        sampler: Option<&mut Sampler>,
+        want_logits: bool,
+    ) -> Option<Result<Proposal>> {
+        self.mtp.as_ref()?;
+        Some(self.propose_mtp(model, state, anchor, k, Chooser::new(sampler), want_logits))
     }
 
     fn forward(

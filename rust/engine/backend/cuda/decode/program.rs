@@ -4,15 +4,17 @@
 //! (`CudaDecoder::replay`, in mod.rs). What each kernel computes is in `shaders/cuda/`; this
 //! file decides which kernels run, in which order, on which buffers, and why in that order.
 
+use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 
-use super::super::context::{stem, Context, THREADS};
+use super::super::context::{driver_err, stem, Context, THREADS};
 use super::super::device::{Arg, DevBuf};
 use super::super::weights::DeviceImage;
 use super::super::{chunk_rows, group, row_blocks, slices, split_in_launch, CudaBackend, Desc};
-use super::{CompMirror, CudaDecoder, Launch, Op, Program, N_MAX};
-use crate::model::draft::DraftKind;
-use crate::model::weights::{HyperWeights, Mat};
+use super::{CompMirror, CudaDecoder, Launch, LayerConsts, LayerMirror, MtpDevice, Op, Program, N_MAX};
+use crate::model::config::LayerSpec;
+use crate::model::draft::{DraftKind, MtpInput, MtpWeights};
+use crate::model::weights::{HyperWeights, LayerWeights, Mat};
 use crate::model::Model;
 use crate::{Error, Result};
 
@@ -113,17 +115,37 @@ fn desc_bytes(d: &Desc) -> &[u8] {
     unsafe { std::slice::from_raw_parts((d as *const Desc).cast::<u8>(), std::mem::size_of::<Desc>()) }
 }
 
-impl CudaDecoder {
-    /// Builds the program of a step of `n` rows whose head runs on `head` = (first row, rows),
+/// What a program runs.
+pub(super) enum Body<'a> {
+    /// A step of the target: every layer, then the head on `head` = (first row, rows)
     /// followed by the argmax of each of those logits rows when `argmax`.
+    Trunk { head: Option<(usize, usize)>, argmax: bool },
+    /// One step of the MTP drafter on one row (`MtpDevice`, mod.rs): its input from the streams
+    /// in `x` and the token's embedding, its block (`img`: the image of the file that holds the
+    /// drafter), then, when `head`, its head and the argmax of its logits.
+    Mtp { dev: &'a MtpDevice, w: &'a MtpWeights, img: &'a DeviceImage, head: bool },
+}
+
+/// One layer of a program: its weights (in `img`), constants and device state, and the
+/// capture slot its output streams are copied to (DSpark's target layers).
+struct Job<'a> {
+    lw: &'a LayerWeights,
+    spec: &'a LayerSpec,
+    c: &'a LayerConsts,
+    mm: &'a LayerMirror,
+    img: &'a DeviceImage,
+    capture: Option<usize>,
+}
+
+impl CudaDecoder {
+    /// Builds the program of a step of `n` rows (`img`: the target's weights).
     pub(super) fn build(
         &self,
         ctx: &Context,
         img: &DeviceImage,
         model: &Model,
         n: usize,
-        head: Option<(usize, usize)>,
-        argmax: bool,
+        body: Body<'_>,
     ) -> Result<Program> {
         let cfg = &model.config;
         let w = &model.weights;
@@ -140,6 +162,9 @@ impl CudaDecoder {
         let fl = |x: f32| PArg::A(Arg::F32(x));
         let null = PArg::A(Arg::Ptr(0));
         let fork = self.side.is_some();
+        // The image whose weights the products being added read (the drafter's file may not be
+        // the target's).
+        let cur = std::cell::Cell::new(img);
         let launch =
             |ops: &mut Vec<_>, f: sys::CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, args: Vec<PArg>| {
                 ops.push(Op::Launch(Launch { f, grid, block, smem, args, label: String::new() }));
@@ -186,7 +211,7 @@ impl CudaDecoder {
                         let part = b.part.ptr + 4 * part_off as u64;
                         let (xc, yc) = (x + 4 * (r0 * m.n_in) as u64, y + 4 * (r0 * ys) as u64);
                         let (mut dsc, nblocks) =
-                            CudaBackend::desc_split(img.addr(m.start), &m, xc, yc, part, c, counter, split);
+                            CudaBackend::desc_split(cur.get().addr(m.start), &m, xc, yc, part, c, counter, split);
                         dsc.block_start = blocks as i32;
                         dsc.y_stride = ys as i32;
                         // Only split products use partial sums and counters.
@@ -248,7 +273,7 @@ impl CudaDecoder {
             if !fork {
                 return;
             }
-            let (a, bytes) = (img.addr(m.start), m.row_bytes * m.n_out);
+            let (a, bytes) = (cur.get().addr(m.start), m.row_bytes * m.n_out);
             ops.push(Op::Side(Launch {
                 f: k.prefetch,
                 grid: (bytes.div_ceil(PREFETCH_PIECE).div_ceil(PREFETCH_THREADS) as u32, 1, 1),
@@ -264,6 +289,71 @@ impl CudaDecoder {
             Some(DraftKind::DSpark(w)) => w.target_layers.clone(),
             _ => Vec::new(),
         };
+        let jobs: Vec<Job<'_>> = match &body {
+            Body::Trunk { .. } => w
+                .layers
+                .iter()
+                .zip(&cfg.layers)
+                .enumerate()
+                .map(|(li, (lw, spec))| Job {
+                    lw,
+                    spec,
+                    c: &self.consts[li],
+                    mm: &self.mirror[li],
+                    img,
+                    capture: capture.iter().position(|&c| c == li),
+                })
+                .collect(),
+            Body::Mtp { dev, w: mw, img: dimg, .. } => {
+                vec![Job { lw: &mw.block, spec: &dev.spec, c: &dev.consts, mm: &dev.mirror, img: dimg, capture: None }]
+            }
+        };
+        if let Body::Mtp { dev, w: mw, img: dimg, .. } = &body {
+            // The block's input streams: per stream e_proj . enorm(E[t]) + h_proj . hnorm(H_s)
+            // (or the fused [2d -> d] product of the two norms), H the streams in x (the
+            // trunk's, uploaded, or the previous MTP step's output), E[t] uploaded to `emb`.
+            cur.set(dimg);
+            let fused = matches!(mw.input, MtpInput::Fused { .. });
+            launch(
+                &mut ops,
+                k.mtp_in,
+                ((hc + 1) as u32, 1, 1),
+                wide(d),
+                0,
+                vec![
+                    p(b.x.ptr),
+                    p(dev.emb.ptr),
+                    p(dev.hnorm.ptr),
+                    p(dev.enorm.ptr),
+                    p(b.flat.ptr),
+                    p(b.y.ptr),
+                    i(hc),
+                    i(d),
+                    i(fused as usize),
+                    fl(cfg.rms_eps),
+                ],
+            );
+            match &mw.input {
+                MtpInput::Split { e_proj, h_proj } => {
+                    products(
+                        &mut ops,
+                        &mut table,
+                        &[(*e_proj, b.y.ptr, b.h.ptr, 1), (*h_proj, b.flat.ptr, b.x.ptr, hc)],
+                    )?;
+                    launch(
+                        &mut ops,
+                        k.add_rows,
+                        ((hc * d).div_ceil(256) as u32, 1, 1),
+                        256,
+                        0,
+                        vec![p(b.x.ptr), p(b.h.ptr), i(hc), i(d)],
+                    );
+                }
+                MtpInput::Fused { eh_proj } => {
+                    products(&mut ops, &mut table, &[(*eh_proj, b.flat.ptr, b.x.ptr, hc)])?;
+                }
+            }
+        }
         let ff = w.layers[0].gate_exps.first.n_out;
         let ff_sh = w.layers[0].gate_sh.n_out;
         let kk = cfg.n_experts_used;
@@ -272,9 +362,9 @@ impl CudaDecoder {
         let chunk = n.min(EXPERT_CHUNK);
         let max_descs = if chunk >= n { (n * kk).min(cfg.n_experts) } else { n * kk };
 
-        for (li, (lw, spec)) in w.layers.iter().zip(&cfg.layers).enumerate() {
-            let c = &self.consts[li];
-            let mm = &self.mirror[li];
+        for job in &jobs {
+            let (lw, spec, c, mm) = (job.lw, job.spec, job.c, job.mm);
+            cur.set(job.img);
             let hc_site = |ops: &mut Vec<_>,
                            table: &mut Vec<u8>,
                            hw: &HyperWeights,
@@ -565,7 +655,7 @@ impl CudaDecoder {
             }
             // Templates of the routed products (ds4_route fills in expert, rows, offsets).
             let templ = |m: Mat, x: u64, y: u64, part_base: usize, counter: usize| {
-                CudaBackend::desc(img.addr(m.start), &m, x, y, b.part.ptr + 4 * part_base as u64, 0, counter).0
+                CudaBackend::desc(cur.get().addr(m.start), &m, x, y, b.part.ptr + 4 * part_base as u64, 0, counter).0
             };
             let (gm, um, dm) = (lw.gate_exps.first, lw.up_exps.first, lw.down_exps.first);
             // Partial sums only for split products (as `products` lays them out).
@@ -710,19 +800,30 @@ impl CudaDecoder {
                     i(hc),
                 ],
             );
-            if let Some(j) = capture.iter().position(|&c| c == li) {
+            if let Some(j) = job.capture {
                 let bytes = n * hc * d * 4;
                 ops.push(Op::Copy { dst: b.capture.ptr + (j * N_MAX * hc * d * 4) as u64, src: b.x.ptr, bytes });
             }
         }
 
-        // ---- head
+        // ---- head: the target's, or the MTP drafter's HC head and norm before the target's
+        // output matrix.
+        let (head, argmax, hc_proj, head_img, (norm, base, scale)) = match &body {
+            Body::Trunk { head, argmax } => (*head, *argmax, w.hc_head.proj, img, &self.head_consts),
+            Body::Mtp { dev, w: mw, img: dimg, head } => (
+                head.then_some((0, 1)),
+                true,
+                mw.hc_head.proj,
+                if mw.head_from_target { img } else { *dimg },
+                &dev.head,
+            ),
+        };
         if let Some((r0, rows)) = head {
             let xr = b.x.ptr + 4 * (r0 * hc * d) as u64;
             let gr = (rows as u32, 1, 1);
-            let (norm, base, scale) = &self.head_consts;
+            cur.set(head_img);
             launch(&mut ops, k.rms_plain, gr, wide(hc * d), 0, vec![p(xr), p(b.flat.ptr), i(hc * d), fl(cfg.rms_eps)]);
-            products(&mut ops, &mut table, &[(w.hc_head.proj, b.flat.ptr, b.mixl.ptr, rows)])?;
+            products(&mut ops, &mut table, &[(hc_proj, b.flat.ptr, b.mixl.ptr, rows)])?;
             launch(
                 &mut ops,
                 k.hc_head,
@@ -739,12 +840,42 @@ impl CudaDecoder {
                 0,
                 vec![p(b.y.ptr), p(b.y.ptr), p(norm.ptr), i(d), fl(cfg.rms_eps)],
             );
+            cur.set(img);
             products(&mut ops, &mut table, &[(w.output, b.y.ptr, b.logits.ptr, rows)])?;
             if argmax {
                 launch(&mut ops, k.argmax, gr, ARGMAX_THREADS, 0, vec![p(b.logits.ptr), i(cfg.vocab), p(b.ids.ptr)]);
             }
         }
 
+        // Every launch within its kernel's threads a block (what its registers allow): a wrong
+        // one would fail only when the program's graph is instantiated, without saying which.
+        let mut max_threads: std::collections::HashMap<usize, i32> = std::collections::HashMap::new();
+        for op in &ops {
+            let (Op::Launch(l) | Op::Side(l)) = op else { continue };
+            let max = match max_threads.get(&(l.f as usize)) {
+                Some(&m) => m,
+                None => {
+                    // SAFETY: a function of this context's module.
+                    let m = unsafe {
+                        cu::function::get_function_attribute(
+                            l.f,
+                            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK,
+                        )
+                    }
+                    .map_err(driver_err("reading a kernel's attributes"))?;
+                    max_threads.insert(l.f as usize, m);
+                    m
+                }
+            };
+            if l.block as i32 > max {
+                let name = k.name_of(l.f).map(str::to_string).or_else(|| ctx.product_kernel_name(l.f));
+                return Err(Error::Backend(format!(
+                    "CUDA decode: {} launched with {} threads a block, more than its {max} (internal)",
+                    name.as_deref().unwrap_or("a kernel"),
+                    l.block
+                )));
+            }
+        }
         let tables = DevBuf::from_slice(&table)?;
         let resolve = |a: PArg| match a {
             PArg::A(a) => a,
