@@ -1543,7 +1543,9 @@ impl CudaDecoder {
                 .ok_or_else(|| Error::Backend("CUDA decode: the drafter's weights are not on the device".into()))
         };
         let (timg, dimg) = (find(model.file.raw())?, find(dm.file.raw())?);
-        for head in [false, true] {
+        // ds4's pairing also runs one step without the head.
+        let heads: &[bool] = if dm.pairing == MtpPairing::Same { &[false, true] } else { &[true] };
+        for &head in heads {
             let Some(dev) = self.mtp.as_ref() else {
                 return Err(Error::Backend("CUDA decode: no MTP path (internal)".into()));
             };
