@@ -273,6 +273,50 @@ def test_mtp_chain_matches_reference_on_cuda(files: dict[str, Path], where: str)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stderr[-2000:])
 
 
+_DSPARK_CHILD = r"""
+import sys
+import numpy as np
+import ds4
+from ds4 import _ds4
+target, dspark, golden, where = sys.argv[1:5]
+g = np.load(golden)
+m = ds4.Model.load(target, draft=dspark, backend="cuda")
+def calls():
+    return {name: n for name, n, _ in _ds4.profile(True)}
+prompt = g["prompt_2"].tolist()
+for j, (p_, a) in enumerate(zip(g["dspark_anchor_pos_2"], g["dspark_anchor_tok_2"])):
+    s = m.session(512)
+    s.eval(prompt[: int(p_) + 1], logits="last")
+    calls()
+    p = s.propose(anchor=int(a))
+    c = calls()
+    k = len(p.tokens)
+    # On the device only the Markov and confidence heads' products (two a token) run apart.
+    if where == "device":
+        assert c["device_draft"] == 1 and c["matmul"] == 2 * k, c
+    else:
+        assert c["device_draft"] == 0 and c["matmul"] > 2 * k, c
+    assert p.tokens == g["dspark_draft_tokens_2"][j].tolist(), (j, p.tokens)
+    for got, key in ((p.logits, "dspark_logits_2"), (p.base_logits, "dspark_base_logits_2"),
+                     (p.confidence, "dspark_confidence_2")):
+        err = float(np.abs(np.asarray(got) - g[key][j]).max())
+        assert err < 1e-4, (j, key, err)
+print("ok")
+"""
+
+
+@gpu
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_dspark_matches_reference_on_cuda(files: dict[str, Path], where: str) -> None:
+    # The reference's DSpark blocks: the stages and head on the device decoder (each row seeing
+    # the whole block; only the Markov and confidence products apart), and on the host path.
+    env = {"DS4_PROFILE": "1", "DS4_CUDA_DRAFT": "1" if where == "device" else "0"}
+    golden = GOLDEN / "drafters" / "tiny-l-dspark" / "golden.npz"
+    args = [sys.executable, "-c", _DSPARK_CHILD, str(files["tiny-l"]), str(files["dspark"]), str(golden), where]
+    r = subprocess.run(args, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stderr[-2000:])
+
+
 @gpu
 def test_mtp_layouts_and_pairing_on_cuda(files: dict[str, Path], tmp_path: Path) -> None:
     # llama.cpp's layout (one fused eh_proj; the MTP's own head, or the trunk's) and ds4's
@@ -300,3 +344,8 @@ def test_mtp_sampling_is_exact_on_cuda(files: dict[str, Path]) -> None:
     # The device's proposals at T > 0: tokens drawn on the host from the downloaded logits, the
     # target's distribution kept exactly.
     check_sampling_is_exact(ds4.Model.load(files["tiny-l"], draft=files["mtp"], backend="cuda"), "mtp")
+
+
+@gpu
+def test_dspark_sampling_is_exact_on_cuda(files: dict[str, Path]) -> None:
+    check_sampling_is_exact(ds4.Model.load(files["tiny-l"], draft=files["dspark"], backend="cuda"), "dspark")

@@ -746,7 +746,9 @@ extern "C" __global__ void __launch_bounds__(1024)
 // of rust/engine/model/forward.rs Model::attention)
 //
 // The keys of batch row r: the raw rows of positions max(0, pos - window + 1) ..= pos (from
-// the ring), then, if crows: the selected compressed rows crows[sel[r * sel_stride + i]] for
+// the ring; with `block`, a drafter's block whose rows all see each other, DSpark's stages in
+// rust/engine/model/block.rs window_block: every row sees max(0, pos0 - window) ..= pos0 + n - 1,
+// the window before the step and all of the step's rows), then, if crows: the selected compressed rows crows[sel[r * sel_stride + i]] for
 // i < nsel[r] when sel (CSA), else rows 0 .. (pos + 1) / ratio (HCA). Every key is also its
 // value, and all heads share them (one KV head), so a block takes DS4_ATTN_HEADS heads and
 // each key row it reads serves all of them. Two launches, each spread over many blocks so that
@@ -775,13 +777,15 @@ struct Ds4AttnRow {
     const int* selr;  // CSA: the row's selected compressed rows; else null
 };
 
-__device__ __forceinline__ Ds4AttnRow ds4_attn_row(int r, int slots, int window, const float* crows, int ratio,
-                                                   const int* sel, const int* nsel, int sel_stride,
+__device__ __forceinline__ Ds4AttnRow ds4_attn_row(int r, int slots, int window, int block, const float* crows,
+                                                   int ratio, const int* sel, const int* nsel, int sel_stride,
                                                    const int* step) {
     Ds4AttnRow a;
     a.pos = (long long)step[0] + r;
-    const long long lo = a.pos + 1 > window ? a.pos + 1 - window : 0;
-    a.nraw = (int)(a.pos - lo + 1);
+    const long long first = block ? (long long)step[0] : a.pos + 1;  // the window ends before it
+    const long long last = block ? (long long)step[0] + step[1] - 1 : a.pos;
+    const long long lo = first > window ? first - window : 0;
+    a.nraw = (int)(last - lo + 1);
     a.lo_slot = (int)(lo % slots);
     a.selr = sel ? sel + (long long)r * sel_stride : nullptr;
     int ncomp = 0;
@@ -860,7 +864,8 @@ __device__ __forceinline__ float ds4_warp_sum8(const float (&v)[8]) {
 // Logits of row r (blockIdx.y) for heads h0 .. h0 + 8 and keys kb .. kb + DS4_ATTN_KEYS, with
 // blockIdx.x = (h0 / 8) * chunks + kb / DS4_ATTN_KEYS, chunks = ceil(lg_stride / DS4_ATTN_KEYS).
 // q [n, n_heads * head_dim]; lg [n, n_heads, lg_stride], lg_stride >= every row's key count
-// (window + the most compressed keys any row has); keys past the row's count are not written.
+// (window + the most compressed keys any row has; with block, window + n); keys past the row's
+// count are not written.
 // Grid (ceil(n_heads / 8) * chunks, n); block DS4_ATTN_THREADS; no dynamic shared memory.
 // head_dim a multiple of 16.
 //
@@ -871,7 +876,7 @@ __device__ __forceinline__ float ds4_warp_sum8(const float (&v)[8]) {
 // adds the lanes; passes (head_dim > 512) add in order.
 extern "C" __global__ void __launch_bounds__(DS4_ATTN_THREADS)
     ds4_attention_logits(const float* __restrict__ q, const float* __restrict__ ring, int slots, int window,
-                         const float* __restrict__ crows, int ratio, const int* __restrict__ sel,
+                         int block, const float* __restrict__ crows, int ratio, const int* __restrict__ sel,
                          const int* __restrict__ nsel, int sel_stride, int n_heads, int head_dim,
                          float* __restrict__ lg, int lg_stride, const int* __restrict__ step) {
     ds4_grid_deps();
@@ -881,7 +886,7 @@ extern "C" __global__ void __launch_bounds__(DS4_ATTN_THREADS)
                   "ds4_warp_sum8 sums 8 heads; a thread per key row; whole keys per warp");
     __shared__ const float* kp[DS4_ATTN_KEYS];
     const int r = blockIdx.y;
-    const Ds4AttnRow a = ds4_attn_row(r, slots, window, crows, ratio, sel, nsel, sel_stride, step);
+    const Ds4AttnRow a = ds4_attn_row(r, slots, window, block, crows, ratio, sel, nsel, sel_stride, step);
     const int chunks = (lg_stride + DS4_ATTN_KEYS - 1) / DS4_ATTN_KEYS;
     const int kb = (int)(blockIdx.x % chunks) * DS4_ATTN_KEYS;
     const int h0 = (int)(blockIdx.x / chunks) * DS4_ATTN_HEADS;
@@ -1010,7 +1015,7 @@ __device__ __forceinline__ void ds4_attn_tile_store(const Ds4AttnTileKey& t, int
 // 3. The inverse rope of the pairs in the slice, and the output.
 extern "C" __global__ void __launch_bounds__(DS4_ATTN_THREADS)
     ds4_attention(const float* __restrict__ lg, int lg_stride, const float* __restrict__ ring, int slots, int window,
-                  const float* __restrict__ crows, int ratio, const int* __restrict__ sel,
+                  int block, const float* __restrict__ crows, int ratio, const int* __restrict__ sel,
                   const int* __restrict__ nsel, int sel_stride, const float* __restrict__ sinks, int n_heads,
                   int head_dim, float* __restrict__ out, int groups, const float* __restrict__ inv_freq,
                   int rope_dim, const int* __restrict__ step) {
@@ -1028,7 +1033,7 @@ extern "C" __global__ void __launch_bounds__(DS4_ATTN_THREADS)
     const unsigned full = 0xffffffffu;
     const int r = blockIdx.y;
     const int n = gridDim.y;
-    const Ds4AttnRow a = ds4_attn_row(r, slots, window, crows, ratio, sel, nsel, sel_stride, step);
+    const Ds4AttnRow a = ds4_attn_row(r, slots, window, block, crows, ratio, sel, nsel, sel_stride, step);
     const int slices = (head_dim + DS4_ATTN_COLS - 1) / DS4_ATTN_COLS;
     const int c0 = (int)(blockIdx.x % slices) * DS4_ATTN_COLS;
     const int h0 = (int)(blockIdx.x / slices) * DS4_ATTN_HEADS;

@@ -345,7 +345,7 @@ impl Model {
         state: &State,
         anchor: u32,
         k: usize,
-        mut chooser: Chooser<'_>,
+        chooser: Chooser<'_>,
     ) -> Result<Proposal> {
         let cfg = &self.config;
         let (d, hc) = (cfg.hidden, cfg.hc_mult);
@@ -366,6 +366,26 @@ impl Model {
             x = window_block(dops, cfg, &dm.spec, stage, &dm.rope, state.precision, &x, &positions, &ctx)?.0;
         }
         let (base, h) = self.draft_head(dm, &w.hc_head, &w.norm, false, &x)?;
+        self.dspark_choose(dm, w, &base, &h, anchor, k, chooser)
+    }
+
+    /// DSpark's proposal from its block's head: `base` the logits of each block row before the
+    /// Markov bias, `h` its unnormalized hidden row. Row by row: the Markov bias of the previous
+    /// token, the confidence, the chosen token (the host's or a device's block before it).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn dspark_choose(
+        &self,
+        dm: &DraftModel,
+        w: &DSparkWeights,
+        base: &[f32],
+        h: &[f32],
+        anchor: u32,
+        k: usize,
+        mut chooser: Chooser<'_>,
+    ) -> Result<Proposal> {
+        let cfg = &self.config;
+        let (d, b) = (cfg.hidden, w.block_size);
+        let dops = dm.ops(self);
         let v = cfg.vocab;
         let k = k.min(b);
         let mut out = Proposal {

@@ -48,7 +48,7 @@ use super::device::{Arg, DevBuf};
 use super::{chunk_rows, row_blocks, slices, CudaBackend};
 use crate::backend::{DeviceDecoder, Greedy};
 use crate::model::config::AttentionKind;
-use crate::model::draft::{DraftKind, MtpInput, MtpPairing, MtpWeights};
+use crate::model::draft::{DSparkWeights, DraftKind, MtpInput, MtpPairing, MtpWeights};
 use crate::model::drafting::{Chooser, Proposal};
 use crate::model::forward::mean_of_streams;
 use crate::model::weights::{HyperWeights, Mat, Router};
@@ -302,6 +302,20 @@ struct MtpDevice {
     programs: [Option<Program>; 2],
 }
 
+/// The DSpark drafter on the device ([`DeviceDecoder::propose`]): its stages' constants and
+/// window rings (scratch copies of the host's, uploaded at each proposal as for MTP) and its
+/// head's constants. A proposal runs its block (the stages over `[anchor, noise...]`, every row
+/// seeing the whole block, then the head on every row) as one program on the step's buffers,
+/// and brings back the logits before the Markov bias and the hidden rows; the Markov and
+/// confidence heads then run row by row as on the host path (`Model::dspark_choose`).
+struct DSparkDevice {
+    spec: crate::model::config::LayerSpec,
+    stages: Vec<(LayerConsts, LayerMirror)>,
+    /// The final norm, the HC head's base and scale.
+    head: (DevBuf, DevBuf, DevBuf),
+    program: Option<Program>,
+}
+
 /// Activations of a step, each sized for 16 rows.
 struct Bufs {
     step: DevBuf,
@@ -517,6 +531,8 @@ pub(crate) struct CudaDecoder {
     /// The MTP drafter's device path (None: no MTP drafter, one the device does not run, or
     /// `DS4_CUDA_DRAFT=0`; proposals then run on the host).
     mtp: Option<MtpDevice>,
+    /// The DSpark drafter's device path (as `mtp`).
+    dspark: Option<DSparkDevice>,
     /// Each layer's compressors' position biases (the compressor, then the indexer's), which
     /// the journal's replay adds to the gates.
     apes: Arc<Vec<Vec<Vec<f32>>>>,
@@ -534,7 +550,8 @@ impl Drop for CudaDecoder {
         if g.ctx.bind().is_ok() {
             g.ctx.sync().ok();
             let mtp_programs = self.mtp.iter_mut().flat_map(|m| m.programs.iter_mut().flatten());
-            for p in self.programs.values_mut().chain(mtp_programs) {
+            let dspark_program = self.dspark.iter_mut().filter_map(|m| m.program.as_mut());
+            for p in self.programs.values_mut().chain(mtp_programs).chain(dspark_program) {
                 if let Some(exec) = p.graph.take() {
                     // SAFETY: instantiated by this decoder, destroyed once.
                     unsafe { cu::graph::exec_destroy(exec).ok() };
@@ -667,21 +684,49 @@ fn layer_consts(l: &crate::model::weights::LayerWeights, rope: &crate::model::ro
     })
 }
 
-/// Whether the MTP drafter `mw` of `model` runs on the device: its weights uploaded in a shape
-/// the kernels take, its block a window-only one with a learned router and the target's
-/// expert and projection shapes (the decoder's buffers are the target's), 8-bit activations
-/// only for its routed experts.
+/// Whether the MTP drafter `mw` of `model` runs on the device: its block
+/// ([`block_on_device`]) with its input products, and its head.
 fn mtp_on_device(backend: &CudaBackend, model: &Model, mw: &MtpWeights) -> bool {
     let Some(dm) = model.draft.as_ref() else { return false };
     let g = backend.lock();
     let find = |raw: &[u8]| g.images.iter().find(|i| i.is(raw));
     let (Some(timg), Some(dimg)) = (find(model.file.raw()), find(dm.file.raw())) else { return false };
-    let (b, l0) = (&mw.block, &model.weights.layers[0]);
-    let same = |x: &Mat, y: &Mat| (x.n_in, x.n_out) == (y.n_in, y.n_out);
-    let mut dense = match &mw.input {
+    let input = match &mw.input {
         MtpInput::Split { e_proj, h_proj } => vec![*e_proj, *h_proj],
         MtpInput::Fused { eh_proj } => vec![*eh_proj],
     };
+    let head_img = if mw.head_from_target { timg } else { dimg };
+    block_on_device(model, dm, dimg, &mw.block, &input)
+        && CudaBackend::gpu_shape(head_img, &mw.hc_head.proj)
+        && !crate::quant::act8::takes_act8(mw.hc_head.proj.ty)
+}
+
+/// Whether the DSpark drafter `dw` of `model` runs on the device: as [`mtp_on_device`] for each
+/// stage and its head, and a block that fits a step.
+fn dspark_on_device(backend: &CudaBackend, model: &Model, dw: &DSparkWeights) -> bool {
+    let Some(dm) = model.draft.as_ref() else { return false };
+    let g = backend.lock();
+    let Some(dimg) = g.images.iter().find(|i| i.is(dm.file.raw())) else { return false };
+    (1..=N_MAX).contains(&dw.block_size)
+        && dw.stages.iter().all(|st| block_on_device(model, dm, dimg, st, &[]))
+        && CudaBackend::gpu_shape(dimg, &dw.hc_head.proj)
+        && !crate::quant::act8::takes_act8(dw.hc_head.proj.ty)
+}
+
+/// Whether a drafter block `b` (and the `extra` dense matrices before it) runs on the device in
+/// the decoder's layer program: its weights in `dimg` in a shape the kernels take, a
+/// window-only block with a learned router and the target's expert and projection shapes (the
+/// decoder's buffers are the target's), 8-bit activations only for its routed experts.
+fn block_on_device(
+    model: &Model,
+    dm: &crate::model::DraftModel,
+    dimg: &super::weights::DeviceImage,
+    b: &crate::model::weights::LayerWeights,
+    extra: &[Mat],
+) -> bool {
+    let l0 = &model.weights.layers[0];
+    let same = |x: &Mat, y: &Mat| (x.n_in, x.n_out) == (y.n_in, y.n_out);
+    let mut dense = extra.to_vec();
     dense.extend([b.hc_attn.proj, b.q_a, b.q_b, b.kv, b.o_a, b.o_b, b.hc_ffn.proj, b.router_proj]);
     dense.extend([b.gate_sh, b.up_sh, b.down_sh]);
     let routed = [b.gate_exps.first, b.up_exps.first, b.down_exps.first];
@@ -698,7 +743,6 @@ fn mtp_on_device(backend: &CudaBackend, model: &Model, mw: &MtpWeights) -> bool 
         (b.up_exps.first, l0.up_exps.first),
         (b.down_exps.first, l0.down_exps.first),
     ];
-    let head_img = if mw.head_from_target { timg } else { dimg };
     dm.spec.kind == AttentionKind::Sliding
         && matches!(b.router, Router::Learned { .. })
         && b.compressor.is_none()
@@ -706,8 +750,6 @@ fn mtp_on_device(backend: &CudaBackend, model: &Model, mw: &MtpWeights) -> bool 
         && shapes.iter().all(|(x, y)| same(x, y))
         && dense.iter().all(|m| CudaBackend::gpu_shape(dimg, m) && !crate::quant::act8::takes_act8(m.ty))
         && routed.iter().all(|m| CudaBackend::gpu_shape(dimg, m))
-        && CudaBackend::gpu_shape(head_img, &mw.hc_head.proj)
-        && !crate::quant::act8::takes_act8(mw.hc_head.proj.ty)
 }
 
 impl CudaDecoder {
@@ -784,6 +826,20 @@ impl CudaDecoder {
             _ => None,
         };
 
+        let dspark_w: Option<&DSparkWeights> = match model.draft.as_ref().map(|dm| &dm.kind) {
+            Some(DraftKind::DSpark(dw))
+                if !std::env::var("DS4_CUDA_DRAFT").is_ok_and(|v| v == "0")
+                    && dspark_on_device(&backend, model, dw) =>
+            {
+                Some(dw)
+            }
+            _ => None,
+        };
+        if dspark_w.is_some() {
+            // A block row's keys: the window before the step and the step's rows.
+            max_keys = max_keys.max(cfg.window + N_MAX);
+        }
+
         // Partial sums and counters: the most any launch group needs at 16 rows.
         let kk = cfg.n_experts_used;
         let max_descs = N_MAX * kk;
@@ -793,7 +849,8 @@ impl CudaDecoder {
             part_floats = part_floats.max(p);
             counters_len = counters_len.max(c);
         };
-        for l in w.layers.iter().chain(mtp_w.map(|m| &m.block)) {
+        let dspark_stages = dspark_w.map(|dw| dw.stages.as_slice()).unwrap_or_default();
+        for l in w.layers.iter().chain(mtp_w.map(|m| &m.block)).chain(dspark_stages) {
             need(&[l.hc_attn.proj], N_MAX);
             need(&[l.q_a, l.kv], N_MAX);
             // q_b with the compressors' and indexer's products (as `build` groups them).
@@ -824,6 +881,30 @@ impl CudaDecoder {
             }
             need(&[mw.hc_head.proj], N_MAX);
         }
+        if let Some(dw) = dspark_w {
+            need(&[dw.hc_head.proj], N_MAX);
+        }
+        let slots = cfg.window + crate::spec::MAX_DRAFT + 1;
+        let dspark = match (dspark_w, model.draft.as_ref()) {
+            (Some(dw), Some(dm)) => Some(DSparkDevice {
+                spec: dm.spec,
+                stages: dw
+                    .stages
+                    .iter()
+                    .map(|st| -> Result<(LayerConsts, LayerMirror)> {
+                        let ring = f32_buf(slots * hd)?;
+                        Ok((layer_consts(st, &dm.rope)?, LayerMirror { ring, slots, comp: None, index: None }))
+                    })
+                    .collect::<Result<Vec<_>>>()?,
+                head: (
+                    DevBuf::from_slice(&dw.norm)?,
+                    DevBuf::from_slice(&dw.hc_head.base)?,
+                    DevBuf::from_slice(&dw.hc_head.scale)?,
+                ),
+                program: None,
+            }),
+            _ => None,
+        };
         let mtp = match (mtp_w, model.draft.as_ref()) {
             (Some(mw), Some(dm)) => Some(MtpDevice {
                 spec: dm.spec,
@@ -925,6 +1006,7 @@ impl CudaDecoder {
             prefetch_q_b,
             defer,
             mtp,
+            dspark,
             apes: Arc::new(
                 w.layers
                     .iter()
@@ -1642,6 +1724,118 @@ impl CudaDecoder {
         chooser.finish(&mut out);
         Ok(out)
     }
+
+    /// [`DeviceDecoder::propose`] for DSpark (`propose_dspark` in model/drafting.rs): the
+    /// block and its head on the device (the host's stage rings uploaded first), then the
+    /// Markov and confidence heads as on the host path.
+    fn propose_dspark(
+        &mut self,
+        model: &Model,
+        state: &State,
+        anchor: u32,
+        k: usize,
+        chooser: Chooser<'_>,
+    ) -> Result<Proposal> {
+        let _t = crate::profile::scope(crate::profile::Phase::DeviceDraft);
+        let cfg = &model.config;
+        let (d, hc, v) = (cfg.hidden, cfg.hc_mult, cfg.vocab);
+        let (Some(dm), Some(DraftState::DSpark { rings })) = (model.draft.as_ref(), state.draft.as_ref()) else {
+            return Err(Error::invalid("the session was created without the model's drafter state"));
+        };
+        let DraftKind::DSpark(dw) = &dm.kind else {
+            return Err(Error::invalid("the session's drafter state does not match the model's drafter"));
+        };
+        if state.pos == 0 || k == 0 {
+            return Ok(Proposal::default());
+        }
+        let nb = dw.block_size;
+        let slots = self.dspark.as_ref().map_or(0, |m| m.stages.first().map_or(0, |s| s.1.slots));
+        if rings.len() != dw.stages.len() || rings.iter().any(|r| r.ring.len() != slots * cfg.head_dim) {
+            return Err(Error::Backend("CUDA decode: the drafter state does not fit the device's (internal)".into()));
+        }
+        let backend = Arc::clone(&self.backend);
+        let guard = backend.lock();
+        let ctx = &guard.ctx;
+        ctx.bind()?;
+        let find = |raw: &[u8]| {
+            guard
+                .images
+                .iter()
+                .find(|i| i.is(raw))
+                .ok_or_else(|| Error::Backend("CUDA decode: the drafter's weights are not on the device".into()))
+        };
+        let (timg, dimg) = (find(model.file.raw())?, find(dm.file.raw())?);
+        let Some(dev) = self.dspark.as_ref() else {
+            return Err(Error::Backend("CUDA decode: no DSpark path (internal)".into()));
+        };
+        if dev.program.is_none() {
+            let prog = self.build(ctx, timg, model, nb, program::Body::DSpark { dev, w: dw, img: dimg })?;
+            if let Some(dev) = self.dspark.as_mut() {
+                dev.program = Some(prog);
+            }
+        }
+        // Upload: the step (the block's positions p + 1.., its tokens), the rows' streams (each
+        // row's embedding in every stream: the anchor, then the noise token), the stage rings.
+        let step_bytes = 4 * (2 + N_MAX);
+        let x_floats = nb * hc * d;
+        let ring_floats = slots * cfg.head_dim;
+        let up_bytes = step_bytes + 4 * (x_floats + rings.len() * ring_floats);
+        self.up.reserve(up_bytes)?;
+        let mut vals = vec![state.pos as i32, nb as i32, anchor as i32];
+        vals.resize(2 + nb, dw.noise_token as i32);
+        vals.resize(2 + N_MAX, 0);
+        for (c, x) in self.up.bytes_mut(0, step_bytes).chunks_mut(4).zip(vals) {
+            c.copy_from_slice(&x.to_le_bytes());
+        }
+        let mut e = vec![0f32; d];
+        {
+            let x = self.up.floats(step_bytes, x_floats);
+            for r in 0..nb {
+                model.embed_row(if r == 0 { anchor } else { dw.noise_token }, &mut e)?;
+                for s in 0..hc {
+                    x[(r * hc + s) * d..(r * hc + s + 1) * d].copy_from_slice(&e);
+                }
+            }
+        }
+        for (i, ring) in rings.iter().enumerate() {
+            self.up.floats(step_bytes + 4 * (x_floats + i * ring_floats), ring_floats).copy_from_slice(&ring.ring);
+        }
+        self.down.reserve(4 * nb * (v + d))?;
+        let stream = ctx.stream;
+        let ring_ptrs: Vec<u64> = match self.dspark.as_ref() {
+            Some(dev) => dev.stages.iter().map(|s| s.1.ring.ptr).collect(),
+            None => return Err(Error::Backend("CUDA decode: no DSpark path (internal)".into())),
+        };
+        // SAFETY: pinned host ranges inside `up` and `down`, device buffers of this decoder of
+        // at least these sizes; the host waits for the stream before touching either again.
+        unsafe {
+            let upb = std::slice::from_raw_parts(self.up.ptr, up_bytes);
+            cu::memcpy_htod_async(self.bufs.step.ptr, &upb[..step_bytes], stream).map_err(driver_err("upload"))?;
+            let xe = step_bytes + 4 * x_floats;
+            cu::memcpy_htod_async(self.bufs.x.ptr, &upb[step_bytes..xe], stream).map_err(driver_err("upload"))?;
+            for (i, &rp) in ring_ptrs.iter().enumerate() {
+                let o = xe + 4 * i * ring_floats;
+                cu::memcpy_htod_async(rp, &upb[o..o + 4 * ring_floats], stream).map_err(driver_err("upload"))?;
+            }
+        }
+        let use_graphs = self.use_graphs && self.profile.is_none();
+        let prog = self.dspark.as_mut().and_then(|m| m.program.as_mut()).ok_or_else(lost_program)?;
+        Self::replay(ctx, prog, use_graphs, self.side.as_ref())?;
+        // SAFETY: as above.
+        unsafe {
+            let dn = std::slice::from_raw_parts_mut(self.down.ptr.cast::<f32>(), nb * (v + d));
+            let (lg, hr) = dn.split_at_mut(nb * v);
+            cu::memcpy_dtoh_async(lg, self.bufs.logits.ptr, stream).map_err(driver_err("download"))?;
+            cu::memcpy_dtoh_async(hr, self.bufs.y.ptr, stream).map_err(driver_err("download"))?;
+        }
+        ctx.sync()?;
+        // SAFETY: written by the copies waited for above.
+        let dn = unsafe { std::slice::from_raw_parts(self.down.ptr.cast::<f32>(), nb * (v + d)) };
+        let (base, h) = (dn[..nb * v].to_vec(), dn[nb * v..].to_vec());
+        // The Markov and confidence heads' products take the backend's lock.
+        drop(guard);
+        model.dspark_choose(dm, dw, &base, &h, anchor, k, chooser)
+    }
 }
 
 impl DeviceDecoder for CudaDecoder {
@@ -1658,8 +1852,11 @@ impl DeviceDecoder for CudaDecoder {
         sampler: Option<&mut Sampler>,
         want_logits: bool,
     ) -> Option<Result<Proposal>> {
-        self.mtp.as_ref()?;
-        Some(self.propose_mtp(model, state, anchor, k, Chooser::new(sampler), want_logits))
+        if self.mtp.is_some() {
+            return Some(self.propose_mtp(model, state, anchor, k, Chooser::new(sampler), want_logits));
+        }
+        // DSpark's logits come back whatever `want_logits`: the Markov bias is added on the host.
+        self.dspark.is_some().then(|| self.propose_dspark(model, state, anchor, k, Chooser::new(sampler)))
     }
 
     fn forward(

@@ -11,9 +11,9 @@ use super::super::context::{driver_err, stem, Context, THREADS};
 use super::super::device::{Arg, DevBuf};
 use super::super::weights::DeviceImage;
 use super::super::{chunk_rows, group, row_blocks, slices, split_in_launch, CudaBackend, Desc};
-use super::{CompMirror, CudaDecoder, Launch, LayerConsts, LayerMirror, MtpDevice, Op, Program, N_MAX};
+use super::{CompMirror, CudaDecoder, DSparkDevice, Launch, LayerConsts, LayerMirror, MtpDevice, Op, Program, N_MAX};
 use crate::model::config::LayerSpec;
-use crate::model::draft::{DraftKind, MtpInput, MtpWeights};
+use crate::model::draft::{DSparkWeights, DraftKind, MtpInput, MtpWeights};
 use crate::model::weights::{HyperWeights, LayerWeights, Mat};
 use crate::model::Model;
 use crate::{Error, Result};
@@ -124,6 +124,10 @@ pub(super) enum Body<'a> {
     /// in `x` and the token's embedding, its block (`img`: the image of the file that holds the
     /// drafter), then, when `head`, its head and the argmax of its logits.
     Mtp { dev: &'a MtpDevice, w: &'a MtpWeights, img: &'a DeviceImage, head: bool },
+    /// DSpark's block on the step's rows (`DSparkDevice`, mod.rs): its stages, each row seeing
+    /// all of the block, then its head on every row; the head's unnormalized output stays in
+    /// `y` (the hidden rows), the logits before the Markov bias in `logits`.
+    DSpark { dev: &'a DSparkDevice, w: &'a DSparkWeights, img: &'a DeviceImage },
 }
 
 /// One layer of a program: its weights (in `img`), constants and device state, and the
@@ -135,6 +139,8 @@ struct Job<'a> {
     mm: &'a LayerMirror,
     img: &'a DeviceImage,
     capture: Option<usize>,
+    /// Whether the step's rows see each other (a drafter's block, decode_attn.cu section 5).
+    block: bool,
 }
 
 impl CudaDecoder {
@@ -302,11 +308,24 @@ impl CudaDecoder {
                     mm: &self.mirror[li],
                     img,
                     capture: capture.iter().position(|&c| c == li),
+                    block: false,
                 })
                 .collect(),
-            Body::Mtp { dev, w: mw, img: dimg, .. } => {
-                vec![Job { lw: &mw.block, spec: &dev.spec, c: &dev.consts, mm: &dev.mirror, img: dimg, capture: None }]
-            }
+            Body::Mtp { dev, w: mw, img: dimg, .. } => vec![Job {
+                lw: &mw.block,
+                spec: &dev.spec,
+                c: &dev.consts,
+                mm: &dev.mirror,
+                img: dimg,
+                capture: None,
+                block: false,
+            }],
+            Body::DSpark { dev, w: dw, img: dimg } => dw
+                .stages
+                .iter()
+                .zip(&dev.stages)
+                .map(|(lw, (c, mm))| Job { lw, spec: &dev.spec, c, mm, img: dimg, capture: None, block: true })
+                .collect(),
         };
         if let Body::Mtp { dev, w: mw, img: dimg, .. } = &body {
             // The block's input streams: per stream e_proj . enorm(E[t]) + h_proj . hnorm(H_s)
@@ -564,11 +583,13 @@ impl CudaDecoder {
                 (Some(cm), None) => (cm.rows.ptr, cm.ratio, 0, 0),
                 _ => (0, 1, 0, 0),
             };
-            let lgs = mm.max_keys(cfg.window, cfg.index_topk);
+            let lgs = if job.block { cfg.window + n } else { mm.max_keys(cfg.window, cfg.index_topk) };
             let (logit_blocks, out_blocks) = attention_blocks(nh, hd, lgs)?;
             // The keys of each row, as both kernels take them.
-            let keys =
-                [p(mm.ring.ptr), i(mm.slots), i(cfg.window), p(crows), i(ratio), p(sel), p(nsel), i(cfg.index_topk)];
+            let keys = [p(mm.ring.ptr), i(mm.slots), i(cfg.window), i(job.block as usize), p(crows), i(ratio), p(sel)]
+                .into_iter()
+                .chain([p(nsel), i(cfg.index_topk)])
+                .collect::<Vec<_>>();
             launch(
                 &mut ops,
                 k.attention_logits,
@@ -806,8 +827,8 @@ impl CudaDecoder {
             }
         }
 
-        // ---- head: the target's, or the MTP drafter's HC head and norm before the target's
-        // output matrix.
+        // ---- head: the target's, or a drafter's HC head and norm before the target's output
+        // matrix (DSpark's normed rows apart, in h, so that y keeps the hidden rows).
         let (head, argmax, hc_proj, head_img, (norm, base, scale)) = match &body {
             Body::Trunk { head, argmax } => (*head, *argmax, w.hc_head.proj, img, &self.head_consts),
             Body::Mtp { dev, w: mw, img: dimg, head } => (
@@ -817,7 +838,9 @@ impl CudaDecoder {
                 if mw.head_from_target { img } else { *dimg },
                 &dev.head,
             ),
+            Body::DSpark { dev, w: dw, img: dimg } => (Some((0, n)), false, dw.hc_head.proj, *dimg, &dev.head),
         };
+        let normed = if matches!(body, Body::DSpark { .. }) { b.h.ptr } else { b.y.ptr };
         if let Some((r0, rows)) = head {
             let xr = b.x.ptr + 4 * (r0 * hc * d) as u64;
             let gr = (rows as u32, 1, 1);
@@ -838,10 +861,10 @@ impl CudaDecoder {
                 gr,
                 wide(d),
                 0,
-                vec![p(b.y.ptr), p(b.y.ptr), p(norm.ptr), i(d), fl(cfg.rms_eps)],
+                vec![p(b.y.ptr), p(normed), p(norm.ptr), i(d), fl(cfg.rms_eps)],
             );
             cur.set(img);
-            products(&mut ops, &mut table, &[(w.output, b.y.ptr, b.logits.ptr, rows)])?;
+            products(&mut ops, &mut table, &[(w.output, normed, b.logits.ptr, rows)])?;
             if argmax {
                 launch(&mut ops, k.argmax, gr, ARGMAX_THREADS, 0, vec![p(b.logits.ptr), i(cfg.vocab), p(b.ids.ptr)]);
             }

@@ -647,6 +647,8 @@ enum Keys {
     Hca { ratio: usize },
     /// The selected compressed rows.
     Csa { ratio: usize, topk: usize },
+    /// A drafter's block: every row sees the window before the step and all of the step's rows.
+    Block,
 }
 
 /// Heads, head dim and output groups of an attention test.
@@ -679,7 +681,7 @@ fn attn_setup(shape: Shape, keys: Keys, pos0: usize, n: usize) -> AttnSetup {
         ls.push_raw(p, &randn(hd, seed + 10 + p as u64, 1.0));
     }
     let ratio = match keys {
-        Keys::Sliding => 0,
+        Keys::Sliding | Keys::Block => 0,
         Keys::Hca { ratio } | Keys::Csa { ratio, .. } => ratio,
     };
     let mut crows = RowStore::new(hd);
@@ -707,6 +709,11 @@ fn attn_cpu(s: &AttnSetup, keys: Keys, pos: usize, r: usize, rope: &Rope) -> Vec
     let mut k: Vec<&[f32]> = raw_range(pos, WINDOW).map(|p| s.ls.raw(p)).collect();
     match keys {
         Keys::Sliding => {}
+        Keys::Block => {
+            // window_block (model/block.rs): the context rows raw_range(pos0 - 1), then the step's.
+            let (pos0, n) = (pos - r, s.q.len() / (heads * hd));
+            k = (pos0.saturating_sub(WINDOW)..pos0 + n).map(|p| s.ls.raw(p)).collect();
+        }
         Keys::Hca { ratio } => k.extend((0..visible_compressed(pos, ratio)).map(|w| s.crows.row(w))),
         Keys::Csa { .. } => k.extend(s.sel[r].iter().map(|&w| s.crows.row(w))),
     }
@@ -727,7 +734,7 @@ fn attn_device(ctx: &Context, s: &AttnSetup, keys: Keys, pos0: usize, rows: &[us
     let crows = buf(&s.crows.iter_values().chain([0.0]).collect::<Vec<_>>());
     let out = buf(&vec![f32::NAN; n * heads * hd]);
     let (ratio, topk) = match keys {
-        Keys::Sliding => (1, 0),
+        Keys::Sliding | Keys::Block => (1, 0),
         Keys::Hca { ratio } => (ratio, 0),
         Keys::Csa { ratio, topk } => (ratio, topk),
     };
@@ -744,19 +751,22 @@ fn attn_device(ctx: &Context, s: &AttnSetup, keys: Keys, pos0: usize, rows: &[us
     let (selb, nselb) = (buf(&sel), buf(&nsel));
     let max_comp = match keys {
         Keys::Sliding => 0,
+        Keys::Block => n,
         Keys::Hca { .. } => s.crows.len(),
         Keys::Csa { topk, .. } => topk,
     };
     let st = step(ctx, pos0, &vec![0; n]);
     let (crows_arg, sel_arg, nsel_arg) = match keys {
-        Keys::Sliding => (NULL, NULL, NULL),
+        Keys::Sliding | Keys::Block => (NULL, NULL, NULL),
         Keys::Hca { .. } => (ptr(&crows), NULL, NULL),
         Keys::Csa { .. } => (ptr(&crows), ptr(&selb), ptr(&nselb)),
     };
     let lgs = WINDOW + max_comp;
     let lg = zeroed(n * heads * lgs * 4);
     let (logit_blocks, out_blocks) = attention_blocks(heads, hd, lgs).expect("attention grid");
-    let keys_args = [ptr(&ringb), int(s.ls.slots), int(WINDOW), crows_arg, int(ratio), sel_arg, nsel_arg, int(topk)];
+    let block = int(matches!(keys, Keys::Block) as usize);
+    let keys_args =
+        [ptr(&ringb), int(s.ls.slots), int(WINDOW), block, crows_arg, int(ratio), sel_arg, nsel_arg, int(topk)];
     let mut args = vec![ptr(&qb)];
     args.extend(keys_args);
     args.extend([int(heads), int(hd), ptr(&lg), int(lgs), ptr(&st)]);
@@ -784,7 +794,7 @@ fn check_attention(keys: Keys, pos0: usize, n: usize) {
 fn check_attention_shaped(shape: Shape, keys: Keys, pos0: usize, n: usize) {
     let Some(ctx) = context() else { return };
     let what = format!("ds4_attention {shape:?} {keys:?} positions {pos0}..+{n}");
-    let rope = rope(!matches!(keys, Keys::Sliding));
+    let rope = rope(!matches!(keys, Keys::Sliding | Keys::Block));
     let s = attn_setup(shape, keys, pos0, n);
     let rows: Vec<usize> = (0..n).collect();
     let got = attn_device(&ctx, &s, keys, pos0, &rows, &rope);
@@ -793,6 +803,9 @@ fn check_attention_shaped(shape: Shape, keys: Keys, pos0: usize, n: usize) {
         let pos = pos0 + r;
         let want = attn_cpu(&s, keys, pos, r, &rope);
         assert_close(&format!("{what}: row {r} (position {pos})"), &got[r * w..(r + 1) * w], &want, 2e-5);
+        if matches!(keys, Keys::Block) {
+            continue; // a block row's keys depend on the block
+        }
         let one = attn_device(&ctx, &s, keys, pos, &[r], &rope);
         assert_bits(&format!("{what}: row {r} alone vs in the batch"), &one, &got[r * w..(r + 1) * w]);
     }
@@ -803,6 +816,14 @@ fn attention_sliding_matches_cpu() {
     check_attention(Keys::Sliding, 0, 16);
     check_attention(Keys::Sliding, 120, 16);
     check_attention(Keys::Sliding, 5000, 5);
+}
+
+#[test]
+fn attention_block_matches_cpu() {
+    // No context, part of a window, a whole window and the step's 16 rows (the ring's slots).
+    check_attention(Keys::Block, 0, 5);
+    check_attention(Keys::Block, 60, 5);
+    check_attention(Keys::Block, 5000, 16);
 }
 
 #[test]
