@@ -11,9 +11,10 @@ then measures, after a 256-token prompt, the lower quartile of --runs timings:
 * ``session.propose`` for MTP at depth 1..3 and DSpark at block 2..5 (one full proposal:
   MTP runs one block and one output head per token; DSpark runs its stages over the whole
   block at once whatever k is, then the Markov/confidence heads for k rows).
-* one speculative cycle with MTP at depth 1..3 (a greedy generation with a fixed draft length:
-  upkeep, proposal without logits, verify of k + 1 rows, commit), its milliseconds per verify
-  cycle; on random weights nearly every draft is rejected, so a cycle commits one token.
+* one speculative cycle with MTP at depth 1..3 and DSpark at 2, 3, 5 (a greedy generation with a
+  fixed draft length: upkeep, proposal without logits, verify of k + 1 rows, commit), its
+  milliseconds per verify cycle; on random weights nearly every draft is rejected, so a cycle
+  commits one token.
 
 Prints milliseconds and the ratio to the plain decode step.
 """
@@ -92,11 +93,11 @@ def main() -> None:
         ms = propose_cost(dspark_model, k)
         print(f"  DSpark block {k}  {ms:8.2f}   {ms / base:6.3f}")
 
-    def cycle_cost(model: ds4.Model, k: int, tokens: int = 24) -> float:
+    def cycle_cost(model: ds4.Model, method: str, k: int, tokens: int = 24) -> float:
         s = model.session(len(prompt) + tokens + 32)
         s.eval(prompt, logits="last")
         snap = s.snapshot()
-        spec = ds4.Speculative("mtp", max_draft=k, adaptive=False)
+        spec = ds4.Speculative(method, max_draft=k, adaptive=False)
         cycles = []
 
         def gen() -> None:
@@ -107,8 +108,11 @@ def main() -> None:
         return ms / statistics.median(cycles)
 
     for k in (1, 2, 3):
-        ms = cycle_cost(mtp_model, k)
+        ms = cycle_cost(mtp_model, "mtp", k)
         print(f"  MTP cycle k={k}  {ms:8.2f}   {ms / base:6.3f}")
+    for k in (2, 3, 5):
+        ms = cycle_cost(dspark_model, "dspark", k)
+        print(f"  DSpark cycle k={k} {ms:7.2f}   {ms / base:6.3f}")
 
 
 if __name__ == "__main__":

@@ -240,6 +240,22 @@ extern "C" __global__ void __launch_bounds__(1024) ds4_mtp_in(const float* h, co
     }
 }
 
+// DSpark's Markov head input of block row r (rust/engine/model/drafting.rs dspark_choose):
+// cat = [h_r; W1[prev]], prev the token before row r (the anchor, step[2], for row 0; else
+// row r - 1's argmax, ids[r - 1] without its flag), h [n, d] the head's hidden rows, w1 the
+// Markov embedding table as floats [vocab, rank]. Grid ((d + rank) / 256).
+extern "C" __global__ void ds4_markov_in(const float* w1, int rank, const int* step, const unsigned* ids, int r,
+                                         const float* h, int d, float* cat) {
+    ds4_grid_lead();
+    const long long prev = r == 0 ? (long long)step[2] : (long long)(ids[r - 1] & 0x7fffffffu);
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < d) {
+        cat[i] = h[(long long)r * d + i];
+    } else if (i < d + rank) {
+        cat[i] = w1[prev * rank + (i - d)];
+    }
+}
+
 // x[r, i] += v[i] for the rows r < rows of x [rows, width] (the MTP input: h_proj's rows plus
 // e_proj's one). Grid (rows * width / 256).
 extern "C" __global__ void ds4_add_rows(float* x, const float* v, int rows, int width) {

@@ -70,7 +70,8 @@ pub trait DeviceDecoder: Send {
     /// device path for the model's drafter (the host computes it then). The logits may differ
     /// from the host's by rounding, so the tokens may too where two are close: a proposal
     /// only decides what a verify checks, never what it commits. With `want_logits` false and
-    /// a greedy (or no) sampler, the proposal's `logits` are left empty.
+    /// a greedy (or no) sampler, the proposal's `logits` may be left empty (and DSpark's
+    /// `base_logits` and `hidden` unset).
     fn propose(
         &mut self,
         _model: &Model,

@@ -313,7 +313,29 @@ struct DSparkDevice {
     stages: Vec<(LayerConsts, LayerMirror)>,
     /// The final norm, the HC head's base and scale.
     head: (DevBuf, DevBuf, DevBuf),
+    /// The Markov and confidence heads on the device, for greedy proposals.
+    markov: Option<MarkovDevice>,
     program: Option<Program>,
+}
+
+/// DSpark's Markov and confidence heads on the device: after the block's head the program
+/// runs them row by row (ds4_markov_in, the W2 and confidence products, the bias added to a
+/// copy of the row's logits, its argmax: the previous token of the next row), so a greedy
+/// proposal brings back only its tokens and confidences. A sampled one (the tokens drawn on the
+/// host from each row's distribution) and a row without a greedy token take the host's loop.
+struct MarkovDevice {
+    rank: usize,
+    /// The Markov embedding table as floats [vocab, rank] (the host dequantizes it once: 132 MB
+    /// at Flash's vocabulary and rank 256).
+    w1: DevBuf,
+    /// The current row's [h_r; W1[prev]].
+    cat: DevBuf,
+    /// The current row's bias [vocab].
+    bias: DevBuf,
+    /// Each row's logits with its bias [N_MAX, vocab].
+    logits: DevBuf,
+    /// Each row's confidence logit.
+    conf: DevBuf,
 }
 
 /// Activations of a step, each sized for 16 rows.
@@ -442,6 +464,7 @@ struct Kernels {
     prefetch: sys::CUfunction,
     mtp_in: sys::CUfunction,
     add_rows: sys::CUfunction,
+    markov_in: sys::CUfunction,
     /// Every handle above with its name (profiles).
     names: Vec<(sys::CUfunction, &'static str)>,
 }
@@ -481,6 +504,7 @@ impl Kernels {
             prefetch: f("ds4_prefetch")?,
             mtp_in: f("ds4_mtp_in")?,
             add_rows: f("ds4_add_rows")?,
+            markov_in: f("ds4_markov_in")?,
             names: Vec::new(),
         };
         Ok(Kernels { names, ..k })
@@ -713,6 +737,23 @@ fn dspark_on_device(backend: &CudaBackend, model: &Model, dw: &DSparkWeights) ->
         && !crate::quant::act8::takes_act8(dw.hc_head.proj.ty)
 }
 
+/// Whether DSpark's Markov head (and its confidence head, if any) runs on the device: W2
+/// [rank -> vocab] and the confidence [d + rank -> 1] in a shape the kernels take, with float
+/// activations.
+fn markov_on_device(backend: &CudaBackend, model: &Model, dw: &DSparkWeights) -> bool {
+    let (Some(dm), Some(w1), Some(w2)) = (model.draft.as_ref(), dw.markov_w1, dw.markov_w2) else { return false };
+    let g = backend.lock();
+    let Some(dimg) = g.images.iter().find(|i| i.is(dm.file.raw())) else { return false };
+    let (d, v, rank) = (model.config.hidden, model.config.vocab, dw.markov_rank);
+    let fits = |m: &Mat, n_in: usize, n_out: usize| {
+        (m.n_in, m.n_out) == (n_in, n_out) && CudaBackend::gpu_shape(dimg, m) && !crate::quant::act8::takes_act8(m.ty)
+    };
+    rank > 0
+        && (w1.n_in, w1.n_out) == (rank, v)
+        && fits(&w2, rank, v)
+        && dw.confidence.as_ref().is_none_or(|cw| fits(cw, d + rank, 1))
+}
+
 /// Whether a drafter block `b` (and the `extra` dense matrices before it) runs on the device in
 /// the decoder's layer program: its weights in `dimg` in a shape the kernels take, a
 /// window-only block with a learned router and the target's expert and projection shapes (the
@@ -883,6 +924,8 @@ impl CudaDecoder {
         }
         if let Some(dw) = dspark_w {
             need(&[dw.hc_head.proj], N_MAX);
+            let heads: Vec<Mat> = dw.markov_w2.into_iter().chain(dw.confidence).collect();
+            need(&heads, N_MAX);
         }
         let slots = cfg.window + crate::spec::MAX_DRAFT + 1;
         let dspark = match (dspark_w, model.draft.as_ref()) {
@@ -901,6 +944,24 @@ impl CudaDecoder {
                     DevBuf::from_slice(&dw.hc_head.base)?,
                     DevBuf::from_slice(&dw.hc_head.scale)?,
                 ),
+                markov: match (dw.markov_w1, markov_on_device(&backend, model, dw)) {
+                    (Some(w1), true) => {
+                        let rank = dw.markov_rank;
+                        let mut table = vec![0f32; cfg.vocab * rank];
+                        for (t, row) in table.chunks_mut(rank).enumerate() {
+                            crate::quant::dequantize(w1.ty, w1.row(dm.file.raw(), t), row)?;
+                        }
+                        Some(MarkovDevice {
+                            rank,
+                            w1: DevBuf::from_slice(&table)?,
+                            cat: f32_buf(d + rank)?,
+                            bias: f32_buf(cfg.vocab)?,
+                            logits: f32_buf(N_MAX * cfg.vocab)?,
+                            conf: f32_buf(N_MAX)?,
+                        })
+                    }
+                    _ => None,
+                },
                 program: None,
             }),
             _ => None,
@@ -1726,8 +1787,8 @@ impl CudaDecoder {
     }
 
     /// [`DeviceDecoder::propose`] for DSpark (`propose_dspark` in model/drafting.rs): the
-    /// block and its head on the device (the host's stage rings uploaded first), then the
-    /// Markov and confidence heads as on the host path.
+    /// block and its head on the device (the host's stage rings uploaded first), then, greedy,
+    /// the Markov and confidence heads there too ([`MarkovDevice`]), else as on the host path.
     fn propose_dspark(
         &mut self,
         model: &Model,
@@ -1735,6 +1796,7 @@ impl CudaDecoder {
         anchor: u32,
         k: usize,
         chooser: Chooser<'_>,
+        want_logits: bool,
     ) -> Result<Proposal> {
         let _t = crate::profile::scope(crate::profile::Phase::DeviceDraft);
         let cfg = &model.config;
@@ -1821,6 +1883,24 @@ impl CudaDecoder {
         let use_graphs = self.use_graphs && self.profile.is_none();
         let prog = self.dspark.as_mut().and_then(|m| m.program.as_mut()).ok_or_else(lost_program)?;
         Self::replay(ctx, prog, use_graphs, self.side.as_ref())?;
+        let k = k.min(nb);
+        let markov = self.dspark.as_ref().and_then(|m| m.markov.as_ref());
+        if let (Some(mk), true) = (markov, chooser.is_greedy()) {
+            // The tokens and confidences (and, asked for, the rows the host path returns).
+            ctx.sync()?;
+            let (ids, conf) = (self.bufs.ids.read::<u32>(0, k)?, mk.conf.read::<f32>(0, k)?);
+            if ids.iter().all(|&id| id & NO_GREEDY == 0) {
+                let mut out =
+                    Proposal { tokens: ids, confidence: dw.confidence.is_some().then_some(conf), ..Default::default() };
+                if want_logits {
+                    out.logits = mk.logits.read::<f32>(0, k * v)?;
+                    out.base_logits = Some(self.bufs.logits.read::<f32>(0, k * v)?);
+                    out.hidden = Some(self.bufs.y.read::<f32>(0, k * d)?);
+                }
+                return Ok(out);
+            }
+            // A row without a greedy token: the host's loop decides, from the same rows.
+        }
         // SAFETY: as above.
         unsafe {
             let dn = std::slice::from_raw_parts_mut(self.down.ptr.cast::<f32>(), nb * (v + d));
@@ -1855,8 +1935,7 @@ impl DeviceDecoder for CudaDecoder {
         if self.mtp.is_some() {
             return Some(self.propose_mtp(model, state, anchor, k, Chooser::new(sampler), want_logits));
         }
-        // DSpark's logits come back whatever `want_logits`: the Markov bias is added on the host.
-        self.dspark.is_some().then(|| self.propose_dspark(model, state, anchor, k, Chooser::new(sampler)))
+        self.dspark.is_some().then(|| self.propose_dspark(model, state, anchor, k, Chooser::new(sampler), want_logits))
     }
 
     fn forward(

@@ -870,6 +870,47 @@ impl CudaDecoder {
             }
         }
 
+        // ---- DSpark's Markov and confidence heads, row by row (MarkovDevice, mod.rs).
+        if let Body::DSpark { dev, w: dw, img: dimg } = &body {
+            if let (Some(mk), Some(w2)) = (&dev.markov, dw.markov_w2) {
+                cur.set(dimg);
+                let v = cfg.vocab;
+                for r in 0..n {
+                    launch(
+                        &mut ops,
+                        k.markov_in,
+                        ((d + mk.rank).div_ceil(256) as u32, 1, 1),
+                        256,
+                        0,
+                        vec![p(mk.w1.ptr), i(mk.rank), p(step), p(b.ids.ptr), i(r), p(b.y.ptr), i(d), p(mk.cat.ptr)],
+                    );
+                    let mut heads = vec![(w2, mk.cat.ptr + 4 * d as u64, mk.bias.ptr, 1)];
+                    if let Some(cw) = dw.confidence {
+                        heads.push((cw, mk.cat.ptr, mk.conf.ptr + 4 * r as u64, 1));
+                    }
+                    products(&mut ops, &mut table, &heads)?;
+                    let row = mk.logits.ptr + 4 * (r * v) as u64;
+                    ops.push(Op::Copy { dst: row, src: b.logits.ptr + 4 * (r * v) as u64, bytes: 4 * v });
+                    launch(
+                        &mut ops,
+                        k.add_rows,
+                        (v.div_ceil(256) as u32, 1, 1),
+                        256,
+                        0,
+                        vec![p(row), p(mk.bias.ptr), i(1), i(v)],
+                    );
+                    launch(
+                        &mut ops,
+                        k.argmax,
+                        (1, 1, 1),
+                        ARGMAX_THREADS,
+                        0,
+                        vec![p(row), i(v), p(b.ids.ptr + 4 * r as u64)],
+                    );
+                }
+            }
+        }
+
         // Every launch within its kernel's threads a block (what its registers allow): a wrong
         // one would fail only when the program's graph is instantiated, without saying which.
         let mut max_threads: std::collections::HashMap<usize, i32> = std::collections::HashMap::new();
