@@ -305,9 +305,10 @@ struct MtpDevice {
 /// The DSpark drafter on the device ([`DeviceDecoder::propose`]): its stages' constants and
 /// window rings (scratch copies of the host's, uploaded at each proposal as for MTP) and its
 /// head's constants. A proposal runs its block (the stages over `[anchor, noise...]`, every row
-/// seeing the whole block, then the head on every row) as one program on the step's buffers,
-/// and brings back the logits before the Markov bias and the hidden rows; the Markov and
-/// confidence heads then run row by row as on the host path (`Model::dspark_choose`).
+/// seeing the whole block, then the head on every row, then, when the device has them, the
+/// Markov and confidence heads: [`MarkovDevice`]) as one program on the step's buffers. Without
+/// those, or sampling, the logits before the Markov bias and the hidden rows come back and the
+/// two heads run row by row as on the host path (`Model::dspark_choose`).
 struct DSparkDevice {
     spec: crate::model::config::LayerSpec,
     stages: Vec<(LayerConsts, LayerMirror)>,
@@ -970,12 +971,7 @@ impl CudaDecoder {
             (Some(mw), Some(dm)) => Some(MtpDevice {
                 spec: dm.spec,
                 consts: layer_consts(&mw.block, &dm.rope)?,
-                mirror: LayerMirror {
-                    ring: f32_buf((cfg.window + crate::spec::MAX_DRAFT + 1) * hd)?,
-                    slots: cfg.window + crate::spec::MAX_DRAFT + 1,
-                    comp: None,
-                    index: None,
-                },
+                mirror: LayerMirror { ring: f32_buf(slots * hd)?, slots, comp: None, index: None },
                 enorm: DevBuf::from_slice(&mw.enorm)?,
                 hnorm: DevBuf::from_slice(&mw.hnorm)?,
                 emb: f32_buf(d)?,
