@@ -15,8 +15,9 @@
 # only: by default the test models' short rows go to the tensor cores), the product and
 # routed-expert ones with DS4_CUDA_Q8=mma (Q8_0 on the tensor cores only), and the
 # attention-side ones with DS4_CUDA_INDEX=row). Then: the CUDA tests (in the three Q8_0
-# modes), and decode / verify / prefill timings of a random MID model at
-# 2K and 32K context; with FLASH_GEN (the synthetic full-size
+# modes), decode / verify / prefill timings of a random MID model at
+# 2K and 32K context, and its drafters' proposal and cycle costs (on the device and with
+# DS4_CUDA_DRAFT=0); with FLASH_GEN (the synthetic full-size
 # Flash generator, gen_flash_q2_gguf.py) and TOKENIZER (the V4 tokenizer.json) set, the same
 # for a full-size Flash file (80.8 GiB, sparse on disk) at 2K context (by default and with
 # DS4_CUDA_Q8=mma),
@@ -51,6 +52,9 @@ fi
 ds4 random MID /tmp/ds4-mid-q8_0.gguf --dtype q8_0 -q
 python benches/verify_bench.py /tmp/ds4-mid-q8_0.gguf --backend cuda --ctx 2048 --prefill 2048,8192
 python benches/verify_bench.py /tmp/ds4-mid-q8_0.gguf --backend cuda --ctx 32768 --prefill "" --runs 3
+# The drafters' proposals and speculative cycles on the device, then on the host path.
+python benches/draft_bench.py MID --backend cuda --runs 9 --dir /tmp
+DS4_CUDA_DRAFT=0 python benches/draft_bench.py MID --backend cuda --runs 9 --dir /tmp
 if [ -n "${FLASH_GEN:-}" ] && [ -n "${TOKENIZER:-}" ]; then
     python "$FLASH_GEN" /tmp/ds4-flash-q2.gguf "$TOKENIZER"
     if [ -n "${FLASH_FILL:-}" ]; then
