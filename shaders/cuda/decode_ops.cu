@@ -219,9 +219,12 @@ extern "C" __global__ void ds4_rms_weight(const float* x, float* y, const float*
 // 0..hc-1 the streams h [hc, d] with the weight hnorm, block hc the token's embedding e [d]
 // with enorm. cat == 0 (e_proj and h_proj apart): the streams' norms to hn [hc, d], the
 // embedding's to en [d]. cat == 1 (one [2d -> d] eh_proj): hn gets hc rows of 2d,
-// [enorm(e); hnorm(h_s)]. Grid (hc + 1).
-extern "C" __global__ void __launch_bounds__(1024) ds4_mtp_in(const float* h, const float* e, const float* hnorm, const float* enorm,
-                                      float* hn, float* en, int hc, int d, int cat, float eps) {
+// [enorm(e); hnorm(h_s)]. Grid (hc + 1), up to 1024 threads (wide(d)): without the bound the
+// compiler gave it more registers than 512 threads may hold (MID's first run failed the
+// graph's instantiation with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES).
+extern "C" __global__ void __launch_bounds__(1024)
+    ds4_mtp_in(const float* h, const float* e, const float* hnorm, const float* enorm, float* hn, float* en, int hc,
+               int d, int cat, float eps) {
     ds4_grid_lead();
     __shared__ double red[32];
     const int r = blockIdx.x;
@@ -257,7 +260,7 @@ extern "C" __global__ void ds4_markov_in(const float* w1, int rank, const int* s
 }
 
 // x[r, i] += v[i] for the rows r < rows of x [rows, width] (the MTP input: h_proj's rows plus
-// e_proj's one). Grid (rows * width / 256).
+// e_proj's one; DSpark's Markov bias on a copy of a row's logits). Grid (rows * width / 256).
 extern "C" __global__ void ds4_add_rows(float* x, const float* v, int rows, int width) {
     ds4_grid_lead();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
