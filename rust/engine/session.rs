@@ -337,12 +337,7 @@ impl Session {
     /// The proposal on the device decoder when it has a path for the drafter, else on the host;
     /// with the session's sampler when `sample`.
     fn propose_on(&mut self, anchor: u32, k: usize, sample: bool, want_logits: bool) -> Result<Proposal> {
-        if anchor as usize >= self.model.config.vocab {
-            return Err(Error::invalid(format!(
-                "anchor {anchor} is outside the vocabulary of {}",
-                self.model.config.vocab
-            )));
-        }
+        self.model.check_anchor(anchor)?;
         if self.state.pos > 0 && k > 0 {
             self.ensure_decoder();
         }

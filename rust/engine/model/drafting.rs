@@ -237,9 +237,7 @@ impl Model {
     pub fn propose(&self, state: &State, anchor: u32, k: usize, sampler: Option<&mut Sampler>) -> Result<Proposal> {
         let dm =
             self.draft.as_ref().ok_or_else(|| Error::invalid("this model has no drafter (load one with draft=...)"))?;
-        if anchor as usize >= self.config.vocab {
-            return Err(Error::invalid(format!("anchor {anchor} is outside the vocabulary of {}", self.config.vocab)));
-        }
+        self.check_anchor(anchor)?;
         if state.pos == 0 || k == 0 {
             return Ok(Proposal::default());
         }
@@ -252,6 +250,14 @@ impl Model {
             }
             _ => Err(Error::invalid("the session was created without the model's drafter state")),
         }
+    }
+
+    /// An error unless `anchor` is a token of the vocabulary.
+    pub(crate) fn check_anchor(&self, anchor: u32) -> Result<()> {
+        if anchor as usize >= self.config.vocab {
+            return Err(Error::invalid(format!("anchor {anchor} is outside the vocabulary of {}", self.config.vocab)));
+        }
+        Ok(())
     }
 
     /// The logits of the drafter head for HC streams `x`: its HC head, its norm, the

@@ -150,6 +150,13 @@ struct Inner {
 // backend's mutex, with the context bound by the using thread.
 unsafe impl Send for Inner {}
 
+impl Inner {
+    /// The uploaded image of the file whose bytes are `raw`.
+    fn image(&self, raw: &[u8]) -> Option<&DeviceImage> {
+        self.images.iter().find(|i| i.is(raw))
+    }
+}
+
 impl Drop for Inner {
     fn drop(&mut self) {
         if self.ctx.bind().is_ok() {

@@ -612,7 +612,7 @@ impl CudaBackend {
     /// Whether every matrix the device decoder multiplies by runs on the GPU.
     fn decodable(&self, model: &Model) -> bool {
         let g = self.lock();
-        let Some(img) = g.images.iter().find(|i| i.is(model.file.raw())) else { return false };
+        let Some(img) = g.image(model.file.raw()) else { return false };
         let routed_in = |l: &crate::model::weights::LayerWeights| {
             [l.gate_exps.first.start, l.up_exps.first.start, l.down_exps.first.start]
         };
@@ -714,8 +714,7 @@ fn layer_consts(l: &crate::model::weights::LayerWeights, rope: &crate::model::ro
 fn mtp_on_device(backend: &CudaBackend, model: &Model, mw: &MtpWeights) -> bool {
     let Some(dm) = model.draft.as_ref() else { return false };
     let g = backend.lock();
-    let find = |raw: &[u8]| g.images.iter().find(|i| i.is(raw));
-    let (Some(timg), Some(dimg)) = (find(model.file.raw()), find(dm.file.raw())) else { return false };
+    let (Some(timg), Some(dimg)) = (g.image(model.file.raw()), g.image(dm.file.raw())) else { return false };
     let input = match &mw.input {
         MtpInput::Split { e_proj, h_proj } => vec![*e_proj, *h_proj],
         MtpInput::Fused { eh_proj } => vec![*eh_proj],
@@ -731,7 +730,7 @@ fn mtp_on_device(backend: &CudaBackend, model: &Model, mw: &MtpWeights) -> bool 
 fn dspark_on_device(backend: &CudaBackend, model: &Model, dw: &DSparkWeights) -> bool {
     let Some(dm) = model.draft.as_ref() else { return false };
     let g = backend.lock();
-    let Some(dimg) = g.images.iter().find(|i| i.is(dm.file.raw())) else { return false };
+    let Some(dimg) = g.image(dm.file.raw()) else { return false };
     (1..=N_MAX).contains(&dw.block_size)
         && dw.stages.iter().all(|st| block_on_device(model, dm, dimg, st, &[]))
         && CudaBackend::gpu_shape(dimg, &dw.hc_head.proj)
@@ -744,7 +743,7 @@ fn dspark_on_device(backend: &CudaBackend, model: &Model, dw: &DSparkWeights) ->
 fn markov_on_device(backend: &CudaBackend, model: &Model, dw: &DSparkWeights) -> bool {
     let (Some(dm), Some(w1), Some(w2)) = (model.draft.as_ref(), dw.markov_w1, dw.markov_w2) else { return false };
     let g = backend.lock();
-    let Some(dimg) = g.images.iter().find(|i| i.is(dm.file.raw())) else { return false };
+    let Some(dimg) = g.image(dm.file.raw()) else { return false };
     let (d, v, rank) = (model.config.hidden, model.config.vocab, dw.markov_rank);
     let fits = |m: &Mat, n_in: usize, n_out: usize| {
         (m.n_in, m.n_out) == (n_in, n_out) && CudaBackend::gpu_shape(dimg, m) && !crate::quant::act8::takes_act8(m.ty)
@@ -995,7 +994,7 @@ impl CudaDecoder {
         };
         let journal_floats = Self::journal_floats(cfg, N_MAX);
         let bufs = Bufs {
-            step: DevBuf::zeroed(4 * (2 + N_MAX))?,
+            step: DevBuf::zeroed(STEP_BYTES)?,
             x: f32_buf(N_MAX * hc * d)?,
             flat: f32_buf(N_MAX * hc * d)?,
             mixl: f32_buf(N_MAX * n_mix)?,
@@ -1441,9 +1440,7 @@ impl CudaDecoder {
         );
         if !self.programs.contains_key(&key) {
             let img = guard
-                .images
-                .iter()
-                .find(|i| i.is(model.file.raw()))
+                .image(model.file.raw())
                 .ok_or_else(|| Error::Backend("CUDA decode: the model's weights are not on the device".into()))?;
             let prog = self.build(ctx, img, model, n, program::Body::Trunk { head, argmax })?;
             self.programs.insert(key, prog);
@@ -1452,26 +1449,12 @@ impl CudaDecoder {
         // Upload: step parameters, the streams (each row's embedding in every stream), the
         // pack runs.
         let (runs, jfloats) = self.journal(cfg, pos0, n);
-        let step_bytes = 4 * (2 + N_MAX);
+        let step_bytes = STEP_BYTES;
         let x_bytes = 4 * n * hc * d;
         let runs_bytes = std::mem::size_of_val(runs.as_slice());
         self.up.reserve(step_bytes + x_bytes + runs_bytes)?;
         {
-            let st = self.up.bytes_mut(0, step_bytes);
-            let mut vals = vec![pos0 as i32, n as i32];
-            vals.extend(tokens.iter().map(|&t| t as i32));
-            vals.resize(2 + N_MAX, 0);
-            for (c, v) in st.chunks_mut(4).zip(vals) {
-                c.copy_from_slice(&v.to_le_bytes());
-            }
-            let x = self.up.floats(step_bytes, n * hc * d);
-            let mut e = vec![0f32; d];
-            for (r, &t) in tokens.iter().enumerate() {
-                model.embed_row(t, &mut e)?;
-                for s in 0..hc {
-                    x[(r * hc + s) * d..(r * hc + s + 1) * d].copy_from_slice(&e);
-                }
-            }
+            put_step(model, &mut self.up, pos0, tokens, hc, d)?;
             // SAFETY: CopyRun is plain repr(C) data.
             let rb = unsafe { std::slice::from_raw_parts(runs.as_ptr().cast::<u8>(), runs_bytes) };
             self.up.bytes_mut(step_bytes + x_bytes, runs_bytes).copy_from_slice(rb);
@@ -1630,6 +1613,43 @@ impl CudaDecoder {
     }
 }
 
+/// The images of the target's and the drafter's files (the same image for a drafter in the
+/// target's file).
+fn drafter_images<'a>(
+    g: &'a super::Inner,
+    model: &Model,
+    dm: &crate::model::DraftModel,
+) -> Result<(&'a super::weights::DeviceImage, &'a super::weights::DeviceImage)> {
+    let find = |raw: &[u8]| {
+        g.image(raw).ok_or_else(|| Error::Backend("CUDA decode: the drafter's weights are not on the device".into()))
+    };
+    Ok((find(model.file.raw())?, find(dm.file.raw())?))
+}
+
+/// Bytes of the step parameters: the position of row 0, the row count, the rows' tokens.
+const STEP_BYTES: usize = 4 * (2 + N_MAX);
+
+/// Writes the step parameters of rows at `pos0..` with these `tokens` to the start of `up`,
+/// then, after them, each row's embedding into every one of its `hc` streams of `d` floats (the
+/// rows' input streams).
+fn put_step(model: &Model, up: &mut Pinned, pos0: usize, tokens: &[u32], hc: usize, d: usize) -> Result<()> {
+    let mut vals = vec![pos0 as i32, tokens.len() as i32];
+    vals.extend(tokens.iter().map(|&t| t as i32));
+    vals.resize(2 + N_MAX, 0);
+    for (c, v) in up.bytes_mut(0, STEP_BYTES).chunks_mut(4).zip(vals) {
+        c.copy_from_slice(&v.to_le_bytes());
+    }
+    let x = up.floats(STEP_BYTES, tokens.len() * hc * d);
+    let mut e = vec![0f32; d];
+    for (r, &t) in tokens.iter().enumerate() {
+        model.embed_row(t, &mut e)?;
+        for s in 0..hc {
+            x[(r * hc + s) * d..(r * hc + s + 1) * d].copy_from_slice(&e);
+        }
+    }
+    Ok(())
+}
+
 impl CudaDecoder {
     /// [`DeviceDecoder::propose`] for the MTP drafter: `Model::propose`'s steps (see
     /// `propose_mtp` in model/drafting.rs), each one program run on the device. The first step
@@ -1674,14 +1694,7 @@ impl CudaDecoder {
         let guard = backend.lock();
         let ctx = &guard.ctx;
         ctx.bind()?;
-        let find = |raw: &[u8]| {
-            guard
-                .images
-                .iter()
-                .find(|i| i.is(raw))
-                .ok_or_else(|| Error::Backend("CUDA decode: the drafter's weights are not on the device".into()))
-        };
-        let (timg, dimg) = (find(model.file.raw())?, find(dm.file.raw())?);
+        let (timg, dimg) = drafter_images(&guard, model, dm)?;
         // ds4's pairing also runs one step without the head.
         let heads: &[bool] = if dm.pairing == MtpPairing::Same { &[false, true] } else { &[true] };
         for &head in heads {
@@ -1695,7 +1708,7 @@ impl CudaDecoder {
                 }
             }
         }
-        let step_bytes = 4 * (2 + N_MAX);
+        let step_bytes = STEP_BYTES;
         let ring_bytes = 4 * ring.ring.len();
         let h_bytes = 4 * hc * d;
         self.up.reserve(step_bytes + 4 * d + h_bytes + ring_bytes)?;
@@ -1720,17 +1733,11 @@ impl CudaDecoder {
         }
         let use_graphs = self.use_graphs && self.profile.is_none();
         let mut first = true;
-        let mut e = vec![0f32; d];
         while out.tokens.len() < k {
             let chained = dm.pairing == MtpPairing::Same && first;
             first = false;
-            let mut vals = vec![pos as i32, 1, tok as i32];
-            vals.resize(2 + N_MAX, 0);
-            for (c, x) in self.up.bytes_mut(0, step_bytes).chunks_mut(4).zip(vals) {
-                c.copy_from_slice(&x.to_le_bytes());
-            }
-            model.embed_row(tok, &mut e)?;
-            self.up.floats(step_bytes, d).copy_from_slice(&e);
+            // The token's embedding once (the block's input norms take it apart from the streams).
+            put_step(model, &mut self.up, pos, &[tok], 1, d)?;
             let logits_back = !chained && (want_logits || !chooser.is_greedy());
             // SAFETY: as above; `down` is written only by these copies and read after the wait.
             unsafe {
@@ -1815,14 +1822,7 @@ impl CudaDecoder {
         let guard = backend.lock();
         let ctx = &guard.ctx;
         ctx.bind()?;
-        let find = |raw: &[u8]| {
-            guard
-                .images
-                .iter()
-                .find(|i| i.is(raw))
-                .ok_or_else(|| Error::Backend("CUDA decode: the drafter's weights are not on the device".into()))
-        };
-        let (timg, dimg) = (find(model.file.raw())?, find(dm.file.raw())?);
+        let (timg, dimg) = drafter_images(&guard, model, dm)?;
         let Some(dev) = self.dspark.as_ref() else {
             return Err(Error::Backend("CUDA decode: no DSpark path (internal)".into()));
         };
@@ -1834,27 +1834,14 @@ impl CudaDecoder {
         }
         // Upload: the step (the block's positions p + 1.., its tokens), the rows' streams (each
         // row's embedding in every stream: the anchor, then the noise token), the stage rings.
-        let step_bytes = 4 * (2 + N_MAX);
+        let step_bytes = STEP_BYTES;
         let x_floats = nb * hc * d;
         let ring_floats = slots * cfg.head_dim;
         let up_bytes = step_bytes + 4 * (x_floats + rings.len() * ring_floats);
         self.up.reserve(up_bytes)?;
-        let mut vals = vec![state.pos as i32, nb as i32, anchor as i32];
-        vals.resize(2 + nb, dw.noise_token as i32);
-        vals.resize(2 + N_MAX, 0);
-        for (c, x) in self.up.bytes_mut(0, step_bytes).chunks_mut(4).zip(vals) {
-            c.copy_from_slice(&x.to_le_bytes());
-        }
-        let mut e = vec![0f32; d];
-        {
-            let x = self.up.floats(step_bytes, x_floats);
-            for r in 0..nb {
-                model.embed_row(if r == 0 { anchor } else { dw.noise_token }, &mut e)?;
-                for s in 0..hc {
-                    x[(r * hc + s) * d..(r * hc + s + 1) * d].copy_from_slice(&e);
-                }
-            }
-        }
+        let mut block = vec![dw.noise_token; nb];
+        block[0] = anchor;
+        put_step(model, &mut self.up, state.pos, &block, hc, d)?;
         for (i, ring) in rings.iter().enumerate() {
             self.up.floats(step_bytes + 4 * (x_floats + i * ring_floats), ring_floats).copy_from_slice(&ring.ring);
         }
