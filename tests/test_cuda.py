@@ -233,26 +233,44 @@ def test_l2_prefetch_changes_no_bits(tmp_path: Path) -> None:
     assert np.array_equal(off.view(np.uint32), on.view(np.uint32))
 
 
-_MTP_CHILD = r"""
+# The start of the drafter children: argv is target, drafter, golden file, "device" or "host";
+# calls() reads and clears the profile's call counts; check_path asserts which path proposed
+# (the host path runs more than host_products products).
+_DRAFT_CHILD = r"""
 import sys
 import numpy as np
 import ds4
 from ds4 import _ds4
-target, mtp, golden, where = sys.argv[1:5]
+target, draft, golden, where = sys.argv[1:5]
 g = np.load(golden)
-m = ds4.Model.load(target, draft=mtp, backend="cuda")
+m = ds4.Model.load(target, draft=draft, backend="cuda")
 def calls():
     return {name: n for name, n, _ in _ds4.profile(True)}
+def check_path(c, host_products):
+    if where == "device":
+        assert c["device_draft"] == 1 and c["matmul"] == 0, c
+    else:
+        assert c["device_draft"] == 0 and c["matmul"] > host_products, c
+"""
+
+
+def _run_draft_child(body: str, files: dict[str, Path], method: str, where: str) -> None:
+    # A child process each: DS4_CUDA_DRAFT is read when a session's decoder is made,
+    # DS4_PROFILE when the process first times.
+    env = {"DS4_PROFILE": "1", "DS4_CUDA_DRAFT": "1" if where == "device" else "0"}
+    golden = GOLDEN / "drafters" / f"tiny-l-{method}" / "golden.npz"
+    args = [sys.executable, "-c", _DRAFT_CHILD + body, str(files["tiny-l"]), str(files[method]), str(golden), where]
+    r = subprocess.run(args, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stderr[-2000:])
+
+
+_MTP_CHILD = r"""
 for i in range(3):
     s = m.session(512)
     s.eval(g[f"prompt_{i}"].tolist(), logits="last")
     calls()
     p = s.propose(k=3)  # anchor: the target's greedy token
-    c = calls()
-    if where == "device":
-        assert c["device_draft"] == 1 and c["matmul"] == 0, c
-    else:
-        assert c["device_draft"] == 0 and c["matmul"] > 0, c
+    check_path(calls(), 0)
     assert p.tokens == g[f"mtp_chain_tokens_{i}"].tolist(), (i, p.tokens)
     err = float(np.abs(p.logits - g[f"mtp_chain_logits_{i}"]).max())
     assert err < 1e-4, (i, err)
@@ -264,38 +282,20 @@ print("ok")
 @pytest.mark.parametrize("where", ["device", "host"])
 def test_mtp_chain_matches_reference_on_cuda(files: dict[str, Path], where: str) -> None:
     # The reference's depth-3 MTP chain: on the device decoder (no host product runs during
-    # the proposal), and on the host with DS4_CUDA_DRAFT=0. A child process each: the setting
-    # is read when a session's decoder is made, DS4_PROFILE when the process first times.
-    env = {"DS4_PROFILE": "1", "DS4_CUDA_DRAFT": "1" if where == "device" else "0"}
-    golden = GOLDEN / "drafters" / "tiny-l-mtp" / "golden.npz"
-    args = [sys.executable, "-c", _MTP_CHILD, str(files["tiny-l"]), str(files["mtp"]), str(golden), where]
-    r = subprocess.run(args, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stderr[-2000:])
+    # the proposal), and on the host with DS4_CUDA_DRAFT=0.
+    _run_draft_child(_MTP_CHILD, files, "mtp", where)
 
 
 _DSPARK_CHILD = r"""
-import sys
-import numpy as np
-import ds4
-from ds4 import _ds4
-target, dspark, golden, where = sys.argv[1:5]
-g = np.load(golden)
-m = ds4.Model.load(target, draft=dspark, backend="cuda")
-def calls():
-    return {name: n for name, n, _ in _ds4.profile(True)}
 prompt = g["prompt_2"].tolist()
 for j, (p_, a) in enumerate(zip(g["dspark_anchor_pos_2"], g["dspark_anchor_tok_2"])):
     s = m.session(512)
     s.eval(prompt[: int(p_) + 1], logits="last")
     calls()
     p = s.propose(anchor=int(a))
-    c = calls()
-    k = len(p.tokens)
-    # On the device, greedy: the block, its head, and the Markov and confidence heads.
-    if where == "device":
-        assert c["device_draft"] == 1 and c["matmul"] == 0, c
-    else:
-        assert c["device_draft"] == 0 and c["matmul"] > 2 * k, c
+    # On the device, greedy: the block, its head, and the Markov and confidence heads; the
+    # host path runs more than the Markov and confidence products (two a token).
+    check_path(calls(), 2 * len(p.tokens))
     assert p.tokens == g["dspark_draft_tokens_2"][j].tolist(), (j, p.tokens)
     for got, key in ((p.logits, "dspark_logits_2"), (p.base_logits, "dspark_base_logits_2"),
                      (p.confidence, "dspark_confidence_2")):
@@ -311,11 +311,7 @@ def test_dspark_matches_reference_on_cuda(files: dict[str, Path], where: str) ->
     # The reference's DSpark blocks: on the device decoder (the stages, each row seeing the
     # whole block, the head, then the Markov and confidence heads row by row), and on the host
     # path. (Sampled proposals take the host's Markov loop: test_dspark_sampling_is_exact_on_cuda.)
-    env = {"DS4_PROFILE": "1", "DS4_CUDA_DRAFT": "1" if where == "device" else "0"}
-    golden = GOLDEN / "drafters" / "tiny-l-dspark" / "golden.npz"
-    args = [sys.executable, "-c", _DSPARK_CHILD, str(files["tiny-l"]), str(files["dspark"]), str(golden), where]
-    r = subprocess.run(args, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stderr[-2000:])
+    _run_draft_child(_DSPARK_CHILD, files, "dspark", where)
 
 
 @gpu
