@@ -235,7 +235,9 @@ def test_l2_prefetch_changes_no_bits(tmp_path: Path) -> None:
 
 # The start of the drafter children: argv is target, drafter, golden file, "device" or "host";
 # calls() reads and clears the profile's call counts; check_path asserts which path proposed
-# (the host path runs more than host_products products).
+# (the host path runs more than host_products products); eval_prompt evaluates a prompt, its
+# last token in a step of its own, and asserts which path kept the drafter's window rows in
+# that step (the host path's products, or none).
 _DRAFT_CHILD = r"""
 import sys
 import numpy as np
@@ -251,6 +253,12 @@ def check_path(c, host_products):
         assert c["device_draft"] == 1 and c["matmul"] == 0, c
     else:
         assert c["device_draft"] == 0 and c["matmul"] > host_products, c
+def eval_prompt(s, prompt):
+    s.eval(prompt[:-1])
+    calls()
+    s.eval(prompt[-1:], logits="last")
+    c = calls()
+    assert c["device_step"] == 1 and (c["matmul"] == 0) == (where == "device"), c
 """
 
 
@@ -267,8 +275,7 @@ def _run_draft_child(body: str, files: dict[str, Path], method: str, where: str)
 _MTP_CHILD = r"""
 for i in range(3):
     s = m.session(512)
-    s.eval(g[f"prompt_{i}"].tolist(), logits="last")
-    calls()
+    eval_prompt(s, g[f"prompt_{i}"].tolist())
     p = s.propose(k=3)  # anchor: the target's greedy token
     check_path(calls(), 0)
     assert p.tokens == g[f"mtp_chain_tokens_{i}"].tolist(), (i, p.tokens)
@@ -290,8 +297,7 @@ _DSPARK_CHILD = r"""
 prompt = g["prompt_2"].tolist()
 for j, (p_, a) in enumerate(zip(g["dspark_anchor_pos_2"], g["dspark_anchor_tok_2"])):
     s = m.session(512)
-    s.eval(prompt[: int(p_) + 1], logits="last")
-    calls()
+    eval_prompt(s, prompt[: int(p_) + 1])
     p = s.propose(anchor=int(a))
     # On the device, greedy: the block, its head, and the Markov and confidence heads; the
     # host path runs more than the Markov and confidence products (two a token).

@@ -215,19 +215,24 @@ extern "C" __global__ void ds4_rms_weight(const float* x, float* y, const float*
     ds4_rms_store(x + off, y + off, w, width, s, v);
 }
 
-// The MTP block's input norms (model/drafting.rs mtp_inputs), one row a block: blocks
-// 0..hc-1 the streams h [hc, d] with the weight hnorm, block hc the token's embedding e [d]
-// with enorm. cat == 0 (e_proj and h_proj apart): the streams' norms to hn [hc, d], the
-// embedding's to en [d]. cat == 1 (one [2d -> d] eh_proj): hn gets hc rows of 2d,
-// [enorm(e); hnorm(h_s)]. Grid (hc + 1), up to 1024 threads (wide(d)): without the bound the
-// compiler gave it more registers than 512 threads may hold (MID's first run failed the
-// graph's instantiation with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES).
+// The MTP block's input norms (model/drafting.rs mtp_inputs) of pair p = blockIdx.y, one row
+// a block: blocks 0..hc-1 the streams h [n, hc, d] with the weight hnorm, block hc the token's
+// embedding e [n, d] with enorm. cat == 0 (e_proj and h_proj apart): the streams' norms to hn
+// [n, hc, d], the embedding's to en [n, d]. cat == 1 (one [2d -> d] eh_proj): hn gets hc rows
+// of 2d a pair, [enorm(e); hnorm(h_s)]. Grid (hc + 1, n), up to 1024 threads (wide(d)):
+// without the bound the compiler gave it more registers than 512 threads may hold (MID's first
+// run failed the graph's instantiation with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES).
 extern "C" __global__ void __launch_bounds__(1024)
     ds4_mtp_in(const float* h, const float* e, const float* hnorm, const float* enorm, float* hn, float* en, int hc,
                int d, int cat, float eps) {
     ds4_grid_lead();
     __shared__ double red[32];
     const int r = blockIdx.x;
+    const long long pr = blockIdx.y;
+    h += pr * hc * d;
+    e += pr * d;
+    hn += pr * hc * (cat ? 2 : 1) * d;
+    en += pr * d;
     const bool emb = r == hc;
     const float* x = emb ? e : h + (long long)r * d;
     float v[DS4_RMS_REGS];
@@ -240,6 +245,24 @@ extern "C" __global__ void __launch_bounds__(1024)
         for (int q = 0; q < hc; q++) {
             ds4_rms_store(x, hn + (long long)q * 2 * d, enorm, d, s, v);
         }
+    }
+}
+
+// DSpark's window input (rust/engine/model/forward.rs mean_of_streams, in its order): row r's
+// slice j of cat [n, k, d] is the mean of the hc streams of row r in capture slot j, the slots
+// `slot` floats apart, each [n, hc, d]. Grid (ceil(d / 256), k, n), 256 threads.
+extern "C" __global__ void ds4_mean_streams(const float* capture, int slot, float* cat, int k, int hc, int d) {
+    ds4_grid_lead();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    const int j = blockIdx.y;
+    const long long r = blockIdx.z;
+    if (i < d) {
+        const float* x = capture + (long long)j * slot + r * hc * d + i;
+        float acc = 0.0f;
+        for (int s = 0; s < hc; s++) {
+            acc += x[(long long)s * d];
+        }
+        cat[(r * k + j) * d + i] = acc / (float)hc;
     }
 }
 
@@ -259,13 +282,14 @@ extern "C" __global__ void ds4_markov_in(const float* w1, int rank, const int* s
     }
 }
 
-// x[r, i] += v[i] for the rows r < rows of x [rows, width] (the MTP input: h_proj's rows plus
-// e_proj's one; DSpark's Markov bias on a copy of a row's logits). Grid (rows * width / 256).
-extern "C" __global__ void ds4_add_rows(float* x, const float* v, int rows, int width) {
+// x[r, i] += v[r / group, i] for the rows r < rows of x [rows, width], v [rows / group, width]
+// (the MTP inputs: each pair's hc h_proj rows plus its e_proj row; DSpark's Markov bias on a
+// copy of a row's logits, group 1). Grid (rows * width / 256).
+extern "C" __global__ void ds4_add_rows(float* x, const float* v, int rows, int width, int group) {
     ds4_grid_lead();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < (long long)rows * width) {
-        x[i] += v[i % width];
+        x[i] += v[i / ((long long)group * width) * width + i % width];
     }
 }
 

@@ -142,6 +142,20 @@ impl Model {
         Ok(x)
     }
 
+    /// The positions of the drafter rows a step of `n` rows at `pos0..` adds: MTP's rows lag
+    /// the trunk's by one in DeepSeek's pairing (the first pairs the pending streams, if any,
+    /// with the step's first token), DSpark's do not. Empty without a drafter state.
+    pub(crate) fn draft_positions(&self, state: &State, pos0: usize, n: usize) -> Vec<usize> {
+        let (Some(dm), Some(ds)) = (&self.draft, state.draft.as_ref()) else { return Vec::new() };
+        match (dm.pairing, ds) {
+            (MtpPairing::Next, DraftState::Mtp { pending, .. }) => {
+                let first = if pending.is_empty() { pos0 } else { pos0 - 1 };
+                (first..pos0 + n - 1).collect()
+            }
+            _ => (pos0..pos0 + n).collect(),
+        }
+    }
+
     /// Brings the drafter rows up to date after the trunk evaluated `tokens` at `pos0..`:
     /// `x` holds each row's final HC streams, `captured` (DSpark) each row's averaged
     /// target-layer outputs. Every row written is logged for [`State::keep_prefix`].
@@ -154,75 +168,106 @@ impl Model {
         pos0: usize,
         log: Option<&mut BatchLog>,
     ) -> Result<()> {
-        let (Some(dm), Some(ds)) = (&self.draft, state.draft.as_mut()) else { return Ok(()) };
+        let rows = self.draft_rows(state, x, captured, tokens, pos0)?;
+        self.draft_store(state, tokens.len(), x, &rows, pos0, log)
+    }
+
+    /// The K=V rows a step adds to each drafter ring (`rows[ring]`, one row of `head_dim` per
+    /// position of [`Model::draft_positions`]), computed on the host with the backend's
+    /// products. Changes nothing.
+    fn draft_rows(
+        &self,
+        state: &State,
+        x: &[f32],
+        captured: &[f32],
+        tokens: &[u32],
+        pos0: usize,
+    ) -> Result<Vec<Vec<f32>>> {
+        let (Some(dm), Some(ds)) = (&self.draft, state.draft.as_ref()) else { return Ok(Vec::new()) };
         let cfg = &self.config;
         let (d, hc) = (cfg.hidden, cfg.hc_mult);
         let n = tokens.len();
         let precision = state.precision;
         let dops = dm.ops(self);
-        let mut dlog = DraftLog::default();
+        let positions = self.draft_positions(state, pos0, n);
         match (&dm.kind, ds) {
-            (DraftKind::Mtp(w), DraftState::Mtp { ring, pending }) => {
+            (DraftKind::Mtp(w), DraftState::Mtp { pending, .. }) => {
                 let rows: Vec<&[f32]> = x.chunks(hc * d).collect();
                 let mut pairs: Vec<(&[f32], u32)> = Vec::new();
-                let mut positions = Vec::new();
                 match dm.pairing {
                     MtpPairing::Next => {
-                        dlog.lag = 1;
                         if !pending.is_empty() {
                             pairs.push((pending.as_slice(), tokens[0]));
-                            positions.push(pos0 - 1);
                         }
-                        for r in 0..n - 1 {
-                            pairs.push((rows[r], tokens[r + 1]));
-                            positions.push(pos0 + r);
-                        }
+                        pairs.extend((0..n - 1).map(|r| (rows[r], tokens[r + 1])));
                     }
-                    MtpPairing::Same => {
-                        for r in 0..n {
-                            pairs.push((rows[r], tokens[r]));
-                            positions.push(pos0 + r);
-                        }
-                    }
+                    MtpPairing::Same => pairs.extend(rows.iter().copied().zip(tokens.iter().copied())),
                 }
-                if !pairs.is_empty() {
-                    let xin = self.mtp_inputs(dm, w, &pairs)?;
-                    let (mut y, _) = hyper::pre(dops, &w.block.hc_attn, &xin, cfg)?;
-                    crate::backend::cpu::rms_norm_rows(&mut y, &w.block.attn_norm, cfg.rms_eps);
-                    let kv = kv_rows(dops, cfg, &w.block, &dm.rope, precision, &y, &positions)?;
-                    for (row, &p) in kv.chunks(cfg.head_dim).zip(&positions) {
-                        if log.is_some() {
-                            dlog.written.push((0, p, ring.raw(p).to_vec()));
-                        }
-                        ring.push_raw(p, row);
-                    }
+                if pairs.is_empty() {
+                    return Ok(vec![Vec::new()]);
                 }
-                if log.is_some() {
-                    dlog.hs.push(std::mem::take(pending));
-                    dlog.hs.extend(rows.iter().map(|r| r.to_vec()));
-                }
-                *pending = rows[n - 1].to_vec();
+                let xin = self.mtp_inputs(dm, w, &pairs)?;
+                let (mut y, _) = hyper::pre(dops, &w.block.hc_attn, &xin, cfg)?;
+                crate::backend::cpu::rms_norm_rows(&mut y, &w.block.attn_norm, cfg.rms_eps);
+                Ok(vec![kv_rows(dops, cfg, &w.block, &dm.rope, precision, &y, &positions)?])
             }
-            (DraftKind::DSpark(w), DraftState::DSpark { rings }) => {
+            (DraftKind::DSpark(w), DraftState::DSpark { .. }) => {
                 let mut main_x = dops.matmul(&w.main_proj, captured)?;
                 crate::backend::cpu::rms_norm_rows(&mut main_x, &w.main_norm, cfg.rms_eps);
-                let positions: Vec<usize> = (pos0..pos0 + n).collect();
-                // Every fallible product first, then the writes: a failure leaves no row written.
-                let kvs = w
-                    .stages
+                w.stages
                     .iter()
                     .map(|stage| kv_rows(dops, cfg, stage, &dm.rope, precision, &main_x, &positions))
-                    .collect::<Result<Vec<_>>>()?;
-                for (s, (kv, ring)) in kvs.iter().zip(rings.iter_mut()).enumerate() {
-                    for (row, &p) in kv.chunks(cfg.head_dim).zip(&positions) {
-                        if log.is_some() {
-                            dlog.written.push((s, p, ring.raw(p).to_vec()));
-                        }
-                        ring.push_raw(p, row);
-                    }
-                }
+                    .collect()
             }
-            _ => return Err(Error::invalid("the session's drafter state does not match the model's drafter")),
+            _ => Err(Error::invalid("the session's drafter state does not match the model's drafter")),
+        }
+    }
+
+    /// Writes the drafter rows of a step of `n` rows of the trunk at `pos0..` (`rows[ring]` at
+    /// [`Model::draft_positions`], from [`Model::draft_rows`] or the device) into the session's
+    /// rings and, for MTP, keeps the step's last streams of `x` (its rows of HC streams; DSpark
+    /// does not read it) as the pending ones. Logs what it overwrote when `log` is given. Fails,
+    /// changing nothing, on rows of the wrong shape.
+    pub(crate) fn draft_store(
+        &self,
+        state: &mut State,
+        n: usize,
+        x: &[f32],
+        rows: &[Vec<f32>],
+        pos0: usize,
+        log: Option<&mut BatchLog>,
+    ) -> Result<()> {
+        let Some(dm) = &self.draft else { return Ok(()) };
+        let cfg = &self.config;
+        let (d, hc, hd) = (cfg.hidden, cfg.hc_mult, cfg.head_dim);
+        let is_mtp = matches!(state.draft, Some(DraftState::Mtp { .. }));
+        if n == 0 || (is_mtp && x.len() != n * hc * d) {
+            return Err(Error::invalid("draft_store: the streams are not the step's rows (internal)"));
+        }
+        let positions = self.draft_positions(state, pos0, n);
+        let Some(ds) = state.draft.as_mut() else { return Ok(()) };
+        let rings = ds.rings_mut();
+        if rows.len() != rings.len() || rows.iter().any(|r| r.len() != positions.len() * hd) {
+            return Err(Error::invalid("draft_store: drafter rows of the wrong shape (internal)"));
+        }
+        let mut dlog = DraftLog::default();
+        for (s, (ring, kv)) in rings.into_iter().zip(rows).enumerate() {
+            for (row, &p) in kv.chunks(hd).zip(&positions) {
+                if log.is_some() {
+                    dlog.written.push((s, p, ring.raw(p).to_vec()));
+                }
+                ring.push_raw(p, row);
+            }
+        }
+        if let DraftState::Mtp { pending, .. } = ds {
+            if dm.pairing == MtpPairing::Next {
+                dlog.lag = 1;
+            }
+            if log.is_some() {
+                dlog.hs.push(std::mem::take(pending));
+                dlog.hs.extend(x.chunks(hc * d).map(<[f32]>::to_vec));
+            }
+            *pending = x[(n - 1) * hc * d..].to_vec();
         }
         if let Some(log) = log {
             log.draft = Some(dlog);

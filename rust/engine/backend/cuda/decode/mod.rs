@@ -286,7 +286,8 @@ impl LayerMirror {
 /// window ring, its input norms, its head's constants, and the embedding row of the step's
 /// token. The ring is a scratch copy of the host's, uploaded at the start of each proposal
 /// (window + 17 rows, 290 KB for Flash): the host state stays the reference, kept up to date
-/// by `Model::draft_advance` after each step, and a proposal's rows are dropped with it. A
+/// after each step ([`Upkeep`], or `Model::draft_advance` on the host path), and a proposal's
+/// rows are dropped with it. A
 /// proposal step is the trunk's layer program on the MTP block at one row, between trunk steps
 /// on the same stream and activation buffers.
 struct MtpDevice {
@@ -316,7 +317,42 @@ struct DSparkDevice {
     head: (DevBuf, DevBuf, DevBuf),
     /// The Markov and confidence heads on the device, for greedy proposals.
     markov: Option<MarkovDevice>,
+    /// The norm after `main_proj` (the window rows' input: [`Upkeep`]).
+    main_norm: DevBuf,
     program: Option<Program>,
+}
+
+/// The drafter's window upkeep on the device: a trunk step's program also computes the K=V
+/// rows the step adds to the drafter's rings (`Model::draft_rows` on the host path), and they
+/// come back with its results, for `Model::draft_store` to write into the host's rings, which
+/// stay the reference (proposals upload them). MTP: the pairs' input streams (the pending
+/// streams, uploaded, then the step's rows), their input norms and products, the block's
+/// attention-site collapse and norm, its K=V product and row; DSpark: each row's captured
+/// streams averaged, `main_proj` and its norm, each stage's K=V product and row. On the host
+/// path each of those products was a round trip: about 0.3 ms a step on MID (H200).
+struct Upkeep {
+    /// The rows' step parameters: the position of the first row, the rows, the tokens (MTP;
+    /// DSpark's rows are the trunk's).
+    step: DevBuf,
+    /// MTP: the pairs' streams [N_MAX, hc, d].
+    h: DevBuf,
+    /// MTP: the pairs' token embeddings [N_MAX, d].
+    emb: DevBuf,
+    /// MTP: the streams' norms [N_MAX, hc, 2d] (the fused input's rows are twice as wide).
+    hn: DevBuf,
+    /// MTP: the embeddings' norms [N_MAX, d]; DSpark: the averaged captures [N_MAX, k, d].
+    en: DevBuf,
+    /// MTP: e_proj's rows [N_MAX, d]; DSpark: the normed main_proj rows [N_MAX, d].
+    ex: DevBuf,
+    /// MTP: the block's input streams [N_MAX, hc, d].
+    xs: DevBuf,
+    /// DSpark: each stage's K=V products [stages, N_MAX, head_dim].
+    kv: DevBuf,
+    /// The new rows, ring `s`'s row at position p in slot `s * N_MAX + p % N_MAX` (rows of
+    /// `head_dim`).
+    rows: DevBuf,
+    /// Rings (1 for MTP, DSpark's stages).
+    rings: usize,
 }
 
 /// DSpark's Markov and confidence heads on the device: after the block's head the program
@@ -466,6 +502,7 @@ struct Kernels {
     mtp_in: sys::CUfunction,
     add_rows: sys::CUfunction,
     markov_in: sys::CUfunction,
+    mean_streams: sys::CUfunction,
     /// Every handle above with its name (profiles).
     names: Vec<(sys::CUfunction, &'static str)>,
 }
@@ -506,6 +543,7 @@ impl Kernels {
             mtp_in: f("ds4_mtp_in")?,
             add_rows: f("ds4_add_rows")?,
             markov_in: f("ds4_markov_in")?,
+            mean_streams: f("ds4_mean_streams")?,
             names: Vec::new(),
         };
         Ok(Kernels { names, ..k })
@@ -523,8 +561,9 @@ pub(crate) struct CudaDecoder {
     mirror: Vec<LayerMirror>,
     bufs: Bufs,
     /// By (rows, requested logits rows: 0 all, 1 the last, 2 none; whether the argmax of
-    /// each requested row comes back instead of its logits).
-    programs: HashMap<(usize, u8, bool), Program>,
+    /// each requested row comes back instead of its logits; whether it keeps the drafter's
+    /// window rows, [`Upkeep`]).
+    programs: HashMap<(usize, u8, bool, bool), Program>,
     up: Pinned,
     down: Pinned,
     /// Staging of [`DeviceDecoder::kept`]'s slot restores.
@@ -558,6 +597,8 @@ pub(crate) struct CudaDecoder {
     mtp: Option<MtpDevice>,
     /// The DSpark drafter's device path (as `mtp`).
     dspark: Option<DSparkDevice>,
+    /// The drafter's window upkeep on the device (with `mtp` or `dspark`).
+    upkeep: Option<Upkeep>,
     /// Each layer's compressors' position biases (the compressor, then the indexer's), which
     /// the journal's replay adds to the gates.
     apes: Arc<Vec<Vec<Vec<f32>>>>,
@@ -917,12 +958,15 @@ impl CudaDecoder {
         need(&[w.output], N_MAX);
         if let Some(mw) = mtp_w {
             match &mw.input {
-                MtpInput::Split { e_proj, h_proj } => need(&[*e_proj, *h_proj], N_MAX),
-                MtpInput::Fused { eh_proj } => need(&[*eh_proj], N_MAX),
+                // The upkeep's N_MAX pairs: hc rows of streams each.
+                MtpInput::Split { e_proj, h_proj } => need(&[*e_proj, *h_proj], N_MAX * hc),
+                MtpInput::Fused { eh_proj } => need(&[*eh_proj], N_MAX * hc),
             }
             need(&[mw.hc_head.proj], N_MAX);
         }
         if let Some(dw) = dspark_w {
+            need(&[dw.main_proj], N_MAX);
+            need(&dw.stages.iter().map(|st| st.kv).collect::<Vec<_>>(), N_MAX);
             need(&[dw.hc_head.proj], N_MAX);
             let heads: Vec<Mat> = dw.markov_w2.into_iter().chain(dw.confidence).collect();
             need(&heads, N_MAX);
@@ -962,6 +1006,7 @@ impl CudaDecoder {
                     }
                     _ => None,
                 },
+                main_norm: DevBuf::from_slice(&dw.main_norm)?,
                 program: None,
             }),
             _ => None,
@@ -982,6 +1027,27 @@ impl CudaDecoder {
                 programs: [None, None],
             }),
             _ => None,
+        };
+
+        let upkeep = match (mtp_w, dspark_w) {
+            (None, None) => None,
+            (_, dsw) => {
+                let k = dsw.map_or(0, |dw| dw.target_layers.len());
+                let rings = dsw.map_or(1, |dw| dw.stages.len());
+                let mtp = mtp_w.is_some() as usize;
+                Some(Upkeep {
+                    step: DevBuf::zeroed(STEP_BYTES)?,
+                    h: f32_buf((mtp * N_MAX * hc * d).max(1))?,
+                    emb: f32_buf((mtp * N_MAX * d).max(1))?,
+                    hn: f32_buf((mtp * N_MAX * hc * 2 * d).max(1))?,
+                    en: f32_buf(N_MAX * k.max(1) * d)?,
+                    ex: f32_buf(N_MAX * d)?,
+                    xs: f32_buf((mtp * N_MAX * hc * d).max(1))?,
+                    kv: f32_buf(rings * N_MAX * hd)?,
+                    rows: f32_buf(rings * N_MAX * hd)?,
+                    rings,
+                })
+            }
         };
 
         let l0 = &w.layers[0];
@@ -1063,6 +1129,7 @@ impl CudaDecoder {
             defer,
             mtp,
             dspark,
+            upkeep,
             apes: Arc::new(
                 w.layers
                     .iter()
@@ -1420,6 +1487,17 @@ impl CudaDecoder {
             self.upload_state(state)?;
         }
         let want_x = state.draft.is_some() && model.draft.is_some();
+        // The drafter's rows on the device ([`Upkeep`]), except for MTP's first step in
+        // DeepSeek's pairing (no pending streams yet: its rows are one fewer than the step's).
+        let upkeep = want_x
+            && self.upkeep.is_some()
+            && match (state.draft.as_ref(), model.draft.as_ref().map(|dm| dm.pairing)) {
+                (Some(DraftState::Mtp { pending, .. }), Some(MtpPairing::Next)) => pending.len() == hc * d,
+                (Some(DraftState::Mtp { .. }), _) => true,
+                (Some(DraftState::DSpark { .. }), _) => true,
+                (None, _) => false,
+            };
+        let mtp_upkeep = upkeep && self.mtp.is_some();
         // Stale until this step completes.
         self.tag = 0;
         self.last = None;
@@ -1437,12 +1515,17 @@ impl CudaDecoder {
                 Logits::None => 2,
             },
             argmax,
+            upkeep,
         );
         if !self.programs.contains_key(&key) {
             let img = guard
                 .image(model.file.raw())
                 .ok_or_else(|| Error::Backend("CUDA decode: the model's weights are not on the device".into()))?;
-            let prog = self.build(ctx, img, model, n, program::Body::Trunk { head, argmax })?;
+            let dimg = match model.draft.as_ref() {
+                Some(dm) if upkeep => Some(drafter_images(&guard, model, dm)?.1),
+                _ => None,
+            };
+            let prog = self.build(ctx, img, model, n, program::Body::Trunk { head, argmax, upkeep: dimg })?;
             self.programs.insert(key, prog);
         }
 
@@ -1452,21 +1535,51 @@ impl CudaDecoder {
         let step_bytes = STEP_BYTES;
         let x_bytes = 4 * n * hc * d;
         let runs_bytes = std::mem::size_of_val(runs.as_slice());
-        self.up.reserve(step_bytes + x_bytes + runs_bytes)?;
+        let up_main = step_bytes + x_bytes + runs_bytes;
+        // MTP's upkeep: its rows' step parameters, the pending streams, the tokens' embeddings.
+        let uk_bytes = if mtp_upkeep { step_bytes + 4 * hc * d + 4 * n * d } else { 0 };
+        self.up.reserve(up_main + uk_bytes)?;
         {
             put_step(model, &mut self.up, pos0, tokens, hc, d)?;
             // SAFETY: CopyRun is plain repr(C) data.
             let rb = unsafe { std::slice::from_raw_parts(runs.as_ptr().cast::<u8>(), runs_bytes) };
             self.up.bytes_mut(step_bytes + x_bytes, runs_bytes).copy_from_slice(rb);
         }
+        let mut positions = Vec::new();
+        if upkeep {
+            positions = model.draft_positions(state, pos0, n);
+            if positions.len() != n {
+                return Err(Error::Backend("CUDA decode: the drafter's rows are not the step's (internal)".into()));
+            }
+        }
+        if mtp_upkeep {
+            let mut vals = vec![positions[0] as i32, n as i32];
+            vals.extend(tokens.iter().map(|&t| t as i32));
+            vals.resize(2 + N_MAX, 0);
+            for (c, v) in self.up.bytes_mut(up_main, step_bytes).chunks_mut(4).zip(vals) {
+                c.copy_from_slice(&v.to_le_bytes());
+            }
+            if let Some(DraftState::Mtp { pending, .. }) = state.draft.as_ref() {
+                // Empty in ds4's pairing, whose pairs are the step's rows only.
+                self.up.floats(up_main + step_bytes, pending.len()).copy_from_slice(pending);
+            }
+            let emb = self.up.floats(up_main + step_bytes + 4 * hc * d, n * d);
+            for (r, &t) in tokens.iter().enumerate() {
+                model.embed_row(t, &mut emb[r * d..(r + 1) * d])?;
+            }
+        }
         let logit_rows = head.map_or(0, |h| h.1);
         // What comes back of the requested rows: one u32 id each, or their logits.
         let head_words = if argmax { logit_rows } else { logit_rows * cfg.vocab };
+        // The host path's upkeep reads every row's streams (and DSpark's captures); MTP's
+        // pending streams are the last row's.
         let capture_layers = match model.draft.as_ref().map(|dm| &dm.kind) {
-            Some(DraftKind::DSpark(w)) if want_x => w.target_layers.len(),
+            Some(DraftKind::DSpark(w)) if want_x && !upkeep => w.target_layers.len(),
             _ => 0,
         };
-        let down_floats = head_words + jfloats + if want_x { n * hc * d * (1 + capture_layers) } else { 0 };
+        let x_down = if want_x && !(upkeep && self.dspark.is_some()) { n * hc * d } else { 0 };
+        let uk_rows = self.upkeep.as_ref().filter(|_| upkeep).map_or(0, |u| u.rings * N_MAX * cfg.head_dim);
+        let down_floats = head_words + jfloats + x_down * (1 + capture_layers) + uk_rows;
         self.down.reserve(4 * down_floats)?;
         if runs.len() * std::mem::size_of::<CopyRun>() > self.bufs.runs.bytes || jfloats * 4 > self.bufs.journal.bytes {
             return Err(Error::Backend("CUDA decode: journal buffers too small (internal)".into()));
@@ -1482,6 +1595,14 @@ impl CudaDecoder {
                     .map_err(driver_err("upload"))?;
                 cu::memcpy_htod_async(self.bufs.runs.ptr, &upb[step_bytes + x_bytes..], stream)
                     .map_err(driver_err("upload"))?;
+                if let (Some(uk), true) = (self.upkeep.as_ref(), mtp_upkeep) {
+                    let ukb = std::slice::from_raw_parts(self.up.ptr.add(up_main), uk_bytes);
+                    let (st, rest) = ukb.split_at(step_bytes);
+                    let (pend, emb) = rest.split_at(4 * hc * d);
+                    cu::memcpy_htod_async(uk.step.ptr, st, stream).map_err(driver_err("upload"))?;
+                    cu::memcpy_htod_async(uk.h.ptr, pend, stream).map_err(driver_err("upload"))?;
+                    cu::memcpy_htod_async(uk.emb.ptr, emb, stream).map_err(driver_err("upload"))?;
+                }
             }
             Ok(())
         };
@@ -1532,14 +1653,18 @@ impl CudaDecoder {
                 cu::memcpy_dtoh_async(lg, self.bufs.logits.ptr, stream).map_err(driver_err("download"))?;
             }
             cu::memcpy_dtoh_async(jr, self.bufs.journal.ptr, stream).map_err(driver_err("download"))?;
-            if want_x {
-                let (xf, cap) = xr.split_at_mut(n * hc * d);
+            let (xf, rest) = xr.split_at_mut(x_down);
+            let (cap, ukr) = rest.split_at_mut(x_down * capture_layers);
+            if x_down > 0 {
                 cu::memcpy_dtoh_async(xf, self.bufs.x.ptr, stream).map_err(driver_err("download"))?;
-                for j in 0..capture_layers {
-                    let dst = &mut cap[j * n * hc * d..(j + 1) * n * hc * d];
-                    cu::memcpy_dtoh_async(dst, self.bufs.capture.ptr + (j * N_MAX * hc * d * 4) as u64, stream)
-                        .map_err(driver_err("download"))?;
-                }
+            }
+            for j in 0..capture_layers {
+                let dst = &mut cap[j * n * hc * d..(j + 1) * n * hc * d];
+                cu::memcpy_dtoh_async(dst, self.bufs.capture.ptr + (j * N_MAX * hc * d * 4) as u64, stream)
+                    .map_err(driver_err("download"))?;
+            }
+            if let (Some(uk), false) = (self.upkeep.as_ref(), ukr.is_empty()) {
+                cu::memcpy_dtoh_async(ukr, uk.rows.ptr, stream).map_err(driver_err("download"))?;
             }
         }
         {
@@ -1572,8 +1697,21 @@ impl CudaDecoder {
         let dn: &[f32] = unsafe { std::slice::from_raw_parts(self.down.ptr.cast::<f32>(), down_floats) };
         let (lg, rest) = dn.split_at(head_words);
         let (jr, xr) = rest.split_at(jfloats);
-        if want_x {
-            let (xf, cap) = xr.split_at(n * hc * d);
+        let (xf, rest) = xr.split_at(x_down);
+        let (cap, ukr) = rest.split_at(x_down * capture_layers);
+        if upkeep {
+            // Ring s's row at position p is in slot s * N_MAX + p % N_MAX.
+            let hd = cfg.head_dim;
+            let rings = ukr.len() / (N_MAX * hd);
+            let rows: Vec<Vec<f32>> = (0..rings)
+                .map(|s| {
+                    let slot = |p: usize| &ukr[(s * N_MAX + p % N_MAX) * hd..(s * N_MAX + p % N_MAX + 1) * hd];
+                    positions.iter().flat_map(|&p| slot(p).iter().copied()).collect()
+                })
+                .collect();
+            // Nothing else after the GPU work can fail (its checks come before its writes).
+            model.draft_store(state, n, xf, &rows, pos0, log.as_deref_mut())?;
+        } else if want_x {
             // DSpark's capture: each target layer's streams averaged, as the host pass does.
             let mut captured = vec![0f32; n * capture_layers * d];
             for j in 0..capture_layers {

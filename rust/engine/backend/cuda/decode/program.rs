@@ -118,8 +118,9 @@ fn desc_bytes(d: &Desc) -> &[u8] {
 /// What a program runs.
 pub(super) enum Body<'a> {
     /// A step of the target: every layer, then the head on `head` = (first row, rows)
-    /// followed by the argmax of each of those logits rows when `argmax`.
-    Trunk { head: Option<(usize, usize)>, argmax: bool },
+    /// followed by the argmax of each of those logits rows when `argmax`; with `upkeep` (the
+    /// image of the drafter's file), then the drafter's new window rows (`Upkeep`, mod.rs).
+    Trunk { head: Option<(usize, usize)>, argmax: bool, upkeep: Option<&'a DeviceImage> },
     /// One step of the MTP drafter on one row (`MtpDevice`, mod.rs): its input from the streams
     /// in `x` and the token's embedding, its block (`img`: the image of the file that holds the
     /// drafter), then, when `head`, its head and the argmax of its logits.
@@ -365,7 +366,7 @@ impl CudaDecoder {
                         ((hc * d).div_ceil(256) as u32, 1, 1),
                         256,
                         0,
-                        vec![p(b.x.ptr), p(b.h.ptr), i(hc), i(d)],
+                        vec![p(b.x.ptr), p(b.h.ptr), i(hc), i(d), i(hc)],
                     );
                 }
                 MtpInput::Fused { eh_proj } => {
@@ -830,7 +831,7 @@ impl CudaDecoder {
         // ---- head: the target's, or a drafter's HC head and norm before the target's output
         // matrix (DSpark's normed rows apart, in h, so that y keeps the hidden rows).
         let (head, argmax, hc_proj, head_img, (norm, base, scale)) = match &body {
-            Body::Trunk { head, argmax } => (*head, *argmax, w.hc_head.proj, img, &self.head_consts),
+            Body::Trunk { head, argmax, .. } => (*head, *argmax, w.hc_head.proj, img, &self.head_consts),
             Body::Mtp { dev, w: mw, img: dimg, head } => (
                 head.then_some((0, 1)),
                 true,
@@ -897,7 +898,7 @@ impl CudaDecoder {
                         (v.div_ceil(256) as u32, 1, 1),
                         256,
                         0,
-                        vec![p(row), p(mk.bias.ptr), i(1), i(v)],
+                        vec![p(row), p(mk.bias.ptr), i(1), i(v), i(1)],
                     );
                     launch(
                         &mut ops,
@@ -907,6 +908,155 @@ impl CudaDecoder {
                         0,
                         vec![p(row), i(v), p(b.ids.ptr + 4 * r as u64)],
                     );
+                }
+            }
+        }
+
+        // ---- the drafter's new window rows (Upkeep, mod.rs), as Model::draft_rows computes them
+        if let (Body::Trunk { upkeep: Some(dimg), .. }, Some(uk), Some(dm)) = (&body, &self.upkeep, &model.draft) {
+            cur.set(dimg);
+            let hdb = (hd * 4) as u64;
+            // finish_rows' K=V block alone (no query or indexer heads), into the upkeep's slots.
+            let kv_rows = |ops: &mut Vec<_>, st: u64, kv: u64, c: &LayerConsts, rows: u64| {
+                launch(
+                    ops,
+                    k.finish_rows,
+                    (1, nn, 1),
+                    128,
+                    0,
+                    vec![
+                        null,
+                        i(0),
+                        i(hd),
+                        fl(cfg.rms_eps),
+                        p(c.inv_freq.ptr),
+                        i(cfg.rope_dim),
+                        p(st),
+                        p(kv),
+                        p(c.kv_norm.ptr),
+                        i(self.round_mode as usize),
+                        p(rows),
+                        i(N_MAX),
+                        null,
+                        null,
+                        i(0),
+                        i(cfg.index_head_dim),
+                        fl(1.0),
+                    ],
+                );
+            };
+            match (&dm.kind, &self.mtp, &self.dspark) {
+                (DraftKind::Mtp(mw), Some(dev), _) => {
+                    // The pairs' streams: the pending ones (uploaded to row 0) and the step's
+                    // rows but the last in DeepSeek's pairing, else the step's rows.
+                    let (first, rows) = match dm.pairing {
+                        crate::model::draft::MtpPairing::Next => (1, n - 1),
+                        crate::model::draft::MtpPairing::Same => (0, n),
+                    };
+                    if rows > 0 {
+                        let dst = uk.h.ptr + (4 * first * hc * d) as u64;
+                        ops.push(Op::Copy { dst, src: b.x.ptr, bytes: 4 * rows * hc * d });
+                    }
+                    let fused = matches!(mw.input, MtpInput::Fused { .. });
+                    launch(
+                        &mut ops,
+                        k.mtp_in,
+                        ((hc + 1) as u32, nn, 1),
+                        wide(d),
+                        0,
+                        vec![
+                            p(uk.h.ptr),
+                            p(uk.emb.ptr),
+                            p(dev.hnorm.ptr),
+                            p(dev.enorm.ptr),
+                            p(uk.hn.ptr),
+                            p(uk.en.ptr),
+                            i(hc),
+                            i(d),
+                            i(fused as usize),
+                            fl(cfg.rms_eps),
+                        ],
+                    );
+                    match &mw.input {
+                        MtpInput::Split { e_proj, h_proj } => {
+                            products(
+                                &mut ops,
+                                &mut table,
+                                &[(*e_proj, uk.en.ptr, uk.ex.ptr, n), (*h_proj, uk.hn.ptr, uk.xs.ptr, n * hc)],
+                            )?;
+                            launch(
+                                &mut ops,
+                                k.add_rows,
+                                ((n * hc * d).div_ceil(256) as u32, 1, 1),
+                                256,
+                                0,
+                                vec![p(uk.xs.ptr), p(uk.ex.ptr), i(n * hc), i(d), i(hc)],
+                            );
+                        }
+                        MtpInput::Fused { eh_proj } => {
+                            products(&mut ops, &mut table, &[(*eh_proj, uk.hn.ptr, uk.xs.ptr, n * hc)])?;
+                        }
+                    }
+                    // The block's attention-site collapse and its norm (no Sinkhorn: only the
+                    // expansion reads the mixing matrix), then its K=V rows.
+                    let c = &dev.consts;
+                    products(&mut ops, &mut table, &[(mw.block.hc_attn.proj, uk.xs.ptr, b.mixl.ptr, n)])?;
+                    launch(
+                        &mut ops,
+                        k.hc_pre,
+                        g1,
+                        wide(d),
+                        0,
+                        vec![
+                            p(b.mixl.ptr),
+                            i(n_mix),
+                            p(uk.xs.ptr),
+                            p(b.h.ptr),
+                            p(b.mix_a.ptr),
+                            p(c.hc_attn.0.ptr),
+                            p(c.hc_attn.1.ptr),
+                            i(hc),
+                            i(d),
+                            fl(cfg.hc_eps),
+                            i(0),
+                            p(c.attn_norm.ptr),
+                            fl(cfg.rms_eps),
+                        ],
+                    );
+                    products(&mut ops, &mut table, &[(mw.block.kv, b.h.ptr, b.kv.ptr, n)])?;
+                    kv_rows(&mut ops, uk.step.ptr, b.kv.ptr, c, uk.rows.ptr);
+                }
+                (DraftKind::DSpark(dw), _, Some(dev)) => {
+                    // Each row's captured streams averaged, main_proj and its norm, then each
+                    // stage's K=V rows, at the step's positions.
+                    let kl = dw.target_layers.len();
+                    launch(
+                        &mut ops,
+                        k.mean_streams,
+                        (d.div_ceil(256) as u32, kl as u32, nn),
+                        256,
+                        0,
+                        vec![p(b.capture.ptr), i(N_MAX * hc * d), p(uk.en.ptr), i(kl), i(hc), i(d)],
+                    );
+                    products(&mut ops, &mut table, &[(dw.main_proj, uk.en.ptr, uk.ex.ptr, n)])?;
+                    launch(
+                        &mut ops,
+                        k.rms_weight,
+                        g1,
+                        wide(d),
+                        0,
+                        vec![p(uk.ex.ptr), p(uk.ex.ptr), p(dev.main_norm.ptr), i(d), fl(cfg.rms_eps)],
+                    );
+                    let at = |buf: &DevBuf, s: usize| buf.ptr + (s * N_MAX) as u64 * hdb;
+                    let kvs: Vec<_> =
+                        dw.stages.iter().enumerate().map(|(s, st)| (st.kv, uk.ex.ptr, at(&uk.kv, s), n)).collect();
+                    products(&mut ops, &mut table, &kvs)?;
+                    for (s, (c, _)) in dev.stages.iter().enumerate() {
+                        kv_rows(&mut ops, step, at(&uk.kv, s), c, at(&uk.rows, s));
+                    }
+                }
+                _ => {
+                    return Err(Error::Backend("CUDA decode: no device path for the drafter's rows (internal)".into()))
                 }
             }
         }
