@@ -6,7 +6,17 @@
 // computed here (iq2_sign_half0, iq2_sign_half1). `iq2xxs_grid` is emitted by the host from
 // quant/tables.rs into the program, before this file; each block copies it to shared memory
 // (random per-lane indices into constant memory would serialize, and into global memory touch
-// many lines).
+// many lines) as one 32-bit word of byte selectors an entry: nibble j is 0, 1 or 2 for
+// coordinate j = 8, 25 or 43, and two byte permutes of the word 0x002B1908 rebuild the
+// entry's 8 bytes. The lattice's random per-lane lookups are the kernel's largest stall
+// (Nsight Compute, twelve 2048 x 4096 products at one row: L1/TEX 76% busy, 1.5 M excessive
+// shared-memory wavefronts from bank conflicts, short-scoreboard waits first among the
+// stalls); a 4-byte lookup makes one wavefront of a warp's request where an 8-byte one made
+// two, before conflicts. The same bits; in the lab (H200, pseudo-random weights) twelve
+// products at one row 24.2 us against 25.3 with the 8-byte entries, 160 at one row 258 against
+// 273-276, 90 at two rows 189 against 201-202. Tried on top and not kept (the same bits):
+// the dp4a chains split in two (the same at one row, 194 us at two rows), both groups' x
+// loaded before either is used (208 us at two rows).
 //
 // On the device rows are split (rust/engine/quant/split/): the 64-byte group runs of all
 // super-blocks, then the 2-byte d's. Lane l's 16 bytes of chunk c are groups 2 (l & 3) and
@@ -47,23 +57,33 @@ __device__ __forceinline__ u32 iq2_sign_half1(u32 i) {
     return m;
 }
 
-// 8 bytes at shared-memory address a (8-byte aligned).
-__device__ __forceinline__ uint2 lds_u64(u32 a) {
-    uint2 v;
-    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a));
+// 4 bytes at shared-memory address a (4-byte aligned).
+__device__ __forceinline__ u32 lds_u32(u32 a) {
+    u32 v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a));
     return v;
 }
+
+// The lattice's three coordinates as bytes 0..2, which the selectors' nibbles pick.
+#define IQ2_GRID_BYTES 0x002B1908u
 
 struct FmtIQ2_XXS {
     static constexpr int BLOCK_ELEMS = 256;
     static constexpr int PAY = 64;
     static constexpr int CB = 8;
-    // The lattice (256 x 8 bytes).
-    static constexpr int LUT_BYTES = 256 * 8;
+    // The lattice as byte selectors (256 x 4 bytes, see the top of the file).
+    static constexpr int LUT_BYTES = 256 * 4;
 
     static __device__ __forceinline__ void init_lut(u8* smem, int tid) {
         for (int i = tid; i < 256; i += 32 * MV_WARPS) {
-            ((u64*)smem)[i] = iq2xxs_grid[i];
+            const u64 g = iq2xxs_grid[i];
+            u32 sel = 0;
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const u32 b = (u32)(g >> (8 * j)) & 0xffu;
+                sel |= (b == 8u ? 0u : b == 25u ? 1u : 2u) << (4 * j);
+            }
+            ((u32*)smem)[i] = sel;
         }
     }
 
@@ -132,8 +152,9 @@ struct FmtIQ2_XXS {
 #pragma unroll
                 for (int k = 0; k < 4; k++) {
                     const u32 i = (aux1 >> (7 * k)) & 127u;
-                    const uint2 gv = lds_u64(grid + 8u * __byte_perm(aux0, 0u, 0x4440u | (u32)k));
-                    const u32 g0 = gv.x, g1 = gv.y;
+                    const u32 sel = lds_u32(grid + 4u * __byte_perm(aux0, 0u, 0x4440u | (u32)k));
+                    const u32 g0 = __byte_perm(IQ2_GRID_BYTES, 0u, sel);
+                    const u32 g1 = __byte_perm(IQ2_GRID_BYTES, 0u, sel >> 16);
                     const u32 m0 = iq2_sign_half0(i), m1 = iq2_sign_half1(i);
                     const int n0 = (int)(g0 & m0), n1 = (int)(g1 & m1);
 #pragma unroll
