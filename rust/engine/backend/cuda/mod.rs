@@ -455,6 +455,26 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// The device table derived from the tensor at image offset `key` of the uploaded image
+    /// `raw`, made by `make` the first time it is asked for (under the backend's lock, with its
+    /// context bound) and shared after that; None when `raw` has no device copy.
+    pub(crate) fn derived(
+        &self,
+        raw: &[u8],
+        key: usize,
+        make: impl FnOnce() -> Result<device::DevBuf>,
+    ) -> Result<Option<std::sync::Arc<device::DevBuf>>> {
+        let mut g = self.lock();
+        g.ctx.bind()?;
+        let Some(img) = g.images.iter_mut().find(|i| i.is(raw)) else { return Ok(None) };
+        if let Some((_, t)) = img.derived.iter().find(|(k, _)| *k == key) {
+            return Ok(Some(std::sync::Arc::clone(t)));
+        }
+        let t = std::sync::Arc::new(make()?);
+        img.derived.push((key, std::sync::Arc::clone(&t)));
+        Ok(Some(t))
+    }
+
     /// Whether `raw` has a device copy.
     pub fn is_uploaded(&self, raw: &[u8]) -> bool {
         self.lock().images.iter().any(|i| i.is(raw))

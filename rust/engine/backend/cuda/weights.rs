@@ -32,6 +32,10 @@ pub(crate) struct DeviceImage {
     /// plane (a 2-D tensor's rows, a 3-D tensor's rows per expert; Q8_0's tiles are counted
     /// per plane).
     split: Vec<(Mat, usize)>,
+    /// Device tables derived from the image's tensors, by the image offset of the tensor they
+    /// come from ([`super::CudaBackend::derived`]): made once for every session of the model,
+    /// freed with the image or, when a decoder still holds one, with that decoder.
+    pub(crate) derived: Vec<(usize, std::sync::Arc<super::device::DevBuf>)>,
 }
 
 impl DeviceImage {
@@ -122,7 +126,14 @@ impl DeviceImage {
             }
             keep
         });
-        let mut img = DeviceImage { host_ptr: raw.as_ptr() as usize, host_len: raw.len(), data_offset, dptr, split };
+        let mut img = DeviceImage {
+            host_ptr: raw.as_ptr() as usize,
+            host_len: raw.len(),
+            data_offset,
+            dptr,
+            split,
+            derived: Vec::new(),
+        };
         // The padding is zeroed so that what the kernels over-read is defined.
         // SAFETY: the PAD bytes after the data are inside the allocation.
         unsafe { cu::memset_d8_sync(dptr + data.len() as u64, 0, PAD) }.map_err(driver_err("clearing the padding"))?;

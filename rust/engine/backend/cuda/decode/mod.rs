@@ -362,9 +362,9 @@ struct Upkeep {
 /// host from each row's distribution) and a row without a greedy token take the host's loop.
 struct MarkovDevice {
     rank: usize,
-    /// The Markov embedding table as floats [vocab, rank] (the host dequantizes it once: 132 MB
-    /// at Flash's vocabulary and rank 256).
-    w1: DevBuf,
+    /// The Markov embedding table as floats [vocab, rank] (the host dequantizes it once per
+    /// model, for all its sessions: 132 MB at Flash's vocabulary and rank 256).
+    w1: Arc<DevBuf>,
     /// The current row's [h_r; W1[prev]].
     cat: DevBuf,
     /// The current row's bias [vocab].
@@ -991,13 +991,20 @@ impl CudaDecoder {
                 markov: match (dw.markov_w1, markov_on_device(&backend, model, dw)) {
                     (Some(w1), true) => {
                         let rank = dw.markov_rank;
-                        let mut table = vec![0f32; cfg.vocab * rank];
-                        for (t, row) in table.chunks_mut(rank).enumerate() {
-                            crate::quant::dequantize(w1.ty, w1.row(dm.file.raw(), t), row)?;
-                        }
+                        let raw = dm.file.raw();
+                        let table = backend.derived(raw, w1.start, || {
+                            let mut table = vec![0f32; cfg.vocab * rank];
+                            for (t, row) in table.chunks_mut(rank).enumerate() {
+                                crate::quant::dequantize(w1.ty, w1.row(raw, t), row)?;
+                            }
+                            DevBuf::from_slice(&table)
+                        })?;
+                        let w1 = table.ok_or_else(|| {
+                            Error::Backend("CUDA decode: the drafter's weights are not on the device".into())
+                        })?;
                         Some(MarkovDevice {
                             rank,
-                            w1: DevBuf::from_slice(&table)?,
+                            w1,
                             cat: f32_buf(d + rank)?,
                             bias: f32_buf(cfg.vocab)?,
                             logits: f32_buf(N_MAX * cfg.vocab)?,

@@ -328,25 +328,31 @@ impl CudaDecoder {
                 .map(|(lw, (c, mm))| Job { lw, spec: &dev.spec, c, mm, img: dimg, capture: None, block: true })
                 .collect(),
         };
-        if let Body::Mtp { dev, w: mw, img: dimg, .. } = &body {
-            // The block's input streams: per stream e_proj . enorm(E[t]) + h_proj . hnorm(H_s)
-            // (or the fused [2d -> d] product of the two norms), H the streams in x (the
-            // trunk's, uploaded, or the previous MTP step's output), E[t] uploaded to `emb`.
-            cur.set(dimg);
+        // The MTP block's input streams of `rows` pairs (the drafter's image current): per
+        // stream e_proj . enorm(E[t]) + h_proj . hnorm(H_s) (or the fused [2d -> d] product of
+        // the two norms), H the pairs' streams in `h`, E[t] their embeddings in `emb`; the
+        // norms go to `hn` and `en`, e_proj's rows to `ex`, the streams to `xs`.
+        let mtp_input = |ops: &mut Vec<_>,
+                         table: &mut Vec<u8>,
+                         mw: &MtpWeights,
+                         dev: &MtpDevice,
+                         rows: usize,
+                         [h, emb, hn, en, ex, xs]: [u64; 6]|
+         -> Result<()> {
             let fused = matches!(mw.input, MtpInput::Fused { .. });
             launch(
-                &mut ops,
+                ops,
                 k.mtp_in,
-                ((hc + 1) as u32, 1, 1),
+                ((hc + 1) as u32, rows as u32, 1),
                 wide(d),
                 0,
                 vec![
-                    p(b.x.ptr),
-                    p(dev.emb.ptr),
+                    p(h),
+                    p(emb),
                     p(dev.hnorm.ptr),
                     p(dev.enorm.ptr),
-                    p(b.flat.ptr),
-                    p(b.y.ptr),
+                    p(hn),
+                    p(en),
                     i(hc),
                     i(d),
                     i(fused as usize),
@@ -355,24 +361,25 @@ impl CudaDecoder {
             );
             match &mw.input {
                 MtpInput::Split { e_proj, h_proj } => {
-                    products(
-                        &mut ops,
-                        &mut table,
-                        &[(*e_proj, b.y.ptr, b.h.ptr, 1), (*h_proj, b.flat.ptr, b.x.ptr, hc)],
-                    )?;
+                    products(ops, table, &[(*e_proj, en, ex, rows), (*h_proj, hn, xs, rows * hc)])?;
                     launch(
-                        &mut ops,
+                        ops,
                         k.add_rows,
-                        ((hc * d).div_ceil(256) as u32, 1, 1),
+                        ((rows * hc * d).div_ceil(256) as u32, 1, 1),
                         256,
                         0,
-                        vec![p(b.x.ptr), p(b.h.ptr), i(hc), i(d), i(hc)],
+                        vec![p(xs), p(ex), i(rows * hc), i(d), i(hc)],
                     );
                 }
-                MtpInput::Fused { eh_proj } => {
-                    products(&mut ops, &mut table, &[(*eh_proj, b.flat.ptr, b.x.ptr, hc)])?;
-                }
+                MtpInput::Fused { eh_proj } => products(ops, table, &[(*eh_proj, hn, xs, rows * hc)])?,
             }
+            Ok(())
+        };
+        if let Body::Mtp { dev, w: mw, img: dimg, .. } = &body {
+            // H: the streams in x (the trunk's, uploaded, or the previous MTP step's output),
+            // E[t] uploaded to `emb`; the streams back to x.
+            cur.set(dimg);
+            mtp_input(&mut ops, &mut table, mw, dev, 1, [b.x.ptr, dev.emb.ptr, b.flat.ptr, b.y.ptr, b.h.ptr, b.x.ptr])?;
         }
         let ff = w.layers[0].gate_exps.first.n_out;
         let ff_sh = w.layers[0].gate_sh.n_out;
@@ -957,46 +964,8 @@ impl CudaDecoder {
                         let dst = uk.h.ptr + (4 * first * hc * d) as u64;
                         ops.push(Op::Copy { dst, src: b.x.ptr, bytes: 4 * rows * hc * d });
                     }
-                    let fused = matches!(mw.input, MtpInput::Fused { .. });
-                    launch(
-                        &mut ops,
-                        k.mtp_in,
-                        ((hc + 1) as u32, nn, 1),
-                        wide(d),
-                        0,
-                        vec![
-                            p(uk.h.ptr),
-                            p(uk.emb.ptr),
-                            p(dev.hnorm.ptr),
-                            p(dev.enorm.ptr),
-                            p(uk.hn.ptr),
-                            p(uk.en.ptr),
-                            i(hc),
-                            i(d),
-                            i(fused as usize),
-                            fl(cfg.rms_eps),
-                        ],
-                    );
-                    match &mw.input {
-                        MtpInput::Split { e_proj, h_proj } => {
-                            products(
-                                &mut ops,
-                                &mut table,
-                                &[(*e_proj, uk.en.ptr, uk.ex.ptr, n), (*h_proj, uk.hn.ptr, uk.xs.ptr, n * hc)],
-                            )?;
-                            launch(
-                                &mut ops,
-                                k.add_rows,
-                                ((n * hc * d).div_ceil(256) as u32, 1, 1),
-                                256,
-                                0,
-                                vec![p(uk.xs.ptr), p(uk.ex.ptr), i(n * hc), i(d), i(hc)],
-                            );
-                        }
-                        MtpInput::Fused { eh_proj } => {
-                            products(&mut ops, &mut table, &[(*eh_proj, uk.hn.ptr, uk.xs.ptr, n * hc)])?;
-                        }
-                    }
+                    let bufs = [uk.h.ptr, uk.emb.ptr, uk.hn.ptr, uk.en.ptr, uk.ex.ptr, uk.xs.ptr];
+                    mtp_input(&mut ops, &mut table, mw, dev, n, bufs)?;
                     // The block's attention-site collapse and its norm (no Sinkhorn: only the
                     // expansion reads the mixing matrix), then its K=V rows.
                     let c = &dev.consts;
