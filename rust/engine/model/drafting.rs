@@ -240,7 +240,12 @@ impl Model {
         let Some(dm) = &self.draft else { return Ok(()) };
         let cfg = &self.config;
         let (d, hc, hd) = (cfg.hidden, cfg.hc_mult, cfg.head_dim);
-        let is_mtp = matches!(state.draft, Some(DraftState::Mtp { .. }));
+        let is_mtp = match (&dm.kind, &state.draft) {
+            (_, None) => return Ok(()),
+            (DraftKind::Mtp(_), Some(DraftState::Mtp { .. })) => true,
+            (DraftKind::DSpark(_), Some(DraftState::DSpark { .. })) => false,
+            _ => return Err(Error::invalid("the session's drafter state does not match the model's drafter")),
+        };
         if n == 0 || (is_mtp && x.len() != n * hc * d) {
             return Err(Error::invalid("draft_store: the streams are not the step's rows (internal)"));
         }
