@@ -329,7 +329,11 @@ struct DSparkDevice {
 /// streams, uploaded, then the step's rows), their input norms and products, the block's
 /// attention-site collapse and norm, its K=V product and row; DSpark: each row's captured
 /// streams averaged, `main_proj` and its norm, each stage's K=V product and row. On the host
-/// path each of those products was a round trip: about 0.3 ms a step on MID (H200).
+/// path each of those products was a round trip. On an H200 (MID, `benches/draft_bench.py`, two
+/// runs each way) a drafter adds 0.21–0.22 ms (MTP) or 0.18–0.24 ms (DSpark) to a decode step
+/// this way, against 0.23–0.30 and 0.28–0.40 ms on the host path; what is left was not measured
+/// apart (this program's part, the streams' download, the session's host argmax of the logits
+/// for the drafter's anchor).
 struct Upkeep {
     /// The rows' step parameters: the position of the first row, the rows, the tokens (MTP;
     /// DSpark's rows are the trunk's).
