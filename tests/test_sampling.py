@@ -259,6 +259,25 @@ def test_distribution_matches_the_documented_order(logits: np.ndarray, params: S
         assert len(ids) <= params.top_k
 
 
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "min_p"),
+    [(1.0, 0, 0.95, 0.0), (0.7, 0, 0.5, 0.0), (0.8, 40, 1.0, 0.0), (1.0, 0, 1.0, 0.05), (0.6, 20, 0.9, 0.0)],
+)
+def test_full_vocabulary_matches_the_documented_order(
+    temperature: float, top_k: int, top_p: float, min_p: float
+) -> None:
+    # DeepSeek V4's 129280 logits: the sizes at which the engine computes the weights in
+    # parallel and searches the k heaviest and the nucleus in a narrowed prefix of the order.
+    rng = np.random.default_rng(11)
+    logits = (rng.standard_normal(129280) * 3.0).astype(np.float32)
+    logits[rng.integers(0, 129280, 500)] = -np.inf
+    params = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=0)
+    ids, probs = params.sampler().distribution(logits)
+    want_ids, want_probs = reference_distribution(logits, temperature, top_k, top_p, min_p)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_allclose(probs, want_probs, rtol=1e-12, atol=0)
+
+
 def test_filters_on_hand_made_logits() -> None:
     lg = np.log(np.array([0.05, 0.4, 0.05, 0.3, 0.2], dtype=np.float32))
 

@@ -67,15 +67,10 @@ impl<'a> Chooser<'a> {
     }
 }
 
-/// The index of the largest value, the lowest index among equals.
+/// The index of the largest value, the lowest index among equals: where a sequential scan
+/// that moves only to a strictly larger value ends (a NaN never wins, except at index 0).
 pub(crate) fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
+    crate::sampling::filters::first_max(row).0 as u32
 }
 
 impl DraftModel {

@@ -52,7 +52,7 @@
 //! order: the first id whose cumulative probability exceeds `u * total` (`total` = the sum of
 //! the probabilities, about 1). At temperature 0 nothing is drawn.
 
-mod filters;
+pub(crate) mod filters;
 pub mod rng;
 
 pub use filters::distribution;
