@@ -19,7 +19,9 @@
 //!   the last row. With these rules the emitted tokens are distributed exactly as plain
 //!   sampling from the target (Leviathan et al. 2023; Chen et al. 2023).
 
-use crate::sampling::{Distribution, Sampler};
+use rayon::prelude::*;
+
+use crate::sampling::{distribution, Distribution, Sampler};
 use crate::spec::Draft;
 use crate::{Error, Result};
 
@@ -46,8 +48,23 @@ pub fn verify(sampler: &mut Sampler, rows: &[f32], vocab: usize, draft: &Draft) 
     }
     let row = |i: usize| &rows[i * vocab..(i + 1) * vocab];
     let greedy = sampler.params().is_greedy();
+    // Above temperature 0 every row's distribution at once, on rayon's threads (each is a
+    // function of its row alone, and an error counts only when the loop reaches its row, as
+    // if computed there): the rows of a block cost about one row's time, not the sum.
+    let mut dists: Vec<Option<Result<Distribution>>> = if greedy {
+        Vec::new()
+    } else {
+        let params = *sampler.params();
+        (0..=l).into_par_iter().map(|i| Some(distribution(row(i), &params))).collect()
+    };
+    let mut dist_of = |sampler: &Sampler, i: usize| -> Result<Distribution> {
+        match dists.get_mut(i).and_then(Option::take) {
+            Some(d) => d,
+            None => sampler.distribution(row(i)),
+        }
+    };
     for (i, &d) in draft.tokens.iter().enumerate() {
-        let p = sampler.distribution(row(i))?;
+        let p = dist_of(sampler, i)?;
         if greedy {
             let best = p.argmax();
             if d != best {
@@ -75,7 +92,7 @@ pub fn verify(sampler: &mut Sampler, rows: &[f32], vocab: usize, draft: &Draft) 
         let next = sampler.sample_from(&residual);
         return Ok(Verdict { accepted: i, next });
     }
-    let p = sampler.distribution(row(l))?;
+    let p = dist_of(sampler, l)?;
     let next = sampler.sample_from(&p);
     Ok(Verdict { accepted: l, next })
 }
@@ -211,6 +228,52 @@ mod tests {
             assert!((f - p0.prob(id)).abs() < 0.01, "first {id}: {f} vs {}", p0.prob(id));
             let f2 = second[id as usize] as f64 / n_second as f64;
             assert!((f2 - p1.prob(id)).abs() < 0.015, "second {id}: {f2} vs {}", p1.prob(id));
+        }
+    }
+
+    /// Above temperature 0 the rows' distributions are made all at once, but a row's bad
+    /// logits fail the verify only when its draft is reached, and the draws are those of a
+    /// verify that makes each row's distribution when it gets there.
+    #[test]
+    fn sampled_rows_fail_only_when_reached_and_draw_the_same() {
+        let vocab = 4;
+        let good: Vec<f32> = vec![0.0, 3.0, 0.5, -1.0];
+        let bad: Vec<f32> = vec![0.0, f32::NAN, 0.5, -1.0];
+        let r = [good.clone(), bad.clone(), good.clone()].concat();
+        // Draft 0 (id 0, p about 0.05) is rejected at some seeds: row 1 is never reached.
+        let (mut rejected, mut failed) = (0, 0);
+        for seed in 0..200 {
+            let mut s = sampler(1.0, seed);
+            match verify(&mut s, &r, vocab, &Draft::point(vec![0, 1])) {
+                Ok(v) => {
+                    assert_eq!(v.accepted, 0);
+                    rejected += 1;
+                }
+                Err(_) => failed += 1,
+            }
+        }
+        assert!(rejected > 150 && failed > 0, "{rejected} rejected, {failed} failed");
+        // The same verdicts and streams as rows verified one at a time.
+        let one_at_a_time = |s: &mut Sampler, rows: &[f32], draft: &Draft| -> Verdict {
+            for (i, &d) in draft.tokens.iter().enumerate() {
+                let p = s.distribution(&rows[i * vocab..(i + 1) * vocab]).unwrap();
+                if s.rng_mut().next_f64() >= p.prob(d) {
+                    let next = s.sample_from(&without(&p, d).unwrap());
+                    return Verdict { accepted: i, next };
+                }
+            }
+            let l = draft.tokens.len();
+            let p = s.distribution(&rows[l * vocab..]).unwrap();
+            Verdict { accepted: l, next: s.sample_from(&p) }
+        };
+        let r = [good.clone(), good.clone(), good].concat();
+        for seed in 0..50 {
+            let (mut a, mut b) = (sampler(0.8, seed), sampler(0.8, seed));
+            for draft in [vec![1, 1], vec![2, 0], vec![1, 3]] {
+                let draft = Draft::point(draft);
+                assert_eq!(verify(&mut a, &r, vocab, &draft).unwrap(), one_at_a_time(&mut b, &r, &draft));
+            }
+            assert_eq!(a.rng_mut().next_u64(), b.rng_mut().next_u64());
         }
     }
 
