@@ -48,23 +48,27 @@ pub fn verify(sampler: &mut Sampler, rows: &[f32], vocab: usize, draft: &Draft) 
     }
     let row = |i: usize| &rows[i * vocab..(i + 1) * vocab];
     let greedy = sampler.params().is_greedy();
-    // Above temperature 0 every row's distribution at once, on rayon's threads (each is a
-    // function of its row alone, and an error counts only when the loop reaches its row, as
-    // if computed there): the rows of a block cost about one row's time, not the sum.
-    let mut dists: Vec<Option<Result<Distribution>>> = if greedy {
-        Vec::new()
-    } else {
-        let params = *sampler.params();
-        (0..=l).into_par_iter().map(|i| Some(distribution(row(i), &params))).collect()
-    };
-    let mut dist_of = |sampler: &Sampler, i: usize| -> Result<Distribution> {
-        match dists.get_mut(i).and_then(Option::take) {
-            Some(d) => d,
-            None => sampler.distribution(row(i)),
+    // Above temperature 0 the rows' distributions as many at a time as rayon has threads,
+    // from the first row the loop needs (each is a function of its row alone, and an error
+    // counts only when the loop reaches its row, as if made there): with a thread a row, a
+    // block costs about one row's time instead of the sum, and a block rejected early makes
+    // at most a thread's worth of rows it does not read.
+    let params = *sampler.params();
+    let wave = if greedy { 1 } else { rayon::current_num_threads().max(1) };
+    let mut dists: Vec<Option<Result<Distribution>>> = (0..=l).map(|_| None).collect();
+    let mut dist_of = |i: usize| -> Result<Distribution> {
+        if dists[i].is_none() {
+            let end = (i + wave).min(l + 1);
+            let made: Vec<Result<Distribution>> =
+                (i..end).into_par_iter().map(|j| distribution(row(j), &params)).collect();
+            for (slot, d) in dists[i..end].iter_mut().zip(made) {
+                *slot = Some(d);
+            }
         }
+        dists[i].take().unwrap_or_else(|| distribution(row(i), &params))
     };
     for (i, &d) in draft.tokens.iter().enumerate() {
-        let p = dist_of(sampler, i)?;
+        let p = dist_of(i)?;
         if greedy {
             let best = p.argmax();
             if d != best {
@@ -92,7 +96,7 @@ pub fn verify(sampler: &mut Sampler, rows: &[f32], vocab: usize, draft: &Draft) 
         let next = sampler.sample_from(&residual);
         return Ok(Verdict { accepted: i, next });
     }
-    let p = dist_of(sampler, l)?;
+    let p = dist_of(l)?;
     let next = sampler.sample_from(&p);
     Ok(Verdict { accepted: l, next })
 }
