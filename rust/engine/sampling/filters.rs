@@ -120,43 +120,119 @@ fn nucleus(cand: &mut [u32], e: &[f64], threshold: f64) -> Option<usize> {
     None
 }
 
-/// Candidates past which [`heaviest_prefix`] narrows the filters' search (below it the whole
-/// list is cheap to order).
-const PREFIX_MIN: usize = 4096;
+/// Weights past which [`filter_long`] finds the top-k and top-p survivors from the binades of
+/// the weights (below it the whole candidate list is cheap to order).
+const LONG: usize = 4096;
 
-/// The candidates of `cand` (in id order) whose weight is at least the lower bound of a
-/// binade (a power of two), for the highest such bound at which `enough(count, weight)` holds
-/// of the candidates at or above it; None if it holds nowhere. What it returns is a prefix of
-/// the filters' order (every weight at or above the bound is in it), so the k heaviest of
-/// `cand`, or the nucleus of `cand`, are those of the prefix whenever the prefix has k
-/// members, or reaches the nucleus' mass. One pass counts each binade's candidates and sums
-/// their weights (in any order: the weight only chooses the bound), one more collects the
-/// prefix; the filters then order only it, not a whole 129k vocabulary.
-fn heaviest_prefix(cand: &[u32], e: &[f64], enough: impl Fn(usize, f64) -> bool) -> Option<Vec<u32>> {
-    // The f64 exponent field: weights are in (0, 1], so binades 0 (subnormal) ..= 1023 (1.0).
-    const BINADES: usize = 1024;
-    let mut count = vec![0usize; BINADES];
-    let mut mass = vec![0f64; BINADES];
-    for &i in cand {
-        let w = e[i as usize];
-        let b = ((w.to_bits() >> 52) as usize).min(BINADES - 1);
-        count[b] += 1;
-        mass[b] += w;
-    }
-    let (mut c, mut m) = (0usize, 0f64);
-    for b in (0..BINADES).rev() {
-        if count[b] == 0 {
-            continue;
+/// Weights per piece of the parallel passes over a long vector.
+const PIECE: usize = 8192;
+
+/// Per binade of the positive weights (the f64 exponent field: weights are in (0, 1], so
+/// binades 0, the subnormals, ..= 1023, which holds 1.0), how many there are and their sum
+/// (summed piece by piece, so not in id order: it only chooses a bound, with a margin).
+struct Binades {
+    count: Vec<usize>,
+    mass: Vec<f64>,
+}
+
+impl Binades {
+    const N: usize = 1024;
+
+    fn of(e: &[f64]) -> Self {
+        let pieces: Vec<Binades> = e
+            .par_chunks(PIECE)
+            .map(|piece| {
+                let mut h = Binades { count: vec![0; Self::N], mass: vec![0.0; Self::N] };
+                for &w in piece.iter().filter(|&&w| w > 0.0) {
+                    let b = ((w.to_bits() >> 52) as usize).min(Self::N - 1);
+                    h.count[b] += 1;
+                    h.mass[b] += w;
+                }
+                h
+            })
+            .collect();
+        let mut all = Binades { count: vec![0; Self::N], mass: vec![0.0; Self::N] };
+        for h in pieces {
+            for b in 0..Self::N {
+                all.count[b] += h.count[b];
+                all.mass[b] += h.mass[b];
+            }
         }
-        c += count[b];
-        m += mass[b];
-        if enough(c, m) {
-            // The binade's least value (0 for the subnormals: then every candidate).
-            let lo = f64::from_bits((b as u64) << 52);
-            return Some(cand.iter().copied().filter(|&i| e[i as usize] >= lo).collect());
-        }
+        all
     }
-    None
+
+    /// The ids (in id order) of the positive weights at or above the lower bound of the
+    /// highest binade at which `enough(count, weight)` holds of the weights at or above it;
+    /// None if it holds nowhere. Every weight at or above a bound is in it, so it is a prefix
+    /// of the filters' order.
+    fn prefix(&self, e: &[f64], enough: impl Fn(usize, f64) -> bool) -> Option<Vec<u32>> {
+        let (mut c, mut m) = (0usize, 0f64);
+        for b in (0..Self::N).rev() {
+            if self.count[b] == 0 {
+                continue;
+            }
+            c += self.count[b];
+            m += self.mass[b];
+            if enough(c, m) {
+                // The binade's least value (0 for the subnormals, which then all count).
+                let lo = f64::from_bits((b as u64) << 52);
+                return Some(ids_where(e, |w| w >= lo && w > 0.0));
+            }
+        }
+        None
+    }
+
+    fn total(&self) -> usize {
+        self.count.iter().sum()
+    }
+}
+
+/// The ids, in id order, of the weights for which `keep` holds (pieces on rayon's threads).
+fn ids_where(e: &[f64], keep: impl Fn(f64) -> bool + Sync) -> Vec<u32> {
+    e.par_chunks(PIECE)
+        .enumerate()
+        .flat_map_iter(|(p, piece)| {
+            let keep = &keep;
+            piece.iter().enumerate().filter(move |(_, &w)| keep(w)).map(move |(j, _)| (p * PIECE + j) as u32)
+        })
+        .collect()
+}
+
+/// Steps 2 and 3 (top-k, then top-p over what it kept) on a long vector of weights, the
+/// survivors in id order, without ordering every candidate: the binades give the lightest
+/// prefix of the filters' order that holds the k heaviest, or whose weight reaches the
+/// nucleus' threshold, and only that prefix is ordered. The k heaviest of a prefix with k
+/// members, or the nucleus found inside a prefix, are those of all the candidates, because
+/// the order is total; so the survivors are the same as [`distribution`]'s plain path's.
+/// None when neither filter is on, or the nucleus' running sum does not reach the threshold
+/// inside the prefix (rounding): the caller then filters the whole candidate list.
+fn filter_long(e: &[f64], k: usize, top_p: f32) -> Option<Vec<u32>> {
+    let h = Binades::of(e);
+    let mut cand = if k > 0 && k < h.total() {
+        let mut c = h.prefix(e, |c, _| c >= k).filter(|c| c.len() >= k)?;
+        c.select_nth_unstable_by(k - 1, by_weight_desc(e));
+        c.truncate(k);
+        c.sort_unstable();
+        c
+    } else if top_p < 1.0 {
+        // Over every candidate: their sum in id order is the sum of all the weights in id
+        // order (a zero weight adds nothing).
+        let threshold = f64::from(top_p) * e.iter().fold(0.0f64, |z, &w| z + w);
+        let mut c = h.prefix(e, |_, m| m >= threshold * (1.0 + 1e-9))?;
+        let n = nucleus(&mut c, e, threshold)?;
+        c.truncate(n);
+        c.sort_unstable();
+        return Some(c);
+    } else {
+        return None;
+    };
+    if top_p < 1.0 {
+        let threshold = f64::from(top_p) * sum_in_order(e, &cand);
+        let n = nucleus(&mut cand, e, threshold).unwrap_or(cand.len());
+        cand.truncate(n);
+        cand.sort_unstable();
+    }
+    Some(cand)
 }
 
 /// Logits past which [`weights`] computes in parallel.
@@ -190,49 +266,42 @@ pub fn distribution(logits: &[f32], params: &SamplingParams) -> Result<Distribut
     // 1. Weights relative to the maximum: e_i = exp((l_i - l_max) / T), so e_max = 1 exactly,
     //    nothing overflows, and -inf logits get weight 0.
     let e = weights(logits, f64::from(max), f64::from(params.temperature));
-    // Candidates in id order; zero-weight tokens (masked or underflowed) are never candidates.
-    let mut cand: Vec<u32> = Vec::with_capacity(logits.len());
-    cand.extend((0..logits.len() as u32).filter(|&i| e[i as usize] > 0.0));
+    let (k, top_p) = (params.top_k, params.top_p);
+    let long = if e.len() <= LONG {
+        None
+    } else if k > 0 || top_p < 1.0 {
+        filter_long(&e, k, top_p)
+    } else if params.min_p > 0.0 {
+        // Min-p alone keeps the weights >= min_p: listed at once, not cut from every candidate.
+        Some(ids_where(&e, |w| w >= f64::from(params.min_p)))
+    } else {
+        None
+    };
+    let mut cand = match long {
+        Some(c) => c,
+        None => {
+            // Candidates in id order; zero-weight tokens (masked or underflowed) are never
+            // candidates.
+            let mut cand: Vec<u32> = Vec::with_capacity(e.len());
+            cand.extend((0..e.len() as u32).filter(|&i| e[i as usize] > 0.0));
 
-    // 2. Top-k.
-    let k = params.top_k;
-    if k > 0 && k < cand.len() {
-        if cand.len() > PREFIX_MIN {
-            // A prefix of the order with at least k members has the same k heaviest.
-            if let Some(p) = heaviest_prefix(&cand, &e, |c, _| c >= k).filter(|p| p.len() >= k) {
-                cand = p;
+            // 2. Top-k.
+            if k > 0 && k < cand.len() {
+                cand.select_nth_unstable_by(k - 1, by_weight_desc(&e));
+                cand.truncate(k);
+                cand.sort_unstable();
             }
-        }
-        cand.select_nth_unstable_by(k - 1, by_weight_desc(&e));
-        cand.truncate(k);
-        cand.sort_unstable();
-    }
 
-    // 3. Top-p over what top-k kept, renormalized.
-    if params.top_p < 1.0 {
-        let threshold = f64::from(params.top_p) * sum_in_order(&e, &cand);
-        // First within the lightest prefix of the order whose weight (summed in another
-        // order, so with a margin) reaches the threshold; the nucleus is the prefix's when
-        // its running sum reaches the threshold there, else it is searched in all of cand.
-        let mut found = None;
-        if cand.len() > PREFIX_MIN {
-            if let Some(mut p) = heaviest_prefix(&cand, &e, |_, m| m >= threshold * (1.0 + 1e-9)) {
-                if let Some(n) = nucleus(&mut p, &e, threshold) {
-                    p.truncate(n);
-                    found = Some(p);
-                }
-            }
-        }
-        cand = match found {
-            Some(p) => p,
-            None => {
+            // 3. Top-p over what top-k kept, renormalized.
+            if top_p < 1.0 {
+                let threshold = f64::from(top_p) * sum_in_order(&e, &cand);
                 let n = nucleus(&mut cand, &e, threshold).unwrap_or(cand.len());
                 cand.truncate(n);
-                cand
+                cand.sort_unstable();
             }
-        };
-        cand.sort_unstable();
-    }
+            cand
+        }
+    };
 
     // 4. Min-p: p_i >= min_p * p_max  <=>  e_i >= min_p (e_max = 1, and the ratio does not
     //    depend on any renormalization).
