@@ -282,8 +282,11 @@ pub fn distribution(logits: &[f32], params: &SamplingParams) -> Result<Distribut
         None => {
             // Candidates in id order; zero-weight tokens (masked or underflowed) are never
             // candidates.
-            let mut cand: Vec<u32> = Vec::with_capacity(e.len());
-            cand.extend((0..e.len() as u32).filter(|&i| e[i as usize] > 0.0));
+            let mut cand = if e.len() > LONG {
+                ids_where(&e, |w| w > 0.0)
+            } else {
+                (0..e.len() as u32).filter(|&i| e[i as usize] > 0.0).collect()
+            };
 
             // 2. Top-k.
             if k > 0 && k < cand.len() {
@@ -310,9 +313,14 @@ pub fn distribution(logits: &[f32], params: &SamplingParams) -> Result<Distribut
         cand.retain(|&i| e[i as usize] >= m);
     }
 
-    // 5. Renormalize.
+    // 5. Renormalize (the sum in id order; the quotients, one per token, on rayon's threads
+    //    when there are many).
     let z = sum_in_order(&e, &cand);
-    let probs = cand.iter().map(|&i| e[i as usize] / z).collect();
+    let probs = if cand.len() > LONG {
+        cand.par_iter().map(|&i| e[i as usize] / z).collect()
+    } else {
+        cand.iter().map(|&i| e[i as usize] / z).collect()
+    };
     Ok(Distribution { ids: cand, probs })
 }
 
