@@ -902,23 +902,14 @@ impl CudaDecoder {
             mirror.push(m);
         }
 
-        // The MTP drafter's device path, when its block runs here.
+        // The drafter's device path, when its blocks run here (not with DS4_CUDA_DRAFT=0).
+        let device_draft = !std::env::var("DS4_CUDA_DRAFT").is_ok_and(|v| v == "0");
         let mtp_w: Option<&MtpWeights> = match model.draft.as_ref().map(|dm| &dm.kind) {
-            Some(DraftKind::Mtp(mw))
-                if !std::env::var("DS4_CUDA_DRAFT").is_ok_and(|v| v == "0") && mtp_on_device(&backend, model, mw) =>
-            {
-                Some(mw)
-            }
+            Some(DraftKind::Mtp(mw)) if device_draft && mtp_on_device(&backend, model, mw) => Some(mw),
             _ => None,
         };
-
         let dspark_w: Option<&DSparkWeights> = match model.draft.as_ref().map(|dm| &dm.kind) {
-            Some(DraftKind::DSpark(dw))
-                if !std::env::var("DS4_CUDA_DRAFT").is_ok_and(|v| v == "0")
-                    && dspark_on_device(&backend, model, dw) =>
-            {
-                Some(dw)
-            }
+            Some(DraftKind::DSpark(dw)) if device_draft && dspark_on_device(&backend, model, dw) => Some(dw),
             _ => None,
         };
         if dspark_w.is_some() {
@@ -1564,19 +1555,17 @@ impl CudaDecoder {
             }
         }
         if mtp_upkeep {
-            let mut vals = vec![positions[0] as i32, n as i32];
-            vals.extend(tokens.iter().map(|&t| t as i32));
-            vals.resize(2 + N_MAX, 0);
-            for (c, v) in self.up.bytes_mut(up_main, step_bytes).chunks_mut(4).zip(vals) {
-                c.copy_from_slice(&v.to_le_bytes());
-            }
+            put_params(&mut self.up, up_main, positions[0], tokens);
             if let Some(DraftState::Mtp { pending, .. }) = state.draft.as_ref() {
                 // Empty in ds4's pairing, whose pairs are the step's rows only.
                 self.up.floats(up_main + step_bytes, pending.len()).copy_from_slice(pending);
             }
-            let emb = self.up.floats(up_main + step_bytes + 4 * hc * d, n * d);
-            for (r, &t) in tokens.iter().enumerate() {
-                model.embed_row(t, &mut emb[r * d..(r + 1) * d])?;
+            // The tokens' embeddings: each row's first input stream, which put_step wrote.
+            let all = self.up.floats(0, (up_main + uk_bytes) / 4);
+            let emb0 = (up_main + step_bytes) / 4 + hc * d;
+            for r in 0..n {
+                let src = step_bytes / 4 + r * hc * d;
+                all.copy_within(src..src + d, emb0 + r * d);
             }
         }
         let logit_rows = head.map_or(0, |h| h.1);
@@ -1778,16 +1767,22 @@ fn drafter_images<'a>(
 /// Bytes of the step parameters: the position of row 0, the row count, the rows' tokens.
 const STEP_BYTES: usize = 4 * (2 + N_MAX);
 
+/// Writes the step parameters of rows at `pos0..` with these `tokens` ([`STEP_BYTES`]) at
+/// byte `off` of `up`.
+fn put_params(up: &mut Pinned, off: usize, pos0: usize, tokens: &[u32]) {
+    let mut vals = vec![pos0 as i32, tokens.len() as i32];
+    vals.extend(tokens.iter().map(|&t| t as i32));
+    vals.resize(2 + N_MAX, 0);
+    for (c, v) in up.bytes_mut(off, STEP_BYTES).chunks_mut(4).zip(vals) {
+        c.copy_from_slice(&v.to_le_bytes());
+    }
+}
+
 /// Writes the step parameters of rows at `pos0..` with these `tokens` to the start of `up`,
 /// then, after them, each row's embedding into every one of its `hc` streams of `d` floats (the
 /// rows' input streams).
 fn put_step(model: &Model, up: &mut Pinned, pos0: usize, tokens: &[u32], hc: usize, d: usize) -> Result<()> {
-    let mut vals = vec![pos0 as i32, tokens.len() as i32];
-    vals.extend(tokens.iter().map(|&t| t as i32));
-    vals.resize(2 + N_MAX, 0);
-    for (c, v) in up.bytes_mut(0, STEP_BYTES).chunks_mut(4).zip(vals) {
-        c.copy_from_slice(&v.to_le_bytes());
-    }
+    put_params(up, 0, pos0, tokens);
     let x = up.floats(STEP_BYTES, tokens.len() * hc * d);
     let mut e = vec![0f32; d];
     for (r, &t) in tokens.iter().enumerate() {

@@ -389,71 +389,77 @@ impl CudaDecoder {
         let chunk = n.min(EXPERT_CHUNK);
         let max_descs = if chunk >= n { (n * kk).min(cfg.n_experts) } else { n * kk };
 
+        // A hyper-connection site on the streams `x` (`n` rows): the mixing logits, then
+        // ds4_hc_pre's collapse into h with the sublayer's input norm and its mix; with
+        // `expand`, the Sinkhorn iterations the expansion's mixing matrix needs (on the side
+        // branch, or inside ds4_hc_pre), else none (the drafter upkeep reads only h).
+        let hc_site = |ops: &mut Vec<_>,
+                       table: &mut Vec<u8>,
+                       hw: &HyperWeights,
+                       base_scale: &(DevBuf, DevBuf),
+                       x: u64,
+                       mix: u64,
+                       norm: u64,
+                       expand: bool|
+         -> Result<()> {
+            // The mixing logits of the raw streams; ds4_hc_pre applies their RMS scale.
+            // (Tried and dropped: the kernels that write the streams (ds4_hc_post,
+            // ds4_moe_combine) leaving each block's partial products with this projection,
+            // summed by ds4_hc_pre, with no product launch here. It held 96 F16 weights a
+            // thread in those kernels (230 registers) and made Flash steps slower on an
+            // H200: 10.24 against 9.81 ms at a 2100-token context, interleaved A/B. Also
+            // tried and dropped: the whole site in one launch, a few blocks a row each
+            // taking the product of a slice of the streams with their weights loaded before
+            // the wait, the last block to arrive (an atomic count) summing the slices and
+            // doing ds4_hc_pre's work; with and without the attention site's ds4_hc_post
+            // folded into the FFN site's launch. Each site then added about 19.5 us to the
+            // step (CUPTI trace) against about 11 for this product, ds4_hc_pre and
+            // ds4_hc_post together, and Flash steps at 2100 tokens took 9.30 ms against
+            // 8.78 (interleaved A/B, medians of 3; 32 or 8 blocks a row, the slices' sums
+            // read warp-parallel or one by one: all slower).)
+            products(ops, table, &[(hw.proj, x, b.mixl.ptr, n)])?;
+            launch(
+                ops,
+                k.hc_pre,
+                g1,
+                wide(d),
+                0,
+                vec![
+                    p(b.mixl.ptr),
+                    i(n_mix),
+                    p(x),
+                    p(b.h.ptr),
+                    p(mix),
+                    p(base_scale.0.ptr),
+                    p(base_scale.1.ptr),
+                    i(hc),
+                    i(d),
+                    fl(cfg.hc_eps),
+                    i(if fork || !expand { 0 } else { cfg.sinkhorn_iters }),
+                    p(norm),
+                    fl(cfg.rms_eps),
+                ],
+            );
+            if fork && expand {
+                ops.push(Op::Side(Launch {
+                    f: k.hc_sinkhorn,
+                    grid: g1,
+                    block: 32,
+                    smem: 0,
+                    args: vec![p(mix), i(hc), fl(cfg.hc_eps), i(cfg.sinkhorn_iters)],
+                    label: String::new(),
+                }));
+            }
+            Ok(())
+        };
         for job in &jobs {
             let (lw, spec, c, mm) = (job.lw, job.spec, job.c, job.mm);
             cur.set(job.img);
-            let hc_site = |ops: &mut Vec<_>,
-                           table: &mut Vec<u8>,
-                           hw: &HyperWeights,
-                           base_scale: &(DevBuf, DevBuf),
-                           mix: u64,
-                           norm: u64|
-             -> Result<()> {
-                // The mixing logits of the raw streams; ds4_hc_pre applies their RMS scale.
-                // (Tried and dropped: the kernels that write the streams (ds4_hc_post,
-                // ds4_moe_combine) leaving each block's partial products with this projection,
-                // summed by ds4_hc_pre, with no product launch here. It held 96 F16 weights a
-                // thread in those kernels (230 registers) and made Flash steps slower on an
-                // H200: 10.24 against 9.81 ms at a 2100-token context, interleaved A/B. Also
-                // tried and dropped: the whole site in one launch, a few blocks a row each
-                // taking the product of a slice of the streams with their weights loaded before
-                // the wait, the last block to arrive (an atomic count) summing the slices and
-                // doing ds4_hc_pre's work; with and without the attention site's ds4_hc_post
-                // folded into the FFN site's launch. Each site then added about 19.5 us to the
-                // step (CUPTI trace) against about 11 for this product, ds4_hc_pre and
-                // ds4_hc_post together, and Flash steps at 2100 tokens took 9.30 ms against
-                // 8.78 (interleaved A/B, medians of 3; 32 or 8 blocks a row, the slices' sums
-                // read warp-parallel or one by one: all slower).)
-                products(ops, table, &[(hw.proj, b.x.ptr, b.mixl.ptr, n)])?;
-                launch(
-                    ops,
-                    k.hc_pre,
-                    g1,
-                    wide(d),
-                    0,
-                    vec![
-                        p(b.mixl.ptr),
-                        i(n_mix),
-                        p(b.x.ptr),
-                        p(b.h.ptr),
-                        p(mix),
-                        p(base_scale.0.ptr),
-                        p(base_scale.1.ptr),
-                        i(hc),
-                        i(d),
-                        fl(cfg.hc_eps),
-                        i(if fork { 0 } else { cfg.sinkhorn_iters }),
-                        p(norm),
-                        fl(cfg.rms_eps),
-                    ],
-                );
-                if fork {
-                    ops.push(Op::Side(Launch {
-                        f: k.hc_sinkhorn,
-                        grid: g1,
-                        block: 32,
-                        smem: 0,
-                        args: vec![p(mix), i(hc), fl(cfg.hc_eps), i(cfg.sinkhorn_iters)],
-                        label: String::new(),
-                    }));
-                }
-                Ok(())
-            };
             // ---- attention
             if self.prefetch_q_b {
                 prefetch(&mut ops, &lw.q_b);
             }
-            hc_site(&mut ops, &mut table, &lw.hc_attn, &c.hc_attn, b.mix_a.ptr, c.attn_norm.ptr)?;
+            hc_site(&mut ops, &mut table, &lw.hc_attn, &c.hc_attn, b.x.ptr, b.mix_a.ptr, c.attn_norm.ptr, true)?;
             products(&mut ops, &mut table, &[(lw.q_a, b.h.ptr, b.cq.ptr, n), (lw.kv, b.h.ptr, b.kv.ptr, n)])?;
             launch(
                 &mut ops,
@@ -648,7 +654,7 @@ impl CudaDecoder {
             launch(&mut ops, k.hc_post, rows_grid(d.div_ceil(256)), 256, 0, args);
 
             // ---- MoE
-            hc_site(&mut ops, &mut table, &lw.hc_ffn, &c.hc_ffn, b.mix_f.ptr, c.ffn_norm.ptr)?;
+            hc_site(&mut ops, &mut table, &lw.hc_ffn, &c.hc_ffn, b.x.ptr, b.mix_f.ptr, c.ffn_norm.ptr, true)?;
             // The shared expert (its products, its swiglu) reads only h and its own buffers,
             // and only ds4_moe_combine reads its output: with the side branch it runs there,
             // beside the router and the routed experts, whose kernels leave DRAM bandwidth
@@ -969,29 +975,8 @@ impl CudaDecoder {
                     // The block's attention-site collapse and its norm (no Sinkhorn: only the
                     // expansion reads the mixing matrix), then its K=V rows.
                     let c = &dev.consts;
-                    products(&mut ops, &mut table, &[(mw.block.hc_attn.proj, uk.xs.ptr, b.mixl.ptr, n)])?;
-                    launch(
-                        &mut ops,
-                        k.hc_pre,
-                        g1,
-                        wide(d),
-                        0,
-                        vec![
-                            p(b.mixl.ptr),
-                            i(n_mix),
-                            p(uk.xs.ptr),
-                            p(b.h.ptr),
-                            p(b.mix_a.ptr),
-                            p(c.hc_attn.0.ptr),
-                            p(c.hc_attn.1.ptr),
-                            i(hc),
-                            i(d),
-                            fl(cfg.hc_eps),
-                            i(0),
-                            p(c.attn_norm.ptr),
-                            fl(cfg.rms_eps),
-                        ],
-                    );
+                    let hw = &mw.block.hc_attn;
+                    hc_site(&mut ops, &mut table, hw, &c.hc_attn, uk.xs.ptr, b.mix_a.ptr, c.attn_norm.ptr, false)?;
                     products(&mut ops, &mut table, &[(mw.block.kv, b.h.ptr, b.kv.ptr, n)])?;
                     kv_rows(&mut ops, uk.step.ptr, b.kv.ptr, c, uk.rows.ptr);
                 }
