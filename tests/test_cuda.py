@@ -68,19 +68,27 @@ def test_golden_logits_and_greedy_on_cuda(files: dict[str, Path], name: str) -> 
 @gpu
 @pytest.mark.parametrize("name", FIXTURES)
 def test_rows_are_batch_invariant_on_cuda(files: dict[str, Path], name: str) -> None:
+    # Two kinds of steps, each row-invariant: a prompt's (calls of more than 16 tokens, whose
+    # products may run on the prefill kernels) and a decode's (1..=16 tokens: decode, verify).
     m = ds4.Model.load(files[name], backend="cuda")
     p = max(prompts(name), key=len)[:120]
     whole = m.session(1024).eval(p)
     rng = np.random.default_rng(len(p))
     for _ in range(3):
+        # Prompts of 17 tokens or more, cut anywhere.
         s = m.session(1024)
-        cuts = sorted(set(rng.integers(1, len(p), 10).tolist()))
+        cuts = []
+        for c in sorted(rng.integers(17, len(p) - 17, 3).tolist()):
+            if c - ([0, *cuts][-1]) >= 17 and len(p) - c >= 17:
+                cuts.append(c)
         parts = [s.eval(p[a:b]) for a, b in zip([0, *cuts], [*cuts, len(p)])]
         assert np.array_equal(whole.view(np.uint32), np.concatenate(parts).view(np.uint32))
+    # Decode-sized calls, cut anywhere, are their rows' single decodes.
     s1, s2 = m.session(1024), m.session(1024)
-    for t in p[:40]:
-        s1.eval([t])
-    s2.eval(p[:40])
+    singles = [s1.eval([t]) for t in p[:40]]
+    cuts = sorted(set(rng.integers(1, 40, 6).tolist()) | {16, 32})
+    parts = [s2.eval(p[a:b]) for a, b in zip([0, *cuts], [*cuts, 40])]
+    assert np.array_equal(np.concatenate(singles).view(np.uint32), np.concatenate(parts).view(np.uint32))
     assert s1.digest() == s2.digest()
 
 
@@ -95,7 +103,18 @@ def test_quantized_models_match_cpu(tmp_path: Path, dtype: str) -> None:
     # Quantized weights reduce in another order on the GPU: equal within f32 rounding on the
     # typical row (a routing flip may move a few rows more).
     row_err = np.abs(got - want).max(axis=1) / (np.abs(want).max(axis=1) + 1e-6)
-    assert float(np.median(row_err)) < 1e-3
+    if dtype == "q2":
+        # A prompt's steps run the F16 and Q8_0 products on the tensor cores (gemm.cu: x kept to
+        # 22 bits, about 1e-6 from the host's sums where the decode's kernels are about 1e-7).
+        # The routed experts' Q2_K products take 8-bit activations (quant/act8.rs), and those
+        # differences put an activation on the other side of a rounding step in most rows of
+        # this random model: on an H200 the median row error was 4.7e-3 (p90 8.3e-3) against
+        # 5.1e-7 (p90 3.9e-3) on the decode's kernels, the argmax the same on every row, as
+        # test_device_decode_matches_host_forward allows for the device against the host.
+        assert float(np.mean(got.argmax(axis=1) == want.argmax(axis=1))) >= 0.95
+        assert float(np.median(row_err)) < 2e-2
+    else:
+        assert float(np.median(row_err)) < 1e-3
 
 
 @gpu
@@ -159,9 +178,23 @@ def test_device_decode_matches_host_forward(tmp_path: Path, monkeypatch: pytest.
         # down inputs it was 4e-7.) A wrong kernel is off by far more.
         assert float(np.mean(dev.argmax(axis=1) == host.argmax(axis=1))) >= 0.95
     assert float(np.median(row_err)) < tol, (float(np.median(row_err)), float(row_err.max()))
-    # Rows are batch invariant on the device: another chunking gives the same bits.
-    again = _chunked(m.session(512), prompt, [16 * i for i in range(1, 19)])
+    # Rows are batch invariant on the device: another chunking gives the same bits, where each
+    # row is again in a prompt's call (more than 16 tokens) or again in a decode-sized one.
+    again = _chunked(m.session(512), prompt, [37, 53, *range(54, 70), 86, 100, 130, 164, 165, 166, 200, 230, 260, 261])
     assert np.array_equal(dev.view(np.uint32), again.view(np.uint32))
+    # The prefill kernels (gemm.cu: F16 and Q8_0 products) ran for the prompt's calls: without
+    # them (DS4_CUDA_GEMM=0, read when a session makes its decoder) the rows differ by rounding.
+    monkeypatch.setenv("DS4_CUDA_GEMM", "0")
+    plain = _chunked(m.session(512), prompt, cuts)
+    monkeypatch.delenv("DS4_CUDA_GEMM")
+    assert np.array_equal(dev[:37].view(np.uint32), plain[:37].view(np.uint32)) == (dtype == "f32")
+    rel = np.abs(dev - plain).max(axis=1) / (np.abs(plain).max(axis=1) + 1e-6)
+    assert float(np.median(rel)) < tol
+    # Without them, every chunking gives the same bits (the decode's kernels only).
+    monkeypatch.setenv("DS4_CUDA_GEMM", "0")
+    sixteen = _chunked(m.session(512), prompt, [16 * i for i in range(1, 19)])
+    monkeypatch.delenv("DS4_CUDA_GEMM")
+    assert np.array_equal(plain.view(np.uint32), sixteen.view(np.uint32))
 
 
 @gpu
@@ -178,7 +211,9 @@ def test_device_state_follows_snapshots_and_verify(files: dict[str, Path]) -> No
     second = [a.eval([t]) for t in p[50:70]]
     assert all(np.array_equal(x.view(np.uint32), y.view(np.uint32)) for x, y in zip(first, second))
     b = m.session(1024)
-    b.eval(p[:70])
+    b.eval(p[:50])
+    b.eval(p[50:66])
+    b.eval(p[66:70])
     assert a.digest() == b.digest()
 
 

@@ -160,12 +160,19 @@ impl Session {
             Some(dec) => {
                 let chunks: Vec<&[u32]> = tokens.chunks(device_rows).collect();
                 let (last, earlier) = chunks.split_last().ok_or_else(|| Error::invalid("no tokens to evaluate"))?;
-                let mut logits = Vec::new();
-                for chunk in earlier {
-                    let w = if which == Logits::All { Logits::All } else { Logits::None };
-                    logits.extend(dec.forward(&self.model, &mut next, chunk, w, None)?);
-                }
-                join(logits, pass(Some(dec), &self.model, &mut next, last, which, None)?)
+                // Every chunk of a long batch, the last too, is a prompt's step for the device.
+                dec.set_prefill(true);
+                let run = || -> Result<T> {
+                    let mut logits = Vec::new();
+                    for chunk in earlier {
+                        let w = if which == Logits::All { Logits::All } else { Logits::None };
+                        logits.extend(dec.forward(&self.model, &mut next, chunk, w, None)?);
+                    }
+                    Ok(join(logits, pass(Some(&mut *dec), &self.model, &mut next, last, which, None)?))
+                };
+                let out = run();
+                dec.set_prefill(false);
+                out?
             }
             None => pass(None, &self.model, &mut next, tokens, which, None)?,
         };

@@ -65,6 +65,14 @@ pub trait DeviceDecoder: Send {
     /// Most rows one call takes.
     fn max_rows(&self) -> usize;
 
+    /// Marks the calls that follow, until `set_prefill(false)`, as the chunks of a prompt (a
+    /// batch longer than [`DeviceDecoder::max_rows`]): a device may then run kernels made for
+    /// throughput whose rows are not bitwise a decode's (the state and logits stay within the
+    /// backend's tolerance of the host's). Decode steps and verifies are never marked, so a
+    /// verify stays bitwise its rows' single decodes; a prompt is evaluated the same way in
+    /// plain and speculative decoding. The default ignores it.
+    fn set_prefill(&mut self, _on: bool) {}
+
     /// What the model's drafter proposes after `state` and `anchor` (`Model::propose`, with
     /// its arguments and contract), computed on the device, or `None` when this decoder has no
     /// device path for the model's drafter (the host computes it then). The logits may differ

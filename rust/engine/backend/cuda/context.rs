@@ -33,6 +33,7 @@ pub(crate) const SOURCES: &[(&str, &str)] = &[
     ("decode_attn.cu", include_str!("../../../../shaders/cuda/decode_attn.cu")),
     ("decode_moe.cu", include_str!("../../../../shaders/cuda/decode_moe.cu")),
     ("decode_step.cu", include_str!("../../../../shaders/cuda/decode_step.cu")),
+    ("gemm.cu", include_str!("../../../../shaders/cuda/gemm.cu")),
 ];
 
 /// Batch sizes the kernels are instantiated for: a chunk of `n` rows runs the smallest one

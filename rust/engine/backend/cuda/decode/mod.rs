@@ -17,16 +17,22 @@
 //! by the routing kernel, and each row's visible rows follow from its position.
 //!
 //! Row invariance holds as in the products: every kernel computes each row with the same code
-//! and order whatever the batch, so a verify of k rows is bitwise k single-row decodes.
+//! and order whatever the batch, so a verify of k rows is bitwise k single-row decodes. A
+//! prompt's steps ([`DeviceDecoder::set_prefill`]) have programs of their own, whose F16 and
+//! float-x Q8_0 products run on the tensor cores (`gemm.rs`): row invariant among themselves,
+//! within about 1e-6 of the decode's sums.
 //!
 //! Kernels: `shaders/cuda/decode_ops.cu` (norms, hyper-connections, query/key finishing,
 //! SwiGLU), `decode_attn.cu` (ring and compressor updates, indexer, attention),
 //! `decode_moe.cu` (routing, expert gather and combine), `decode_step.cu` (packing, the logits
 //! rows' argmax).
 
+mod gemm;
 mod program;
 #[cfg(test)]
 mod tests_attn;
+#[cfg(test)]
+mod tests_gemm;
 #[cfg(test)]
 mod tests_moe;
 #[cfg(test)]
@@ -507,6 +513,8 @@ struct Kernels {
     add_rows: sys::CUfunction,
     markov_in: sys::CUfunction,
     mean_streams: sys::CUfunction,
+    gemm_f16: sys::CUfunction,
+    gemm_q8_0: sys::CUfunction,
     /// Every handle above with its name (profiles).
     names: Vec<(sys::CUfunction, &'static str)>,
 }
@@ -548,6 +556,8 @@ impl Kernels {
             add_rows: f("ds4_add_rows")?,
             markov_in: f("ds4_markov_in")?,
             mean_streams: f("ds4_mean_streams")?,
+            gemm_f16: f("ds4_gemm_f16")?,
+            gemm_q8_0: f("ds4_gemm_q8_0")?,
             names: Vec::new(),
         };
         Ok(Kernels { names, ..k })
@@ -566,8 +576,8 @@ pub(crate) struct CudaDecoder {
     bufs: Bufs,
     /// By (rows, requested logits rows: 0 all, 1 the last, 2 none; whether the argmax of
     /// each requested row comes back instead of its logits; whether it keeps the drafter's
-    /// window rows, [`Upkeep`]).
-    programs: HashMap<(usize, u8, bool, bool), Program>,
+    /// window rows, [`Upkeep`]; whether it is a prefill step, `gemm.rs`).
+    programs: HashMap<(usize, u8, bool, bool, bool), Program>,
     up: Pinned,
     down: Pinned,
     /// Staging of [`DeviceDecoder::kept`]'s slot restores.
@@ -592,6 +602,10 @@ pub(crate) struct CudaDecoder {
     side: Option<SideBranch>,
     /// Whether each layer asks L2 for its q_b weights early ([`program::prefetch_q_b`]).
     prefetch_q_b: bool,
+    /// Whether prefill steps run the tensor-core products (`gemm.rs`; `DS4_CUDA_GEMM=0`: no).
+    gemm_on: bool,
+    /// Whether the steps now are a prompt's ([`DeviceDecoder::set_prefill`]).
+    prefill: bool,
     /// Whether a step leaves its state writes pending in the state ([`StepWrites`], made
     /// while the GPU runs the next step) rather than making them before it returns;
     /// `DS4_CUDA_DEFER=0` makes them at once (A/B timing).
@@ -846,6 +860,13 @@ impl CudaDecoder {
             Some("0") => false,
             Some(v) => return Err(Error::invalid(format!("DS4_CUDA_DEFER takes 0 or 1, not {v:?}"))),
         };
+        // A prompt's steps on the tensor-core products (gemm.rs), unless DS4_CUDA_GEMM=0 (A/B
+        // timing) or the device predates mma.sync m16n8k16.
+        let gemm_on = match std::env::var("DS4_CUDA_GEMM").ok().as_deref() {
+            None | Some("1") => backend.compute_capability().0 >= 8,
+            Some("0") => false,
+            Some(v) => return Err(Error::invalid(format!("DS4_CUDA_GEMM takes 0 or 1, not {v:?}"))),
+        };
         let g = backend.lock();
         g.ctx.bind()?;
         let k = Kernels::load(&g.ctx)?;
@@ -925,6 +946,12 @@ impl CudaDecoder {
             let (p, c) = split_need(mats, n);
             part_floats = part_floats.max(p);
             counters_len = counters_len.max(c);
+            // A prefill step's tensor-core products, where they take some of these.
+            if gemm_on {
+                let (p, c) = gemm::need(mats, n);
+                part_floats = part_floats.max(p);
+                counters_len = counters_len.max(c);
+            }
         };
         let dspark_stages = dspark_w.map(|dw| dw.stages.as_slice()).unwrap_or_default();
         for l in w.layers.iter().chain(mtp_w.map(|m| &m.block)).chain(dspark_stages) {
@@ -1128,6 +1155,8 @@ impl CudaDecoder {
             resync_after_cut: std::env::var("DS4_DECODE_RESYNC").is_ok_and(|v| v == "1"),
             side: if std::env::var("DS4_CUDA_FORK").is_ok_and(|v| v == "0") { None } else { Some(SideBranch::new()?) },
             prefetch_q_b,
+            gemm_on,
+            prefill: false,
             defer,
             mtp,
             dspark,
@@ -1518,6 +1547,7 @@ impl CudaDecoder {
             },
             argmax,
             upkeep,
+            self.prefill && self.gemm_on,
         );
         if !self.programs.contains_key(&key) {
             let img = guard
@@ -1527,7 +1557,8 @@ impl CudaDecoder {
                 Some(dm) if upkeep => Some(drafter_images(&guard, model, dm)?.1),
                 _ => None,
             };
-            let prog = self.build(ctx, img, model, n, program::Body::Trunk { head, argmax, upkeep: dimg })?;
+            let prog =
+                self.build(ctx, img, model, n, program::Body::Trunk { head, argmax, upkeep: dimg, prefill: key.4 })?;
             self.programs.insert(key, prog);
         }
 
@@ -2090,6 +2121,10 @@ impl DeviceDecoder for CudaDecoder {
         }
         let (logits, ids) = self.step(model, state, tokens, which, true, log)?;
         Ok(if ids.iter().any(|&id| id & NO_GREEDY != 0) { Greedy::Logits(logits) } else { Greedy::Ids(ids) })
+    }
+
+    fn set_prefill(&mut self, on: bool) {
+        self.prefill = on;
     }
 
     fn sync(&mut self, state: &mut State) -> Result<()> {

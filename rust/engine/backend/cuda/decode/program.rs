@@ -11,6 +11,7 @@ use super::super::context::{driver_err, stem, Context, THREADS};
 use super::super::device::{Arg, DevBuf};
 use super::super::weights::DeviceImage;
 use super::super::{chunk_rows, group, row_blocks, slices, split_in_launch, CudaBackend, Desc};
+use super::gemm;
 use super::{CompMirror, CudaDecoder, DSparkDevice, Launch, LayerConsts, LayerMirror, MtpDevice, Op, Program, N_MAX};
 use crate::model::config::LayerSpec;
 use crate::model::draft::{DSparkWeights, DraftKind, MtpInput, MtpWeights};
@@ -115,12 +116,28 @@ fn desc_bytes(d: &Desc) -> &[u8] {
     unsafe { std::slice::from_raw_parts((d as *const Desc).cast::<u8>(), std::mem::size_of::<Desc>()) }
 }
 
+/// The shapes of a product launch's matrices, for the profile ("8x[1024x4096],512x4096").
+fn shapes_label<'m>(mats: impl Iterator<Item = &'m Mat>) -> String {
+    let mut shapes: Vec<(usize, usize, usize)> = Vec::new();
+    for m in mats {
+        match shapes.iter_mut().find(|s| (s.0, s.1) == (m.n_out, m.n_in)) {
+            Some(s) => s.2 += 1,
+            None => shapes.push((m.n_out, m.n_in, 1)),
+        }
+    }
+    let parts: Vec<String> =
+        shapes.iter().map(|&(o, i, c)| if c > 1 { format!("{c}x[{o}x{i}]") } else { format!("{o}x{i}") }).collect();
+    parts.join(",")
+}
+
 /// What a program runs.
 pub(super) enum Body<'a> {
     /// A step of the target: every layer, then the head on `head` = (first row, rows)
     /// followed by the argmax of each of those logits rows when `argmax`; with `upkeep` (the
-    /// image of the drafter's file), then the drafter's new window rows (`Upkeep`, mod.rs).
-    Trunk { head: Option<(usize, usize)>, argmax: bool, upkeep: Option<&'a DeviceImage> },
+    /// image of the drafter's file), then the drafter's new window rows (`Upkeep`, mod.rs);
+    /// `prefill`: a prompt's step, whose F16 and float-x Q8_0 products run on the tensor cores
+    /// (`gemm.rs`).
+    Trunk { head: Option<(usize, usize)>, argmax: bool, upkeep: Option<&'a DeviceImage>, prefill: bool },
     /// One step of the MTP drafter on one row (`MtpDevice`, mod.rs): its input from the streams
     /// in `x` and the token's embedding, its block (`img`: the image of the file that holds the
     /// drafter), then, when `head`, its head and the argmax of its logits.
@@ -169,6 +186,8 @@ impl CudaDecoder {
         let fl = |x: f32| PArg::A(Arg::F32(x));
         let null = PArg::A(Arg::Ptr(0));
         let fork = self.side.is_some();
+        let prefill = matches!(body, Body::Trunk { prefill: true, .. });
+        let sm80 = ctx.compute_capability.0 >= 8;
         // The image whose weights the products being added read (the drafter's file may not be
         // the target's).
         let cur = std::cell::Cell::new(img);
@@ -186,6 +205,54 @@ impl CudaDecoder {
          -> Result<()> {
             let mut part_off = 0usize;
             let mut counter = 0usize;
+            // A prefill step's tensor-core products first (gemm.rs): one launch per format.
+            let on_tc = |pr: &(Mat, u64, u64, usize)| {
+                prefill && gemm::takes(&pr.0, cur.get().addr(pr.0.start), pr.1, pr.3, sm80)
+            };
+            let tc: Vec<(Mat, u64, u64, usize)> = prods.iter().copied().filter(on_tc).collect();
+            let rest: Vec<(Mat, u64, u64, usize)> = prods.iter().copied().filter(|pr| !on_tc(pr)).collect();
+            let prods = rest.as_slice();
+            if !tc.is_empty() {
+                for (ty, f) in [(crate::quant::GgmlType::F16, k.gemm_f16), (crate::quant::GgmlType::Q8_0, k.gemm_q8_0)]
+                {
+                    let mine: Vec<&(Mat, u64, u64, usize)> = tc.iter().filter(|pr| pr.0.ty == ty).collect();
+                    if mine.is_empty() {
+                        continue;
+                    }
+                    let start = table.len();
+                    let mut blocks = 0usize;
+                    let launch_rows: usize = mine.iter().map(|pr| pr.0.n_out).sum();
+                    for &&(m, x, y, rows) in &mine {
+                        let part = b.part.ptr + 4 * part_off as u64;
+                        let ys = y_stride.unwrap_or(m.n_out);
+                        let (mut dsc, nblocks) =
+                            gemm::desc(cur.get().addr(m.start), &m, launch_rows, x, y, ys, part, rows, counter);
+                        dsc.block_start = blocks as i32;
+                        let s = dsc.slices as usize;
+                        if s > 1 {
+                            part_off += s * rows * m.n_out;
+                            counter += nblocks / s;
+                        }
+                        blocks += nblocks;
+                        table.extend_from_slice(desc_bytes(&dsc));
+                    }
+                    if part_off > b.part_floats || counter > b.counters_len {
+                        return Err(Error::Backend("CUDA decode: partial-sum buffer too small (internal)".into()));
+                    }
+                    ops.push(Op::Launch(Launch {
+                        f,
+                        grid: (blocks as u32, 1, 1),
+                        block: 128,
+                        smem: 0,
+                        args: vec![
+                            PArg::Table(start),
+                            PArg::A(Arg::I32(mine.len() as i32)),
+                            PArg::A(Arg::Ptr(b.counters.ptr)),
+                        ],
+                        label: shapes_label(mine.iter().map(|pr| &pr.0)),
+                    }));
+                }
+            }
             // One launch per kernel, in call order: (format, stem, its first product, whose shape
             // picks the same kernel as every other of its products).
             let stem_of = |m: &Mat| stem(m.ty, m.n_in, m.n_out);
@@ -253,20 +320,7 @@ impl CudaDecoder {
                         PArg::A(Arg::Ptr(b.counters.ptr)),
                         PArg::A(Arg::I32(1)),
                     ],
-                    label: {
-                        let mut shapes: Vec<(usize, usize, usize)> = Vec::new();
-                        for pr in prods.iter().filter(mine) {
-                            match shapes.iter_mut().find(|s| (s.0, s.1) == (pr.0.n_out, pr.0.n_in)) {
-                                Some(s) => s.2 += 1,
-                                None => shapes.push((pr.0.n_out, pr.0.n_in, 1)),
-                            }
-                        }
-                        let parts: Vec<String> = shapes
-                            .iter()
-                            .map(|&(o, i, c)| if c > 1 { format!("{c}x[{o}x{i}]") } else { format!("{o}x{i}") })
-                            .collect();
-                        parts.join(",")
-                    },
+                    label: shapes_label(prods.iter().filter(mine).map(|pr| &pr.0)),
                 }));
             }
             Ok(())
@@ -660,7 +714,8 @@ impl CudaDecoder {
             // beside the router and the routed experts, whose kernels leave DRAM bandwidth
             // unused (they are bound by issue and L1). Its products must not be split
             // (slices > 1): the partial sums and counters belong to the main stream's launches.
-            let shared_side = fork && [lw.gate_sh, lw.up_sh, lw.down_sh].iter().all(|m| slices(m) == 1);
+            // (Nor in a prefill step: its tensor-core products are split by gemm.rs's rule.)
+            let shared_side = fork && !prefill && [lw.gate_sh, lw.up_sh, lw.down_sh].iter().all(|m| slices(m) == 1);
             let shared_swiglu = |ops: &mut Vec<_>| {
                 launch(
                     ops,

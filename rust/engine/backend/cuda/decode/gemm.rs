@@ -1,0 +1,162 @@
+//! The prefill programs' tensor-core products (`shaders/cuda/gemm.cu`): which products take
+//! them, how a product's work is split, and what it needs of the scratch buffers.
+//!
+//! A *prefill* step is one of a prompt's chunks (a session's batch longer than the decoder's
+//! rows: [`crate::backend::DeviceDecoder::set_prefill`]). Its F16 products and its Q8_0 products
+//! on the float-x layout run `ds4_gemm_f16` / `ds4_gemm_q8_0`. These kernels are row-invariant among themselves but do not give the decode
+//! kernels' bits, so decode steps and verifies never run them: a verify stays bitwise its rows'
+//! single decodes, and a prompt is evaluated the same way in plain and speculative decoding.
+
+use super::super::{tensor_cores, CudaBackend, Desc, MV_WARPS};
+use crate::model::weights::Mat;
+use crate::quant::GgmlType;
+
+/// Output rows one warp of the kernels computes (`GEMM_TILES` n8 tiles in gemm.cu).
+pub(super) const GEMM_WARP_ROWS: usize = 32;
+
+/// Inputs of a unit (the kernels' step along a row: two m16n8k16 steps).
+const UNIT: usize = 32;
+
+/// Fewest units a warp keeps when the units of a row group are split between warps and blocks.
+const MIN_UNITS_PER_WARP: usize = 4;
+
+/// Warps a product should have at least to keep the GPU busy (about eight an SM of an H200).
+const TARGET_WARPS: usize = 1024;
+
+/// Most batch rows of one product (one m16 tile).
+pub(super) const TILE_ROWS: usize = 16;
+
+/// Whether `m`'s shape and format suit the kernels: F16, or Q8_0 on the float-x layout (Q8_0
+/// on the tensor-core layout keeps its own kernel, already 16 rows a weight read), whole units.
+fn shape_fits(m: &Mat) -> bool {
+    let fmt = m.ty == GgmlType::F16 || (m.ty == GgmlType::Q8_0 && !tensor_cores(m.ty, m.n_in, m.n_out));
+    fmt && m.n_in > 0 && m.n_in.is_multiple_of(UNIT)
+}
+
+/// Whether a prefill step runs the product of `m` (whose rows start at device address `at`) by
+/// the `rows` rows of floats at `x` on the tensor cores: a shape that [`shape_fits`], at most
+/// [`TILE_ROWS`] rows, on a device of sm_80 or later (mma.sync m16n8k16), with rows aligned for
+/// the kernels' vector loads (16 bytes of F16, 8 of Q8_0 a lane, x in float4s).
+pub(super) fn takes(m: &Mat, at: u64, x: u64, rows: usize, sm80: bool) -> bool {
+    let align = if m.ty == GgmlType::F16 { 16 } else { 8 };
+    sm80 && shape_fits(m)
+        && (1..=TILE_ROWS).contains(&rows)
+        && m.row_bytes.is_multiple_of(align)
+        && at.is_multiple_of(align as u64)
+        && x.is_multiple_of(16)
+}
+
+/// The warp group (warps of a block that split a row group's units) and the input slices
+/// (blocks that split them) of `m`'s products in a launch of `launch_rows` output rows in all
+/// (the products of one format in one call: those of a single matrix of that many rows, whose
+/// blocks the launch has). A function of the shapes only (row invariance): enough warps for the
+/// GPU, at least [`MIN_UNITS_PER_WARP`] units each. The partial sums of a split cost a round
+/// trip, so a launch of many products (the decode's eight o_a groups) splits less.
+pub(super) fn split(m: &Mat, launch_rows: usize) -> (usize, usize) {
+    let units = (m.n_in / UNIT).max(1);
+    let g = if units >= 4 * MIN_UNITS_PER_WARP {
+        4
+    } else if units >= 2 * MIN_UNITS_PER_WARP {
+        2
+    } else {
+        1
+    };
+    let whole = Mat { n_out: launch_rows.max(m.n_out), ..*m };
+    let warps = row_blocks(&whole, g) * MV_WARPS;
+    let want = TARGET_WARPS.div_ceil(warps).clamp(1, 32).min((units / (g * MIN_UNITS_PER_WARP)).max(1));
+    // No empty slice: the kernel gives each slice ceil(units / slices) units.
+    (g, units.div_ceil(units.div_ceil(want)))
+}
+
+/// Row blocks of `m`'s products at warp group `g`: blocks of `MV_WARPS / g` warps of
+/// [`GEMM_WARP_ROWS`] rows.
+fn row_blocks(m: &Mat, g: usize) -> usize {
+    m.n_out.div_ceil(MV_WARPS / g * GEMM_WARP_ROWS)
+}
+
+/// The descriptor of one product of `n <= 16` rows of x at `x` in a launch of `launch_rows`
+/// output rows ([`split`]), and its blocks.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn desc(
+    at: u64,
+    m: &Mat,
+    launch_rows: usize,
+    x: u64,
+    y: u64,
+    y_stride: usize,
+    part: u64,
+    n: usize,
+    counter: usize,
+) -> (Desc, usize) {
+    let (g, s) = split(m, launch_rows);
+    let (mut d, _) = CudaBackend::desc_split(at, m, x, y, part, n, counter, (g, s));
+    d.y_stride = y_stride as i32;
+    d.warp_rows = GEMM_WARP_ROWS as i32;
+    (d, row_blocks(m, g) * s)
+}
+
+/// Partial-sum floats and counters the products of `mats` take at `n` rows (those whose shape
+/// the kernels take), at most: each split as if alone, with the most slices.
+pub(super) fn need(mats: &[Mat], n: usize) -> (usize, usize) {
+    let (mut part, mut counters) = (0, 0);
+    for m in mats.iter().filter(|m| shape_fits(m)) {
+        let (g, s) = split(m, m.n_out);
+        if s > 1 {
+            part += s * n * m.n_out;
+            counters += row_blocks(m, g);
+        }
+    }
+    (part, counters)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mat(ty: GgmlType, n_out: usize, n_in: usize) -> Mat {
+        Mat { ty, n_in, n_out, start: 0, row_bytes: ty.row_bytes(n_in as u64).unwrap() as usize }
+    }
+
+    /// Every split covers the units without an empty slice, keeps a warp's share, and fills the
+    /// GPU when the shape allows it.
+    #[test]
+    fn splits_cover_the_units() {
+        for (n_out, n_in) in [(24, 16384), (1024, 4096), (8192, 1024), (64, 4096), (2048, 4096), (5, 32), (37, 96)] {
+            let m = mat(GgmlType::F16, n_out, n_in);
+            let (g, s) = split(&m, n_out);
+            // More rows in the launch: no more slices.
+            assert!(split(&m, 8 * n_out).1 <= s);
+            let units = n_in / UNIT;
+            assert!([1, 2, 4].contains(&g) && s >= 1, "{n_out}x{n_in}: {g} {s}");
+            let per = units.div_ceil(s);
+            assert!((s - 1) * per < units, "{n_out}x{n_in}: slice {} empty", s - 1);
+            if s > 1 {
+                assert!(per >= g * MIN_UNITS_PER_WARP, "{n_out}x{n_in}: {per} units for {g} warps");
+            }
+            let warps = row_blocks(&m, g) * MV_WARPS * s;
+            assert!(warps >= TARGET_WARPS.min(m.n_out.div_ceil(GEMM_WARP_ROWS) * units / MIN_UNITS_PER_WARP) / 2);
+        }
+    }
+
+    /// The kernels take F16 and float-x Q8_0 with whole units, aligned rows and x, at most 16
+    /// rows, nothing else.
+    #[test]
+    fn which_products_take_the_tensor_cores() {
+        let f16 = mat(GgmlType::F16, 64, 4096);
+        assert!(takes(&f16, 256, 512, 16, true));
+        assert!(!takes(&f16, 256, 512, 16, false));
+        assert!(!takes(&f16, 256, 512, 17, true));
+        assert!(!takes(&f16, 256, 512, 0, true));
+        assert!(!takes(&f16, 264, 512, 1, true));
+        assert!(!takes(&f16, 256, 520, 1, true));
+        assert!(!takes(&mat(GgmlType::F16, 64, 48), 256, 512, 1, true));
+        let q8 = mat(GgmlType::Q8_0, 1024, 4096);
+        assert_eq!(takes(&q8, 264, 512, 1, true), !tensor_cores(GgmlType::Q8_0, 4096, 1024));
+        // 34 bytes a block: an odd block count leaves rows 2-byte aligned.
+        assert!(!takes(&mat(GgmlType::Q8_0, 1024, 4096 + 32), 256, 512, 1, true));
+        assert!(!takes(&mat(GgmlType::Q2_K, 1024, 4096), 256, 512, 1, true));
+        assert!(!takes(&mat(GgmlType::F32, 1024, 4096), 256, 512, 1, true));
+        // Shapes it never takes add nothing to the scratch it needs, whatever their size.
+        assert_eq!(need(&[mat(GgmlType::F32, 8, 16), mat(GgmlType::F16, 3, 16)], 16), (0, 0));
+    }
+}

@@ -1,0 +1,113 @@
+//! The prefill products on the tensor cores (`shaders/cuda/gemm.cu`, `gemm.rs`) against the
+//! float product of the dequantized weights, and their row invariance. Skipped without a GPU
+//! of sm_80 or later.
+
+use super::super::Desc;
+use super::gemm;
+use super::testutil::{context, randn, split_image, Arg, DevBuf};
+use crate::model::weights::Mat;
+use crate::quant::{self, GgmlType};
+
+/// A matrix of `ty` with `n_out` rows of `n_in` inputs (from random floats), in a file-like
+/// image at offset 256, and its dequantized weights.
+fn matrix(ty: GgmlType, n_out: usize, n_in: usize, seed: u64) -> (Vec<u8>, Mat, Vec<f32>) {
+    let floats = randn(n_out * n_in, seed, 1.0);
+    let row_bytes = ty.row_bytes(n_in as u64).unwrap() as usize;
+    let mut data = vec![0u8; n_out * row_bytes];
+    match ty {
+        GgmlType::F16 => {
+            let mut h = vec![0u16; floats.len()];
+            quant::f32_to_f16(&floats, &mut h).unwrap();
+            for (d, v) in data.chunks_exact_mut(2).zip(&h) {
+                d.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        GgmlType::Q8_0 => quant::quantize_q8_0(&floats, &mut data).unwrap(),
+        _ => unreachable!(),
+    }
+    let mut deq = vec![0f32; n_out * n_in];
+    quant::dequantize(ty, &data, &mut deq).unwrap();
+    let mut raw = vec![0u8; 256];
+    raw.extend_from_slice(&data);
+    (raw, Mat { ty, n_in, n_out, start: 256, row_bytes }, deq)
+}
+
+/// `y = W x` of the `n` rows of `x` by the prefill kernel of `m`'s format (one descriptor).
+fn run(ctx: &super::super::context::Context, w: &DevBuf, m: &Mat, x: &[f32], n: usize) -> Vec<f32> {
+    let xb = DevBuf::from_slice(x).unwrap();
+    let y = DevBuf::zeroed(4 * n * m.n_out).unwrap();
+    let (g, s) = gemm::split(m, m.n_out);
+    let part = DevBuf::zeroed(4 * s * n * m.n_out).unwrap();
+    let counters = DevBuf::zeroed(4 * 4096).unwrap();
+    let (d, blocks): (Desc, usize) =
+        gemm::desc(w.at(m.start), m, m.n_out, xb.at(0), y.at(0), m.n_out, part.at(0), n, 0);
+    assert_eq!(d.group as usize, g);
+    let table = DevBuf::from_slice(&[d]).unwrap();
+    let name = if m.ty == GgmlType::F16 { "ds4_gemm_f16" } else { "ds4_gemm_q8_0" };
+    let f = ctx.function(name).unwrap();
+    let args = [Arg::Ptr(table.at(0)), Arg::I32(1), Arg::Ptr(counters.at(0))];
+    ctx.launch_args(f, (blocks as u32, 1, 1), 128, 0, &args).unwrap();
+    ctx.sync().unwrap();
+    y.read(0, n * m.n_out).unwrap()
+}
+
+/// Each output within `2e-6 * sum |w x|` of the exact product of the dequantized weights (x
+/// is kept to 22 bits a unit of 32, whatever the rest of its row holds), and bitwise the same
+/// whatever the rows beside it (1..=16 rows).
+#[test]
+fn prefill_products_match_the_float_product_and_are_row_invariant() {
+    let Some(ctx) = context() else { return };
+    if ctx.compute_capability.0 < 8 {
+        eprintln!("skipped: sm_{}{} has no mma.sync m16n8k16", ctx.compute_capability.0, ctx.compute_capability.1);
+        return;
+    }
+    let shapes = [
+        // A partial tile, rows of one warp's units; the HC projection (few rows, many slices);
+        // the compressor's and q_a's class; rows that are not a whole block of 128.
+        (GgmlType::F16, 37, 256),
+        (GgmlType::F16, 24, 16384),
+        (GgmlType::F16, 1024, 4096),
+        (GgmlType::F16, 200, 1056),
+        (GgmlType::Q8_0, 40, 2048),
+        (GgmlType::Q8_0, 1024, 4096),
+        (GgmlType::Q8_0, 77, 2560),
+    ];
+    for (si, &(ty, n_out, n_in)) in shapes.iter().enumerate() {
+        let (raw, m, deq) = matrix(ty, n_out, n_in, 11 + si as u64);
+        if !gemm::takes(&m, 256, 0, 1, true) {
+            // Q8_0 rows on the tensor-core layout in this process (DS4_CUDA_Q8=mma).
+            eprintln!("{ty} {n_out}x{n_in}: not a prefill tensor-core product here");
+            continue;
+        }
+        let w = DevBuf::from_slice(&split_image(&raw, &[m])).unwrap();
+        // Rows of different scales, one of them all zeros, one with a large value.
+        let mut x = randn(16 * n_in, 100 + si as u64, 1.0);
+        for (r, row) in x.chunks_mut(n_in).enumerate() {
+            let s = [1.0f32, 1e-3, 300.0, 0.0][r % 4];
+            row.iter_mut().for_each(|v| *v *= s);
+        }
+        x[5 * n_in + 7] = 7.0e4;
+        let alone: Vec<Vec<f32>> = (0..16).map(|r| run(&ctx, &w, &m, &x[r * n_in..(r + 1) * n_in], 1)).collect();
+        for n in [16, 1, 3, 8, 13] {
+            let y = run(&ctx, &w, &m, &x[..n * n_in], n);
+            for r in 0..n {
+                for o in 0..n_out {
+                    let (wr, xr) = (&deq[o * n_in..(o + 1) * n_in], &x[r * n_in..(r + 1) * n_in]);
+                    let exact: f64 = wr.iter().zip(xr).map(|(&a, &b)| a as f64 * b as f64).sum();
+                    let mag: f64 = wr.iter().zip(xr).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
+                    let got = y[r * n_out + o];
+                    assert!(
+                        (got as f64 - exact).abs() <= 2e-6 * mag + 1e-30,
+                        "{ty} {n_out}x{n_in} n={n} row {r} out {o}: {got} against {exact} (sum |wx| {mag})"
+                    );
+                    assert_eq!(
+                        got.to_bits(),
+                        alone[r][o].to_bits(),
+                        "{ty} {n_out}x{n_in} n={n}: row {r} out {o} differs from the row alone"
+                    );
+                }
+            }
+        }
+        eprintln!("{ty} {n_out}x{n_in}: ok (split {:?})", gemm::split(&m, n_out));
+    }
+}
