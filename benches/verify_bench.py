@@ -12,7 +12,10 @@ After a prompt of --ctx tokens (random ids), measures with the median of --runs:
   to the decode step, beside the byte model of a verify (docs/performance.md 5d): the weights
   of one decode once, with the routed experts for the expected union of k rows' choices,
   n(1 - (1 - used/n)^k) of n experts under independent uniform routing;
-* prefill tokens/s for each --prefill length (from an empty session).
+* prefill tokens/s for each --prefill length (from an empty session); with --ab NAME, for a
+  session made with the switch NAME=1 and one with NAME=0 (a setting the device decoder reads
+  when a session makes it, such as DS4_CUDA_GEMM), their runs interleaved. --prefill-only
+  skips the prompt of --ctx tokens, the decode steps and the verifies.
 
 Every timed call but the steps in a row is preceded by a restore of the same snapshot,
 outside the timing.
@@ -74,6 +77,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="split the decode step by phase (DS4_PROFILE)")
     ap.add_argument("--host", action="store_true",
                     help="run the forward pass on the host even on CUDA (products on the GPU only)")
+    ap.add_argument("--prefill-only", action="store_true", help="only the prefill timings")
+    ap.add_argument("--ab", metavar="NAME",
+                    help="prefill with the switch NAME=1 and NAME=0 (read when a session makes its decoder)")
     args = ap.parse_args()
     # Each figure as soon as it is measured, also into a pipe (a run cut short keeps them).
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
@@ -83,6 +89,13 @@ def main() -> None:
         os.environ["DS4_PROFILE"] = "1"  # read at the first forward pass
     m = ds4.Model.load(args.model, backend=args.backend, draft=False)
     rng = np.random.default_rng(0)
+    if not args.prefill_only:
+        steps(args, m, rng)
+    prefill(args, m, rng)
+
+
+def steps(args: argparse.Namespace, m: ds4.Model, rng: np.random.Generator) -> None:
+    """The prompt of --ctx tokens, then decode steps and verifies after it."""
     vocab = m.vocab_size
     prompt = rng.integers(8, vocab, args.ctx).tolist()
     s = m.session(args.ctx + 64)
@@ -131,12 +144,41 @@ def main() -> None:
         t = timed(lambda: s.eval(toks, logits="all"), args.runs, lambda: s.restore(snap))
         model = verify_byte_model(m.decode_weight_bytes(), routed, k)
         print(f"  verify {k} rows {1e3 * t:8.2f} ms  = {t / base:5.2f} decodes (byte model {model:.2f})")
+
+
+def prefill(args: argparse.Namespace, m: ds4.Model, rng: np.random.Generator) -> None:
+    """Prompts of each --prefill length from an empty session (per --ab setting, interleaved)."""
+    modes = [""] if not args.ab else ["1", "0"]
+    runs = max(1, args.runs // 3)
     for n in (int(x) for x in args.prefill.split(",") if x):
-        p = rng.integers(8, vocab, n).tolist()
-        sess = m.session(n + 8)
-        empty = sess.snapshot()
-        t = timed(lambda: sess.eval(p, logits="last"), max(1, args.runs // 3), lambda: sess.restore(empty))
-        print(f"  prefill {n} tokens {t:.2f} s = {n / t:.0f} tok/s")
+        p = rng.integers(8, m.vocab_size, n).tolist()
+        sessions: list[tuple[str, ds4.Session, ds4.Snapshot, list[float]]] = []
+        for v in modes:
+            before = os.environ.get(args.ab) if args.ab else None
+            if args.ab:
+                os.environ[args.ab] = v
+            sess = m.session(n + 8)
+            empty = sess.snapshot()
+            sess.eval(p[:1], logits="none")  # the decoder is made now, with this setting
+            sess.restore(empty)
+            if args.ab:
+                if before is None:
+                    del os.environ[args.ab]
+                else:
+                    os.environ[args.ab] = before
+            sessions.append((v, sess, empty, []))
+        # Each run restores its empty session, then times the prompt (the first round warms up).
+        for r in range(runs + 1):
+            for v, sess, empty, times in sessions:
+                sess.restore(empty)
+                t = time.perf_counter()
+                sess.eval(p, logits="last")
+                if r:
+                    times.append(time.perf_counter() - t)
+        for v, _, _, times in sessions:
+            t = statistics.median(times)
+            label = f" ({args.ab}={v})" if args.ab else ""
+            print(f"  prefill {n} tokens{label} {t:.2f} s = {n / t:.0f} tok/s")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@
 # DS4_CUDA_DRAFT=0); with FLASH_GEN (the synthetic full-size
 # Flash generator, gen_flash_q2_gguf.py) and TOKENIZER (the V4 tokenizer.json) set, the same
 # for a full-size Flash file (80.8 GiB, sparse on disk) at 2K context (by default and with
-# DS4_CUDA_Q8=mma),
+# DS4_CUDA_Q8=mma), its 2K and 8K prompts with and without the prefill products on the tensor
+# cores (DS4_CUDA_GEMM),
 # and with FLASH_32K=1 at 32K context with an 8K-token prefill too; with FLASH_FILL=1 the
 # routed experts of as many layers as the disk holds get pseudo-random blocks first
 # (scripts/fill_experts.py: the generator's zero experts make the IQ2_XXS kernels look up one
@@ -61,6 +62,10 @@ if [ -n "${FLASH_GEN:-}" ] && [ -n "${TOKENIZER:-}" ]; then
         python scripts/fill_experts.py /tmp/ds4-flash-q2.gguf
     fi
     python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --ctx 2048 --prefill 2048 --runs 5
+    # A prompt's steps with their F16 and Q8_0 products on the tensor cores (the default) and on
+    # the decode's kernels, interleaved in one process.
+    python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --prefill 2048,8192 --prefill-only \
+        --ab DS4_CUDA_GEMM --runs 6
     DS4_CUDA_Q8=mma python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --ctx 2048 --prefill 2048 --runs 5
     if [ -n "${TRACE:-}" ]; then
         cuda=$(dirname "$(dirname "$(command -v nvcc)")")
