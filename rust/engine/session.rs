@@ -475,6 +475,10 @@ pub(crate) mod tests {
         pub(crate) syncs: AtomicUsize,
         /// Calls that left their writes pending.
         pub(crate) deferred: AtomicUsize,
+        /// Whether the calls now are marked a prompt's ([`DeviceDecoder::set_prefill`]), and
+        /// the rows of the calls that were.
+        pub(crate) prefill: std::sync::atomic::AtomicBool,
+        pub(crate) prefill_rows: AtomicUsize,
     }
 
     impl Seen {
@@ -527,6 +531,9 @@ pub(crate) mod tests {
             log: Option<&mut BatchLog>,
         ) -> Result<Vec<f32>> {
             assert!(tokens.len() <= 4);
+            if self.0.prefill.load(Ordering::Relaxed) {
+                self.0.prefill_rows.fetch_add(tokens.len(), Ordering::Relaxed);
+            }
             let call = self.0.forwards.fetch_add(1, Ordering::Relaxed);
             if call == self.0.fail_at.load(Ordering::Relaxed) {
                 return Err(Error::Backend("injected failure".into()));
@@ -591,6 +598,10 @@ pub(crate) mod tests {
         fn max_rows(&self) -> usize {
             4
         }
+
+        fn set_prefill(&mut self, on: bool) {
+            self.0.prefill.store(on, Ordering::Relaxed);
+        }
     }
 
     /// The CPU backend offering a [`HostDecoder`].
@@ -617,7 +628,8 @@ pub(crate) mod tests {
 
     /// The session's device path (chunks of the decoder's size, failures, cuts, restores)
     /// gives what the host path gives, bit for bit, and tells the decoder about cuts and
-    /// restores.
+    /// restores, and which calls are a prompt's: every chunk of a batch longer than it takes,
+    /// never a call it takes whole (a decode step, a verify), the mark cleared after a failure.
     #[test]
     fn the_device_decoder_path_matches_the_host_path() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/tiny-l");
@@ -633,7 +645,10 @@ pub(crate) mod tests {
         let (a, b) = (h.eval(&prompt[..127], Logits::All).unwrap(), d.eval(&prompt[..127], Logits::All).unwrap());
         assert_eq!(a, b);
         assert_eq!(seen.forwards.load(Ordering::Relaxed), 32);
+        let marked = || (seen.prefill.load(Ordering::Relaxed), seen.prefill_rows.load(Ordering::Relaxed));
+        assert_eq!(marked(), (false, 127));
         assert_eq!(h.eval(&prompt[127..], Logits::Last).unwrap(), d.eval(&prompt[127..], Logits::Last).unwrap());
+        assert_eq!(marked(), (false, 127));
         // Every call so far left its writes pending: the next read made them.
         assert_eq!(seen.deferred.load(Ordering::Relaxed), 33);
         assert_eq!(h.digest(), d.digest());
@@ -645,8 +660,10 @@ pub(crate) mod tests {
             seen.fail_at.store(seen.forwards.load(Ordering::Relaxed) + k, Ordering::Relaxed);
             assert!(matches!(d.eval(&[5; 10], Logits::Last), Err(Error::Backend(_))));
             assert_eq!(d.digest(), digest, "failing at chunk {k}");
+            assert!(!marked().0);
         }
         seen.fail_at.store(usize::MAX, Ordering::Relaxed);
+        let prompt_rows = marked().1;
 
         // Verify and cut: the decoder hears of the cut; the state is the host's.
         let (rows, log) = d.verify(&[7, 8, 9]).unwrap();
@@ -656,6 +673,7 @@ pub(crate) mod tests {
         h.keep(hlog, 1).unwrap();
         assert_eq!(seen.kept.load(Ordering::Relaxed), 1);
         assert_eq!(d.digest(), h.digest());
+        assert_eq!(marked(), (false, prompt_rows));
         let snap = d.snapshot();
         d.eval(&[9], Logits::Last).unwrap();
         d.restore(&snap).unwrap();
