@@ -11,6 +11,9 @@
 //!   long inputs (split over blocks by input slices).
 //! - `call/Q8_0/<k>x(64x4096)/n=1`: one `matmul_many` call of k small products, the fixed
 //!   cost of a call (one input copy, one launch per kernel group, one output copy, one sync).
+//! - `prefill/<FMT>/<n_out>x<n_in>/n=<n>`: the products of a prompt's steps on the tensor cores
+//!   (`shaders/cuda/gemm.cu`; sm_80 and later), Flash's F16 and float-x Q8_0 shapes, timed as
+//!   `kernel/`.
 //!
 //! Run with `cargo bench --features cuda --bench cuda`; with `DS4_CUDA_Q8=mma` the Q8_0 rows
 //! time the tensor-core kernel and its tiled weight layout, with `DS4_CUDA_Q8=fma` the float-x
@@ -196,5 +199,45 @@ fn bench_small(c: &mut Criterion) {
     backend.release(&raw).unwrap();
 }
 
-criterion_group!(benches, bench, bench_small);
+/// The prefill products on the tensor cores at Flash's shapes: q_a's and an o_a group's
+/// (1024 x 4096), the shared expert's gate and down, the hyper-connection projection.
+fn bench_prefill(c: &mut Criterion) {
+    let backend = match CudaBackend::new(0) {
+        Ok(b) if b.compute_capability().0 >= 8 => b,
+        _ => return,
+    };
+    let mut rng = Rng(0x7a7a_1234_0f0f_5555);
+    let shapes = [
+        (GgmlType::Q8_0, 1024, 4096),
+        (GgmlType::Q8_0, 2048, 4096),
+        (GgmlType::Q8_0, 4096, 2048),
+        (GgmlType::F16, 1024, 4096),
+        (GgmlType::F16, 24, 16384),
+    ];
+    for (ty, n_out, n_in) in shapes {
+        let one = matrix(ty, n_out, n_in, &mut rng);
+        let copies = WORKING_SET.div_ceil(one.len()).max(2);
+        let mut raw = vec![0u8; DATA_OFFSET];
+        let mut mats = Vec::with_capacity(copies);
+        for _ in 0..copies {
+            mats.push(Mat { ty, n_in, n_out, start: raw.len(), row_bytes: one.len() / n_out });
+            raw.extend_from_slice(&one);
+        }
+        backend.upload_image(&raw, DATA_OFFSET, &mats, |_, _| {}).unwrap();
+        let mut g = c.benchmark_group(format!("prefill/{ty}/{n_out}x{n_in}"));
+        g.sample_size(10).warm_up_time(Duration::from_millis(200)).measurement_time(Duration::from_millis(600));
+        g.throughput(Throughput::Bytes(one.len() as u64));
+        for n in [1, 16] {
+            g.bench_function(BenchmarkId::from_parameter(format!("n={n}")), |b| {
+                b.iter_custom(|iters| {
+                    Duration::from_secs_f64(backend.time_prefill_launches(&raw, &mats, n, iters).unwrap())
+                })
+            });
+        }
+        g.finish();
+        backend.release(&raw).unwrap();
+    }
+}
+
+criterion_group!(benches, bench, bench_small, bench_prefill);
 criterion_main!(benches);

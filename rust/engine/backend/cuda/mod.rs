@@ -43,6 +43,7 @@ use cudarc::driver::sys;
 use self::context::{
     driver_err, tensor_cores, tile_elems, Context, MAX_BATCH, MQ_WARP_ROWS, MV_ROWS, MV_WARPS, THREADS,
 };
+use self::device::Arg;
 use self::weights::DeviceImage;
 use super::{cpu, Backend};
 use crate::gguf::GgufFile;
@@ -606,7 +607,65 @@ impl CudaBackend {
         let counters = g.scratch.counters;
         let launch =
             |i: usize| Self::launch(&g.ctx, f, dev + (i * std::mem::size_of::<Desc>()) as u64, 1, descs[i].1, counters);
-        for i in 0..mats.len() {
+        Self::time_rounds(&g.ctx, mats.len(), iters, launch)
+    }
+
+    /// Times `iters` launches of the prefill products on the tensor cores
+    /// (`decode/gemm.rs`, `shaders/cuda/gemm.cu`) as [`CudaBackend::time_launches`] does the
+    /// decode's: F16 or float-x Q8_0 matrices, `n <= 16` rows. For benchmarks.
+    #[doc(hidden)]
+    pub fn time_prefill_launches(&self, raw: &[u8], mats: &[Mat], n: usize, iters: u64) -> Result<f64> {
+        let mut g = self.lock();
+        let g = &mut *g;
+        g.ctx.bind()?;
+        let img =
+            g.images.iter().find(|i| i.is(raw)).ok_or_else(|| Error::invalid("time_prefill_launches: not uploaded"))?;
+        let (n_in, n_out) = mats.iter().fold((0, 0), |(a, b), m| (a.max(m.n_in), b.max(m.n_out)));
+        let sm80 = g.ctx.compute_capability.0 >= 8;
+        let name = match mats.first().map(|m| m.ty) {
+            Some(GgmlType::F16) => "ds4_gemm_f16",
+            Some(GgmlType::Q8_0) => "ds4_gemm_q8_0",
+            _ => return Err(Error::invalid("time_prefill_launches: F16 or Q8_0 matrices")),
+        };
+        let table_len = DESC_FLOATS * mats.len();
+        let x_len = (n * n_in).next_multiple_of(4);
+        let y_len = n * n_out;
+        let splits: Vec<(usize, usize)> = mats.iter().map(decode::gemm_split).collect();
+        let part_len = mats.iter().zip(&splits).map(|(m, s)| if s.1 > 1 { s.1 * n * m.n_out } else { 0 }).max();
+        let part_len = part_len.unwrap_or(0);
+        g.scratch.reserve(table_len + x_len + y_len + part_len)?;
+        let dev = g.scratch.dev;
+        let x = dev + 4 * table_len as u64;
+        let y = x + 4 * x_len as u64;
+        let part = y + 4 * y_len as u64;
+        if mats.is_empty()
+            || mats.iter().any(|m| m.ty != mats[0].ty || !decode::gemm_takes(m, img.addr(m.start), x, n, sm80))
+        {
+            return Err(Error::invalid("time_prefill_launches: matrices the prefill kernels cannot take"));
+        }
+        let descs: Vec<(Desc, usize)> =
+            mats.iter().map(|m| decode::gemm_desc(img.addr(m.start), m, x, y, part, n)).collect();
+        let counters = descs.iter().map(|d| d.1 / d.0.slices as usize).max().unwrap_or(0);
+        g.scratch.reserve_counters(counters)?;
+        let table: Vec<Desc> = descs.iter().map(|d| d.0).collect();
+        // SAFETY: inside the scratch allocation; synchronous.
+        unsafe {
+            cu::memset_d8_sync(x, 0, 4 * x_len).map_err(driver_err("clearing x"))?;
+            cu::memcpy_htod_sync(dev, &table).map_err(driver_err("copying descriptors"))?;
+        }
+        let f = g.ctx.function(name)?;
+        let counters = g.scratch.counters;
+        let launch = |i: usize| {
+            let args = [Arg::Ptr(dev + (i * std::mem::size_of::<Desc>()) as u64), Arg::I32(1), Arg::Ptr(counters)];
+            g.ctx.launch_args(f, (descs[i].1 as u32, 1, 1), THREADS, 0, &args)
+        };
+        Self::time_rounds(&g.ctx, mats.len(), iters, launch)
+    }
+
+    /// One warm-up round of `count` launches, then `iters` launches timed by CUDA events
+    /// (launch `i % count` each), in seconds.
+    fn time_rounds(ctx: &Context, count: usize, iters: u64, launch: impl Fn(usize) -> Result<()>) -> Result<f64> {
+        for i in 0..count {
             launch(i)?;
         }
         let ev = || cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(driver_err("creating an event"));
@@ -622,11 +681,11 @@ impl CudaBackend {
         let run = || -> Result<f32> {
             // SAFETY: events and stream of this context; the launches as above.
             unsafe {
-                cu::event::record(start, g.ctx.stream).map_err(driver_err("recording an event"))?;
+                cu::event::record(start, ctx.stream).map_err(driver_err("recording an event"))?;
                 for i in 0..iters {
-                    launch(i as usize % mats.len())?;
+                    launch(i as usize % count)?;
                 }
-                cu::event::record(end, g.ctx.stream).map_err(driver_err("recording an event"))?;
+                cu::event::record(end, ctx.stream).map_err(driver_err("recording an event"))?;
                 cu::event::synchronize(end).map_err(driver_err("running the kernels"))?;
                 cu::event::elapsed(start, end).map_err(driver_err("timing"))
             }

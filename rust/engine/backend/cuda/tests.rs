@@ -569,3 +569,26 @@ fn q8_0_slices_of_a_plane_keep_its_kernel() {
     let oa = Mat { n_out: 1024, ..head };
     assert_eq!(mma(&oa), mma(&Mat { n_out: 8192, ..oa }), "o_a's groups and their plane");
 }
+
+/// The prefill products' timing (benches/cuda.rs `prefill/`) runs F16 and float-x Q8_0 of at
+/// most 16 rows, and is an error, not a panic, for anything else.
+#[test]
+fn prefill_timing_takes_its_products_only() {
+    let Some(b) = backend() else { return };
+    if b.compute_capability().0 < 8 {
+        eprintln!("skipped: no mma.sync m16n8k16 before sm_80");
+        return;
+    }
+    let mut rng = Rng(0x0bad_cafe_1234_5678);
+    for ty in [GgmlType::F16, GgmlType::Q2_K] {
+        let (raw, w) = image(ty, 64, 4096, &mut rng);
+        b.upload_image(&raw, 32, &[w], |_, _| {}).unwrap();
+        if ty == GgmlType::F16 {
+            assert!(b.time_prefill_launches(&raw, &[w, w], 16, 4).unwrap() > 0.0);
+            assert!(b.time_prefill_launches(&raw, &[w], 17, 1).is_err());
+        } else {
+            assert!(b.time_prefill_launches(&raw, &[w], 1, 1).is_err());
+        }
+        b.release(&raw).unwrap();
+    }
+}
