@@ -962,9 +962,14 @@ impl CudaDecoder {
             let (p, c) = split_need(mats, n);
             part_floats = part_floats.max(p);
             counters_len = counters_len.max(c);
-            // A prefill step's tensor-core products, where they take some of these.
+            // A prefill step runs some of these on the tensor-core products (gemm.rs) and the
+            // rest on the decode's, in one call: each product's larger need, summed.
             if gemm_on {
-                let (p, c) = gemm::need(mats, n);
+                let (mut p, mut c) = (0, 0);
+                for m in mats.iter().map(std::slice::from_ref) {
+                    let ((p1, c1), (p2, c2)) = (gemm::need(m, n), split_need(m, n));
+                    (p, c) = (p + p1.max(p2), c + c1.max(c2));
+                }
                 part_floats = part_floats.max(p);
                 counters_len = counters_len.max(c);
             }
