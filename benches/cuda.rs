@@ -98,6 +98,20 @@ fn matrix(ty: GgmlType, rows: usize, n_in: usize, rng: &mut Rng) -> Vec<u8> {
     m
 }
 
+/// Copies of one random matrix, together larger than the L2 cache, in a file-like image (from
+/// `DATA_OFFSET`), and the bytes of one.
+fn working_set(ty: GgmlType, n_out: usize, n_in: usize, rng: &mut Rng) -> (Vec<u8>, Vec<Mat>, usize) {
+    let one = matrix(ty, n_out, n_in, rng);
+    let copies = WORKING_SET.div_ceil(one.len()).max(2);
+    let mut raw = vec![0u8; DATA_OFFSET];
+    let mut mats = Vec::with_capacity(copies);
+    for _ in 0..copies {
+        mats.push(Mat { ty, n_in, n_out, start: raw.len(), row_bytes: one.len() / n_out });
+        raw.extend_from_slice(&one);
+    }
+    (raw, mats, one.len())
+}
+
 fn bench(c: &mut Criterion) {
     let backend = match CudaBackend::new(0) {
         Ok(b) => b,
@@ -110,19 +124,11 @@ fn bench(c: &mut Criterion) {
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     for ty in FORMATS {
         for (si, &(n_out, n_in)) in SHAPES.iter().enumerate() {
-            let one = matrix(ty, n_out, n_in, &mut rng);
-            let copies = WORKING_SET.div_ceil(one.len()).max(2);
-            let mut raw = vec![0u8; DATA_OFFSET];
-            let mut mats = Vec::with_capacity(copies);
-            let row_bytes = one.len() / n_out;
-            for _ in 0..copies {
-                mats.push(Mat { ty, n_in, n_out, start: raw.len(), row_bytes });
-                raw.extend_from_slice(&one);
-            }
+            let (raw, mats, one) = working_set(ty, n_out, n_in, &mut rng);
             backend.upload_image(&raw, DATA_OFFSET, &mats, |_, _| {}).unwrap();
             let mut g = c.benchmark_group(format!("kernel/{ty}/{n_out}x{n_in}"));
             g.sample_size(10).warm_up_time(Duration::from_millis(200)).measurement_time(Duration::from_millis(600));
-            g.throughput(Throughput::Bytes(one.len() as u64));
+            g.throughput(Throughput::Bytes(one as u64));
             for n in BATCHES {
                 g.bench_function(BenchmarkId::from_parameter(format!("n={n}")), |b| {
                     b.iter_custom(|iters| {
@@ -135,7 +141,7 @@ fn bench(c: &mut Criterion) {
                 let x: Vec<f32> = (0..n_in).map(|_| rng.uniform()).collect();
                 let mut g = c.benchmark_group(format!("matmul/{ty}/{n_out}x{n_in}"));
                 g.sample_size(10).warm_up_time(Duration::from_millis(200)).measurement_time(Duration::from_millis(600));
-                g.throughput(Throughput::Bytes(one.len() as u64));
+                g.throughput(Throughput::Bytes(one as u64));
                 let mut i = 0;
                 g.bench_function("n=1", |b| {
                     b.iter(|| {
@@ -159,18 +165,11 @@ fn bench_small(c: &mut Criterion) {
     let mut rng = Rng(0x5151_7a7a_0101_2323);
     for n_out in [24, 6] {
         let (ty, n_in) = (GgmlType::F16, 16384);
-        let one = matrix(ty, n_out, n_in, &mut rng);
-        let copies = WORKING_SET.div_ceil(one.len()).max(2);
-        let mut raw = vec![0u8; DATA_OFFSET];
-        let mut mats = Vec::with_capacity(copies);
-        for _ in 0..copies {
-            mats.push(Mat { ty, n_in, n_out, start: raw.len(), row_bytes: one.len() / n_out });
-            raw.extend_from_slice(&one);
-        }
+        let (raw, mats, one) = working_set(ty, n_out, n_in, &mut rng);
         backend.upload_image(&raw, DATA_OFFSET, &mats, |_, _| {}).unwrap();
         let mut g = c.benchmark_group(format!("small/{ty}/{n_out}x{n_in}"));
         g.sample_size(10).warm_up_time(Duration::from_millis(200)).measurement_time(Duration::from_millis(400));
-        g.throughput(Throughput::Bytes(one.len() as u64));
+        g.throughput(Throughput::Bytes(one as u64));
         for n in [1, 4, 16] {
             g.bench_function(BenchmarkId::from_parameter(format!("n={n}")), |b| {
                 b.iter_custom(|iters| Duration::from_secs_f64(backend.time_launches(&raw, &mats, n, iters).unwrap()))
@@ -215,18 +214,11 @@ fn bench_prefill(c: &mut Criterion) {
         (GgmlType::F16, 24, 16384),
     ];
     for (ty, n_out, n_in) in shapes {
-        let one = matrix(ty, n_out, n_in, &mut rng);
-        let copies = WORKING_SET.div_ceil(one.len()).max(2);
-        let mut raw = vec![0u8; DATA_OFFSET];
-        let mut mats = Vec::with_capacity(copies);
-        for _ in 0..copies {
-            mats.push(Mat { ty, n_in, n_out, start: raw.len(), row_bytes: one.len() / n_out });
-            raw.extend_from_slice(&one);
-        }
+        let (raw, mats, one) = working_set(ty, n_out, n_in, &mut rng);
         backend.upload_image(&raw, DATA_OFFSET, &mats, |_, _| {}).unwrap();
         let mut g = c.benchmark_group(format!("prefill/{ty}/{n_out}x{n_in}"));
         g.sample_size(10).warm_up_time(Duration::from_millis(200)).measurement_time(Duration::from_millis(600));
-        g.throughput(Throughput::Bytes(one.len() as u64));
+        g.throughput(Throughput::Bytes(one as u64));
         for n in [1, 16] {
             g.bench_function(BenchmarkId::from_parameter(format!("n={n}")), |b| {
                 b.iter_custom(|iters| {
