@@ -566,98 +566,93 @@ impl CudaBackend {
     /// one warm-up round. Returns the seconds of all the launches. For benchmarks.
     #[doc(hidden)]
     pub fn time_launches(&self, raw: &[u8], mats: &[Mat], n: usize, iters: u64) -> Result<f64> {
-        let mut g = self.lock();
-        let g = &mut *g;
-        g.ctx.bind()?;
-        let img =
-            g.images.iter().find(|i| i.is(raw)).ok_or_else(|| Error::invalid("time_launches: image not uploaded"))?;
-        let (n_in, n_out) = mats.iter().fold((0, 0), |(a, b), m| (a.max(m.n_in), b.max(m.n_out)));
-        if mats.is_empty() || n == 0 || n > MAX_BATCH || mats.iter().any(|m| !Self::gpu_shape(img, m)) {
-            return Err(Error::invalid("time_launches: matrices the kernels cannot take"));
-        }
-        let f = g
-            .ctx
-            .kernel(mats[0].ty, mats[0].n_in, mats[0].n_out, n)
-            .ok_or_else(|| Error::Backend("CUDA: no kernel".into()))?;
-        if mats
-            .iter()
-            .any(|m| context::stem(m.ty, m.n_in, m.n_out) != context::stem(mats[0].ty, mats[0].n_in, mats[0].n_out))
-        {
-            return Err(Error::invalid("time_launches: matrices of one kernel"));
-        }
-        let table_len = DESC_FLOATS * mats.len();
-        let x_len = (n * n_in).next_multiple_of(4);
-        let y_len = n * n_out;
-        let part_len = mats.iter().map(|m| if slices(m) > 1 { slices(m) * n * m.n_out } else { 0 }).max().unwrap_or(0);
-        let counters = mats.iter().map(row_blocks).max().unwrap_or(0);
-        g.scratch.reserve(table_len + x_len + y_len + part_len)?;
-        g.scratch.reserve_counters(counters)?;
-        let dev = g.scratch.dev;
-        let x = dev + 4 * table_len as u64;
-        let y = x + 4 * x_len as u64;
-        let part = y + 4 * y_len as u64;
-        let descs: Vec<(Desc, usize)> =
-            mats.iter().map(|m| Self::desc(img.addr(m.start), m, x, y, part, n, 0)).collect();
-        let table: Vec<Desc> = descs.iter().map(|d| d.0).collect();
-        // SAFETY: inside the scratch allocation; synchronous.
-        unsafe {
-            cu::memset_d8_sync(x, 0, 4 * x_len).map_err(driver_err("clearing x"))?;
-            cu::memcpy_htod_sync(dev, &table).map_err(driver_err("copying descriptors"))?;
-        }
-        let counters = g.scratch.counters;
-        let launch =
-            |i: usize| Self::launch(&g.ctx, f, dev + (i * std::mem::size_of::<Desc>()) as u64, 1, descs[i].1, counters);
-        Self::time_rounds(&g.ctx, mats.len(), iters, launch)
+        self.time_products(raw, mats, n, iters, false)
     }
 
-    /// Times `iters` launches of the prefill products on the tensor cores
-    /// (`decode/gemm.rs`, `shaders/cuda/gemm.cu`) as [`CudaBackend::time_launches`] does the
-    /// decode's: F16 or float-x Q8_0 matrices, `n <= 16` rows. For benchmarks.
+    /// [`CudaBackend::time_launches`] for the products of a prompt's steps on the tensor cores
+    /// (`decode/gemm.rs`, `shaders/cuda/gemm.cu`): F16 or float-x Q8_0 matrices, `n <= 16`
+    /// rows. For benchmarks.
     #[doc(hidden)]
     pub fn time_prefill_launches(&self, raw: &[u8], mats: &[Mat], n: usize, iters: u64) -> Result<f64> {
+        self.time_products(raw, mats, n, iters, true)
+    }
+
+    /// The two above: the decode's product kernel of `mats`, or (`prefill`) the tensor-core one.
+    fn time_products(&self, raw: &[u8], mats: &[Mat], n: usize, iters: u64, prefill: bool) -> Result<f64> {
+        let what = if prefill { "time_prefill_launches" } else { "time_launches" };
         let mut g = self.lock();
         let g = &mut *g;
         g.ctx.bind()?;
-        let img =
-            g.images.iter().find(|i| i.is(raw)).ok_or_else(|| Error::invalid("time_prefill_launches: not uploaded"))?;
+        let img = g.images.iter().find(|i| i.is(raw)).ok_or_else(|| Error::invalid(format!("{what}: not uploaded")))?;
+        let cannot = || Error::invalid(format!("{what}: matrices the kernels cannot take"));
+        if mats.is_empty() || n == 0 || n > MAX_BATCH || mats.iter().any(|m| !Self::gpu_shape(img, m)) {
+            return Err(cannot());
+        }
         let (n_in, n_out) = mats.iter().fold((0, 0), |(a, b), m| (a.max(m.n_in), b.max(m.n_out)));
-        let sm80 = g.ctx.compute_capability.0 >= 8;
-        let name = match mats.first().map(|m| m.ty) {
-            Some(GgmlType::F16) => "ds4_gemm_f16",
-            Some(GgmlType::Q8_0) => "ds4_gemm_q8_0",
-            _ => return Err(Error::invalid("time_prefill_launches: F16 or Q8_0 matrices")),
-        };
+        // Scratch: the descriptors, x, y, the partial sums of the most split product.
+        let split = |m: &Mat| if prefill { decode::gemm::split(m, m.n_out) } else { (group(m), slices(m)) };
         let table_len = DESC_FLOATS * mats.len();
         let x_len = (n * n_in).next_multiple_of(4);
         let y_len = n * n_out;
-        let splits: Vec<(usize, usize)> = mats.iter().map(decode::gemm_split).collect();
-        let part_len = mats.iter().zip(&splits).map(|(m, s)| if s.1 > 1 { s.1 * n * m.n_out } else { 0 }).max();
-        let part_len = part_len.unwrap_or(0);
-        g.scratch.reserve(table_len + x_len + y_len + part_len)?;
+        let part_len = mats.iter().map(|m| match split(m).1 {
+            1 => 0,
+            s => s * n * m.n_out,
+        });
+        g.scratch.reserve(table_len + x_len + y_len + part_len.max().unwrap_or(0))?;
         let dev = g.scratch.dev;
         let x = dev + 4 * table_len as u64;
         let y = x + 4 * x_len as u64;
         let part = y + 4 * y_len as u64;
-        if mats.is_empty()
-            || mats.iter().any(|m| m.ty != mats[0].ty || !decode::gemm_takes(m, img.addr(m.start), x, n, sm80))
-        {
-            return Err(Error::invalid("time_prefill_launches: matrices the prefill kernels cannot take"));
-        }
-        let descs: Vec<(Desc, usize)> =
-            mats.iter().map(|m| decode::gemm_desc(img.addr(m.start), m, x, y, part, n)).collect();
-        let counters = descs.iter().map(|d| d.1 / d.0.slices as usize).max().unwrap_or(0);
-        g.scratch.reserve_counters(counters)?;
+        // One kernel for all of them.
+        let f = if prefill {
+            let sm80 = g.ctx.compute_capability.0 >= 8;
+            let name = match mats[0].ty {
+                GgmlType::F16 => "ds4_gemm_f16",
+                GgmlType::Q8_0 => "ds4_gemm_q8_0",
+                _ => return Err(cannot()),
+            };
+            if mats.iter().any(|m| m.ty != mats[0].ty || !decode::gemm::takes(m, img.addr(m.start), x, n, sm80)) {
+                return Err(cannot());
+            }
+            (g.ctx.function(name)?, 0)
+        } else {
+            let stem0 = context::stem(mats[0].ty, mats[0].n_in, mats[0].n_out);
+            if mats.iter().any(|m| context::stem(m.ty, m.n_in, m.n_out) != stem0) {
+                return Err(Error::invalid(format!("{what}: matrices of one kernel")));
+            }
+            g.ctx
+                .kernel(mats[0].ty, mats[0].n_in, mats[0].n_out, n)
+                .ok_or_else(|| Error::Backend("CUDA: no kernel".into()))?
+        };
+        let descs: Vec<(Desc, usize)> = mats
+            .iter()
+            .map(|m| {
+                let at = img.addr(m.start);
+                if prefill {
+                    decode::gemm::desc(at, m, m.n_out, x, y, m.n_out, part, n, 0)
+                } else {
+                    Self::desc(at, m, x, y, part, n, 0)
+                }
+            })
+            .collect();
+        // A split product's row blocks (its blocks are row blocks times slices).
+        g.scratch.reserve_counters(descs.iter().map(|d| d.1 / d.0.slices as usize).max().unwrap_or(0))?;
         let table: Vec<Desc> = descs.iter().map(|d| d.0).collect();
         // SAFETY: inside the scratch allocation; synchronous.
         unsafe {
             cu::memset_d8_sync(x, 0, 4 * x_len).map_err(driver_err("clearing x"))?;
             cu::memcpy_htod_sync(dev, &table).map_err(driver_err("copying descriptors"))?;
         }
-        let f = g.ctx.function(name)?;
         let counters = g.scratch.counters;
         let launch = |i: usize| {
-            let args = [Arg::Ptr(dev + (i * std::mem::size_of::<Desc>()) as u64), Arg::I32(1), Arg::Ptr(counters)];
-            g.ctx.launch_args(f, (descs[i].1 as u32, 1, 1), THREADS, 0, &args)
+            let at = dev + (i * std::mem::size_of::<Desc>()) as u64;
+            if prefill {
+                // (descriptors, count, counters: gemm.cu's kernels take no `early`.)
+                let args = [Arg::Ptr(at), Arg::I32(1), Arg::Ptr(counters)];
+                g.ctx.launch_args(f.0, (descs[i].1 as u32, 1, 1), THREADS, f.1, &args)
+            } else {
+                Self::launch(&g.ctx, f, at, 1, descs[i].1, counters)
+            }
         };
         Self::time_rounds(&g.ctx, mats.len(), iters, launch)
     }

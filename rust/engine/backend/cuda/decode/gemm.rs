@@ -37,7 +37,7 @@ fn shape_fits(m: &Mat) -> bool {
 /// the `rows` rows of floats at `x` on the tensor cores: a shape that [`shape_fits`], at most
 /// [`TILE_ROWS`] rows, on a device of sm_80 or later (mma.sync m16n8k16), with rows aligned for
 /// the kernels' vector loads (16 bytes of F16, 8 of Q8_0 a lane, x in float4s).
-pub(super) fn takes(m: &Mat, at: u64, x: u64, rows: usize, sm80: bool) -> bool {
+pub(in crate::backend::cuda) fn takes(m: &Mat, at: u64, x: u64, rows: usize, sm80: bool) -> bool {
     let align = if m.ty == GgmlType::F16 { 16 } else { 8 };
     sm80 && shape_fits(m)
         && (1..=TILE_ROWS).contains(&rows)
@@ -52,7 +52,7 @@ pub(super) fn takes(m: &Mat, at: u64, x: u64, rows: usize, sm80: bool) -> bool {
 /// blocks the launch has). A function of the shapes only (row invariance): enough warps for the
 /// GPU, at least [`MIN_UNITS_PER_WARP`] units each. The partial sums of a split cost a round
 /// trip, so a launch of many products (the decode's eight o_a groups) splits less.
-pub(super) fn split(m: &Mat, launch_rows: usize) -> (usize, usize) {
+pub(in crate::backend::cuda) fn split(m: &Mat, launch_rows: usize) -> (usize, usize) {
     let units = (m.n_in / UNIT).max(1);
     let g = if units >= 4 * MIN_UNITS_PER_WARP {
         4
@@ -77,7 +77,7 @@ fn row_blocks(m: &Mat, g: usize) -> usize {
 /// The descriptor of one product of `n <= 16` rows of x at `x` in a launch of `launch_rows`
 /// output rows ([`split`]), and its blocks.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn desc(
+pub(in crate::backend::cuda) fn desc(
     at: u64,
     m: &Mat,
     launch_rows: usize,

@@ -27,7 +27,7 @@
 //! `decode_moe.cu` (routing, expert gather and combine), `decode_step.cu` (packing, the logits
 //! rows' argmax).
 
-mod gemm;
+pub(super) mod gemm;
 mod program;
 #[cfg(test)]
 mod tests_attn;
@@ -68,22 +68,6 @@ const N_MAX: usize = MAX_BATCH;
 
 /// The bit of an argmax id that says its row has no greedy token (`ds4_argmax_rows`).
 const NO_GREEDY: u32 = 1 << 31;
-
-/// The prefill products' split of `m` alone (`gemm::split`), for the benchmarks.
-pub(super) fn gemm_split(m: &Mat) -> (usize, usize) {
-    gemm::split(m, m.n_out)
-}
-
-/// Whether a prompt step would run `m`'s product by `n` rows at `x` on the tensor cores
-/// (`gemm::takes`).
-pub(super) fn gemm_takes(m: &Mat, at: u64, x: u64, n: usize, sm80: bool) -> bool {
-    gemm::takes(m, at, x, n, sm80)
-}
-
-/// The descriptor of `m`'s prefill product alone (`gemm::desc`) and its blocks.
-pub(super) fn gemm_desc(at: u64, m: &Mat, x: u64, y: u64, part: u64, n: usize) -> (super::Desc, usize) {
-    gemm::desc(at, m, m.n_out, x, y, m.n_out, part, n, 0)
-}
 
 /// A new sync tag (never 0).
 fn fresh_tag() -> u64 {
