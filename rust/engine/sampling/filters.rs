@@ -210,9 +210,7 @@ fn filter_long(e: &[f64], k: usize, top_p: f32) -> Option<Vec<u32>> {
     let h = Binades::of(e);
     let mut cand = if k > 0 && k < h.total() {
         let mut c = h.prefix(e, |c, _| c >= k).filter(|c| c.len() >= k)?;
-        c.select_nth_unstable_by(k - 1, by_weight_desc(e));
-        c.truncate(k);
-        c.sort_unstable();
+        keep_top_k(&mut c, e, k);
         c
     } else if top_p < 1.0 {
         // Over every candidate: their sum in id order is the sum of all the weights in id
@@ -227,12 +225,28 @@ fn filter_long(e: &[f64], k: usize, top_p: f32) -> Option<Vec<u32>> {
         return None;
     };
     if top_p < 1.0 {
-        let threshold = f64::from(top_p) * sum_in_order(e, &cand);
-        let n = nucleus(&mut cand, e, threshold).unwrap_or(cand.len());
-        cand.truncate(n);
-        cand.sort_unstable();
+        keep_nucleus(&mut cand, e, top_p);
     }
     Some(cand)
+}
+
+/// Step 2 on candidates in id order: keeps the `k` heaviest (all of them when there are no
+/// more than `k`), in id order.
+fn keep_top_k(cand: &mut Vec<u32>, e: &[f64], k: usize) {
+    if k > 0 && k < cand.len() {
+        cand.select_nth_unstable_by(k - 1, by_weight_desc(e));
+        cand.truncate(k);
+        cand.sort_unstable();
+    }
+}
+
+/// Step 3 on candidates in id order: keeps the nucleus of `top_p` of their weight (all of
+/// them if rounding keeps the running sum below it), in id order.
+fn keep_nucleus(cand: &mut Vec<u32>, e: &[f64], top_p: f32) {
+    let threshold = f64::from(top_p) * sum_in_order(e, cand);
+    let n = nucleus(cand, e, threshold).unwrap_or(cand.len());
+    cand.truncate(n);
+    cand.sort_unstable();
 }
 
 /// Logits past which [`weights`] computes in parallel.
@@ -289,18 +303,10 @@ pub fn distribution(logits: &[f32], params: &SamplingParams) -> Result<Distribut
             };
 
             // 2. Top-k.
-            if k > 0 && k < cand.len() {
-                cand.select_nth_unstable_by(k - 1, by_weight_desc(&e));
-                cand.truncate(k);
-                cand.sort_unstable();
-            }
-
+            keep_top_k(&mut cand, &e, k);
             // 3. Top-p over what top-k kept, renormalized.
             if top_p < 1.0 {
-                let threshold = f64::from(top_p) * sum_in_order(&e, &cand);
-                let n = nucleus(&mut cand, &e, threshold).unwrap_or(cand.len());
-                cand.truncate(n);
-                cand.sort_unstable();
+                keep_nucleus(&mut cand, &e, top_p);
             }
             cand
         }
