@@ -219,7 +219,7 @@ fn bench_prefill(c: &mut Criterion) {
         let mut g = c.benchmark_group(format!("prefill/{ty}/{n_out}x{n_in}"));
         g.sample_size(10).warm_up_time(Duration::from_millis(200)).measurement_time(Duration::from_millis(600));
         g.throughput(Throughput::Bytes(one as u64));
-        for n in [1, 16] {
+        for n in [1, 16, 64] {
             g.bench_function(BenchmarkId::from_parameter(format!("n={n}")), |b| {
                 b.iter_custom(|iters| {
                     Duration::from_secs_f64(backend.time_prefill_launches(&raw, &mats, n, iters).unwrap())

@@ -14,7 +14,8 @@ After a prompt of --ctx tokens (random ids), measures with the median of --runs:
   n(1 - (1 - used/n)^k) of n experts under independent uniform routing;
 * prefill tokens/s for each --prefill length (from an empty session); with --ab NAME, for a
   session made with the switch NAME=1 and one with NAME=0 (a setting the device decoder reads
-  when a session makes it, such as DS4_CUDA_GEMM), their runs interleaved. --prefill-only
+  when a session makes it, such as DS4_CUDA_GEMM), or with --ab NAME=V1,V2,.. one a value
+  (DS4_CUDA_PREFILL_ROWS=16,64,128), their runs interleaved. --prefill-only
   skips the prompt of --ctx tokens, the decode steps and the verifies.
 
 Every timed call but the steps in a row is preceded by a restore of the same snapshot,
@@ -78,8 +79,9 @@ def main() -> None:
     ap.add_argument("--host", action="store_true",
                     help="run the forward pass on the host even on CUDA (products on the GPU only)")
     ap.add_argument("--prefill-only", action="store_true", help="only the prefill timings")
-    ap.add_argument("--ab", metavar="NAME",
-                    help="prefill with the switch NAME=1 and NAME=0 (read when a session makes its decoder)")
+    ap.add_argument("--ab", metavar="NAME[=V,...]",
+                    help="prefill with the setting NAME=1 and NAME=0, or each V given (read when a session "
+                    "makes its decoder)")
     args = ap.parse_args()
     # Each figure as soon as it is measured, also into a pipe (a run cut short keeps them).
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
@@ -148,24 +150,25 @@ def steps(args: argparse.Namespace, m: ds4.Model, rng: np.random.Generator) -> N
 
 def prefill(args: argparse.Namespace, m: ds4.Model, rng: np.random.Generator) -> None:
     """Prompts of each --prefill length from an empty session (per --ab setting, interleaved)."""
-    modes = [""] if not args.ab else ["1", "0"]
+    name, _, values = (args.ab or "").partition("=")
+    modes = [""] if not name else values.split(",") if values else ["1", "0"]
     runs = max(1, args.runs // 3)
     for n in (int(x) for x in args.prefill.split(",") if x):
         p = rng.integers(8, m.vocab_size, n).tolist()
         sessions: list[tuple[str, ds4.Session, ds4.Snapshot, list[float]]] = []
         for v in modes:
-            before = os.environ.get(args.ab) if args.ab else None
-            if args.ab:
-                os.environ[args.ab] = v
+            before = os.environ.get(name) if name else None
+            if name:
+                os.environ[name] = v
             sess = m.session(n + 8)
             empty = sess.snapshot()
             sess.eval(p[:1], logits="none")  # the decoder is made now, with this setting
             sess.restore(empty)
-            if args.ab:
+            if name:
                 if before is None:
-                    del os.environ[args.ab]
+                    del os.environ[name]
                 else:
-                    os.environ[args.ab] = before
+                    os.environ[name] = before
             sessions.append((v, sess, empty, []))
         # Each run restores its empty session, then times the prompt (the first round warms up).
         for r in range(runs + 1):
@@ -177,7 +180,7 @@ def prefill(args: argparse.Namespace, m: ds4.Model, rng: np.random.Generator) ->
                     times.append(time.perf_counter() - t)
         for v, _, _, times in sessions:
             t = statistics.median(times)
-            label = f" ({args.ab}={v})" if args.ab else ""
+            label = f" ({name}={v})" if name else ""
             print(f"  prefill {n} tokens{label} {t:.2f} s = {n / t:.0f} tok/s")
 
 

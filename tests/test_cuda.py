@@ -182,6 +182,24 @@ def test_device_decode_matches_host_forward(tmp_path: Path, monkeypatch: pytest.
     # row is again in a prompt's call (more than 16 tokens) or again in a decode-sized one.
     again = _chunked(m.session(512), prompt, [37, 53, *range(54, 70), 86, 100, 130, 164, 165, 166, 200, 230, 260, 261])
     assert np.array_equal(dev.view(np.uint32), again.view(np.uint32))
+    # Nor do the rows of a prompt's step (DS4_CUDA_PREFILL_ROWS, read when a session makes its
+    # decoder; 128 by default) or of its routed products (DS4_CUDA_EXPERT_CHUNK, 4).
+    for name, value in [("DS4_CUDA_PREFILL_ROWS", "16"), ("DS4_CUDA_PREFILL_ROWS", "64"),
+                        ("DS4_CUDA_EXPERT_CHUNK", "1"), ("DS4_CUDA_EXPERT_CHUNK", "16")]:
+        monkeypatch.setenv(name, value)
+        other = _chunked(m.session(512), prompt, cuts)
+        monkeypatch.delenv(name)
+        assert np.array_equal(dev.view(np.uint32), other.view(np.uint32)), (name, value)
+    # A restored state goes to the device again, its ring (the host's spare slots: a verify's
+    # rows) laid onto the device's (a prompt step's rows): the same steps after it, the same bits.
+    s1, s2 = m.session(512), m.session(512)
+    s1.eval(prompt[:150])
+    s2.eval(prompt[:150])
+    snap = s2.snapshot()
+    s2.eval(prompt[150:220])
+    s2.restore(snap)
+    for t in prompt[150:160]:
+        assert np.array_equal(s1.eval([t]).view(np.uint32), s2.eval([t]).view(np.uint32))
     # The prefill kernels (gemm.cu: F16 and Q8_0 products) ran for the prompt's calls: without
     # them (DS4_CUDA_GEMM=0, read when a session makes its decoder) the rows differ by rounding.
     monkeypatch.setenv("DS4_CUDA_GEMM", "0")

@@ -158,7 +158,7 @@ impl Session {
         let mut next = self.state.clone();
         let out = match self.decoder.as_deref_mut() {
             Some(dec) => {
-                let chunks: Vec<&[u32]> = tokens.chunks(device_rows).collect();
+                let chunks: Vec<&[u32]> = tokens.chunks(dec.prefill_rows().max(device_rows)).collect();
                 let (last, earlier) = chunks.split_last().ok_or_else(|| Error::invalid("no tokens to evaluate"))?;
                 // Every chunk of a long batch, the last too, is a prompt's step for the device.
                 dec.set_prefill(true);
@@ -493,7 +493,7 @@ pub(crate) mod tests {
     }
 
     /// A stand-in device decoder: the host forward pass behind the [`DeviceDecoder`] calls,
-    /// taking at most 4 rows a call, failing the forward call numbered `fail_at`, with a NaN
+    /// taking at most 4 rows a call (6 in a prompt's calls), failing the forward call numbered `fail_at`, with a NaN
     /// in the logits of the one numbered `poison_at`; like the CUDA decoder, it leaves its
     /// writes pending in the state.
     struct HostDecoder(Arc<Seen>);
@@ -530,8 +530,9 @@ pub(crate) mod tests {
             which: Logits,
             log: Option<&mut BatchLog>,
         ) -> Result<Vec<f32>> {
-            assert!(tokens.len() <= 4);
-            if self.0.prefill.load(Ordering::Relaxed) {
+            let prefill = self.0.prefill.load(Ordering::Relaxed);
+            assert!(tokens.len() <= if prefill { 6 } else { 4 });
+            if prefill {
                 self.0.prefill_rows.fetch_add(tokens.len(), Ordering::Relaxed);
             }
             let call = self.0.forwards.fetch_add(1, Ordering::Relaxed);
@@ -599,6 +600,10 @@ pub(crate) mod tests {
             4
         }
 
+        fn prefill_rows(&self) -> usize {
+            6
+        }
+
         fn set_prefill(&mut self, on: bool) {
             self.0.prefill.store(on, Ordering::Relaxed);
         }
@@ -644,21 +649,22 @@ pub(crate) mod tests {
         let prompt: Vec<u32> = (0..131).map(|i| (i * 37 % 500 + 3) as u32).collect();
         let (a, b) = (h.eval(&prompt[..127], Logits::All).unwrap(), d.eval(&prompt[..127], Logits::All).unwrap());
         assert_eq!(a, b);
-        assert_eq!(seen.forwards.load(Ordering::Relaxed), 32);
+        // A prompt's chunks of the stand-in's 6 prefill rows (its decode calls take 4).
+        assert_eq!(seen.forwards.load(Ordering::Relaxed), 22);
         let marked = || (seen.prefill.load(Ordering::Relaxed), seen.prefill_rows.load(Ordering::Relaxed));
         assert_eq!(marked(), (false, 127));
         assert_eq!(h.eval(&prompt[127..], Logits::Last).unwrap(), d.eval(&prompt[127..], Logits::Last).unwrap());
         assert_eq!(marked(), (false, 127));
         // Every call so far left its writes pending: the next read made them.
-        assert_eq!(seen.deferred.load(Ordering::Relaxed), 33);
+        assert_eq!(seen.deferred.load(Ordering::Relaxed), 23);
         assert_eq!(h.digest(), d.digest());
 
         // A failure in any chunk of a long batch changes nothing.
         let digest = d.digest();
         for k in 0..3 {
-            // 10 tokens are chunks of 4, 4 and 2: the k-th one fails.
+            // 14 tokens are chunks of 6, 6 and 2: the k-th one fails.
             seen.fail_at.store(seen.forwards.load(Ordering::Relaxed) + k, Ordering::Relaxed);
-            assert!(matches!(d.eval(&[5; 10], Logits::Last), Err(Error::Backend(_))));
+            assert!(matches!(d.eval(&[5; 14], Logits::Last), Err(Error::Backend(_))));
             assert_eq!(d.digest(), digest, "failing at chunk {k}");
             assert!(!marked().0);
         }
@@ -745,7 +751,8 @@ pub(crate) mod tests {
 
         // A failure anywhere (a step, a verify, any chunk of a long batch) changes nothing.
         let digest = d.digest();
-        for (k, tokens) in [(0, vec![5]), (0, vec![5, 6, 7]), (0, vec![5; 10]), (1, vec![5; 10]), (2, vec![5; 10])] {
+        // (14 tokens: the prompt chunks 6, 6 and 2.)
+        for (k, tokens) in [(0, vec![5]), (0, vec![5, 6, 7]), (0, vec![5; 14]), (1, vec![5; 14]), (2, vec![5; 14])] {
             seen.fail_at.store(seen.forwards.load(Ordering::Relaxed) + k, Ordering::Relaxed);
             if tokens.len() == 3 {
                 assert!(matches!(d.verify_argmax(&tokens), Err(Error::Backend(_))));

@@ -1,5 +1,5 @@
 // decode_moe: kernels of the device-resident decode (see rust/engine/backend/cuda/decode/):
-// the routed experts of a batch of n <= 16 rows, as rust/engine/model/moe.rs computes them.
+// the routed experts of a batch of n rows (a decode's or verify's up to 16, a prompt's step more), as rust/engine/model/moe.rs computes them.
 //
 // The routed experts run as grouped matrix products (the ds4_mv_<fmt>_<NB> kernels of
 // common.cuh, NB >= n) whose descriptor tables ds4_route writes on the device, so the host
@@ -24,14 +24,19 @@
 // invariant); the combine adds a row's experts in increasing expert id, then the shared one.
 // Only where a row's data lands in the gathered buffers depends on the batch.
 
-// Limits of ds4_route: experts per layer, experts per row, batch rows, warps per block.
+// Limits of ds4_route: experts per layer, experts per row, batch rows, warps per block, and
+// what its shared arrays hold: (row, expert) pairs n * k (and descriptors), bitmap words
+// n * ceil(E / 32) (a prompt's step of 128 rows of Flash's 6 of 256 experts: 768 and 1024).
+// The host keeps a prefill step's rows inside them (decode/mod.rs `prefill_rows`).
 #define MOE_MAX_EXPERTS 1024
 #define MOE_MAX_K 16
-#define MOE_MAX_ROWS 16
+#define MOE_MAX_ROWS 128
 #define MOE_MAX_WARPS 8
 #define MOE_WORDS (MOE_MAX_EXPERTS / 32)
+#define MOE_PAIRS 768
+#define MOE_BITS 1024
 // Scores ds4_route holds at once (rows of E).
-#define MOE_SCORES (MOE_MAX_WARPS * MOE_MAX_EXPERTS)
+#define MOE_SCORES 4096
 
 // A float's key under Rust's f32::total_cmp: keys compare as signed ints in the total order
 // (-NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN).
@@ -77,8 +82,9 @@ __device__ __forceinline__ float ds4_softplus(float x) {
 //   With chunk >= n every expert has one slot (the union of the batch).
 //
 // Grid (1), block 128 or 256 threads (any multiple of 32 from 64 to 256), no dynamic shared
-// memory. Requires E <= 1024, k <= 16, n <= 16, chunk >= 1, max_descs >= the number of
-// chunks (n * k always is; min(n * k, E) is when chunk >= n) and <= 256, hash entries < E.
+// memory. Requires E <= 1024, k <= 16, n <= 128, n * k <= 768, n * ceil(E / 32) <= 1024,
+// chunk >= 1, max_descs >= the number of chunks (n * k always is; min(n * k, E) is when
+// chunk >= n) and <= 768, hash entries < E.
 extern "C" __global__ void __launch_bounds__(256)
     ds4_route(const float* __restrict__ logits, int E, int k, const float* __restrict__ bias,
               const unsigned* __restrict__ hash, int norm, float wscale, int n, const int* __restrict__ step,
@@ -88,34 +94,40 @@ extern "C" __global__ void __launch_bounds__(256)
     ds4_grid_deps();
     // The scores of up to MOE_SCORES / E rows at a time.
     __shared__ float sc[MOE_SCORES];
-    // Each row's chosen experts (ascending, repeats kept) and their weights.
-    __shared__ int ch[MOE_MAX_ROWS][MOE_MAX_K];
-    __shared__ float wt[MOE_MAX_ROWS][MOE_MAX_K];
-    // Each row's set of experts as a bitmap, and the prefix popcounts of its words
-    // (pre[r][w] = experts of row r below 32 * w; pre[r][W] = distinct experts of row r).
-    __shared__ u32 bits[MOE_MAX_ROWS][MOE_WORDS];
-    __shared__ int pre[MOE_MAX_ROWS][MOE_WORDS + 1];
+    // Each row's chosen experts (ascending, repeats kept) and their weights: row r's j-th at
+    // CH(r, j).
+    __shared__ int ch_[MOE_PAIRS];
+    __shared__ float wt_[MOE_PAIRS];
+    // Each row's set of experts as a bitmap (word w of row r at BITS(r, w)), and the prefix
+    // popcounts of its words (PRE(r, w) = experts of row r below 32 * w; PRE(r, W) = distinct
+    // experts of row r).
+    __shared__ u32 bits_[MOE_BITS];
+    __shared__ int pre_[MOE_BITS + MOE_MAX_ROWS];
     // The union of the rows' sets, and its prefix popcounts (upre[W] = m).
     __shared__ u32 uni[MOE_WORDS];
     __shared__ int upre[MOE_WORDS + 1];
     // Per descriptor slot i < m: its expert, gathered-row offset, rows.
-    __shared__ int s_exp[MOE_MAX_ROWS * MOE_MAX_K];
-    __shared__ int s_off[MOE_MAX_ROWS * MOE_MAX_K];
-    __shared__ int s_cnt[MOE_MAX_ROWS * MOE_MAX_K];
+    __shared__ int s_exp[MOE_PAIRS];
+    __shared__ int s_off[MOE_PAIRS];
+    __shared__ int s_cnt[MOE_PAIRS];
 
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
     const int nw = blockDim.x >> 5;
     const int W = (E + 31) >> 5;
+#define CH(r, j) ch_[(r) * k + (j)]
+#define WT(r, j) wt_[(r) * k + (j)]
+#define BITS(r, w) bits_[(r) * W + (w)]
+#define PRE(r, w) pre_[(r) * (W + 1) + (w)]
     // Outside the limits the shared arrays would overflow: fail loudly (a host bug).
-    if (E > MOE_MAX_EXPERTS || k > MOE_MAX_K || n > MOE_MAX_ROWS || k < 1 || nw < 2 || nw > MOE_MAX_WARPS ||
-        max_descs > MOE_MAX_ROWS * MOE_MAX_K || chunk < 1) {
+    if (E > MOE_MAX_EXPERTS || k > MOE_MAX_K || n > MOE_MAX_ROWS || n * k > MOE_PAIRS || n * W > MOE_BITS ||
+        k < 1 || nw < 2 || nw > MOE_MAX_WARPS || max_descs > MOE_PAIRS || chunk < 1) {
         __trap();
     }
 
-    for (int i = tid; i < MOE_MAX_ROWS * MOE_WORDS; i += blockDim.x) {
-        bits[i / MOE_WORDS][i % MOE_WORDS] = 0u;
+    for (int i = tid; i < n * W; i += blockDim.x) {
+        bits_[i] = 0u;
     }
     __syncthreads();
 
@@ -134,7 +146,7 @@ extern "C" __global__ void __launch_bounds__(256)
             if (hash != nullptr) {
                 const long long token = step[2 + r];
                 if (lane < k) {
-                    ch[r][lane] = (int)hash[token * k + lane];
+                    CH(r, lane) = (int)hash[token * k + lane];
                 }
             } else {
                 // Top-k of scores + bias by descending total_cmp, ties to the lower index: k
@@ -178,7 +190,7 @@ extern "C" __global__ void __launch_bounds__(256)
                         free_ &= ~(1u << (idx >> 5));
                     }
                     if (lane == 0) {
-                        ch[r][j] = idx;
+                        CH(r, j) = idx;
                     }
                 }
             }
@@ -186,30 +198,30 @@ extern "C" __global__ void __launch_bounds__(256)
             if (lane == 0) {
                 // Ascending expert ids (the fixed order of the sums over experts).
                 for (int j = 1; j < k; j++) {
-                    const int v = ch[r][j];
+                    const int v = CH(r, j);
                     int q = j - 1;
-                    while (q >= 0 && ch[r][q] > v) {
-                        ch[r][q + 1] = ch[r][q];
+                    while (q >= 0 && CH(r, q) > v) {
+                        CH(r, q + 1) = CH(r, q);
                         q--;
                     }
-                    ch[r][q + 1] = v;
+                    CH(r, q + 1) = v;
                 }
                 for (int j = 0; j < k; j++) {
-                    wt[r][j] = rs[ch[r][j]];
-                    bits[r][ch[r][j] >> 5] |= 1u << (ch[r][j] & 31);
+                    WT(r, j) = rs[CH(r, j)];
+                    BITS(r, CH(r, j) >> 5) |= 1u << (CH(r, j) & 31);
                 }
                 if (norm) {
-                    float sum = wt[r][0];
+                    float sum = WT(r, 0);
                     for (int j = 1; j < k; j++) {
-                        sum += wt[r][j];
+                        sum += WT(r, j);
                     }
                     sum = sum + 1e-20f;
                     for (int j = 0; j < k; j++) {
-                        wt[r][j] = wt[r][j] / sum;
+                        WT(r, j) = WT(r, j) / sum;
                     }
                 }
                 for (int j = 0; j < k; j++) {
-                    wt[r][j] = wt[r][j] * wscale;
+                    WT(r, j) = WT(r, j) * wscale;
                 }
             }
             __syncwarp();
@@ -222,7 +234,7 @@ extern "C" __global__ void __launch_bounds__(256)
         u32 u = 0u;
         if (lane < W) {
             for (int r = 0; r < n; r++) {
-                u |= bits[r][lane];
+                u |= BITS(r, lane);
             }
             uni[lane] = u;
         }
@@ -241,7 +253,7 @@ extern "C" __global__ void __launch_bounds__(256)
         }
     } else {
         for (int r = warp - 1; r < n; r += nw - 1) {
-            const u32 b = lane < W ? bits[r][lane] : 0u;
+            const u32 b = lane < W ? BITS(r, lane) : 0u;
             int c = __popc(b);
             for (int o = 1; o < 32; o <<= 1) {
                 const int v = __shfl_up_sync(0xffffffffu, c, o);
@@ -250,10 +262,10 @@ extern "C" __global__ void __launch_bounds__(256)
                 }
             }
             if (lane < W) {
-                pre[r][lane + 1] = c;
+                PRE(r, lane + 1) = c;
             }
             if (lane == 0) {
-                pre[r][0] = 0;
+                PRE(r, 0) = 0;
             }
         }
     }
@@ -267,11 +279,11 @@ extern "C" __global__ void __launch_bounds__(256)
             const int slot = upre[w] + __popc(uni[w] & (bit - 1u));
             int off = 0;
             for (int r = 0; r < n; r++) {
-                off += pre[r][w] + __popc(bits[r][w] & (bit - 1u));
+                off += PRE(r, w) + __popc(BITS(r, w) & (bit - 1u));
             }
             int c = 0;
             for (int r = 0; r < n; r++) {
-                if (bits[r][w] & bit) {
+                if (BITS(r, w) & bit) {
                     gather_src[off + c] = r;
                     c++;
                 }
@@ -283,12 +295,12 @@ extern "C" __global__ void __launch_bounds__(256)
     }
     int total = 0;
     for (int r = 0; r < n; r++) {
-        total += pre[r][W];
+        total += PRE(r, W);
     }
     for (int idx = tid; idx < n * k; idx += blockDim.x) {
         const int r = idx / k;
         const int j = idx - r * k;
-        const int cnt = pre[r][W];
+        const int cnt = PRE(r, W);
         if (j == 0) {
             comb_cnt[r] = cnt;
         }
@@ -299,23 +311,23 @@ extern "C" __global__ void __launch_bounds__(256)
             comb_slot[idx] = 0;
             comb_w[idx] = 0.0f;
         }
-        const int e = ch[r][j];
-        if (j == 0 || ch[r][j - 1] != e) {
+        const int e = CH(r, j);
+        if (j == 0 || CH(r, j - 1) != e) {
             const int w = e >> 5;
             const u32 bit = 1u << (e & 31);
             // This row's distinct experts below e, and the gathered row of (e, r): e's
             // offset plus the rows before r that use e.
-            const int dj = pre[r][w] + __popc(bits[r][w] & (bit - 1u));
+            const int dj = PRE(r, w) + __popc(BITS(r, w) & (bit - 1u));
             int g = 0;
             for (int q = 0; q < n; q++) {
-                g += pre[q][w] + __popc(bits[q][w] & (bit - 1u));
-                if (q < r && (bits[q][w] & bit)) {
+                g += PRE(q, w) + __popc(BITS(q, w) & (bit - 1u));
+                if (q < r && (BITS(q, w) & bit)) {
                     g++;
                 }
             }
-            float ws = wt[r][j];
-            for (int j2 = j + 1; j2 < k && ch[r][j2] == e; j2++) {
-                ws += wt[r][j2];
+            float ws = WT(r, j);
+            for (int j2 = j + 1; j2 < k && CH(r, j2) == e; j2++) {
+                ws += WT(r, j2);
             }
             comb_slot[r * k + dj] = g;
             comb_w[r * k + dj] = ws;
@@ -327,7 +339,7 @@ extern "C" __global__ void __launch_bounds__(256)
     // descriptor per chunk (descriptor q of e_i covers its rows t * chunk .., t = q - first).
     // The host runs them with the product kernel for `chunk` rows: a kernel for few rows is
     // faster per row than one for many, and experts of a batch mostly serve one or two rows.
-    __shared__ int s_dstart[MOE_MAX_ROWS * MOE_MAX_K + 1];
+    __shared__ int s_dstart[MOE_PAIRS + 1];
     const int m = upre[W];
     if (tid == 0) {
         int q = 0;
@@ -377,6 +389,10 @@ extern "C" __global__ void __launch_bounds__(256)
             }
         }
     }
+#undef CH
+#undef WT
+#undef BITS
+#undef PRE
 }
 
 // Row s (d floats) quantized to 8-bit activations (rust/engine/quant/act8.rs) into o, the row's

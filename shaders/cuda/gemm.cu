@@ -1,5 +1,5 @@
 // Products of a prompt's steps on the tensor cores (the prefill programs of the device decoder:
-// rust/engine/backend/cuda/decode/gemm.rs): y[r, o] = W[o] . x[r] for up to 16 batch rows, for
+// rust/engine/backend/cuda/decode/gemm.rs): y[r, o] = W[o] . x[r] for up to 64 batch rows, for
 // F16 matrices and for Q8_0 matrices stored in the float-x split layout (payloads, then scales:
 // rust/engine/quant/split), one launch a format. The decode's kernels (matvec_split in
 // common.cuh) compute one dequantized weight times each batch row with a float FMA, which at 16
@@ -31,6 +31,10 @@
 
 // Output rows one warp computes: four n8 tiles (gemm.rs GEMM_WARP_ROWS).
 #define GEMM_TILES 4
+// Batch rows one warp computes: up to four m16 tiles (gemm.rs GEMM_MAX_ROWS), each unit's
+// weights loaded once for all of them. A row's sums do not depend on its tile (row r is row
+// r % 16 of tile r / 16, computed as tile 0 computes it).
+#define GEMM_MTILES 4
 
 // Two floats as a pair of halves (round to nearest even), the first in the low half.
 __device__ __forceinline__ u32 gemm_f16x2(float lo_half, float hi_half) {
@@ -152,13 +156,14 @@ __device__ __forceinline__ void gemm_unit(float (&acc)[GEMM_TILES][4], const flo
     }
 }
 
-// Loads lane t's 8 inputs of unit u of x's rows g and g + 8 (zeros past n).
-__device__ __forceinline__ void gemm_load_x(int u, int t, const float* const (&xrow)[2], float (&xv)[2][8]) {
+// Loads lane t's 8 inputs of unit u of x's rows g and g + 8 of m16 tile mt (zeros past n).
+__device__ __forceinline__ void gemm_load_x(int u, int t, const float* const (&xrow)[GEMM_MTILES][2], int mt,
+                                            float (&xv)[2][8]) {
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f), b = a;
-        if (xrow[h]) {
-            const float4* p = (const float4*)(xrow[h] + 32 * u + 8 * t);
+        if (xrow[mt][h]) {
+            const float4* p = (const float4*)(xrow[mt][h] + 32 * u + 8 * t);
             a = p[0];
             b = p[1];
         }
@@ -197,7 +202,7 @@ __device__ __forceinline__ void gemm_load_w(int u, int t, const u8* const (&wrow
 
 // The products of a launch's descriptors (MvDesc, as matvec's: warp_rows = 32, `group` warps
 // splitting a row group's units, `slices` splitting them between blocks; x the rows as
-// floats). 128 threads.
+// floats, n <= 64). 128 threads.
 template <bool Q8>
 __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters) {
     const MvBlock B = mv_block(descs, count);
@@ -210,23 +215,35 @@ __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int 
     const int units = D.n_in >> 5;
     const int n_out = D.n_out;
     const int n = D.n;
+    // m16 tiles with rows (uniform in the block: one descriptor).
+    const int mtiles = (n + 15) >> 4;
     int u0, u1;
     mv_slice(units, D.slices, B.slice, u0, u1);
-    // Row g of each tile (null past n_out), x's rows g and g + 8 (null past n).
+    // Row g of each tile (null past n_out), x's rows 16 mt + g and 16 mt + g + 8 (null past n).
     const u8* wrow[GEMM_TILES];
 #pragma unroll
     for (int q = 0; q < GEMM_TILES; q++) {
         const int o = B.o0 + 8 * q + g;
         wrow[q] = (B.nrows > 0 && o < n_out) ? D.w + (long long)o * D.row_bytes : nullptr;
     }
-    const float* xrow[2] = {g < n ? D.x + (long long)g * D.n_in : nullptr,
-                            g + 8 < n ? D.x + (long long)(g + 8) * D.n_in : nullptr};
-    float acc[GEMM_TILES][4];
+    const float* xrow[GEMM_MTILES][2];
 #pragma unroll
-    for (int q = 0; q < GEMM_TILES; q++) {
+    for (int mt = 0; mt < GEMM_MTILES; mt++) {
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            acc[q][i] = 0.0f;
+        for (int h = 0; h < 2; h++) {
+            const int r = 16 * mt + 8 * h + g;
+            xrow[mt][h] = r < n ? D.x + (long long)r * D.n_in : nullptr;
+        }
+    }
+    float acc[GEMM_MTILES][GEMM_TILES][4];
+#pragma unroll
+    for (int mt = 0; mt < GEMM_MTILES; mt++) {
+#pragma unroll
+        for (int q = 0; q < GEMM_TILES; q++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                acc[mt][q][i] = 0.0f;
+            }
         }
     }
     // The weights are the model's: before waiting for the previous kernel (programmatic
@@ -240,7 +257,8 @@ __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int 
             ds4_prefetch_l2(row + 32ull * units + 2 * u0, row + 32ull * units + 2 * u1);
         }
     }
-    // Two units in flight: the next one's loads are issued before this one's products.
+    // Two units in flight: the next one's weights (and, with one m16 tile, its x) are loaded
+    // before this one's products.
     float xv[2][8], nxv[2][8], dw[GEMM_TILES], ndw[GEMM_TILES];
     uint4 wv[GEMM_TILES], nwv[GEMM_TILES];
     int u = u0 + B.p;
@@ -249,22 +267,36 @@ __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int 
     }
     ds4_grid_deps();
     if (u < u1) {
-        gemm_load_x(u, t, xrow, xv);
+        gemm_load_x(u, t, xrow, 0, xv);
     }
     for (; u < u1; u += G) {
         const int nu = u + G;
         if (nu < u1) {
             gemm_load_w<Q8>(nu, t, wrow, units, nwv, ndw);
-            gemm_load_x(nu, t, xrow, nxv);
+            if (mtiles == 1) {
+                gemm_load_x(nu, t, xrow, 0, nxv);
+            }
         }
-        gemm_unit<Q8>(acc, xv, wv, dw, t);
+        gemm_unit<Q8>(acc[0], xv, wv, dw, t);
+#pragma unroll
+        for (int mt = 1; mt < GEMM_MTILES; mt++) {
+            if (mt < mtiles) {
+                float mx[2][8];
+                gemm_load_x(u, t, xrow, mt, mx);
+                gemm_unit<Q8>(acc[mt], mx, wv, dw, t);
+            }
+        }
         if (nu < u1) {
+            if (mtiles == 1) {
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
+                for (int h = 0; h < 2; h++) {
 #pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    xv[h][i] = nxv[h][i];
+                    for (int i = 0; i < 8; i++) {
+                        xv[h][i] = nxv[h][i];
+                    }
                 }
+            } else {
+                gemm_load_x(nu, t, xrow, 0, xv);
             }
 #pragma unroll
             for (int q = 0; q < GEMM_TILES; q++) {
@@ -275,42 +307,51 @@ __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int 
     }
     // Every weight is read: the next kernel may launch (its blocks wait for this grid).
     ds4_grid_launch();
-    // The group's warps in warp order, then the slices.
+    // The group's warps in warp order, then the slices; tile by tile.
     float* y = D.slices > 1 ? D.part + (long long)B.slice * n * n_out : D.y;
     const int ys = D.slices > 1 ? n_out : D.y_stride;
     __shared__ float red[MV_WARPS][16][8 * GEMM_TILES];
-    if (G > 1) {
 #pragma unroll
-        for (int q = 0; q < GEMM_TILES; q++) {
+    for (int mt = 0; mt < GEMM_MTILES; mt++) {
+        if (mt >= mtiles) {
+            break;
+        }
+        if (G > 1) {
+            if (mt > 0) {
+                __syncthreads();  // the previous tile's sums are read
+            }
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                red[warp][g + 8 * (i >> 1)][8 * q + 2 * t + (i & 1)] = acc[q][i];
+            for (int q = 0; q < GEMM_TILES; q++) {
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    red[warp][g + 8 * (i >> 1)][8 * q + 2 * t + (i & 1)] = acc[mt][q][i];
+                }
+            }
+            __syncthreads();
+            if (B.p == 0) {
+#pragma unroll
+                for (int q = 0; q < GEMM_TILES; q++) {
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        float v = acc[mt][q][i];
+                        for (int p = 1; p < G; p++) {
+                            v += red[warp + p][g + 8 * (i >> 1)][8 * q + 2 * t + (i & 1)];
+                        }
+                        acc[mt][q][i] = v;
+                    }
+                }
             }
         }
-        __syncthreads();
         if (B.p == 0) {
 #pragma unroll
             for (int q = 0; q < GEMM_TILES; q++) {
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    float v = acc[q][i];
-                    for (int p = 1; p < G; p++) {
-                        v += red[warp + p][g + 8 * (i >> 1)][8 * q + 2 * t + (i & 1)];
+                    const int r = 16 * mt + g + 8 * (i >> 1);
+                    const int o = B.o0 + 8 * q + 2 * t + (i & 1);
+                    if (r < n && o < n_out) {
+                        y[(long long)r * ys + o] = acc[mt][q][i];
                     }
-                    acc[q][i] = v;
-                }
-            }
-        }
-    }
-    if (B.p == 0) {
-#pragma unroll
-        for (int q = 0; q < GEMM_TILES; q++) {
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int r = g + 8 * (i >> 1);
-                const int o = B.o0 + 8 * q + 2 * t + (i & 1);
-                if (r < n && o < n_out) {
-                    y[(long long)r * ys + o] = acc[q][i];
                 }
             }
         }

@@ -65,6 +65,12 @@ pub trait DeviceDecoder: Send {
     /// Most rows one call takes.
     fn max_rows(&self) -> usize;
 
+    /// Most rows one call of a prompt's takes ([`DeviceDecoder::set_prefill`]), at least
+    /// [`DeviceDecoder::max_rows`]: a prompt's chunks may be longer than a verify.
+    fn prefill_rows(&self) -> usize {
+        self.max_rows()
+    }
+
     /// Marks the calls that follow, until `set_prefill(false)`, as the chunks of a prompt (a
     /// batch longer than [`DeviceDecoder::max_rows`]): a device may then run kernels made for
     /// throughput whose rows are not bitwise a decode's (the state and logits stay within the

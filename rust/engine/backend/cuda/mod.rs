@@ -585,7 +585,8 @@ impl CudaBackend {
         g.ctx.bind()?;
         let img = g.images.iter().find(|i| i.is(raw)).ok_or_else(|| Error::invalid(format!("{what}: not uploaded")))?;
         let cannot = || Error::invalid(format!("{what}: matrices the kernels cannot take"));
-        if mats.is_empty() || n == 0 || n > MAX_BATCH || mats.iter().any(|m| !Self::gpu_shape(img, m)) {
+        let most = if prefill { decode::gemm::GEMM_MAX_ROWS } else { MAX_BATCH };
+        if mats.is_empty() || n == 0 || n > most || mats.iter().any(|m| !Self::gpu_shape(img, m)) {
             return Err(cannot());
         }
         let (n_in, n_out) = mats.iter().fold((0, 0), |(a, b), m| (a.max(m.n_in), b.max(m.n_out)));

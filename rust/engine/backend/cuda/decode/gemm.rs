@@ -23,8 +23,9 @@ const MIN_UNITS_PER_WARP: usize = 4;
 /// Warps a product should have at least to keep the GPU busy (about eight an SM of an H200).
 const TARGET_WARPS: usize = 1024;
 
-/// Most batch rows of one product (one m16 tile).
-pub(super) const TILE_ROWS: usize = 16;
+/// Most batch rows of one product descriptor (`GEMM_MTILES` m16 tiles in gemm.cu, each unit of
+/// weights loaded once for all of them); a prompt's step of more rows takes several.
+pub(in crate::backend::cuda) const GEMM_MAX_ROWS: usize = 64;
 
 /// Whether `m`'s shape and format suit the kernels: F16, or Q8_0 on the float-x layout (Q8_0
 /// on the tensor-core layout keeps its own kernel, already 16 rows a weight read), whole units.
@@ -34,13 +35,12 @@ fn shape_fits(m: &Mat) -> bool {
 }
 
 /// Whether a prefill step runs the product of `m` (whose rows start at device address `at`) by
-/// the `rows` rows of floats at `x` on the tensor cores: a shape that [`shape_fits`], at most
-/// [`TILE_ROWS`] rows, on a device of sm_80 or later (mma.sync m16n8k16), with rows aligned for
+/// the `rows` rows of floats at `x` on the tensor cores: a shape that [`shape_fits`], on a device of sm_80 or later (mma.sync m16n8k16), with rows aligned for
 /// the kernels' vector loads (16 bytes of F16, 8 of Q8_0 a lane, x in float4s).
 pub(in crate::backend::cuda) fn takes(m: &Mat, at: u64, x: u64, rows: usize, sm80: bool) -> bool {
     let align = if m.ty == GgmlType::F16 { 16 } else { 8 };
     sm80 && shape_fits(m)
-        && (1..=TILE_ROWS).contains(&rows)
+        && rows >= 1
         && m.row_bytes.is_multiple_of(align)
         && at.is_multiple_of(align as u64)
         && x.is_multiple_of(16)
@@ -74,7 +74,7 @@ fn row_blocks(m: &Mat, g: usize) -> usize {
     m.n_out.div_ceil(MV_WARPS / g * GEMM_WARP_ROWS)
 }
 
-/// The descriptor of one product of `n <= 16` rows of x at `x` in a launch of `launch_rows`
+/// The descriptor of one product of `n <= GEMM_MAX_ROWS` rows of x at `x` in a launch of `launch_rows`
 /// output rows ([`split`]), and its blocks.
 #[allow(clippy::too_many_arguments)]
 pub(in crate::backend::cuda) fn desc(
@@ -96,14 +96,15 @@ pub(in crate::backend::cuda) fn desc(
 }
 
 /// Partial-sum floats and counters the products of `mats` take at `n` rows (those whose shape
-/// the kernels take), at most: each split as if alone, with the most slices.
+/// the kernels take), at most: each split as if alone, with the most slices, in descriptors of
+/// at most [`GEMM_MAX_ROWS`] rows.
 pub(super) fn need(mats: &[Mat], n: usize) -> (usize, usize) {
     let (mut part, mut counters) = (0, 0);
     for m in mats.iter().filter(|m| shape_fits(m)) {
         let (g, s) = split(m, m.n_out);
         if s > 1 {
             part += s * n * m.n_out;
-            counters += row_blocks(m, g);
+            counters += row_blocks(m, g) * n.div_ceil(GEMM_MAX_ROWS);
         }
     }
     (part, counters)
@@ -138,14 +139,14 @@ mod tests {
         }
     }
 
-    /// The kernels take F16 and float-x Q8_0 with whole units, aligned rows and x, at most 16
-    /// rows, nothing else.
+    /// The kernels take F16 and float-x Q8_0 with whole units, aligned rows and x, any rows (in
+    /// descriptors of at most [`GEMM_MAX_ROWS`]), nothing else.
     #[test]
     fn which_products_take_the_tensor_cores() {
         let f16 = mat(GgmlType::F16, 64, 4096);
         assert!(takes(&f16, 256, 512, 16, true));
         assert!(!takes(&f16, 256, 512, 16, false));
-        assert!(!takes(&f16, 256, 512, 17, true));
+        assert!(takes(&f16, 256, 512, 128, true));
         assert!(!takes(&f16, 256, 512, 0, true));
         assert!(!takes(&f16, 264, 512, 1, true));
         assert!(!takes(&f16, 256, 520, 1, true));

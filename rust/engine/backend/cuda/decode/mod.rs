@@ -66,6 +66,42 @@ use crate::{Error, Result};
 /// Rows of a step: one product chunk of the matrix kernels.
 const N_MAX: usize = MAX_BATCH;
 
+/// Most rows of a prompt's step (`DS4_CUDA_PREFILL_ROWS`, within ds4_route's limits in
+/// decode_moe.cu: rows times experts a row at most 768, rows times bitmap words at most 1024).
+const P_MAX: usize = 128;
+// Flash's router (6 of 256 experts a row) takes the most rows.
+const _: () = assert!(P_MAX * 6 <= 768 && P_MAX * 256_usize.div_ceil(32) <= 1024);
+
+/// Rows of a prompt's step by default. A step reads each weight once for all its rows, so more
+/// rows read less a token (the routed experts: a 16-row step of Flash reads about 81 of a
+/// layer's 256, a 128-row one about 243); its buffers grow with the rows. On an H200 (Flash
+/// with filled experts, interleaved in one process, routed products of at most 2 rows): 2048-
+/// and 8192-token prompts at 465 / 425 tok/s with steps of 16 rows, 502 / 467 with 64, 553 /
+/// 518 with 128.
+const P_DEFAULT: usize = 128;
+
+/// The rows of a prompt's step: `setting` (`DS4_CUDA_PREFILL_ROWS`, 16..=128) or [`P_DEFAULT`],
+/// cut to what ds4_route takes for this router (`k` experts a row of `experts`); [`N_MAX`]
+/// with a drafter (its device upkeep and the host's capture are sized for a decode's rows).
+fn prefill_rows(setting: Option<&str>, k: usize, experts: usize, drafter: bool) -> Result<usize> {
+    let want = match setting.map(str::trim) {
+        None | Some("") => P_DEFAULT,
+        Some(v) => match v.parse::<usize>() {
+            Ok(r) if (N_MAX..=P_MAX).contains(&r) => r,
+            _ => {
+                return Err(Error::invalid(format!(
+                    "DS4_CUDA_PREFILL_ROWS takes a row count from {N_MAX} to {P_MAX}, not {v:?}"
+                )))
+            }
+        },
+    };
+    if drafter {
+        return Ok(N_MAX);
+    }
+    let words = experts.div_ceil(32).max(1);
+    Ok(want.min(768 / k.max(1)).min(1024 / words).max(N_MAX))
+}
+
 /// The bit of an argmax id that says its row has no greedy token (`ds4_argmax_rows`).
 const NO_GREEDY: u32 = 1 << 31;
 
@@ -606,6 +642,10 @@ pub(crate) struct CudaDecoder {
     gemm_on: bool,
     /// Whether the steps now are a prompt's ([`DeviceDecoder::set_prefill`]).
     prefill: bool,
+    /// Most rows of a prompt's step ([`prefill_rows`]); the buffers hold this many rows.
+    prefill_rows: usize,
+    /// Most rows of a routed-expert product in a prompt's step ([`program::expert_chunk`]).
+    prefill_chunk: usize,
     /// Whether a step leaves its state writes pending in the state ([`StepWrites`], made
     /// while the GPU runs the next step) rather than making them before it returns;
     /// `DS4_CUDA_DEFER=0` makes them at once (A/B timing).
@@ -872,6 +912,14 @@ impl CudaDecoder {
         let k = Kernels::load(&g.ctx)?;
         drop(g);
         let cfg = &model.config;
+        let p_rows = prefill_rows(
+            std::env::var("DS4_CUDA_PREFILL_ROWS").ok().as_deref(),
+            cfg.n_experts_used,
+            cfg.n_experts,
+            model.draft.is_some(),
+        )?;
+        // Rows of the activation buffers: a prompt's step or a verify, whichever has more.
+        let rows = p_rows.max(N_MAX);
         let w = &model.weights;
         let (d, hc, hd) = (cfg.hidden, cfg.hc_mult, cfg.head_dim);
         let consts =
@@ -887,7 +935,9 @@ impl CudaDecoder {
         let mut score_stride = 1;
         let mut max_keys = 0;
         for (spec, l) in cfg.layers.iter().zip(&w.layers) {
-            let slots = cfg.window + crate::spec::MAX_DRAFT + 1;
+            // A step's last row must not overwrite a key its first row reads: the window and
+            // the step's rows, at least the host ring's slots (`upload_state` maps them).
+            let slots = cfg.window + (crate::spec::MAX_DRAFT + 1).max(rows);
             let comp_mirror = |width: usize, overlap: bool| -> Result<CompMirror> {
                 let ratio = spec.ratio;
                 let pw = if overlap { 2 * width } else { width };
@@ -899,11 +949,11 @@ impl CudaDecoder {
                     cur_kv: f32_buf(ratio * pw)?,
                     cur_score: f32_buf(ratio * pw)?,
                     prev: if overlap { Some(f32_buf(2 * ratio * width)?) } else { None },
-                    backup: if overlap { Some(f32_buf(N_MAX * 2 * ratio * width)?) } else { None },
+                    backup: if overlap { Some(f32_buf(rows * 2 * ratio * width)?) } else { None },
                     rows: f32_buf(cap * width)?,
                     cap,
-                    log_kv: f32_buf(N_MAX * pw)?,
-                    log_g: f32_buf(N_MAX * pw)?,
+                    log_kv: f32_buf(rows * pw)?,
+                    log_g: f32_buf(rows * pw)?,
                 })
             };
             let comp = match spec.kind {
@@ -938,9 +988,9 @@ impl CudaDecoder {
             max_keys = max_keys.max(cfg.window + N_MAX);
         }
 
-        // Partial sums and counters: the most any launch group needs at 16 rows.
+        // Partial sums and counters: the most any launch group needs at the most rows.
         let kk = cfg.n_experts_used;
-        let max_descs = N_MAX * kk;
+        let max_descs = rows * kk;
         let (mut part_floats, mut counters_len) = (0usize, 0usize);
         let mut need = |mats: &[Mat], n: usize| {
             let (p, c) = split_need(mats, n);
@@ -960,8 +1010,8 @@ impl CudaDecoder {
         };
         let dspark_stages = dspark_w.map(|dw| dw.stages.as_slice()).unwrap_or_default();
         for l in w.layers.iter().chain(mtp_w.map(|m| &m.block)).chain(dspark_stages) {
-            need(&[l.hc_attn.proj], N_MAX);
-            need(&[l.q_a, l.kv], N_MAX);
+            need(&[l.hc_attn.proj], rows);
+            need(&[l.q_a, l.kv], rows);
             // q_b with the compressors' and indexer's products (as `build` groups them).
             let mut g2 = vec![l.q_b];
             if let Some(c) = &l.compressor {
@@ -970,19 +1020,19 @@ impl CudaDecoder {
             if let Some(i) = &l.indexer {
                 g2.extend([i.proj, i.compressor.kv, i.compressor.gate, i.q_b]);
             }
-            need(&g2, N_MAX);
+            need(&g2, rows);
             let oa = Mat { n_out: cfg.o_lora_rank, ..l.o_a };
-            need(&vec![oa; cfg.o_groups], N_MAX);
-            need(&[l.o_b], N_MAX);
-            need(&[l.hc_ffn.proj], N_MAX);
-            need(&[l.router_proj, l.gate_sh, l.up_sh], N_MAX);
-            need(&[l.down_sh], N_MAX);
+            need(&vec![oa; cfg.o_groups], rows);
+            need(&[l.o_b], rows);
+            need(&[l.hc_ffn.proj], rows);
+            need(&[l.router_proj, l.gate_sh, l.up_sh], rows);
+            need(&[l.down_sh], rows);
             let gu = [vec![l.gate_exps.first; max_descs], vec![l.up_exps.first; max_descs]].concat();
-            need(&gu, N_MAX);
-            need(&vec![l.down_exps.first; max_descs], N_MAX);
+            need(&gu, rows);
+            need(&vec![l.down_exps.first; max_descs], rows);
         }
-        need(&[w.hc_head.proj], N_MAX);
-        need(&[w.output], N_MAX);
+        need(&[w.hc_head.proj], rows);
+        need(&[w.output], rows);
         if let Some(mw) = mtp_w {
             match &mw.input {
                 // The upkeep's N_MAX pairs: hc rows of streams each.
@@ -1092,51 +1142,51 @@ impl CudaDecoder {
             Some(DraftKind::DSpark(w)) => w.target_layers.len(),
             _ => 0,
         };
-        let journal_floats = Self::journal_floats(cfg, N_MAX);
+        let journal_floats = Self::journal_floats(cfg, rows);
         let bufs = Bufs {
             step: DevBuf::zeroed(STEP_BYTES)?,
-            x: f32_buf(N_MAX * hc * d)?,
-            flat: f32_buf(N_MAX * hc * d)?,
-            mixl: f32_buf(N_MAX * n_mix)?,
-            mix_a: f32_buf(N_MAX * (hc + hc * hc))?,
-            mix_f: f32_buf(N_MAX * (hc + hc * hc))?,
-            h: f32_buf(N_MAX * d)?,
-            cq: f32_buf(N_MAX * cfg.q_lora_rank)?,
-            kv: f32_buf(N_MAX * hd)?,
-            ig: f32_buf(N_MAX * cfg.index_heads.max(1))?,
-            q: f32_buf(N_MAX * cfg.n_heads * hd)?,
-            iq: f32_buf(N_MAX * cfg.index_heads.max(1) * cfg.index_head_dim.max(1))?,
-            scores: f32_buf(N_MAX * score_stride)?,
+            x: f32_buf(rows * hc * d)?,
+            flat: f32_buf(rows * hc * d)?,
+            mixl: f32_buf(rows * n_mix)?,
+            mix_a: f32_buf(rows * (hc + hc * hc))?,
+            mix_f: f32_buf(rows * (hc + hc * hc))?,
+            h: f32_buf(rows * d)?,
+            cq: f32_buf(rows * cfg.q_lora_rank)?,
+            kv: f32_buf(rows * hd)?,
+            ig: f32_buf(rows * cfg.index_heads.max(1))?,
+            q: f32_buf(rows * cfg.n_heads * hd)?,
+            iq: f32_buf(rows * cfg.index_heads.max(1) * cfg.index_head_dim.max(1))?,
+            scores: f32_buf(rows * score_stride)?,
             score_stride,
-            sel: DevBuf::zeroed(4 * N_MAX * cfg.index_topk.max(1))?,
-            nsel: DevBuf::zeroed(4 * N_MAX)?,
-            lg: f32_buf(N_MAX * cfg.n_heads * max_keys)?,
-            o: f32_buf(N_MAX * cfg.n_heads * hd)?,
-            u: f32_buf(N_MAX * cfg.o_groups * cfg.o_lora_rank)?,
-            attn_out: f32_buf(N_MAX * d)?,
-            rl: f32_buf(N_MAX * cfg.n_experts)?,
-            gsh: f32_buf(N_MAX * ff_sh)?,
-            ush: f32_buf(N_MAX * ff_sh)?,
-            ash: f32_buf(N_MAX * ff_sh)?,
-            dsh: f32_buf(N_MAX * d)?,
-            xg: f32_buf(N_MAX * kk * d)?,
-            g_out: f32_buf(N_MAX * kk * ff)?,
-            u_out: f32_buf(N_MAX * kk * ff)?,
-            act: f32_buf(N_MAX * kk * ff)?,
-            down_out: f32_buf(N_MAX * kk * d)?,
-            gather_src: DevBuf::zeroed(4 * N_MAX * kk)?,
-            comb_slot: DevBuf::zeroed(4 * N_MAX * kk)?,
-            comb_w: f32_buf(N_MAX * kk)?,
-            comb_cnt: DevBuf::zeroed(4 * N_MAX)?,
-            y: f32_buf(N_MAX * d)?,
-            logits: f32_buf(N_MAX * cfg.vocab)?,
-            ids: DevBuf::zeroed(4 * N_MAX)?,
+            sel: DevBuf::zeroed(4 * rows * cfg.index_topk.max(1))?,
+            nsel: DevBuf::zeroed(4 * rows)?,
+            lg: f32_buf(rows * cfg.n_heads * max_keys)?,
+            o: f32_buf(rows * cfg.n_heads * hd)?,
+            u: f32_buf(rows * cfg.o_groups * cfg.o_lora_rank)?,
+            attn_out: f32_buf(rows * d)?,
+            rl: f32_buf(rows * cfg.n_experts)?,
+            gsh: f32_buf(rows * ff_sh)?,
+            ush: f32_buf(rows * ff_sh)?,
+            ash: f32_buf(rows * ff_sh)?,
+            dsh: f32_buf(rows * d)?,
+            xg: f32_buf(rows * kk * d)?,
+            g_out: f32_buf(rows * kk * ff)?,
+            u_out: f32_buf(rows * kk * ff)?,
+            act: f32_buf(rows * kk * ff)?,
+            down_out: f32_buf(rows * kk * d)?,
+            gather_src: DevBuf::zeroed(4 * rows * kk)?,
+            comb_slot: DevBuf::zeroed(4 * rows * kk)?,
+            comb_w: f32_buf(rows * kk)?,
+            comb_cnt: DevBuf::zeroed(4 * rows)?,
+            y: f32_buf(rows * d)?,
+            logits: f32_buf(rows * cfg.vocab)?,
+            ids: DevBuf::zeroed(4 * rows)?,
             part: f32_buf(part_floats)?,
             part_floats,
             counters: DevBuf::zeroed(4 * counters_len.max(1))?,
             counters_len,
             capture: f32_buf(capture_layers.max(1) * N_MAX * hc * d)?,
-            runs: DevBuf::zeroed(std::mem::size_of::<CopyRun>() * Self::journal_runs(cfg, N_MAX))?,
+            runs: DevBuf::zeroed(std::mem::size_of::<CopyRun>() * Self::journal_runs(cfg, rows))?,
             journal: f32_buf(journal_floats)?,
         };
         Ok(CudaDecoder {
@@ -1162,6 +1212,8 @@ impl CudaDecoder {
             prefetch_q_b,
             gemm_on,
             prefill: false,
+            prefill_rows: p_rows,
+            prefill_chunk: program::expert_chunk(std::env::var("DS4_CUDA_EXPERT_CHUNK").ok().as_deref())?,
             defer,
             mtp,
             dspark,
@@ -1311,8 +1363,21 @@ impl CudaDecoder {
 
     /// Copies the whole host state to the device.
     fn upload_state(&mut self, state: &mut State) -> Result<()> {
+        let pos = state.pos;
         for (ls, mm) in state.layers().iter().zip(&self.mirror) {
-            mm.ring.write(0, &ls.ring)?;
+            if ls.slots == mm.slots {
+                mm.ring.write(0, &ls.ring)?;
+            } else {
+                // More slots here (a prompt's steps): each position's row the host ring holds,
+                // from its slot there to its slot here.
+                let hd = ls.head_dim;
+                let mut ring = vec![0f32; mm.slots * hd];
+                for p in pos.saturating_sub(ls.slots.min(mm.slots))..pos {
+                    let (h, d) = (p % ls.slots, p % mm.slots);
+                    ring[d * hd..(d + 1) * hd].copy_from_slice(&ls.ring[h * hd..(h + 1) * hd]);
+                }
+                mm.ring.write(0, &ring)?;
+            }
             for (cs, cm) in [(&ls.compressor, &mm.comp), (&ls.indexer, &mm.index)] {
                 let (Some(cs), Some(cm)) = (cs, cm) else { continue };
                 cm.cur_kv.write(0, &cs.cur_kv)?;
@@ -1505,8 +1570,9 @@ impl CudaDecoder {
     ) -> Result<(Vec<f32>, Vec<u32>)> {
         let _t = crate::profile::scope(crate::profile::Phase::DeviceStep);
         let n = tokens.len();
-        if n == 0 || n > N_MAX {
-            return Err(Error::invalid(format!("the device decoder takes 1..={N_MAX} rows, not {n}")));
+        let most = if self.prefill { self.prefill_rows } else { N_MAX };
+        if n == 0 || n > most {
+            return Err(Error::invalid(format!("the device decoder takes 1..={most} rows, not {n}")));
         }
         let cfg = &model.config;
         let (d, hc) = (cfg.hidden, cfg.hc_mult);
@@ -1801,14 +1867,14 @@ fn drafter_images<'a>(
 }
 
 /// Bytes of the step parameters: the position of row 0, the row count, the rows' tokens.
-const STEP_BYTES: usize = 4 * (2 + N_MAX);
+const STEP_BYTES: usize = 4 * (2 + P_MAX);
 
 /// Writes the step parameters of rows at `pos0..` with these `tokens` ([`STEP_BYTES`]) at
 /// byte `off` of `up`.
 fn put_params(up: &mut Pinned, off: usize, pos0: usize, tokens: &[u32]) {
     let mut vals = vec![pos0 as i32, tokens.len() as i32];
     vals.extend(tokens.iter().map(|&t| t as i32));
-    vals.resize(2 + N_MAX, 0);
+    vals.resize(2 + P_MAX, 0);
     for (c, v) in up.bytes_mut(off, STEP_BYTES).chunks_mut(4).zip(vals) {
         c.copy_from_slice(&v.to_le_bytes());
     }
@@ -2086,6 +2152,10 @@ impl DeviceDecoder for CudaDecoder {
         N_MAX
     }
 
+    fn prefill_rows(&self) -> usize {
+        self.prefill_rows
+    }
+
     fn propose(
         &mut self,
         model: &Model,
@@ -2236,5 +2306,42 @@ impl DeviceDecoder for CudaDecoder {
         self.tag = t;
         self.last = None;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod prefill_rows_tests {
+    use super::{prefill_rows, N_MAX, P_DEFAULT};
+
+    /// The setting's range, ds4_route's limits (rows x experts a row <= 768, rows x bitmap
+    /// words <= 1024) and a drafter's decode-sized steps.
+    #[test]
+    fn prefill_rows_follow_the_setting_and_the_router_limits() {
+        assert_eq!(prefill_rows(None, 6, 256, false).unwrap(), P_DEFAULT);
+        assert_eq!(prefill_rows(Some(" 128 "), 6, 256, false).unwrap(), 128);
+        assert_eq!(prefill_rows(Some("16"), 6, 256, false).unwrap(), 16);
+        assert_eq!(prefill_rows(Some("40"), 6, 256, false).unwrap(), 40);
+        for bad in ["15", "129", "0", "x", "-64"] {
+            assert!(prefill_rows(Some(bad), 6, 256, false).is_err(), "{bad}");
+        }
+        // 16 experts a row: 48 rows; 1024 experts (32 words): 32 rows.
+        assert_eq!(prefill_rows(Some("128"), 16, 256, false).unwrap(), 48);
+        assert_eq!(prefill_rows(Some("128"), 2, 1024, false).unwrap(), 32);
+        assert_eq!(prefill_rows(Some("128"), 16, 1024, false).unwrap(), 32);
+        // A drafter: a verify's rows.
+        assert_eq!(prefill_rows(Some("128"), 6, 256, true).unwrap(), N_MAX);
+    }
+
+    /// A prompt's routed products: the rows of a product kernel, nothing else.
+    #[test]
+    fn expert_chunks_are_product_kernel_rows() {
+        use super::program::expert_chunk;
+        assert_eq!(expert_chunk(None).unwrap(), 4);
+        for c in [1, 2, 4, 8, 16] {
+            assert_eq!(expert_chunk(Some(&c.to_string())).unwrap(), c);
+        }
+        for bad in ["0", "3", "32", "four"] {
+            assert!(expert_chunk(Some(bad)).is_err(), "{bad}");
+        }
     }
 }

@@ -19,10 +19,28 @@ use crate::model::weights::{HyperWeights, LayerWeights, Mat};
 use crate::model::Model;
 use crate::{Error, Result};
 
-/// Most rows of one routed-expert product: the kernels for few rows read the weights much
-/// faster per row (IQ2_XXS at 16 rows runs at a fifth of its one-row speed), and in a batch
-/// most experts serve one or two rows.
+/// Most rows of one routed-expert product in a decode step or a verify: the kernels for few
+/// rows read the weights much faster per row (IQ2_XXS at 16 rows runs at a fifth of its
+/// one-row speed), and in a batch most experts serve one or two rows.
 const EXPERT_CHUNK: usize = 2;
+
+/// Most rows of one routed-expert product in a prompt's step by default
+/// ([`expert_chunk`]): its experts serve more rows (128 rows of Flash: about 3 an expert),
+/// and each product of a chunk reads the expert's weights again.
+const PREFILL_EXPERT_CHUNK: usize = 4;
+
+/// The most rows of one routed-expert product in a prompt's step: `setting`
+/// (`DS4_CUDA_EXPERT_CHUNK`: 1, 2, 4, 8 or 16, a product kernel's rows) or
+/// [`PREFILL_EXPERT_CHUNK`]. Only the speed depends on it: the kernels are row invariant.
+pub(super) fn expert_chunk(setting: Option<&str>) -> Result<usize> {
+    match setting.map(str::trim) {
+        None | Some("") => Ok(PREFILL_EXPERT_CHUNK),
+        Some(v) => match v.parse::<usize>() {
+            Ok(c) if [1, 2, 4, 8, 16].contains(&c) => Ok(c),
+            _ => Err(Error::invalid(format!("DS4_CUDA_EXPERT_CHUNK takes 1, 2, 4, 8 or 16, not {v:?}"))),
+        },
+    }
+}
 
 /// Threads of a one-block-per-row kernel over rows of `width` floats: a whole row is read by
 /// one block, so wide rows get the most threads.
@@ -223,18 +241,25 @@ impl CudaDecoder {
                     let mut blocks = 0usize;
                     let launch_rows: usize = mine.iter().map(|pr| pr.0.n_out).sum();
                     for &&(m, x, y, rows) in &mine {
-                        let part = b.part.ptr + 4 * part_off as u64;
                         let ys = y_stride.unwrap_or(m.n_out);
-                        let (mut dsc, nblocks) =
-                            gemm::desc(cur.get().addr(m.start), &m, launch_rows, x, y, ys, part, rows, counter);
-                        dsc.block_start = blocks as i32;
-                        let s = dsc.slices as usize;
-                        if s > 1 {
-                            part_off += s * rows * m.n_out;
-                            counter += nblocks / s;
+                        // A prompt's step of more rows than a descriptor takes: chunks of them.
+                        let mut r0 = 0;
+                        while r0 < rows {
+                            let c = (rows - r0).min(gemm::GEMM_MAX_ROWS);
+                            let part = b.part.ptr + 4 * part_off as u64;
+                            let (xc, yc) = (x + 4 * (r0 * m.n_in) as u64, y + 4 * (r0 * ys) as u64);
+                            let (mut dsc, nblocks) =
+                                gemm::desc(cur.get().addr(m.start), &m, launch_rows, xc, yc, ys, part, c, counter);
+                            dsc.block_start = blocks as i32;
+                            let s = dsc.slices as usize;
+                            if s > 1 {
+                                part_off += s * c * m.n_out;
+                                counter += nblocks / s;
+                            }
+                            blocks += nblocks;
+                            table.extend_from_slice(desc_bytes(&dsc));
+                            r0 += c;
                         }
-                        blocks += nblocks;
-                        table.extend_from_slice(desc_bytes(&dsc));
                     }
                     if part_off > b.part_floats || counter > b.counters_len {
                         return Err(Error::Backend("CUDA decode: partial-sum buffer too small (internal)".into()));
@@ -440,7 +465,7 @@ impl CudaDecoder {
         let kk = cfg.n_experts_used;
         // Routed expert products: each expert's rows in chunks of at most `chunk` rows (see
         // ds4_route), at most one descriptor per (row, expert) pair.
-        let chunk = n.min(EXPERT_CHUNK);
+        let chunk = n.min(if prefill { self.prefill_chunk } else { EXPERT_CHUNK });
         let max_descs = if chunk >= n { (n * kk).min(cfg.n_experts) } else { n * kk };
 
         // A hyper-connection site on the streams `x` (`n` rows): the mixing logits, then

@@ -53,7 +53,7 @@ fn run(ctx: &super::super::context::Context, w: &DevBuf, m: &Mat, x: &[f32], n: 
 
 /// Each output within `2e-6 * sum |w x|` of the exact product of the dequantized weights (x
 /// is kept to 22 bits a unit of 32, whatever the rest of its row holds), and bitwise the same
-/// whatever the rows beside it (1..=16 rows).
+/// whatever the rows beside it (1..=64 rows: one to four m16 tiles a descriptor).
 #[test]
 fn prefill_products_match_the_float_product_and_are_row_invariant() {
     let Some(ctx) = context() else { return };
@@ -72,6 +72,7 @@ fn prefill_products_match_the_float_product_and_are_row_invariant() {
         (GgmlType::Q8_0, 1024, 4096),
         (GgmlType::Q8_0, 77, 2560),
     ];
+    const ROWS: usize = gemm::GEMM_MAX_ROWS;
     for (si, &(ty, n_out, n_in)) in shapes.iter().enumerate() {
         let (raw, m, deq) = matrix(ty, n_out, n_in, 11 + si as u64);
         if !gemm::takes(&m, 256, 0, 1, true) {
@@ -81,14 +82,14 @@ fn prefill_products_match_the_float_product_and_are_row_invariant() {
         }
         let w = DevBuf::from_slice(&split_image(&raw, &[m])).unwrap();
         // Rows of different scales, one of them all zeros, one with a large value.
-        let mut x = randn(16 * n_in, 100 + si as u64, 1.0);
+        let mut x = randn(ROWS * n_in, 100 + si as u64, 1.0);
         for (r, row) in x.chunks_mut(n_in).enumerate() {
             let s = [1.0f32, 1e-3, 300.0, 0.0][r % 4];
             row.iter_mut().for_each(|v| *v *= s);
         }
         x[5 * n_in + 7] = 7.0e4;
-        let alone: Vec<Vec<f32>> = (0..16).map(|r| run(&ctx, &w, &m, &x[r * n_in..(r + 1) * n_in], 1)).collect();
-        for n in [16, 1, 3, 8, 13] {
+        let alone: Vec<Vec<f32>> = (0..ROWS).map(|r| run(&ctx, &w, &m, &x[r * n_in..(r + 1) * n_in], 1)).collect();
+        for n in [16, 1, 3, 8, 13, 17, 33, 50, ROWS] {
             let y = run(&ctx, &w, &m, &x[..n * n_in], n);
             for r in 0..n {
                 for o in 0..n_out {
