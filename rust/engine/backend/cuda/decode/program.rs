@@ -239,6 +239,7 @@ impl CudaDecoder {
                     }
                     let start = table.len();
                     let mut blocks = 0usize;
+                    let mut count = 0usize;
                     let launch_rows: usize = mine.iter().map(|pr| pr.0.n_out).sum();
                     for &&(m, x, y, rows) in &mine {
                         let ys = y_stride.unwrap_or(m.n_out);
@@ -257,6 +258,7 @@ impl CudaDecoder {
                                 counter += nblocks / s;
                             }
                             blocks += nblocks;
+                            count += 1;
                             table.extend_from_slice(desc_bytes(&dsc));
                             r0 += c;
                         }
@@ -270,8 +272,10 @@ impl CudaDecoder {
                         block: 128,
                         smem: 0,
                         args: vec![
+                            // Descriptors, not products: a product of more rows than one takes
+                            // has several.
                             PArg::Table(start),
-                            PArg::A(Arg::I32(mine.len() as i32)),
+                            PArg::A(Arg::I32(count as i32)),
                             PArg::A(Arg::Ptr(b.counters.ptr)),
                         ],
                         label: shapes_label(mine.iter().map(|pr| &pr.0)),
