@@ -183,13 +183,29 @@ def test_device_decode_matches_host_forward(tmp_path: Path, monkeypatch: pytest.
     again = _chunked(m.session(512), prompt, [37, 53, *range(54, 70), 86, 100, 130, 164, 165, 166, 200, 230, 260, 261])
     assert np.array_equal(dev.view(np.uint32), again.view(np.uint32))
     # Nor do the rows of a prompt's step (DS4_CUDA_PREFILL_ROWS, read when a session makes its
-    # decoder; 128 by default) or of its routed products (DS4_CUDA_EXPERT_CHUNK, 4).
+    # decoder; 128 by default: products of more than 64 rows in several descriptors) or of its
+    # routed products (DS4_CUDA_EXPERT_CHUNK, 4), over prompt calls of 150 and 134 rows.
+    long_cuts = [150, 151, 166]
+    steps128 = _chunked(m.session(512), prompt, long_cuts)
     for name, value in [("DS4_CUDA_PREFILL_ROWS", "16"), ("DS4_CUDA_PREFILL_ROWS", "64"),
-                        ("DS4_CUDA_EXPERT_CHUNK", "1"), ("DS4_CUDA_EXPERT_CHUNK", "16")]:
+                        ("DS4_CUDA_PREFILL_ROWS", "100"), ("DS4_CUDA_EXPERT_CHUNK", "1"),
+                        ("DS4_CUDA_EXPERT_CHUNK", "16")]:
         monkeypatch.setenv(name, value)
-        other = _chunked(m.session(512), prompt, cuts)
+        other = _chunked(m.session(512), prompt, long_cuts)
         monkeypatch.delenv(name)
-        assert np.array_equal(dev.view(np.uint32), other.view(np.uint32)), (name, value)
+        assert np.array_equal(steps128.view(np.uint32), other.view(np.uint32)), (name, value)
+    # The first call's rows in both chunkings (a prompt's 37 rows, the first 37 of 150): the same
+    # bits. (Later rows see states that decode-sized calls made in `dev`.)
+    assert np.array_equal(dev[:37].view(np.uint32), steps128[:37].view(np.uint32))
+    # A prompt's IQ2_XXS expert gate and up products (q2) run on the tensor cores
+    # (gemm_experts.cu): the same integer sums per group of 32, added in another order than the
+    # decode kernel's (DS4_CUDA_EXPERT_MMA=0 in prompts too).
+    monkeypatch.setenv("DS4_CUDA_EXPERT_MMA", "0")
+    dp4a = _chunked(m.session(512), prompt, cuts)
+    monkeypatch.delenv("DS4_CUDA_EXPERT_MMA")
+    assert np.array_equal(dev[:37].view(np.uint32), dp4a[:37].view(np.uint32)) == (dtype != "q2")
+    rel = np.abs(dev - dp4a).max(axis=1) / (np.abs(dp4a).max(axis=1) + 1e-6)
+    assert float(np.median(rel)) < tol
     # A restored state goes to the device again, its ring (the host's spare slots: a verify's
     # rows) laid onto the device's (a prompt step's rows): the same steps after it, the same bits.
     s1, s2 = m.session(512), m.session(512)

@@ -73,24 +73,24 @@ __device__ __forceinline__ float ds4_softplus(float x) {
 // - gu [2 * max_descs], down [max_descs]: the gate, up and down product tables, built from
 //   templ[0..3] (gate, up, down: w = expert 0's matrix, x, y, part = bases of the gathered
 //   input, output and partial-sum buffers, row_bytes, n_out, n_in, slices, counter = first
-//   counter). Expert e_i's rows are cut in chunks of at most `chunk` rows, one slot each, in
-//   expert then row order: the slot of chunk t of e_i has w = templ.w + e_i * (one matrix),
-//   x = templ.x + (off_i + t * chunk) rows, y likewise, n = its rows; slots past the last
-//   chunk have n = 0. part = templ.part + q * slices * chunk * n_out floats for slot q,
-//   counter = templ.counter + q * row_blocks. block_start: gate q * bpd_gate, up
-//   max_descs * bpd_gate + q * bpd_up, down q * bpd_down (bpd = row_blocks * slices).
-//   With chunk >= n every expert has one slot (the union of the batch).
+//   counter). Expert e_i's rows are cut in chunks of at most `chunk` rows (gu) or `chunk_dn`
+//   rows (down), one slot each, in expert then row order: the slot of chunk t of e_i has
+//   w = templ.w + e_i * (one matrix), x = templ.x + (off_i + t * chunk) rows, y likewise,
+//   n = its rows; slots past the last chunk have n = 0. part = templ.part + q * slices * chunk
+//   * n_out floats for slot q, counter = templ.counter + q * row_blocks. block_start: gate
+//   q * bpd_gate, up max_descs * bpd_gate + q * bpd_up, down q * bpd_down (bpd = row_blocks *
+//   slices). With a chunk >= n every expert has one slot (the union of the batch).
 //
 // Grid (1), block 128 or 256 threads (any multiple of 32 from 64 to 256), no dynamic shared
 // memory. Requires E <= 1024, k <= 16, n <= 128, n * k <= 768, n * ceil(E / 32) <= 1024,
-// chunk >= 1, max_descs >= the number of chunks (n * k always is; min(n * k, E) is when
-// chunk >= n) and <= 768, hash entries < E.
+// chunks >= 1, max_descs >= the number of chunks of either (n * k always is; min(n * k, E)
+// is when both chunks >= n) and <= 768, hash entries < E.
 extern "C" __global__ void __launch_bounds__(256)
     ds4_route(const float* __restrict__ logits, int E, int k, const float* __restrict__ bias,
               const unsigned* __restrict__ hash, int norm, float wscale, int n, const int* __restrict__ step,
               MvDesc* __restrict__ gu, MvDesc* __restrict__ down, int max_descs, const MvDesc* __restrict__ templ,
               int* __restrict__ gather_src, int* __restrict__ comb_slot, float* __restrict__ comb_w,
-              int* __restrict__ comb_cnt, int chunk) {
+              int* __restrict__ comb_cnt, int chunk, int chunk_dn) {
     ds4_grid_deps();
     // The scores of up to MOE_SCORES / E rows at a time.
     __shared__ float sc[MOE_SCORES];
@@ -122,7 +122,7 @@ extern "C" __global__ void __launch_bounds__(256)
 #define PRE(r, w) pre_[(r) * (W + 1) + (w)]
     // Outside the limits the shared arrays would overflow: fail loudly (a host bug).
     if (E > MOE_MAX_EXPERTS || k > MOE_MAX_K || n > MOE_MAX_ROWS || n * k > MOE_PAIRS || n * W > MOE_BITS ||
-        k < 1 || nw < 2 || nw > MOE_MAX_WARPS || max_descs > MOE_PAIRS || chunk < 1) {
+        k < 1 || nw < 2 || nw > MOE_MAX_WARPS || max_descs > MOE_PAIRS || chunk < 1 || chunk_dn < 1) {
         __trap();
     }
 
@@ -335,59 +335,73 @@ extern "C" __global__ void __launch_bounds__(256)
     }
     __syncthreads();
 
-    // ---- 4. the product tables: expert e_i's c_i rows in chunks of at most `chunk` rows, one
-    // descriptor per chunk (descriptor q of e_i covers its rows t * chunk .., t = q - first).
-    // The host runs them with the product kernel for `chunk` rows: a kernel for few rows is
-    // faster per row than one for many, and experts of a batch mostly serve one or two rows.
+    // ---- 4. the product tables: expert e_i's c_i rows in chunks of at most `chunk` rows (the
+    // gate and up tables) or `chunk_dn` rows (the down table), one descriptor per chunk
+    // (descriptor q of e_i covers its rows t * chunk .., t = q - first). The host runs them
+    // with the product kernel for that many rows: a kernel for few rows is faster per row than
+    // one for many, and experts of a batch mostly serve one or two rows (a prompt's step's
+    // gate and up products on the tensor cores take more: gemm_experts.cu).
     __shared__ int s_dstart[MOE_PAIRS + 1];
     const int m = upre[W];
-    if (tid == 0) {
-        int q = 0;
-        for (int i = 0; i < m; i++) {
-            s_dstart[i] = q;
-            q += (s_cnt[i] + chunk - 1) / chunk;
-        }
-        s_dstart[m] = q;
-    }
-    __syncthreads();
-    const int used = s_dstart[m];
     const int bpd_gate = mv_row_blocks(templ[0]) * templ[0].slices;
-    for (int q = tid; q < max_descs; q += blockDim.x) {
-        int e = 0;
-        int off = 0;
-        int c = 0;
-        if (q < used) {
-            int i = 0;
-            while (s_dstart[i + 1] <= q) {
-                i++;
+    for (int pass = 0; pass < 2; pass++) {
+        const int ck = pass == 0 ? chunk : chunk_dn;
+        if (tid == 0) {
+            int q = 0;
+            for (int i = 0; i < m; i++) {
+                s_dstart[i] = q;
+                q += (s_cnt[i] + ck - 1) / ck;
             }
-            const int t = q - s_dstart[i];
-            e = s_exp[i];
-            off = s_off[i] + t * chunk;
-            c = min(chunk, s_cnt[i] - t * chunk);
+            s_dstart[m] = q;
         }
-        for (int t = 0; t < 3; t++) {
-            const MvDesc T = templ[t];
-            const int rb = mv_row_blocks(T);
-            const int bpd = rb * T.slices;
-            MvDesc D = T;
-            D.w = T.w + (long long)e * T.row_bytes * T.n_out;
-            D.x = T.x + (long long)off * T.n_in;
-            D.y = T.y + (long long)off * T.n_out;
-            D.part = T.part + (long long)q * T.slices * chunk * T.n_out;
-            D.n = c;
-            D.counter = T.counter + q * rb;
-            if (t == 0) {
-                D.block_start = q * bpd;
-                gu[q] = D;
-            } else if (t == 1) {
-                D.block_start = max_descs * bpd_gate + q * bpd;
-                gu[max_descs + q] = D;
-            } else {
-                D.block_start = q * bpd;
-                down[q] = D;
+        __syncthreads();
+        const int used = s_dstart[m];
+        for (int q = tid; q < max_descs; q += blockDim.x) {
+            int e = 0;
+            int off = 0;
+            int c = 0;
+            if (q < used) {
+                // The expert whose descriptors hold q: the last i with s_dstart[i] <= q (every
+                // used expert has at least one).
+                int lo = 0;
+                int hi = m - 1;
+                while (lo < hi) {
+                    const int mid = (lo + hi + 1) >> 1;
+                    if (s_dstart[mid] <= q) {
+                        lo = mid;
+                    } else {
+                        hi = mid - 1;
+                    }
+                }
+                const int t = q - s_dstart[lo];
+                e = s_exp[lo];
+                off = s_off[lo] + t * ck;
+                c = min(ck, s_cnt[lo] - t * ck);
+            }
+            for (int t = pass == 0 ? 0 : 2; t < (pass == 0 ? 2 : 3); t++) {
+                const MvDesc T = templ[t];
+                const int rb = mv_row_blocks(T);
+                const int bpd = rb * T.slices;
+                MvDesc D = T;
+                D.w = T.w + (long long)e * T.row_bytes * T.n_out;
+                D.x = T.x + (long long)off * T.n_in;
+                D.y = T.y + (long long)off * T.n_out;
+                D.part = T.part + (long long)q * T.slices * ck * T.n_out;
+                D.n = c;
+                D.counter = T.counter + q * rb;
+                if (t == 0) {
+                    D.block_start = q * bpd;
+                    gu[q] = D;
+                } else if (t == 1) {
+                    D.block_start = max_descs * bpd_gate + q * bpd;
+                    gu[max_descs + q] = D;
+                } else {
+                    D.block_start = q * bpd;
+                    down[q] = D;
+                }
             }
         }
+        __syncthreads();  // s_dstart is the next pass's
     }
 #undef CH
 #undef WT

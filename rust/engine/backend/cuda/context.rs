@@ -34,6 +34,7 @@ pub(crate) const SOURCES: &[(&str, &str)] = &[
     ("decode_moe.cu", include_str!("../../../../shaders/cuda/decode_moe.cu")),
     ("decode_step.cu", include_str!("../../../../shaders/cuda/decode_step.cu")),
     ("gemm.cu", include_str!("../../../../shaders/cuda/gemm.cu")),
+    ("gemm_experts.cu", include_str!("../../../../shaders/cuda/gemm_experts.cu")),
 ];
 
 /// Batch sizes the kernels are instantiated for: a chunk of `n` rows runs the smallest one

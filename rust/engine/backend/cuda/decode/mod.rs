@@ -76,8 +76,8 @@ const _: () = assert!(P_MAX * 6 <= 768 && P_MAX * 256_usize.div_ceil(32) <= 1024
 /// rows read less a token (the routed experts: a 16-row step of Flash reads about 81 of a
 /// layer's 256, a 128-row one about 243); its buffers grow with the rows. On an H200 (Flash
 /// with filled experts, interleaved in one process, routed products of at most 2 rows): 2048-
-/// and 8192-token prompts at 465 / 425 tok/s with steps of 16 rows, 502 / 467 with 64, 553 /
-/// 518 with 128.
+/// and 8192-token prompts at 465 / 425 tok/s with steps of 16 rows, 502 / 467 with 64; with
+/// 128 (and products of 4 rows, [`program::expert_chunk`]) 565 / 529 in a later build.
 const P_DEFAULT: usize = 128;
 
 /// The rows of a prompt's step: `setting` (`DS4_CUDA_PREFILL_ROWS`, 16..=128) or [`P_DEFAULT`],
@@ -551,6 +551,7 @@ struct Kernels {
     mean_streams: sys::CUfunction,
     gemm_f16: sys::CUfunction,
     gemm_q8_0: sys::CUfunction,
+    moe_mma_iq2: sys::CUfunction,
     /// Every handle above with its name (profiles).
     names: Vec<(sys::CUfunction, &'static str)>,
 }
@@ -594,6 +595,7 @@ impl Kernels {
             mean_streams: f("ds4_mean_streams")?,
             gemm_f16: f("ds4_gemm_f16")?,
             gemm_q8_0: f("ds4_gemm_q8_0")?,
+            moe_mma_iq2: f("ds4_moe_mma_iq2_xxs")?,
             names: Vec::new(),
         };
         Ok(Kernels { names, ..k })
@@ -646,6 +648,9 @@ pub(crate) struct CudaDecoder {
     prefill_rows: usize,
     /// Most rows of a routed-expert product in a prompt's step ([`program::expert_chunk`]).
     prefill_chunk: usize,
+    /// Whether a prompt's IQ2_XXS gate and up products run on the tensor cores
+    /// ([`program::expert_mma`]).
+    expert_mma: bool,
     /// Whether a step leaves its state writes pending in the state ([`StepWrites`], made
     /// while the GPU runs the next step) rather than making them before it returns;
     /// `DS4_CUDA_DEFER=0` makes them at once (A/B timing).
@@ -1214,6 +1219,7 @@ impl CudaDecoder {
             prefill: false,
             prefill_rows: p_rows,
             prefill_chunk: program::expert_chunk(std::env::var("DS4_CUDA_EXPERT_CHUNK").ok().as_deref())?,
+            expert_mma: program::expert_mma(std::env::var("DS4_CUDA_EXPERT_MMA").ok().as_deref())?,
             defer,
             mtp,
             dspark,

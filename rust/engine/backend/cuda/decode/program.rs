@@ -10,7 +10,7 @@ use cudarc::driver::sys;
 use super::super::context::{driver_err, stem, Context, THREADS};
 use super::super::device::{Arg, DevBuf};
 use super::super::weights::DeviceImage;
-use super::super::{chunk_rows, group, row_blocks, slices, split_in_launch, CudaBackend, Desc};
+use super::super::{chunk_rows, group, row_blocks, slices, split_in_launch, CudaBackend, Desc, MV_WARPS};
 use super::gemm;
 use super::{CompMirror, CudaDecoder, DSparkDevice, Launch, LayerConsts, LayerMirror, MtpDevice, Op, Program, N_MAX};
 use crate::model::config::LayerSpec;
@@ -24,9 +24,34 @@ use crate::{Error, Result};
 /// one-row speed), and in a batch most experts serve one or two rows.
 const EXPERT_CHUNK: usize = 2;
 
+/// Output rows of a warp of `ds4_moe_mma_iq2_xxs` (gemm_experts.cu: two m16 tiles).
+const GX_WARP_ROWS: usize = 32;
+
+/// Most rows of one descriptor of `ds4_moe_mma_iq2_xxs` (two n8 tiles).
+const GX_MAX_ROWS: usize = 16;
+
+/// Whether `ds4_moe_mma_iq2_xxs` takes an expert stack's matrix `m` (expert 0's rows at device
+/// address `at`, 2-byte aligned as every IQ2_XXS row): IQ2_XXS of whole super-blocks.
+fn gx_takes(m: &Mat, at: u64) -> bool {
+    m.ty == crate::quant::GgmlType::IQ2_XXS && m.n_in > 0 && m.n_in.is_multiple_of(256) && at.is_multiple_of(2)
+}
+
+/// Whether a prompt's IQ2_XXS gate and up products run on the tensor cores (`gemm_experts.cu`)
+/// rather than the decode's kernel: `DS4_CUDA_EXPERT_MMA` 1 (the default) or 0 (A/B timing).
+pub(super) fn expert_mma(setting: Option<&str>) -> Result<bool> {
+    match setting.map(str::trim) {
+        None | Some("" | "1") => Ok(true),
+        Some("0") => Ok(false),
+        Some(v) => Err(Error::invalid(format!("DS4_CUDA_EXPERT_MMA takes 0 or 1, not {v:?}"))),
+    }
+}
+
 /// Most rows of one routed-expert product in a prompt's step by default
 /// ([`expert_chunk`]): its experts serve more rows (128 rows of Flash: about 3 an expert),
-/// and each product of a chunk reads the expert's weights again.
+/// and each product of a chunk reads the expert's weights again. On an H200 (Flash, 2048-token
+/// prompts in 128-row steps, interleaved): 550 / 587 / 531 tok/s with chunks of 2 / 4 / 8 (in
+/// a build whose tensor-core products skipped the rows past 64 of a step, which favoured all
+/// three alike).
 const PREFILL_EXPERT_CHUNK: usize = 4;
 
 /// The most rows of one routed-expert product in a prompt's step: `setting`
@@ -470,7 +495,11 @@ impl CudaDecoder {
         // Routed expert products: each expert's rows in chunks of at most `chunk` rows (see
         // ds4_route), at most one descriptor per (row, expert) pair.
         let chunk = n.min(if prefill { self.prefill_chunk } else { EXPERT_CHUNK });
-        let max_descs = if chunk >= n { (n * kk).min(cfg.n_experts) } else { n * kk };
+        // A prompt's IQ2_XXS gate and up products on the tensor cores (gemm_experts.cu): an
+        // expert's rows in chunks of up to 16 (the layers whose weights it takes, `gx_takes`).
+        let gx = prefill && self.expert_mma && sm80;
+        let chunk_gx = n.min(GX_MAX_ROWS);
+        let max_descs = if chunk >= n && (!gx || chunk_gx >= n) { (n * kk).min(cfg.n_experts) } else { n * kk };
 
         // A hyper-connection site on the streams `x` (`n` rows): the mixing logits, then
         // ds4_hc_pre's collapse into h with the sublayer's input norm and its mix; with
@@ -777,23 +806,33 @@ impl CudaDecoder {
                 CudaBackend::desc(cur.get().addr(m.start), &m, x, y, b.part.ptr + 4 * part_base as u64, 0, counter).0
             };
             let (gm, um, dm) = (lw.gate_exps.first, lw.up_exps.first, lw.down_exps.first);
-            // Partial sums only for split products (as `products` lays them out).
+            let gx_on = gx && gx_takes(&gm, cur.get().addr(gm.start)) && gx_takes(&um, cur.get().addr(um.start));
+            let chunk_gu = if gx_on { chunk_gx } else { chunk };
+            // Partial sums only for split products (as `products` lays them out); none on the
+            // tensor cores.
             let part_of = |m: &Mat| if slices(m) > 1 { max_descs * slices(m) * chunk * m.n_out } else { 0 };
-            let gate_part = part_of(&gm);
+            let gate_part = if gx_on { 0 } else { part_of(&gm) };
             let gate_counters = max_descs * row_blocks(&gm);
-            let up_part = part_of(&um);
+            let up_part = if gx_on { 0 } else { part_of(&um) };
             let down_part = part_of(&dm);
             if gate_part + up_part > b.part_floats || down_part > b.part_floats {
                 return Err(Error::Backend(
                     "CUDA decode: partial-sum buffer too small for the experts (internal)".into(),
                 ));
             }
+            // The tensor-core kernel's template: warps of GX_WARP_ROWS outputs, no split.
+            let templ_gx = |m: Mat, x: u64, y: u64| {
+                let (mut t, _) = CudaBackend::desc_split(cur.get().addr(m.start), &m, x, y, 0, 0, 0, (1, 1));
+                t.warp_rows = GX_WARP_ROWS as i32;
+                t
+            };
             let t_off = table.len();
-            for t in [
-                templ(gm, b.xg.ptr, b.g_out.ptr, 0, 0),
-                templ(um, b.xg.ptr, b.u_out.ptr, gate_part, gate_counters),
-                templ(dm, b.act.ptr, b.down_out.ptr, 0, 0),
-            ] {
+            let (tg, tu) = if gx_on {
+                (templ_gx(gm, b.xg.ptr, b.g_out.ptr), templ_gx(um, b.xg.ptr, b.u_out.ptr))
+            } else {
+                (templ(gm, b.xg.ptr, b.g_out.ptr, 0, 0), templ(um, b.xg.ptr, b.u_out.ptr, gate_part, gate_counters))
+            };
+            for t in [tg, tu, templ(dm, b.act.ptr, b.down_out.ptr, 0, 0)] {
                 table.extend_from_slice(desc_bytes(&t));
             }
             let gu_off = table.len();
@@ -824,6 +863,7 @@ impl CudaDecoder {
                     p(b.comb_slot.ptr),
                     p(b.comb_w.ptr),
                     p(b.comb_cnt.ptr),
+                    i(chunk_gu),
                     i(chunk),
                 ],
             );
@@ -846,21 +886,33 @@ impl CudaDecoder {
                 vec![p(b.h.ptr), p(b.xg.ptr), p(b.gather_src.ptr), i(d), i(act8 as usize)],
             );
             let bpd = |m: &Mat| row_blocks(m) * slices(m);
-            let (fg, sg) = ctx
-                .kernel(gm.ty, gm.n_in, gm.n_out, chunk)
-                .ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
             if um.ty != gm.ty || um.n_out != gm.n_out || um.n_in != gm.n_in {
                 return Err(Error::Backend("CUDA decode: expert gate and up differ in shape (unsupported)".into()));
             }
-            launch(
-                &mut ops,
-                fg,
-                ((max_descs * (bpd(&gm) + bpd(&um))) as u32, 1, 1),
-                THREADS,
-                sg,
-                // Not early: ds4_route writes this table.
-                vec![PArg::Table(gu_off), i(2 * max_descs), p(b.counters.ptr), i(0)],
-            );
+            if gx_on {
+                let bpd_gx = |m: &Mat| m.n_out.div_ceil(MV_WARPS * GX_WARP_ROWS);
+                launch(
+                    &mut ops,
+                    k.moe_mma_iq2,
+                    ((max_descs * (bpd_gx(&gm) + bpd_gx(&um))) as u32, 1, 1),
+                    (32 * MV_WARPS) as u32,
+                    0,
+                    vec![PArg::Table(gu_off), i(2 * max_descs), p(b.counters.ptr)],
+                );
+            } else {
+                let (fg, sg) = ctx
+                    .kernel(gm.ty, gm.n_in, gm.n_out, chunk)
+                    .ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
+                launch(
+                    &mut ops,
+                    fg,
+                    ((max_descs * (bpd(&gm) + bpd(&um))) as u32, 1, 1),
+                    THREADS,
+                    sg,
+                    // Not early: ds4_route writes this table.
+                    vec![PArg::Table(gu_off), i(2 * max_descs), p(b.counters.ptr), i(0)],
+                );
+            }
             if !shared_side {
                 shared_swiglu(&mut ops);
             }

@@ -112,3 +112,96 @@ fn prefill_products_match_the_float_product_and_are_row_invariant() {
         eprintln!("{ty} {n_out}x{n_in}: ok (split {:?})", gemm::split(&m, n_out));
     }
 }
+
+/// `y = W x` of the `n` 8-bit activation rows at `xb` (slots of n_in floats) by the routed
+/// experts' tensor-core kernel (`ds4_moe_mma_iq2_xxs`: one descriptor, as ds4_route writes
+/// them for it).
+fn run_moe_mma(ctx: &super::super::context::Context, w: &DevBuf, m: &Mat, xb: &DevBuf, n: usize) -> Vec<f32> {
+    use super::super::CudaBackend;
+    let y = DevBuf::zeroed(4 * n.max(1) * m.n_out).unwrap();
+    let counters = DevBuf::zeroed(64).unwrap();
+    let (mut d, _) = CudaBackend::desc_split(w.at(m.start), m, xb.at(0), y.at(0), 0, n, 0, (1, 1));
+    d.warp_rows = 32;
+    let table = DevBuf::from_slice(&[d]).unwrap();
+    let f = ctx.function("ds4_moe_mma_iq2_xxs").unwrap();
+    let args = [Arg::Ptr(table.at(0)), Arg::I32(1), Arg::Ptr(counters.at(0))];
+    ctx.launch_args(f, (m.n_out.div_ceil(128) as u32, 1, 1), 128, 0, &args).unwrap();
+    ctx.sync().unwrap();
+    y.read(0, n * m.n_out).unwrap()
+}
+
+/// The prompt steps' IQ2_XXS expert products on the tensor cores: each output within
+/// `1e-6 * sum |w x|` of the CPU's reference dot with the same 8-bit activations (per group an
+/// exact integer sum times db * dx; only the order of the groups' f32 additions differs), an
+/// unused descriptor (0 rows) writes nothing, and a row gives the same bits with 1..=16 rows
+/// beside it.
+#[test]
+fn expert_products_on_the_tensor_cores_match_the_act8_dot() {
+    let Some(ctx) = context() else { return };
+    if ctx.compute_capability.0 < 8 {
+        eprintln!("skipped: sm_{}{} has no mma.sync m16n8k32", ctx.compute_capability.0, ctx.compute_capability.1);
+        return;
+    }
+    let ty = GgmlType::IQ2_XXS;
+    let mut rng = crate::quant::testutil::Rng(0x1e2_0fa1);
+    // A partial last warp and block (80 of 128 outputs) with rows of 2 super-blocks (132 bytes:
+    // 2-byte aligned, read in pieces); Flash's gate shape (16-byte loads).
+    for (n_out, n_in) in [(80usize, 512usize), (2048, 4096)] {
+        let row_bytes = ty.row_bytes(n_in as u64).unwrap() as usize;
+        let data = crate::quant::testutil::random_blocks(&mut rng, ty, n_out * row_bytes / ty.block_bytes(), &[0]);
+        let mut raw = vec![0u8; 256];
+        raw.extend_from_slice(&data);
+        let m = Mat { ty, n_in, n_out, start: 256, row_bytes };
+        let w = DevBuf::from_slice(&split_image(&raw, &[m])).unwrap();
+        let mut deq = vec![0f32; n_out * n_in];
+        quant::dequantize(ty, &data, &mut deq).unwrap();
+        // Rows of different scales, one all zeros.
+        const ROWS: usize = 16;
+        let mut x = randn(ROWS * n_in, 7 + n_out as u64, 1.0);
+        for (r, row) in x.chunks_mut(n_in).enumerate() {
+            let s = [1.0f32, 1e-3, 300.0, 0.0][r % 4];
+            row.iter_mut().for_each(|v| *v *= s);
+        }
+        let qx: Vec<Vec<u8>> = x.chunks(n_in).map(|r| quant::act8::quantize_rows(r, n_in).unwrap()).collect();
+        // Each row in its slot of n_in floats.
+        let slots = |rows: &[Vec<u8>]| {
+            let mut v = vec![0u8; rows.len() * 4 * n_in];
+            for (r, q) in rows.iter().enumerate() {
+                v[r * 4 * n_in..r * 4 * n_in + q.len()].copy_from_slice(q);
+            }
+            DevBuf::from_slice(&v).unwrap()
+        };
+        let all = slots(&qx);
+        let dot = quant::RowDot::new(ty, n_in, quant::Kernel::Scalar).unwrap();
+        let y = run_moe_mma(&ctx, &w, &m, &all, ROWS);
+        for (r, q) in qx.iter().enumerate() {
+            let xd: Vec<f32> = (0..n_in).map(|j| q[j] as i8 as f32 * quant::act8::scale(q, n_in, j / 32)).collect();
+            for o in 0..n_out {
+                let want = dot.dot_act8(&data[o * row_bytes..(o + 1) * row_bytes], q);
+                let mag: f64 =
+                    deq[o * n_in..(o + 1) * n_in].iter().zip(&xd).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
+                let got = y[r * n_out + o];
+                assert!(
+                    (got as f64 - want as f64).abs() <= 1e-6 * mag + 1e-30,
+                    "{n_out}x{n_in} row {r} out {o}: {got} against {want} (sum |wx| {mag})"
+                );
+            }
+        }
+        assert!(run_moe_mma(&ctx, &w, &m, &all, 0).is_empty());
+        for n in [1, 3, 8, 9, 13] {
+            for first in [0, ROWS - n] {
+                let part = slots(&qx[first..first + n]);
+                let yn = run_moe_mma(&ctx, &w, &m, &part, n);
+                for r in 0..n {
+                    let (a, b) = (&yn[r * n_out..(r + 1) * n_out], &y[(first + r) * n_out..(first + r + 1) * n_out]);
+                    assert!(
+                        a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits()),
+                        "{n_out}x{n_in}: row {} differs among {n} rows from {first}",
+                        first + r
+                    );
+                }
+            }
+        }
+        eprintln!("{n_out}x{n_in}: ok");
+    }
+}

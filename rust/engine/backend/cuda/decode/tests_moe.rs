@@ -189,11 +189,19 @@ struct RouteBufs {
     comb_w: DevBuf,
     comb_cnt: DevBuf,
     max_descs: usize,
+    /// Most rows of a gate/up and of a down descriptor.
+    chunks: (usize, usize),
 }
 
 impl RouteBufs {
+    /// For one descriptor per used expert (the union).
     fn new(n: usize, k: usize, n_experts: usize) -> Self {
-        let max_descs = (n * k).min(n_experts);
+        Self::chunked(n, k, n_experts, (n, n))
+    }
+
+    /// For an expert's rows in descriptors of at most `chunks` rows (gate/up, down).
+    fn chunked(n: usize, k: usize, n_experts: usize, chunks: (usize, usize)) -> Self {
+        let max_descs = if chunks.0 >= n && chunks.1 >= n { (n * k).min(n_experts) } else { n * k };
         let desc = std::mem::size_of::<Desc>();
         let z = |bytes: usize| DevBuf::zeroed(bytes).expect("device buffer");
         RouteBufs {
@@ -204,6 +212,7 @@ impl RouteBufs {
             comb_w: z(4 * n * k),
             comb_cnt: z(4 * n),
             max_descs,
+            chunks,
         }
     }
 
@@ -257,8 +266,9 @@ fn launch_route(
         Arg::Ptr(out.comb_slot.at(0)),
         Arg::Ptr(out.comb_w.at(0)),
         Arg::Ptr(out.comb_cnt.at(0)),
-        // One descriptor per expert (the union): chunks of n rows.
-        Arg::I32(n as i32),
+        // Descriptors of at most this many rows (gate/up, then down).
+        Arg::I32(out.chunks.0 as i32),
+        Arg::I32(out.chunks.1 as i32),
     ];
     ctx.launch_named("ds4_route", (1, 1, 1), 256, 0, &args).expect("ds4_route");
     keep.push(bias);
@@ -269,9 +279,15 @@ fn launch_route(
 
 /// The expected outputs of ds4_route for the rows' `routes` (moe::route of each row), as the
 /// kernel's documentation specifies them from moe::forward's grouping.
-fn expected_routing(routes: &[(Vec<usize>, Vec<f32>)], n_experts: usize, k: usize, templ: &[Desc; 3]) -> Routing {
+fn expected_routing(
+    routes: &[(Vec<usize>, Vec<f32>)],
+    n_experts: usize,
+    k: usize,
+    templ: &[Desc; 3],
+    chunks: (usize, usize),
+) -> Routing {
     let n = routes.len();
-    let max_descs = (n * k).min(n_experts);
+    let max_descs = if chunks.0 >= n && chunks.1 >= n { (n * k).min(n_experts) } else { n * k };
     // moe::forward's `used`: the experts in increasing id with their rows.
     let used: Vec<(usize, Vec<usize>)> = (0..n_experts)
         .map(|e| (e, (0..n).filter(|&r| routes[r].0.contains(&e)).collect::<Vec<_>>()))
@@ -306,28 +322,41 @@ fn expected_routing(routes: &[(Vec<usize>, Vec<f32>)], n_experts: usize, k: usiz
     }
     let rb = |t: &Desc| t.row_blocks() as i32;
     let bpd = |t: &Desc| rb(t) * t.slices;
-    let slot = |t: &Desc, i: usize| {
-        let (e, off, c) = if i < used.len() { (used[i].0, off[i], used[i].1.len()) } else { (0, 0, 0) };
+    // Descriptor q of a chunking: (expert, first gathered row, rows), in expert then row order.
+    let slots = |chunk: usize| -> Vec<(usize, usize, usize)> {
+        let mut v = Vec::new();
+        for (i, (e, rows)) in used.iter().enumerate() {
+            for t in (0..rows.len()).step_by(chunk) {
+                v.push((*e, off[i] + t, chunk.min(rows.len() - t)));
+            }
+        }
+        v
+    };
+    let slot = |t: &Desc, q: usize, chunk: usize, sl: &[(usize, usize, usize)]| {
+        let (e, off, c) = sl.get(q).copied().unwrap_or((0, 0, 0));
         let (n_out, n_in) = (t.n_out as u64, t.n_in as u64);
         Desc {
             w: t.w + e as u64 * t.row_bytes as u64 * n_out,
             x: t.x + 4 * off as u64 * n_in,
             y: t.y + 4 * off as u64 * n_out,
-            part: t.part + 4 * (i * t.slices as usize * n) as u64 * n_out,
+            part: t.part + 4 * (q * t.slices as usize * chunk) as u64 * n_out,
             n: c as i32,
-            counter: t.counter + i as i32 * rb(t),
+            counter: t.counter + q as i32 * rb(t),
             ..*t
         }
     };
+    let (sg, sd) = (slots(chunks.0), slots(chunks.1));
     let mut gu = Vec::with_capacity(2 * max_descs);
-    for i in 0..max_descs {
-        gu.push(Desc { block_start: i as i32 * bpd(&templ[0]), ..slot(&templ[0], i) });
+    for q in 0..max_descs {
+        gu.push(Desc { block_start: q as i32 * bpd(&templ[0]), ..slot(&templ[0], q, chunks.0, &sg) });
     }
-    for i in 0..max_descs {
-        let start = max_descs as i32 * bpd(&templ[0]) + i as i32 * bpd(&templ[1]);
-        gu.push(Desc { block_start: start, ..slot(&templ[1], i) });
+    for q in 0..max_descs {
+        let start = max_descs as i32 * bpd(&templ[0]) + q as i32 * bpd(&templ[1]);
+        gu.push(Desc { block_start: start, ..slot(&templ[1], q, chunks.0, &sg) });
     }
-    let down = (0..max_descs).map(|i| Desc { block_start: i as i32 * bpd(&templ[2]), ..slot(&templ[2], i) }).collect();
+    let down = (0..max_descs)
+        .map(|q| Desc { block_start: q as i32 * bpd(&templ[2]), ..slot(&templ[2], q, chunks.1, &sd) })
+        .collect();
     Routing { gather_src, comb_slot, comb_w, comb_cnt, gu, down }
 }
 
@@ -400,7 +429,10 @@ fn route_matches_cpu() {
         let lw = layer_weights(unused(), rt.clone(), [Stack { first: unused(), n_exp }; 3], [unused(); 3]);
         let templ = fake_templates(d, ff);
         let templ_buf = DevBuf::from_slice(&templ).expect("templates");
-        for n in [1usize, 3, 16] {
+        // Up to the most rows the kernel's arrays take (a prompt's step): n k <= 768 pairs,
+        // n ceil(E / 32) <= 1024 bitmap words.
+        let most = (768 / k).min(1024 / n_exp.div_ceil(32)).min(128);
+        for n in [1usize, 3, 16, most] {
             let what = format!("E={n_exp} k={k} hash={hash} norm={norm} n={n}");
             // Logits over the softplus range: linear part (> 20), tiny scores, and exact ties
             // (equal logits of experts with equal biases, broken by the lower index).
@@ -420,7 +452,7 @@ fn route_matches_cpu() {
                 (0..n).map(|r| if r % 4 == 3 { 5 } else { (rng.next_u64() % vocab as u64) as u32 }).collect();
             let routes: Vec<(Vec<usize>, Vec<f32>)> =
                 (0..n).map(|r| moe::route(&cfg, &lw, &logits[r * n_exp..(r + 1) * n_exp], tokens[r])).collect();
-            let want = expected_routing(&routes, n_exp, k, &templ);
+            let want = expected_routing(&routes, n_exp, k, &templ, (n, n));
             for r in 0..n {
                 let (ch, z) = (&routes[r].0, &logits[r * n_exp..(r + 1) * n_exp]);
                 if !hash {
@@ -440,6 +472,13 @@ fn route_matches_cpu() {
             launch_route(&ctx, &cfg, &rt, &logits_buf, n, &st, &templ_buf, &out, &mut keep);
             let got = out.read(&ctx, n, k);
             check_routing(&what, &got, &want);
+            // Chunked tables, of a different size for gate/up and down (a prompt's step).
+            for chunks in [(2, 1), (16, 4), (3, 16)] {
+                let out = RouteBufs::chunked(n, k, n_exp, chunks);
+                launch_route(&ctx, &cfg, &rt, &logits_buf, n, &st, &templ_buf, &out, &mut keep);
+                let want = expected_routing(&routes, n_exp, k, &templ, chunks);
+                check_routing(&format!("{what} chunks {chunks:?}"), &out.read(&ctx, n, k), &want);
+            }
 
             // Row invariance: each row alone has the same weights, bit for bit.
             for row in 0..n {

@@ -1,0 +1,199 @@
+// The routed experts' IQ2_XXS gate and up products of a prompt's steps on the tensor cores
+// (rust/engine/backend/cuda/decode/program.rs; the decode and verifies keep iq2_xxs.cu's
+// kernels). In a prompt's step of 128 rows an expert serves about 3 rows; iq2_xxs.cu decodes
+// each weight once per product and then spends four dp4a and a scale per 8 weights and row, so
+// its time grows with the rows (on an H200 a 4-row product costs 1.7 one-row ones). Here the
+// decoded weights go into mma.sync m16n8k32 (int8 in, int32 sums): up to 8 rows per
+// instruction, and the cost per row is one int32-to-float and one multiply-add per output and
+// group of 32.
+//
+// The numbers are the decode's: per group of 32 weights and row, the exact integer sum of the
+// signed lattice bytes times the row's 8-bit activations (quant/act8.rs), times db * dx in f32;
+// the groups' terms are added in group order (one warp holds an output's whole row). Only the
+// order of the additions differs from iq2_xxs.cu's lanes, so prompt steps are not bitwise the
+// decode (which `set_prefill` allows), and a row's sums do not depend on the other rows of its
+// product or step (row invariance among prompt steps).
+//
+// Fragments (PTX ISA, mma.m16n8k32 .s8): lane l = 4 g + t holds A (16 x 32, row major) rows g
+// and g + 8 at k = 4t..4t+3 (a0, a1) and 16+4t..16+4t+3 (a2, a3), B (32 x 8, column major)
+// column g at the same k (b0, b1), and C rows g, g + 8 at columns 2t, 2t + 1. A dot product is
+// a sum over its k in any order, so k is permuted the same way for A and B: lane t's eight k
+// are the group's physical inputs 8t..8t+7, which are exactly lattice entry t of the group (one
+// byte of aux0, seven sign bits of aux1). A is the weights (outputs are rows), B the rows of x
+// (each lane one row's 8 bytes, one load), so a lane decodes two outputs' 8 weights a group.
+
+// Output rows of a warp: two m16 tiles (host: GX_WARP_ROWS); rows of x: two n8 tiles, at most
+// 16 rows a descriptor (host: GX_MAX_ROWS).
+#define GX_MT 2
+#define GX_NT 2
+
+// d += a * b, int8 inputs, int32 sums.
+__device__ __forceinline__ void gx_mma(int (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+    // (Before sm_80 nothing: the host runs this kernel on sm_80 and later only.)
+}
+
+// Lattice entry t of a group (aux0, aux1) as signed bytes: coordinates 0..3 in lo, 4..7 in hi.
+// A negative byte is (g ^ 0xff) + 1; g <= 43, so the + 1 never carries into the next byte.
+__device__ __forceinline__ void gx_entry(u32 grid, u32 aux0, u32 aux1, int t, u32& lo, u32& hi) {
+    const u32 sel = lds_u32(grid + 4u * __byte_perm(aux0, 0u, 0x4440u | (u32)t));
+    const u32 g0 = __byte_perm(IQ2_GRID_BYTES, 0u, sel);
+    const u32 g1 = __byte_perm(IQ2_GRID_BYTES, 0u, sel >> 16);
+    const u32 i = (aux1 >> (7 * t)) & 127u;
+    const u32 m0 = iq2_sign_half0(i), m1 = iq2_sign_half1(i);
+    lo = (g0 ^ m0) + (m0 & 0x01010101u);
+    hi = (g1 ^ m1) + (m1 & 0x01010101u);
+}
+
+// The gate and up products of a step's routed experts (MvDesc tables written by ds4_route:
+// warp_rows 32, group 1, slices 1; x the gathered rows as 8-bit activations, n <= 16). Block
+// 128 (four warps of 32 outputs each); n_in a multiple of 256. Rows of an odd number of
+// super-blocks (66 bytes each) are only 2-byte aligned: their groups are read in 2-byte pieces.
+extern "C" __global__ void __launch_bounds__(128) ds4_moe_mma_iq2_xxs(const MvDesc* __restrict__ descs, int count,
+                                                                      int* __restrict__ counters) {
+    __shared__ u32 lut[256];
+    FmtIQ2_XXS::init_lut((u8*)lut, threadIdx.x);
+    // The tables are ds4_route's, written by the kernel before.
+    ds4_grid_deps();
+    __syncthreads();
+    const MvBlock B = mv_block(descs, count);
+    const MvDesc& D = *B.D;
+    const int n = D.n;
+    if (n == 0 || B.nrows <= 0) {
+        return;  // an unused expert slot, or rows past n_out
+    }
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int n_in = D.n_in;
+    const int n_out = D.n_out;
+    const int nb = n_in >> 8;
+    const u32 grid = (u32)__cvta_generic_to_shared(lut);
+    const bool vec = (((unsigned long long)D.w | (unsigned long long)D.row_bytes) & 15ull) == 0;
+    // Output rows g and g + 8 of each m16 tile (clamped to the last row past n_out: loaded,
+    // never stored).
+    const u8* wrow[GX_MT][2];
+#pragma unroll
+    for (int mt = 0; mt < GX_MT; mt++) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int o = min(B.o0 + 16 * mt + 8 * h + g, n_out - 1);
+            wrow[mt][h] = D.w + (long long)o * D.row_bytes;
+        }
+    }
+    // Row g of each n8 tile (B fragments: null past n), rows 2t, 2t + 1 (C: the scales).
+    const char* xb[GX_NT];
+    const float* dxr[GX_NT][2];
+#pragma unroll
+    for (int nt = 0; nt < GX_NT; nt++) {
+        const int r = 8 * nt + g;
+        xb[nt] = r < n ? (const char*)(D.x + (long long)r * n_in) : nullptr;
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            const int rc = 8 * nt + 2 * t + c;
+            dxr[nt][c] = rc < n ? (const float*)((const char*)(D.x + (long long)rc * n_in) + n_in) : nullptr;
+        }
+    }
+    const bool two = n > 8;
+    float acc[GX_MT][GX_NT][4];
+#pragma unroll
+    for (int mt = 0; mt < GX_MT; mt++) {
+#pragma unroll
+        for (int nt = 0; nt < GX_NT; nt++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                acc[mt][nt][i] = 0.0f;
+            }
+        }
+    }
+    for (int sb = 0; sb < nb; sb++) {
+        float d[GX_MT][2];
+#pragma unroll
+        for (int mt = 0; mt < GX_MT; mt++) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                d[mt][h] = f16_bits_to_f32(*(const u16*)(wrow[mt][h] + 64ll * nb + 2 * sb));
+            }
+        }
+        // Two groups a step: each row's 16 bytes at once.
+#pragma unroll 2
+        for (int jj = 0; jj < 8; jj += 2) {
+            uint4 wv[GX_MT][2];
+#pragma unroll
+            for (int mt = 0; mt < GX_MT; mt++) {
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const u8* p = wrow[mt][h] + 64ll * sb + 8 * jj;
+                    if (vec) {
+                        wv[mt][h] = *(const uint4*)p;
+                    } else {
+                        const u16* q = (const u16*)p;
+                        wv[mt][h] = make_uint4((u32)q[0] | ((u32)q[1] << 16), (u32)q[2] | ((u32)q[3] << 16),
+                                               (u32)q[4] | ((u32)q[5] << 16), (u32)q[6] | ((u32)q[7] << 16));
+                    }
+                }
+            }
+#pragma unroll
+            for (int s = 0; s < 2; s++) {
+                const int u = 8 * sb + jj + s;  // the group of 32 (the activation block)
+                uint2 xv[GX_NT];
+                float dx[GX_NT][2];
+#pragma unroll
+                for (int nt = 0; nt < GX_NT; nt++) {
+                    xv[nt] = make_uint2(0u, 0u);
+                    if (xb[nt]) {
+                        xv[nt] = *(const uint2*)(xb[nt] + 32 * u + 8 * t);
+                    }
+#pragma unroll
+                    for (int c = 0; c < 2; c++) {
+                        dx[nt][c] = dxr[nt][c] ? dxr[nt][c][u] : 0.0f;
+                    }
+                }
+#pragma unroll
+                for (int mt = 0; mt < GX_MT; mt++) {
+                    u32 a[2][2];  // [h][lo/hi]
+                    float db[2];
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const u32 aux0 = s ? wv[mt][h].z : wv[mt][h].x;
+                        const u32 aux1 = s ? wv[mt][h].w : wv[mt][h].y;
+                        gx_entry(grid, aux0, aux1, t, a[h][0], a[h][1]);
+                        db[h] = d[mt][h] * (0.5f + u8f(aux1 >> 28)) * 0.25f;
+                    }
+#pragma unroll
+                    for (int nt = 0; nt < GX_NT; nt++) {
+                        if (nt == 1 && !two) {
+                            continue;
+                        }
+                        int c[4] = {0, 0, 0, 0};
+                        gx_mma(c, a[0][0], a[1][0], a[0][1], a[1][1], xv[nt].x, xv[nt].y);
+                        acc[mt][nt][0] = fmaf(db[0] * dx[nt][0], (float)c[0], acc[mt][nt][0]);
+                        acc[mt][nt][1] = fmaf(db[0] * dx[nt][1], (float)c[1], acc[mt][nt][1]);
+                        acc[mt][nt][2] = fmaf(db[1] * dx[nt][0], (float)c[2], acc[mt][nt][2]);
+                        acc[mt][nt][3] = fmaf(db[1] * dx[nt][1], (float)c[3], acc[mt][nt][3]);
+                    }
+                }
+            }
+        }
+    }
+    ds4_grid_launch();
+#pragma unroll
+    for (int mt = 0; mt < GX_MT; mt++) {
+#pragma unroll
+        for (int nt = 0; nt < GX_NT; nt++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int o = B.o0 + 16 * mt + g + 8 * (i >> 1);
+                const int r = 8 * nt + 2 * t + (i & 1);
+                if (o < n_out && r < n) {
+                    D.y[(long long)r * D.y_stride + o] = acc[mt][nt][i];
+                }
+            }
+        }
+    }
+}
