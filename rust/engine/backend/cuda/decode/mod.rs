@@ -648,8 +648,7 @@ pub(crate) struct CudaDecoder {
     prefill_rows: usize,
     /// Most rows of a routed-expert product in a prompt's step ([`program::expert_chunk`]).
     prefill_chunk: usize,
-    /// Whether a prompt's IQ2_XXS gate and up products run on the tensor cores
-    /// ([`program::expert_mma`]).
+    /// Whether a prompt's IQ2_XXS gate and up products run on the tensor cores (`DS4_CUDA_EXPERT_MMA`).
     expert_mma: bool,
     /// Whether a step leaves its state writes pending in the state ([`StepWrites`], made
     /// while the GPU runs the next step) rather than making them before it returns;
@@ -900,18 +899,14 @@ fn block_on_device(
 impl CudaDecoder {
     fn new(backend: Arc<CudaBackend>, model: &Model, ctx_len: usize, round_mode: i32) -> Result<Self> {
         let prefetch_q_b = program::prefetch_q_b(std::env::var("DS4_CUDA_PREFETCH").ok().as_deref())?;
-        let defer = match std::env::var("DS4_CUDA_DEFER").ok().as_deref() {
-            None | Some("1") => true,
-            Some("0") => false,
-            Some(v) => return Err(Error::invalid(format!("DS4_CUDA_DEFER takes 0 or 1, not {v:?}"))),
-        };
+        let setting = |name: &str| program::switch(name, std::env::var(name).ok().as_deref());
+        let defer = setting("DS4_CUDA_DEFER")?;
         // A prompt's steps on the tensor-core products (gemm.rs), unless DS4_CUDA_GEMM=0 (A/B
         // timing) or the device predates mma.sync m16n8k16.
-        let gemm_on = match std::env::var("DS4_CUDA_GEMM").ok().as_deref() {
-            None | Some("1") => backend.compute_capability().0 >= 8,
-            Some("0") => false,
-            Some(v) => return Err(Error::invalid(format!("DS4_CUDA_GEMM takes 0 or 1, not {v:?}"))),
-        };
+        let gemm_on = setting("DS4_CUDA_GEMM")? && backend.compute_capability().0 >= 8;
+        // A prompt's IQ2_XXS gate and up products on the tensor cores (gemm_experts.cu) rather
+        // than the decode's kernel, unless DS4_CUDA_EXPERT_MMA=0 (A/B timing).
+        let expert_mma = setting("DS4_CUDA_EXPERT_MMA")?;
         let g = backend.lock();
         g.ctx.bind()?;
         let k = Kernels::load(&g.ctx)?;
@@ -1219,7 +1214,7 @@ impl CudaDecoder {
             prefill: false,
             prefill_rows: p_rows,
             prefill_chunk: program::expert_chunk(std::env::var("DS4_CUDA_EXPERT_CHUNK").ok().as_deref())?,
-            expert_mma: program::expert_mma(std::env::var("DS4_CUDA_EXPERT_MMA").ok().as_deref())?,
+            expert_mma,
             defer,
             mtp,
             dspark,

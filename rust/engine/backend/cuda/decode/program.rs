@@ -36,16 +36,6 @@ fn gx_takes(m: &Mat, at: u64) -> bool {
     m.ty == crate::quant::GgmlType::IQ2_XXS && m.n_in > 0 && m.n_in.is_multiple_of(256) && at.is_multiple_of(2)
 }
 
-/// Whether a prompt's IQ2_XXS gate and up products run on the tensor cores (`gemm_experts.cu`)
-/// rather than the decode's kernel: `DS4_CUDA_EXPERT_MMA` 1 (the default) or 0 (A/B timing).
-pub(super) fn expert_mma(setting: Option<&str>) -> Result<bool> {
-    match setting.map(str::trim) {
-        None | Some("" | "1") => Ok(true),
-        Some("0") => Ok(false),
-        Some(v) => Err(Error::invalid(format!("DS4_CUDA_EXPERT_MMA takes 0 or 1, not {v:?}"))),
-    }
-}
-
 /// Most rows of one routed-expert product in a prompt's step by default
 /// ([`expert_chunk`]): its experts serve more rows (128 rows of Flash: about 3 an expert),
 /// and each product of a chunk reads the expert's weights again. On an H200 (Flash, 2048-token
@@ -137,10 +127,18 @@ const PREFETCH_THREADS: usize = 128;
 /// during the routed experts (9.90 against 8.97 ms: the longer side chain holds up the join
 /// before `ds4_moe_combine`).
 pub(super) fn prefetch_q_b(setting: Option<&str>) -> Result<bool> {
+    switch("DS4_CUDA_PREFETCH", setting)
+}
+
+/// An on/off setting of the decoder, `name` = `setting` (the environment's, read when a
+/// session makes its decoder): on when unset, empty or 1, off with 0, and anything else
+/// refused (the session then runs on the host, as for any decoder it cannot make) rather than
+/// read as either.
+pub(super) fn switch(name: &str, setting: Option<&str>) -> Result<bool> {
     match setting.map(str::trim) {
         None | Some("" | "1") => Ok(true),
         Some("0") => Ok(false),
-        Some(other) => Err(Error::invalid(format!("DS4_CUDA_PREFETCH must be 0 or 1, not {other:?}"))),
+        Some(other) => Err(Error::invalid(format!("{name} takes 0 or 1, not {other:?}"))),
     }
 }
 

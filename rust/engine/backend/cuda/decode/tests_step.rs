@@ -123,16 +123,21 @@ fn device_argmax_steps_are_the_argmax_of_the_device_logits() {
     }
 }
 
-/// `DS4_CUDA_PREFETCH`: on by default, off with 0, and a typo refused (the session then runs on
-/// the host, as for any decoder it cannot make) rather than read as either. Host-side.
+/// `DS4_CUDA_PREFETCH` and the decoder's other switches: on by default, off with 0, and a typo
+/// refused (the session then runs on the host, as for any decoder it cannot make) rather than
+/// read as either, the error naming the setting. Host-side.
 #[test]
 fn prefetch_setting_parses() {
-    use super::program::prefetch_q_b;
+    use super::program::{prefetch_q_b, switch};
     for v in [None, Some(""), Some("1"), Some(" 1 ")] {
         assert!(prefetch_q_b(v).expect("a valid setting"), "{v:?}");
+        assert!(switch("DS4_CUDA_EXPERT_MMA", v).expect("a valid setting"), "{v:?}");
     }
     assert!(!prefetch_q_b(Some("0")).expect("a valid setting"));
+    assert!(!switch("DS4_CUDA_GEMM", Some("0")).expect("a valid setting"));
     for v in ["yes", "2", "all", "none", "wide"] {
         assert!(matches!(prefetch_q_b(Some(v)), Err(Error::InvalidArgument(_))), "{v:?}");
     }
+    let err = switch("DS4_CUDA_DEFER", Some("on")).unwrap_err().to_string();
+    assert!(err.contains("DS4_CUDA_DEFER") && err.contains("\"on\""), "{err}");
 }
