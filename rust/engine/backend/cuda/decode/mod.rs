@@ -920,6 +920,9 @@ impl CudaDecoder {
         )?;
         // Rows of the activation buffers: a prompt's step or a verify, whichever has more.
         let rows = p_rows.max(N_MAX);
+        let prefill_chunk = program::expert_chunk(std::env::var("DS4_CUDA_EXPERT_CHUNK").ok().as_deref())?;
+        // The most rows of a routed product's descriptor (program.rs `chunk`).
+        let chunk_max = prefill_chunk.max(program::EXPERT_CHUNK);
         let w = &model.weights;
         let (d, hc, hd) = (cfg.hidden, cfg.hc_mult, cfg.head_dim);
         let consts =
@@ -1009,6 +1012,7 @@ impl CudaDecoder {
             }
         };
         let dspark_stages = dspark_w.map(|dw| dw.stages.as_slice()).unwrap_or_default();
+        let mut routed_need = (0usize, 0usize);
         for l in w.layers.iter().chain(mtp_w.map(|m| &m.block)).chain(dspark_stages) {
             need(&[l.hc_attn.proj], rows);
             need(&[l.q_a, l.kv], rows);
@@ -1027,9 +1031,18 @@ impl CudaDecoder {
             need(&[l.hc_ffn.proj], rows);
             need(&[l.router_proj, l.gate_sh, l.up_sh], rows);
             need(&[l.down_sh], rows);
-            let gu = [vec![l.gate_exps.first; max_descs], vec![l.up_exps.first; max_descs]].concat();
-            need(&gu, rows);
-            need(&vec![l.down_exps.first; max_descs], rows);
+            // The routed products, as program.rs lays them out: a descriptor slot's chunk of rows
+            // per input slice, and its row blocks' counters (the up products' after the gate's).
+            let routed = |m: &Mat| {
+                if slices(m) > 1 {
+                    (max_descs * slices(m) * chunk_max * m.n_out, max_descs * row_blocks(m))
+                } else {
+                    (0, 0)
+                }
+            };
+            let ((pg, cg), (pu, cu), (pd, cd)) =
+                (routed(&l.gate_exps.first), routed(&l.up_exps.first), routed(&l.down_exps.first));
+            routed_need = (routed_need.0.max(pg + pu).max(pd), routed_need.1.max(cg + cu).max(cd));
         }
         need(&[w.hc_head.proj], rows);
         need(&[w.output], rows);
@@ -1048,6 +1061,8 @@ impl CudaDecoder {
             let heads: Vec<Mat> = dw.markov_w2.into_iter().chain(dw.confidence).collect();
             need(&heads, N_MAX);
         }
+        part_floats = part_floats.max(routed_need.0);
+        counters_len = counters_len.max(routed_need.1);
         let slots = cfg.window + crate::spec::MAX_DRAFT + 1;
         let dspark = match (dspark_w, model.draft.as_ref()) {
             (Some(dw), Some(dm)) => Some(DSparkDevice {
@@ -1213,7 +1228,7 @@ impl CudaDecoder {
             gemm_on,
             prefill: false,
             prefill_rows: p_rows,
-            prefill_chunk: program::expert_chunk(std::env::var("DS4_CUDA_EXPERT_CHUNK").ok().as_deref())?,
+            prefill_chunk,
             expert_mma,
             defer,
             mtp,

@@ -22,7 +22,7 @@ use crate::{Error, Result};
 /// Most rows of one routed-expert product in a decode step or a verify: the kernels for few
 /// rows read the weights much faster per row (IQ2_XXS at 16 rows runs at a fifth of its
 /// one-row speed), and in a batch most experts serve one or two rows.
-const EXPERT_CHUNK: usize = 2;
+pub(super) const EXPERT_CHUNK: usize = 2;
 
 /// Output rows of a warp of `ds4_moe_mma_iq2_xxs` (gemm_experts.cu: two m16 tiles).
 const GX_WARP_ROWS: usize = 32;
