@@ -570,7 +570,7 @@ impl CudaBackend {
     }
 
     /// [`CudaBackend::time_launches`] for the products of a prompt's steps on the tensor cores
-    /// (`decode/gemm.rs`, `shaders/cuda/gemm.cu`): F16 or float-x Q8_0 matrices, `n <= 16`
+    /// (`decode/gemm.rs`, `shaders/cuda/gemm.cu`): F16 or float-x Q8_0 matrices, `n <= 64`
     /// rows. For benchmarks.
     #[doc(hidden)]
     pub fn time_prefill_launches(&self, raw: &[u8], mats: &[Mat], n: usize, iters: u64) -> Result<f64> {
