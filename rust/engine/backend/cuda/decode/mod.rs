@@ -912,14 +912,13 @@ impl CudaDecoder {
         let k = Kernels::load(&g.ctx)?;
         drop(g);
         let cfg = &model.config;
-        let p_rows = prefill_rows(
+        // The rows of a prompt's step, at least a verify's: those of the activation buffers.
+        let rows = prefill_rows(
             std::env::var("DS4_CUDA_PREFILL_ROWS").ok().as_deref(),
             cfg.n_experts_used,
             cfg.n_experts,
             model.draft.is_some(),
         )?;
-        // Rows of the activation buffers: a prompt's step or a verify, whichever has more.
-        let rows = p_rows.max(N_MAX);
         let prefill_chunk = program::expert_chunk(std::env::var("DS4_CUDA_EXPERT_CHUNK").ok().as_deref())?;
         // The most rows of a routed product's descriptor (program.rs `chunk`).
         let chunk_max = prefill_chunk.max(program::EXPERT_CHUNK);
@@ -1227,7 +1226,7 @@ impl CudaDecoder {
             prefetch_q_b,
             gemm_on,
             prefill: false,
-            prefill_rows: p_rows,
+            prefill_rows: rows,
             prefill_chunk,
             expert_mma,
             defer,
