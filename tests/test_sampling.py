@@ -30,12 +30,10 @@ def reference_distribution(
     in id order, running sum in order of decreasing weight, ties to the lower id), min-p
     (weight >= min_p, since the max weight is 1), renormalization (sum in id order)."""
     t, p, m = (float(np.float32(x)) for x in (temperature, top_p, min_p))
-    lg = np.asarray(logits, dtype=np.float32).astype(np.float64)
     if t == 0.0:
+        lg = np.asarray(logits, dtype=np.float32).astype(np.float64)
         return np.array([int(np.argmax(lg))]), np.array([1.0])
-    x = (lg - lg.max()) / t
-    # math.exp: the C library's exp, as the engine's f64::exp.
-    e = np.array([math.exp(v) for v in x])
+    e = reference_weights(logits, t)
     cand = np.flatnonzero(e > 0)
     order = cand[np.lexsort((cand, -e[cand]))]  # weight descending, then id ascending
     if 0 < top_k < len(order):
@@ -49,6 +47,14 @@ def reference_distribution(
     ids = np.sort(order)
     w = e[ids]
     return ids, w / np.cumsum(w)[-1]
+
+
+def reference_weights(logits: np.ndarray, temperature: float) -> np.ndarray:
+    """The documented weights exp((l - l_max) / T) in f64, T the f32 temperature (> 0)."""
+    t = float(np.float32(temperature))
+    x = (np.asarray(logits, dtype=np.float32).astype(np.float64) - float(np.max(logits))) / t
+    # math.exp: the C library's exp, as the engine's f64::exp.
+    return np.array([math.exp(v) for v in x])
 
 
 class Xoshiro256StarStar:
@@ -254,7 +260,11 @@ def test_distribution_matches_the_documented_order(logits: np.ndarray, params: S
     assert ids.dtype == np.int64 and probs.dtype == np.float64
     assert np.all(np.diff(ids) > 0) and np.all(probs > 0)
     assert abs(probs.sum() - 1.0) < 1e-12
-    assert int(np.argmax(logits)) in ids  # the argmax survives every filter
+    # The heaviest token survives every filter: the argmax of the weights, ties to the lower id
+    # (logits closer than the weights resolve, such as 0 and 4e-34, weigh the same).
+    hot = float(np.float32(params.temperature)) > 0.0
+    w = reference_weights(logits, params.temperature) if hot else np.asarray(logits)
+    assert int(np.argmax(w)) in ids
     if params.top_k:
         assert len(ids) <= params.top_k
 
