@@ -1,13 +1,13 @@
-// The routed experts' IQ2_XXS gate and up products of a prompt's steps on the tensor cores
-// (rust/engine/backend/cuda/decode/program.rs; the decode and verifies keep iq2_xxs.cu's
-// kernels). In a prompt's step of 128 rows an expert serves about 3 rows; iq2_xxs.cu decodes
-// each weight once per product and then spends four dp4a and a scale per 8 weights and row, so
-// its time grows with the rows (on an H200 a 4-row product costs 1.7 one-row ones). Here the
-// decoded weights go into mma.sync m16n8k32 (int8 in, int32 sums): up to 8 rows per
-// instruction, and the cost per row is one int32-to-float and one multiply-add per output and
-// group of 32.
+// The routed experts' IQ2_XXS gate and up products and Q2_K down products of a prompt's steps
+// on the tensor cores (rust/engine/backend/cuda/decode/program.rs; the decode and verifies keep
+// iq2_xxs.cu's and q2_k.cu's kernels). In a prompt's step of 128 rows an expert serves about 3
+// rows; iq2_xxs.cu decodes each weight once per product and then spends four dp4a and a scale
+// per 8 weights and row, so its time grows with the rows (on an H200 a 4-row product costs 1.7
+// one-row ones). Here the decoded weights go into mma.sync m16n8k32 (int8 in, int32 sums): up
+// to 8 rows per instruction, and the cost per row is one int32-to-float and one multiply-add
+// per output and group of 32 (Q2_K: two of each, for its scales and its mins).
 //
-// The numbers are the decode's: per group of 32 weights and row, the exact integer sum of the
+// IQ2_XXS's numbers are the decode's: per group of 32 weights and row, the exact integer sum of the
 // signed lattice bytes times the row's 8-bit activations (quant/act8.rs), times db * dx in f32;
 // the groups' terms are added in group order (one warp holds an output's whole row). Only the
 // order of the additions differs from iq2_xxs.cu's lanes, so prompt steps are not bitwise the
@@ -50,6 +50,64 @@ __device__ __forceinline__ void gx_entry(u32 grid, u32 aux0, u32 aux1, int t, u3
     hi = (g1 ^ m1) + (m1 & 0x01010101u);
 }
 
+// Lane (g, t)'s view of a descriptor's rows of x (8-bit activations, each in a slot of n_in
+// floats): row g of each n8 tile, whose 8 bytes a group it loads as B (null past n), and the
+// scales of rows 2t and 2t + 1, the columns of its C (null past n).
+struct GxRows {
+    const char* xb[GX_NT];
+    const float* dx[GX_NT][2];
+};
+
+__device__ __forceinline__ GxRows gx_rows(const MvDesc& D, int g, int t) {
+    GxRows X;
+#pragma unroll
+    for (int nt = 0; nt < GX_NT; nt++) {
+        const int r = 8 * nt + g;
+        X.xb[nt] = r < D.n ? (const char*)(D.x + (long long)r * D.n_in) : nullptr;
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            const int rc = 8 * nt + 2 * t + c;
+            X.dx[nt][c] = rc < D.n ? (const float*)((const char*)(D.x + (long long)rc * D.n_in) + D.n_in) : nullptr;
+        }
+    }
+    return X;
+}
+
+// Activation block u (inputs 32 u..32 u + 31): each n8 tile's B fragment (inputs 32 u + 8 t ..
+// + 7 of row g; zeros past n) and its columns' scales dx (0 past n).
+__device__ __forceinline__ void gx_x(const GxRows& X, int u, int t, uint2 (&xv)[GX_NT], float (&dx)[GX_NT][2]) {
+#pragma unroll
+    for (int nt = 0; nt < GX_NT; nt++) {
+        xv[nt] = make_uint2(0u, 0u);
+        if (X.xb[nt]) {
+            xv[nt] = *(const uint2*)(X.xb[nt] + 32 * u + 8 * t);
+        }
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            dx[nt][c] = X.dx[nt][c] ? X.dx[nt][c][u] : 0.0f;
+        }
+    }
+}
+
+// The warp's outputs o0.. (two m16 tiles) of the descriptor's rows (two n8 tiles) from C
+// fragments: lane (g, t) holds outputs g and g + 8 of a tile at rows 2t and 2t + 1.
+__device__ __forceinline__ void gx_store(const MvDesc& D, int o0, int g, int t, const float (&acc)[GX_MT][GX_NT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < GX_MT; mt++) {
+#pragma unroll
+        for (int nt = 0; nt < GX_NT; nt++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int o = o0 + 16 * mt + g + 8 * (i >> 1);
+                const int r = 8 * nt + 2 * t + (i & 1);
+                if (o < D.n_out && r < D.n) {
+                    D.y[(long long)r * D.y_stride + o] = acc[mt][nt][i];
+                }
+            }
+        }
+    }
+}
+
 // The gate and up products of a step's routed experts (MvDesc tables written by ds4_route:
 // warp_rows 32, group 1, slices 1; x the gathered rows as 8-bit activations, n <= 16). Block
 // 128 (four warps of 32 outputs each); n_in a multiple of 256. Rows of an odd number of
@@ -86,31 +144,9 @@ extern "C" __global__ void __launch_bounds__(128) ds4_moe_mma_iq2_xxs(const MvDe
             wrow[mt][h] = D.w + (long long)o * D.row_bytes;
         }
     }
-    // Row g of each n8 tile (B fragments: null past n), rows 2t, 2t + 1 (C: the scales).
-    const char* xb[GX_NT];
-    const float* dxr[GX_NT][2];
-#pragma unroll
-    for (int nt = 0; nt < GX_NT; nt++) {
-        const int r = 8 * nt + g;
-        xb[nt] = r < n ? (const char*)(D.x + (long long)r * n_in) : nullptr;
-#pragma unroll
-        for (int c = 0; c < 2; c++) {
-            const int rc = 8 * nt + 2 * t + c;
-            dxr[nt][c] = rc < n ? (const float*)((const char*)(D.x + (long long)rc * n_in) + n_in) : nullptr;
-        }
-    }
+    const GxRows X = gx_rows(D, g, t);
     const bool two = n > 8;
-    float acc[GX_MT][GX_NT][4];
-#pragma unroll
-    for (int mt = 0; mt < GX_MT; mt++) {
-#pragma unroll
-        for (int nt = 0; nt < GX_NT; nt++) {
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                acc[mt][nt][i] = 0.0f;
-            }
-        }
-    }
+    float acc[GX_MT][GX_NT][4] = {};
     for (int sb = 0; sb < nb; sb++) {
         float d[GX_MT][2];
 #pragma unroll
@@ -143,17 +179,7 @@ extern "C" __global__ void __launch_bounds__(128) ds4_moe_mma_iq2_xxs(const MvDe
                 const int u = 8 * sb + jj + s;  // the group of 32 (the activation block)
                 uint2 xv[GX_NT];
                 float dx[GX_NT][2];
-#pragma unroll
-                for (int nt = 0; nt < GX_NT; nt++) {
-                    xv[nt] = make_uint2(0u, 0u);
-                    if (xb[nt]) {
-                        xv[nt] = *(const uint2*)(xb[nt] + 32 * u + 8 * t);
-                    }
-#pragma unroll
-                    for (int c = 0; c < 2; c++) {
-                        dx[nt][c] = dxr[nt][c] ? dxr[nt][c][u] : 0.0f;
-                    }
-                }
+                gx_x(X, u, t, xv, dx);
 #pragma unroll
                 for (int mt = 0; mt < GX_MT; mt++) {
                     u32 a[2][2];  // [h][lo/hi]
@@ -182,18 +208,111 @@ extern "C" __global__ void __launch_bounds__(128) ds4_moe_mma_iq2_xxs(const MvDe
         }
     }
     ds4_grid_launch();
+    gx_store(D, B.o0, g, t, acc);
+}
+
+// The down products of a step's routed experts, Q2_K (q2_k.cu's split rows: the quants qs of
+// all super-blocks, then 20 header bytes each, scale byte 8 h + 4 f + s for half h, shift s,
+// sub-block f, then d and dmin), on the same tiles as ds4_moe_mma_iq2_xxs. An activation block
+// of 32 inputs is half h and shift s of a super-block: inputs 128 h + 32 s + l with quants
+// (qs[32 h + l] >> 2 s) & 3, l < 16 in sub-block 0 and the rest in sub-block 1. The k
+// permutation: lane t's eight k are inputs l = 8 t..8 t + 7 (sub-block t / 2; one 8-byte load
+// of qs a half). Per block and row, two exact int32 sums: S = sum of q * sc * x8 (the 4-bit
+// scale sc folded into the weight bytes: q * sc <= 45, so a 32-bit multiply scales four bytes
+// without carries) and M = sum of m * x8 (the 4-bit min m, a second mma on the same B), then
+// acc += dx * (d * S - dmin * M) in f32. The decode's kernel adds dx * (d sc sq - dmin m sx)
+// per sub-block: the same sums, other float roundings (within about 1e-6 of the exact dot, as
+// tests_gemm checks), and as in ds4_moe_mma_iq2_xxs a row's sums do not depend on the other
+// rows. Block 128; n_in a multiple of 256; rows 4-byte aligned (84 bytes a super-block; with
+// 8-byte alignment the quants are read 8 bytes at a time).
+extern "C" __global__ void __launch_bounds__(128) ds4_moe_mma_q2_k(const MvDesc* __restrict__ descs, int count,
+                                                                  int* __restrict__ counters) {
+    // The tables are ds4_route's and x is ds4_swiglu's, written by kernels before.
+    ds4_grid_deps();
+    const MvBlock B = mv_block(descs, count);
+    const MvDesc& D = *B.D;
+    const int n = D.n;
+    if (n == 0 || B.nrows <= 0) {
+        return;  // an unused expert slot, or rows past n_out
+    }
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int nb = D.n_in >> 8;
+    const long long pay = 64ll * nb;
+    const bool vec = (((unsigned long long)D.w | (unsigned long long)D.row_bytes) & 7ull) == 0;
+    const u8* wrow[GX_MT][2];
 #pragma unroll
     for (int mt = 0; mt < GX_MT; mt++) {
 #pragma unroll
-        for (int nt = 0; nt < GX_NT; nt++) {
+        for (int h = 0; h < 2; h++) {
+            const int o = min(B.o0 + 16 * mt + 8 * h + g, D.n_out - 1);
+            wrow[mt][h] = D.w + (long long)o * D.row_bytes;
+        }
+    }
+    const GxRows X = gx_rows(D, g, t);
+    const bool two = n > 8;
+    float acc[GX_MT][GX_NT][4] = {};
+    for (int sb = 0; sb < nb; sb++) {
+        // Per output row ([mt][row g or g + 8]): the lane's 8 quant bytes of each half, the
+        // scale bytes of its sub-block in each half (shift s in byte s), d and dmin.
+        uint2 qv[GX_MT][2][2];
+        u32 scw[GX_MT][2][2];
+        float dd[GX_MT][2][2];
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int o = B.o0 + 16 * mt + g + 8 * (i >> 1);
-                const int r = 8 * nt + 2 * t + (i & 1);
-                if (o < n_out && r < n) {
-                    D.y[(long long)r * D.y_stride + o] = acc[mt][nt][i];
+        for (int mt = 0; mt < GX_MT; mt++) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const u8* row = wrow[mt][h];
+                const u8* hd = row + pay + 20ll * sb;
+#pragma unroll
+                for (int half = 0; half < 2; half++) {
+                    const u8* q = row + 64ll * sb + 32 * half + 8 * t;
+                    qv[mt][h][half] = vec ? *(const uint2*)q : make_uint2(ld_u32_a4(q), ld_u32_a4(q + 4));
+                    scw[mt][h][half] = ld_u32_a4(hd + 8 * half + 4 * (t >> 1));
+                }
+                const u32 w = ld_u32_a4(hd + 16);
+                dd[mt][h][0] = f16_bits_to_f32(w & 0xffffu);
+                dd[mt][h][1] = f16_bits_to_f32(w >> 16);
+            }
+        }
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+#pragma unroll
+            for (int s = 0; s < 4; s++) {
+                uint2 xv[GX_NT];
+                float dx[GX_NT][2];
+                gx_x(X, 8 * sb + 4 * half + s, t, xv, dx);
+#pragma unroll
+                for (int mt = 0; mt < GX_MT; mt++) {
+                    u32 lo[2], hi[2], mn[2];
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const u32 b = (scw[mt][h][half] >> (8 * s)) & 0xffu;
+                        const u32 sc = b & 15u;
+                        lo[h] = ((qv[mt][h][half].x >> (2 * s)) & 0x03030303u) * sc;
+                        hi[h] = ((qv[mt][h][half].y >> (2 * s)) & 0x03030303u) * sc;
+                        mn[h] = (b >> 4) * 0x01010101u;
+                    }
+#pragma unroll
+                    for (int nt = 0; nt < GX_NT; nt++) {
+                        if (nt == 1 && !two) {
+                            continue;
+                        }
+                        int c[4] = {0, 0, 0, 0};
+                        int e[4] = {0, 0, 0, 0};
+                        gx_mma(c, lo[0], lo[1], hi[0], hi[1], xv[nt].x, xv[nt].y);
+                        gx_mma(e, mn[0], mn[1], mn[0], mn[1], xv[nt].x, xv[nt].y);
+#pragma unroll
+                        for (int i = 0; i < 4; i++) {
+                            const float v = dd[mt][i >> 1][0] * (float)c[i] - dd[mt][i >> 1][1] * (float)e[i];
+                            acc[mt][nt][i] = fmaf(dx[nt][i & 1], v, acc[mt][nt][i]);
+                        }
+                    }
                 }
             }
         }
     }
+    ds4_grid_launch();
+    gx_store(D, B.o0, g, t, acc);
 }

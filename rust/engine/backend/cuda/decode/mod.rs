@@ -552,6 +552,7 @@ struct Kernels {
     gemm_f16: sys::CUfunction,
     gemm_q8_0: sys::CUfunction,
     moe_mma_iq2: sys::CUfunction,
+    moe_mma_q2k: sys::CUfunction,
     /// Every handle above with its name (profiles).
     names: Vec<(sys::CUfunction, &'static str)>,
 }
@@ -596,6 +597,7 @@ impl Kernels {
             gemm_f16: f("ds4_gemm_f16")?,
             gemm_q8_0: f("ds4_gemm_q8_0")?,
             moe_mma_iq2: f("ds4_moe_mma_iq2_xxs")?,
+            moe_mma_q2k: f("ds4_moe_mma_q2_k")?,
             names: Vec::new(),
         };
         Ok(Kernels { names, ..k })
@@ -650,6 +652,8 @@ pub(crate) struct CudaDecoder {
     prefill_chunk: usize,
     /// Whether a prompt's IQ2_XXS gate and up products run on the tensor cores (`DS4_CUDA_EXPERT_MMA`).
     expert_mma: bool,
+    /// Whether a prompt's Q2_K down products do too (and `DS4_CUDA_EXPERT_MMA_DOWN`).
+    expert_mma_down: bool,
     /// Whether a step leaves its state writes pending in the state ([`StepWrites`], made
     /// while the GPU runs the next step) rather than making them before it returns;
     /// `DS4_CUDA_DEFER=0` makes them at once (A/B timing).
@@ -905,8 +909,10 @@ impl CudaDecoder {
         // timing) or the device predates mma.sync m16n8k16.
         let gemm_on = setting("DS4_CUDA_GEMM")? && backend.compute_capability().0 >= 8;
         // A prompt's IQ2_XXS gate and up products on the tensor cores (gemm_experts.cu) rather
-        // than the decode's kernel, unless DS4_CUDA_EXPERT_MMA=0 (A/B timing).
+        // than the decode's kernels, unless DS4_CUDA_EXPERT_MMA=0 (A/B timing).
         let expert_mma = setting("DS4_CUDA_EXPERT_MMA")?;
+        // Its Q2_K down products too, unless either setting is 0.
+        let expert_mma_down = expert_mma && setting("DS4_CUDA_EXPERT_MMA_DOWN")?;
         let g = backend.lock();
         g.ctx.bind()?;
         let k = Kernels::load(&g.ctx)?;
@@ -1229,6 +1235,7 @@ impl CudaDecoder {
             prefill_rows: rows,
             prefill_chunk,
             expert_mma,
+            expert_mma_down,
             defer,
             mtp,
             dspark,

@@ -24,16 +24,27 @@ use crate::{Error, Result};
 /// one-row speed), and in a batch most experts serve one or two rows.
 pub(super) const EXPERT_CHUNK: usize = 2;
 
-/// Output rows of a warp of `ds4_moe_mma_iq2_xxs` (gemm_experts.cu: two m16 tiles).
+/// Output rows of a warp of the routed experts' tensor-core kernels (`ds4_moe_mma_iq2_xxs`,
+/// `ds4_moe_mma_q2_k` in gemm_experts.cu: two m16 tiles).
 const GX_WARP_ROWS: usize = 32;
 
-/// Most rows of one descriptor of `ds4_moe_mma_iq2_xxs` (two n8 tiles).
+/// Most rows of one descriptor of those kernels (two n8 tiles).
 const GX_MAX_ROWS: usize = 16;
 
 /// Whether `ds4_moe_mma_iq2_xxs` takes an expert stack's matrix `m` (expert 0's rows at device
 /// address `at`, 2-byte aligned as every IQ2_XXS row): IQ2_XXS of whole super-blocks.
 fn gx_takes(m: &Mat, at: u64) -> bool {
     m.ty == crate::quant::GgmlType::IQ2_XXS && m.n_in > 0 && m.n_in.is_multiple_of(256) && at.is_multiple_of(2)
+}
+
+/// Whether `ds4_moe_mma_q2_k` takes an expert stack's matrix `m` (expert 0's rows at `at`):
+/// Q2_K of whole super-blocks, rows 4-byte aligned (84 bytes a super-block).
+fn gq_takes(m: &Mat, at: u64) -> bool {
+    m.ty == crate::quant::GgmlType::Q2_K
+        && m.n_in > 0
+        && m.n_in.is_multiple_of(256)
+        && at.is_multiple_of(4)
+        && m.row_bytes.is_multiple_of(4)
 }
 
 /// Most rows of one routed-expert product in a prompt's step by default
@@ -493,8 +504,9 @@ impl CudaDecoder {
         // Routed expert products: each expert's rows in chunks of at most `chunk` rows (see
         // ds4_route), at most one descriptor per (row, expert) pair.
         let chunk = n.min(if prefill { self.prefill_chunk } else { EXPERT_CHUNK });
-        // A prompt's IQ2_XXS gate and up products on the tensor cores (gemm_experts.cu): an
-        // expert's rows in chunks of up to 16 (the layers whose weights it takes, `gx_takes`).
+        // A prompt's IQ2_XXS gate and up products and Q2_K down products on the tensor cores
+        // (gemm_experts.cu): an expert's rows in chunks of up to 16 (the layers whose weights
+        // they take, `gx_takes` and `gq_takes`).
         let gx = prefill && self.expert_mma && sm80;
         let chunk_gx = n.min(GX_MAX_ROWS);
         let max_descs = if chunk >= n && (!gx || chunk_gx >= n) { (n * kk).min(cfg.n_experts) } else { n * kk };
@@ -806,13 +818,15 @@ impl CudaDecoder {
             let (gm, um, dm) = (lw.gate_exps.first, lw.up_exps.first, lw.down_exps.first);
             let gx_on = gx && gx_takes(&gm, cur.get().addr(gm.start)) && gx_takes(&um, cur.get().addr(um.start));
             let chunk_gu = if gx_on { chunk_gx } else { chunk };
+            let dx_on = gx && self.expert_mma_down && gq_takes(&dm, cur.get().addr(dm.start));
+            let chunk_dn = if dx_on { chunk_gx } else { chunk };
             // Partial sums only for split products (as `products` lays them out); none on the
             // tensor cores.
             let part_of = |m: &Mat| if slices(m) > 1 { max_descs * slices(m) * chunk * m.n_out } else { 0 };
             let gate_part = if gx_on { 0 } else { part_of(&gm) };
             let gate_counters = max_descs * row_blocks(&gm);
             let up_part = if gx_on { 0 } else { part_of(&um) };
-            let down_part = part_of(&dm);
+            let down_part = if dx_on { 0 } else { part_of(&dm) };
             if gate_part + up_part > b.part_floats || down_part > b.part_floats {
                 return Err(Error::Backend(
                     "CUDA decode: partial-sum buffer too small for the experts (internal)".into(),
@@ -830,7 +844,12 @@ impl CudaDecoder {
             } else {
                 (templ(gm, b.xg.ptr, b.g_out.ptr, 0, 0), templ(um, b.xg.ptr, b.u_out.ptr, gate_part, gate_counters))
             };
-            for t in [tg, tu, templ(dm, b.act.ptr, b.down_out.ptr, 0, 0)] {
+            let td = if dx_on {
+                templ_gx(dm, b.act.ptr, b.down_out.ptr)
+            } else {
+                templ(dm, b.act.ptr, b.down_out.ptr, 0, 0)
+            };
+            for t in [tg, tu, td] {
                 table.extend_from_slice(desc_bytes(&t));
             }
             let gu_off = table.len();
@@ -862,7 +881,7 @@ impl CudaDecoder {
                     p(b.comb_w.ptr),
                     p(b.comb_cnt.ptr),
                     i(chunk_gu),
-                    i(chunk),
+                    i(chunk_dn),
                 ],
             );
             // The gathered rows as 8-bit activations when their gate and up products take them.
@@ -884,11 +903,11 @@ impl CudaDecoder {
                 vec![p(b.h.ptr), p(b.xg.ptr), p(b.gather_src.ptr), i(d), i(act8 as usize)],
             );
             let bpd = |m: &Mat| row_blocks(m) * slices(m);
+            let bpd_gx = |m: &Mat| m.n_out.div_ceil(MV_WARPS * GX_WARP_ROWS);
             if um.ty != gm.ty || um.n_out != gm.n_out || um.n_in != gm.n_in {
                 return Err(Error::Backend("CUDA decode: expert gate and up differ in shape (unsupported)".into()));
             }
             if gx_on {
-                let bpd_gx = |m: &Mat| m.n_out.div_ceil(MV_WARPS * GX_WARP_ROWS);
                 launch(
                     &mut ops,
                     k.moe_mma_iq2,
@@ -934,17 +953,28 @@ impl CudaDecoder {
             if !shared_side {
                 products(&mut ops, &mut table, &down_sh)?;
             }
-            let (fd, sd) = ctx
-                .kernel(dm.ty, dm.n_in, dm.n_out, chunk)
-                .ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
-            launch(
-                &mut ops,
-                fd,
-                ((max_descs * bpd(&dm)) as u32, 1, 1),
-                THREADS,
-                sd,
-                vec![PArg::Table(down_off), i(max_descs), p(b.counters.ptr), i(0)],
-            );
+            if dx_on {
+                launch(
+                    &mut ops,
+                    k.moe_mma_q2k,
+                    ((max_descs * bpd_gx(&dm)) as u32, 1, 1),
+                    (32 * MV_WARPS) as u32,
+                    0,
+                    vec![PArg::Table(down_off), i(max_descs), p(b.counters.ptr)],
+                );
+            } else {
+                let (fd, sd) = ctx
+                    .kernel(dm.ty, dm.n_in, dm.n_out, chunk)
+                    .ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
+                launch(
+                    &mut ops,
+                    fd,
+                    ((max_descs * bpd(&dm)) as u32, 1, 1),
+                    THREADS,
+                    sd,
+                    vec![PArg::Table(down_off), i(max_descs), p(b.counters.ptr), i(0)],
+                );
+            }
             if fork {
                 ops.push(Op::Join);
             }

@@ -114,27 +114,35 @@ fn prefill_products_match_the_float_product_and_are_row_invariant() {
 }
 
 /// `y = W x` of the `n` 8-bit activation rows at `xb` (slots of n_in floats) by the routed
-/// experts' tensor-core kernel (`ds4_moe_mma_iq2_xxs`: one descriptor, as ds4_route writes
-/// them for it).
-fn run_moe_mma(ctx: &super::super::context::Context, w: &DevBuf, m: &Mat, xb: &DevBuf, n: usize) -> Vec<f32> {
+/// experts' tensor-core kernel `name` (`ds4_moe_mma_iq2_xxs` or `ds4_moe_mma_q2_k`: one
+/// descriptor, as ds4_route writes them for it).
+fn run_moe_mma(
+    ctx: &super::super::context::Context,
+    name: &str,
+    w: &DevBuf,
+    m: &Mat,
+    xb: &DevBuf,
+    n: usize,
+) -> Vec<f32> {
     use super::super::CudaBackend;
     let y = DevBuf::zeroed(4 * n.max(1) * m.n_out).unwrap();
     let counters = DevBuf::zeroed(64).unwrap();
     let (mut d, _) = CudaBackend::desc_split(w.at(m.start), m, xb.at(0), y.at(0), 0, n, 0, (1, 1));
     d.warp_rows = 32;
     let table = DevBuf::from_slice(&[d]).unwrap();
-    let f = ctx.function("ds4_moe_mma_iq2_xxs").unwrap();
+    let f = ctx.function(name).unwrap();
     let args = [Arg::Ptr(table.at(0)), Arg::I32(1), Arg::Ptr(counters.at(0))];
     ctx.launch_args(f, (m.n_out.div_ceil(128) as u32, 1, 1), 128, 0, &args).unwrap();
     ctx.sync().unwrap();
     y.read(0, n * m.n_out).unwrap()
 }
 
-/// The prompt steps' IQ2_XXS expert products on the tensor cores: each output within
-/// `1e-6 * sum |w x|` of the CPU's reference dot with the same 8-bit activations (per group an
-/// exact integer sum times db * dx; only the order of the groups' f32 additions differs), an
-/// unused descriptor (0 rows) writes nothing, and a row gives the same bits with 1..=16 rows
-/// beside it.
+/// The prompt steps' routed expert products on the tensor cores, IQ2_XXS gate/up and Q2_K
+/// down: each output within `1e-6 * sum |w x|` of the CPU's reference dot with the same 8-bit
+/// activations (per group of 32 exact integer sums times the scales; only the f32 roundings
+/// and the order of the additions differ; for Q2_K, whose kernel sums a weight's scaled quant
+/// and its min apart, `sum |w x|` counts both parts), an unused descriptor (0 rows) writes
+/// nothing, and a row gives the same bits with 1..=16 rows beside it.
 #[test]
 fn expert_products_on_the_tensor_cores_match_the_act8_dot() {
     let Some(ctx) = context() else { return };
@@ -142,19 +150,47 @@ fn expert_products_on_the_tensor_cores_match_the_act8_dot() {
         eprintln!("skipped: sm_{}{} has no mma.sync m16n8k32", ctx.compute_capability.0, ctx.compute_capability.1);
         return;
     }
-    let ty = GgmlType::IQ2_XXS;
     let mut rng = crate::quant::testutil::Rng(0x1e2_0fa1);
-    // A partial last warp and block (80 of 128 outputs) with rows of 2 super-blocks (132 bytes:
-    // 2-byte aligned, read in pieces); Flash's gate shape (16-byte loads).
-    for (n_out, n_in) in [(80usize, 512usize), (2048, 4096)] {
+    // A partial last warp and block (80 of 128 outputs) with rows of 2 super-blocks (IQ2_XXS:
+    // 132 bytes, 2-byte aligned, read in pieces; Q2_K: 168 bytes at offset 256 + 4 mod 8, read
+    // 4 bytes at a time); Flash's shapes (gate 2048 x 4096, down 4096 x 2048: 8-byte loads).
+    let cases = [
+        (GgmlType::IQ2_XXS, "ds4_moe_mma_iq2_xxs", 80usize, 512usize, 256usize),
+        (GgmlType::IQ2_XXS, "ds4_moe_mma_iq2_xxs", 2048, 4096, 256),
+        (GgmlType::Q2_K, "ds4_moe_mma_q2_k", 80, 512, 260),
+        (GgmlType::Q2_K, "ds4_moe_mma_q2_k", 4096, 2048, 256),
+    ];
+    for (ty, name, n_out, n_in, start) in cases {
         let row_bytes = ty.row_bytes(n_in as u64).unwrap() as usize;
-        let data = crate::quant::testutil::random_blocks(&mut rng, ty, n_out * row_bytes / ty.block_bytes(), &[0]);
-        let mut raw = vec![0u8; 256];
+        // The f16 scales at sane values (IQ2_XXS d; Q2_K d and dmin).
+        let f16s: &[usize] = if ty == GgmlType::Q2_K { &[80, 82] } else { &[0] };
+        let data = crate::quant::testutil::random_blocks(&mut rng, ty, n_out * row_bytes / ty.block_bytes(), f16s);
+        let mut raw = vec![0u8; start];
         raw.extend_from_slice(&data);
-        let m = Mat { ty, n_in, n_out, start: 256, row_bytes };
+        let m = Mat { ty, n_in, n_out, start, row_bytes };
         let w = DevBuf::from_slice(&split_image(&raw, &[m])).unwrap();
-        let mut deq = vec![0f32; n_out * n_in];
-        quant::dequantize(ty, &data, &mut deq).unwrap();
+        // Per weight the magnitude of what the kernel sums: |w| (IQ2_XXS), |d sc q| + |dmin m|
+        // (Q2_K).
+        let mut parts = vec![0f32; n_out * n_in];
+        if ty == GgmlType::Q2_K {
+            let f16 = |lo: u8, hi: u8| {
+                let mut v = [0f32];
+                quant::f16_to_f32(&[u16::from_le_bytes([lo, hi])], &mut v).unwrap();
+                v[0]
+            };
+            for (b, blk) in data.chunks_exact(84).enumerate() {
+                let (d, dmin) = (f16(blk[80], blk[81]), f16(blk[82], blk[83]));
+                for e in 0..256 {
+                    let (half, s, l) = (e / 128, (e % 128) / 32, e % 32);
+                    let sc = blk[8 * half + 2 * s + l / 16];
+                    let q = (blk[16 + 32 * half + l] >> (2 * s)) & 3;
+                    parts[256 * b + e] =
+                        (d * f32::from(sc & 15) * f32::from(q)).abs() + (dmin * f32::from(sc >> 4)).abs();
+                }
+            }
+        } else {
+            quant::dequantize(ty, &data, &mut parts).unwrap();
+        }
         // Rows of different scales, one all zeros.
         const ROWS: usize = 16;
         let mut x = randn(ROWS * n_in, 7 + n_out as u64, 1.0);
@@ -173,35 +209,35 @@ fn expert_products_on_the_tensor_cores_match_the_act8_dot() {
         };
         let all = slots(&qx);
         let dot = quant::RowDot::new(ty, n_in, quant::Kernel::Scalar).unwrap();
-        let y = run_moe_mma(&ctx, &w, &m, &all, ROWS);
+        let y = run_moe_mma(&ctx, name, &w, &m, &all, ROWS);
         for (r, q) in qx.iter().enumerate() {
             let xd: Vec<f32> = (0..n_in).map(|j| q[j] as i8 as f32 * quant::act8::scale(q, n_in, j / 32)).collect();
             for o in 0..n_out {
                 let want = dot.dot_act8(&data[o * row_bytes..(o + 1) * row_bytes], q);
                 let mag: f64 =
-                    deq[o * n_in..(o + 1) * n_in].iter().zip(&xd).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
+                    parts[o * n_in..(o + 1) * n_in].iter().zip(&xd).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
                 let got = y[r * n_out + o];
                 assert!(
                     (got as f64 - want as f64).abs() <= 1e-6 * mag + 1e-30,
-                    "{n_out}x{n_in} row {r} out {o}: {got} against {want} (sum |wx| {mag})"
+                    "{ty} {n_out}x{n_in} row {r} out {o}: {got} against {want} (sum |wx| {mag})"
                 );
             }
         }
-        assert!(run_moe_mma(&ctx, &w, &m, &all, 0).is_empty());
+        assert!(run_moe_mma(&ctx, name, &w, &m, &all, 0).is_empty());
         for n in [1, 3, 8, 9, 13] {
             for first in [0, ROWS - n] {
                 let part = slots(&qx[first..first + n]);
-                let yn = run_moe_mma(&ctx, &w, &m, &part, n);
+                let yn = run_moe_mma(&ctx, name, &w, &m, &part, n);
                 for r in 0..n {
                     let (a, b) = (&yn[r * n_out..(r + 1) * n_out], &y[(first + r) * n_out..(first + r + 1) * n_out]);
                     assert!(
                         a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits()),
-                        "{n_out}x{n_in}: row {} differs among {n} rows from {first}",
+                        "{ty} {n_out}x{n_in}: row {} differs among {n} rows from {first}",
                         first + r
                     );
                 }
             }
         }
-        eprintln!("{n_out}x{n_in}: ok");
+        eprintln!("{ty} {n_out}x{n_in}: ok");
     }
 }
