@@ -66,12 +66,14 @@ if [ -n "${FLASH_GEN:-}" ] && [ -n "${TOKENIZER:-}" ]; then
     # the decode's kernels, interleaved in one process.
     python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --prefill 2048,8192 --prefill-only \
         --ab DS4_CUDA_GEMM --runs 6
-    # The rows of a prompt's step, and its IQ2_XXS expert products on the tensor cores or not,
+    # The rows of a prompt's step, and its routed expert products on the tensor cores or not,
     # interleaved in one process.
     python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --prefill 2048,8192 --prefill-only \
-        --ab DS4_CUDA_PREFILL_ROWS=16,64,128 --runs 6
+        --ab DS4_CUDA_PREFILL_ROWS=16,128,256 --runs 6
     python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --prefill 2048,8192 --prefill-only \
         --ab DS4_CUDA_EXPERT_MMA=1,0 --runs 6
+    python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --prefill 2048,8192 --prefill-only \
+        --ab DS4_CUDA_EXPERT_MMA_DOWN=1,0 --runs 6
     DS4_CUDA_Q8=mma python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --ctx 2048 --prefill 2048 --runs 5
     if [ -n "${TRACE:-}" ]; then
         cuda=$(dirname "$(dirname "$(command -v nvcc)")")

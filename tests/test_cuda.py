@@ -183,20 +183,21 @@ def test_device_decode_matches_host_forward(tmp_path: Path, monkeypatch: pytest.
     again = _chunked(m.session(512), prompt, [37, 53, *range(54, 70), 86, 100, 130, 164, 165, 166, 200, 230, 260, 261])
     assert np.array_equal(dev.view(np.uint32), again.view(np.uint32))
     # Nor do the rows of a prompt's step (DS4_CUDA_PREFILL_ROWS, read when a session makes its
-    # decoder; 128 by default: products of more than 64 rows in several descriptors) or of its
-    # routed products (DS4_CUDA_EXPERT_CHUNK, 4), over prompt calls of 150 and 134 rows.
+    # decoder; 256 by default: the 150-row call in one step, its products of more than 64 rows
+    # in several descriptors) or of its routed products (DS4_CUDA_EXPERT_CHUNK, 4), over prompt
+    # calls of 150 and 134 rows.
     long_cuts = [150, 151, 166]
-    steps128 = _chunked(m.session(512), prompt, long_cuts)
+    steps = _chunked(m.session(512), prompt, long_cuts)
     for name, value in [("DS4_CUDA_PREFILL_ROWS", "16"), ("DS4_CUDA_PREFILL_ROWS", "64"),
-                        ("DS4_CUDA_PREFILL_ROWS", "100"), ("DS4_CUDA_EXPERT_CHUNK", "1"),
-                        ("DS4_CUDA_EXPERT_CHUNK", "16")]:
+                        ("DS4_CUDA_PREFILL_ROWS", "100"), ("DS4_CUDA_PREFILL_ROWS", "128"),
+                        ("DS4_CUDA_EXPERT_CHUNK", "1"), ("DS4_CUDA_EXPERT_CHUNK", "16")]:
         monkeypatch.setenv(name, value)
         other = _chunked(m.session(512), prompt, long_cuts)
         monkeypatch.delenv(name)
-        assert np.array_equal(steps128.view(np.uint32), other.view(np.uint32)), (name, value)
+        assert np.array_equal(steps.view(np.uint32), other.view(np.uint32)), (name, value)
     # The first call's rows in both chunkings (a prompt's 37 rows, the first 37 of 150): the same
     # bits. (Later rows see states that decode-sized calls made in `dev`.)
-    assert np.array_equal(dev[:37].view(np.uint32), steps128[:37].view(np.uint32))
+    assert np.array_equal(dev[:37].view(np.uint32), steps[:37].view(np.uint32))
     # A prompt's IQ2_XXS expert gate and up products (q2) run on the tensor cores
     # (gemm_experts.cu): the same integer sums per group of 32, added in another order than the
     # decode kernel's (DS4_CUDA_EXPERT_MMA=0 in prompts too).

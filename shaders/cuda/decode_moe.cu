@@ -24,19 +24,26 @@
 // invariant); the combine adds a row's experts in increasing expert id, then the shared one.
 // Only where a row's data lands in the gathered buffers depends on the batch.
 
-// Limits of ds4_route: experts per layer, experts per row, batch rows, warps per block, and
-// what its shared arrays hold: (row, expert) pairs n * k (and descriptors), bitmap words
-// n * ceil(E / 32) (a prompt's step of 128 rows of Flash's 6 of 256 experts: 768 and 1024).
-// The host keeps a prefill step's rows inside them (decode/mod.rs `prefill_rows`).
+// Limits of ds4_route: experts per layer, experts per row, batch rows, warps per block. Its
+// arrays live in dynamic shared memory sized by the batch (route_smem below; the host's
+// `route_smem` in decode/program.rs computes the same bytes).
 #define MOE_MAX_EXPERTS 1024
 #define MOE_MAX_K 16
-#define MOE_MAX_ROWS 128
+#define MOE_MAX_ROWS 256
 #define MOE_MAX_WARPS 8
 #define MOE_WORDS (MOE_MAX_EXPERTS / 32)
-#define MOE_PAIRS 768
-#define MOE_BITS 1024
 // Scores ds4_route holds at once (rows of E).
 #define MOE_SCORES 4096
+
+// The 4-byte words of ds4_route's dynamic shared memory for n rows of k experts of E: the
+// scores of a round of rows, then per (row, expert) pair its expert and weight, per row its
+// bitmap words and their prefix popcounts, and per descriptor slot (at most n k) its expert,
+// offset, rows and first descriptor (plus one).
+__device__ __forceinline__ int route_smem_words(int n, int k, int E) {
+    const int W = (E + 31) >> 5;
+    const int per_round = max(1, MOE_SCORES / E);
+    return min(n, per_round) * E + 2 * n * k + n * W + n * (W + 1) + 4 * n * k + 1;
+}
 
 // A float's key under Rust's f32::total_cmp: keys compare as signed ints in the total order
 // (-NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN).
@@ -81,10 +88,11 @@ __device__ __forceinline__ float ds4_softplus(float x) {
 //   q * bpd_gate, up max_descs * bpd_gate + q * bpd_up, down q * bpd_down (bpd = row_blocks *
 //   slices). With a chunk >= n every expert has one slot (the union of the batch).
 //
-// Grid (1), block 128 or 256 threads (any multiple of 32 from 64 to 256), no dynamic shared
-// memory. Requires E <= 1024, k <= 16, n <= 128, n * k <= 768, n * ceil(E / 32) <= 1024,
-// chunks >= 1, max_descs >= the number of chunks of either (n * k always is; min(n * k, E)
-// is when both chunks >= n) and <= 768, hash entries < E.
+// Grid (1), block 128 or 256 threads (any multiple of 32 from 64 to 256), dynamic shared
+// memory of 4 * route_smem_words(n, k, E) bytes or more (a 256-row step of Flash's 6 of 256
+// experts: about 70 KB, past the default 48 KB: the host opts the kernel in). Requires
+// E <= 1024, k <= 16, n <= 256, chunks >= 1, max_descs >= the number of chunks of either
+// (n * k always is; min(n * k, E) is when both chunks >= n) and <= n * k, hash entries < E.
 extern "C" __global__ void __launch_bounds__(256)
     ds4_route(const float* __restrict__ logits, int E, int k, const float* __restrict__ bias,
               const unsigned* __restrict__ hash, int norm, float wscale, int n, const int* __restrict__ step,
@@ -92,39 +100,46 @@ extern "C" __global__ void __launch_bounds__(256)
               int* __restrict__ gather_src, int* __restrict__ comb_slot, float* __restrict__ comb_w,
               int* __restrict__ comb_cnt, int chunk, int chunk_dn) {
     ds4_grid_deps();
+    const int W = (E + 31) >> 5;
+    // Outside the limits, or with less shared memory than the batch needs, the arrays would
+    // overflow: fail loudly (a host bug).
+    u32 dyn_smem;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+    if (E > MOE_MAX_EXPERTS || k > MOE_MAX_K || n > MOE_MAX_ROWS || k < 1 || (blockDim.x >> 5) < 2 ||
+        (blockDim.x >> 5) > MOE_MAX_WARPS || max_descs > n * k || chunk < 1 || chunk_dn < 1 ||
+        dyn_smem < 4u * (u32)route_smem_words(n, k, E)) {
+        __trap();
+    }
+    extern __shared__ int route_sm[];
     // The scores of up to MOE_SCORES / E rows at a time.
-    __shared__ float sc[MOE_SCORES];
+    float* sc = (float*)route_sm;
     // Each row's chosen experts (ascending, repeats kept) and their weights: row r's j-th at
     // CH(r, j).
-    __shared__ int ch_[MOE_PAIRS];
-    __shared__ float wt_[MOE_PAIRS];
+    int* ch_ = route_sm + min(n, max(1, MOE_SCORES / E)) * E;
+    float* wt_ = (float*)(ch_ + n * k);
     // Each row's set of experts as a bitmap (word w of row r at BITS(r, w)), and the prefix
     // popcounts of its words (PRE(r, w) = experts of row r below 32 * w; PRE(r, W) = distinct
     // experts of row r).
-    __shared__ u32 bits_[MOE_BITS];
-    __shared__ int pre_[MOE_BITS + MOE_MAX_ROWS];
+    u32* bits_ = (u32*)(wt_ + n * k);
+    int* pre_ = (int*)(bits_ + n * W);
+    // Per descriptor slot i < m: its expert, gathered-row offset, rows; then (step 4) each
+    // used expert's first descriptor.
+    int* s_exp = pre_ + n * (W + 1);
+    int* s_off = s_exp + n * k;
+    int* s_cnt = s_off + n * k;
+    int* s_dstart = s_cnt + n * k;
     // The union of the rows' sets, and its prefix popcounts (upre[W] = m).
     __shared__ u32 uni[MOE_WORDS];
     __shared__ int upre[MOE_WORDS + 1];
-    // Per descriptor slot i < m: its expert, gathered-row offset, rows.
-    __shared__ int s_exp[MOE_PAIRS];
-    __shared__ int s_off[MOE_PAIRS];
-    __shared__ int s_cnt[MOE_PAIRS];
 
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
     const int nw = blockDim.x >> 5;
-    const int W = (E + 31) >> 5;
 #define CH(r, j) ch_[(r) * k + (j)]
 #define WT(r, j) wt_[(r) * k + (j)]
 #define BITS(r, w) bits_[(r) * W + (w)]
 #define PRE(r, w) pre_[(r) * (W + 1) + (w)]
-    // Outside the limits the shared arrays would overflow: fail loudly (a host bug).
-    if (E > MOE_MAX_EXPERTS || k > MOE_MAX_K || n > MOE_MAX_ROWS || n * k > MOE_PAIRS || n * W > MOE_BITS ||
-        k < 1 || nw < 2 || nw > MOE_MAX_WARPS || max_descs > MOE_PAIRS || chunk < 1 || chunk_dn < 1) {
-        __trap();
-    }
 
     for (int i = tid; i < n * W; i += blockDim.x) {
         bits_[i] = 0u;
@@ -341,7 +356,6 @@ extern "C" __global__ void __launch_bounds__(256)
     // with the product kernel for that many rows: a kernel for few rows is faster per row than
     // one for many, and experts of a batch mostly serve one or two rows (a prompt's step's
     // gate and up products on the tensor cores take more: gemm_experts.cu).
-    __shared__ int s_dstart[MOE_PAIRS + 1];
     const int m = upre[W];
     const int bpd_gate = mv_row_blocks(templ[0]) * templ[0].slices;
     for (int pass = 0; pass < 2; pass++) {

@@ -328,6 +328,8 @@ pub(crate) struct Context {
     pub(crate) name: String,
     pub(crate) compute_capability: (i32, i32),
     pub(crate) multiprocessors: i32,
+    /// The most dynamic shared memory a block may opt in to (bytes).
+    pub(crate) smem_optin: usize,
     /// Whether decode launches allow programmatic dependent launch (sm_90 and later, unless
     /// `DS4_CUDA_PDL=0`; see `Context::launch_args`).
     pub(crate) pdl: bool,
@@ -389,6 +391,10 @@ impl Context {
         let multiprocessors = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(driver_err("multiprocessor count"))?;
+        let smem_optin = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(driver_err("shared memory per block"))?
+            .max(48 * 1024) as usize;
         let (major, minor) = compute_capability;
         if major < 6 {
             return Err(unavailable(format!("{name} (sm_{major}{minor}) is older than sm_60")));
@@ -426,6 +432,7 @@ impl Context {
             name,
             compute_capability,
             multiprocessors,
+            smem_optin,
             pdl,
             priority,
             param_info: false,

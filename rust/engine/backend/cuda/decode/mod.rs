@@ -66,24 +66,25 @@ use crate::{Error, Result};
 /// Rows of a step: one product chunk of the matrix kernels.
 const N_MAX: usize = MAX_BATCH;
 
-/// Most rows of a prompt's step (`DS4_CUDA_PREFILL_ROWS`, within ds4_route's limits in
-/// decode_moe.cu: rows times experts a row at most 768, rows times bitmap words at most 1024).
-const P_MAX: usize = 128;
-// Flash's router (6 of 256 experts a row) takes the most rows.
-const _: () = assert!(P_MAX * 6 <= 768 && P_MAX * 256_usize.div_ceil(32) <= 1024);
+/// Most rows of a prompt's step (`DS4_CUDA_PREFILL_ROWS`; ds4_route's MOE_MAX_ROWS in
+/// decode_moe.cu).
+const P_MAX: usize = 256;
 
 /// Rows of a prompt's step by default. A step reads each weight once for all its rows, so more
 /// rows read less a token (the routed experts: a 16-row step of Flash reads about 81 of a
 /// layer's 256, a 128-row one about 243); its buffers grow with the rows. On an H200 (Flash
 /// with filled experts, interleaved in one process, routed products of at most 2 rows): 2048-
 /// and 8192-token prompts at 465 / 425 tok/s with steps of 16 rows, 502 / 467 with 64; with
-/// 128 (and products of 4 rows, [`program::expert_chunk`]) 565 / 529 in a later build.
-const P_DEFAULT: usize = 128;
+/// 128 (and products of 4 rows, [`program::expert_chunk`]) 565 / 529 in a later build; with
+/// the routed products on the tensor cores (gemm_experts.cu), 893 / 807 with 128 rows and 936 /
+/// 842 with 256 (a 256-row step reads about 255 of the 256).
+const P_DEFAULT: usize = 256;
 
-/// The rows of a prompt's step: `setting` (`DS4_CUDA_PREFILL_ROWS`, 16..=128) or [`P_DEFAULT`],
-/// cut to what ds4_route takes for this router (`k` experts a row of `experts`); [`N_MAX`]
-/// with a drafter (its device upkeep and the host's capture are sized for a decode's rows).
-fn prefill_rows(setting: Option<&str>, k: usize, experts: usize, drafter: bool) -> Result<usize> {
+/// The rows of a prompt's step: `setting` (`DS4_CUDA_PREFILL_ROWS`, 16..=256) or [`P_DEFAULT`],
+/// cut to the most whose routing fits in `smem_max` bytes of shared memory a block (ds4_route
+/// for this router: `k` experts a row of `experts`, [`program::route_smem`]); [`N_MAX`] with a
+/// drafter (its device upkeep and the host's capture are sized for a decode's rows).
+fn prefill_rows(setting: Option<&str>, k: usize, experts: usize, drafter: bool, smem_max: usize) -> Result<usize> {
     let want = match setting.map(str::trim) {
         None | Some("") => P_DEFAULT,
         Some(v) => match v.parse::<usize>() {
@@ -98,8 +99,8 @@ fn prefill_rows(setting: Option<&str>, k: usize, experts: usize, drafter: bool) 
     if drafter {
         return Ok(N_MAX);
     }
-    let words = experts.div_ceil(32).max(1);
-    Ok(want.min(768 / k.max(1)).min(1024 / words).max(N_MAX))
+    let fits = (N_MAX..=want).rev().find(|&r| program::route_smem(r, k, experts) <= smem_max);
+    Ok(fits.unwrap_or(N_MAX))
 }
 
 /// The bit of an argmax id that says its row has no greedy token (`ds4_argmax_rows`).
@@ -924,6 +925,7 @@ impl CudaDecoder {
             cfg.n_experts_used,
             cfg.n_experts,
             model.draft.is_some(),
+            backend.lock().ctx.smem_optin,
         )?;
         let prefill_chunk = program::expert_chunk(std::env::var("DS4_CUDA_EXPERT_CHUNK").ok().as_deref())?;
         // The most rows of a routed product's descriptor (program.rs `chunk`).
@@ -2335,23 +2337,32 @@ impl DeviceDecoder for CudaDecoder {
 mod prefill_rows_tests {
     use super::{prefill_rows, N_MAX, P_DEFAULT};
 
-    /// The setting's range, ds4_route's limits (rows x experts a row <= 768, rows x bitmap
-    /// words <= 1024) and a drafter's decode-sized steps.
+    /// The setting's range, ds4_route's shared memory (Flash's router, 6 of 256 experts: 256
+    /// rows take 70.7 KB) and a drafter's decode-sized steps.
     #[test]
     fn prefill_rows_follow_the_setting_and_the_router_limits() {
-        assert_eq!(prefill_rows(None, 6, 256, false).unwrap(), P_DEFAULT);
-        assert_eq!(prefill_rows(Some(" 128 "), 6, 256, false).unwrap(), 128);
-        assert_eq!(prefill_rows(Some("16"), 6, 256, false).unwrap(), 16);
-        assert_eq!(prefill_rows(Some("40"), 6, 256, false).unwrap(), 40);
-        for bad in ["15", "129", "0", "x", "-64"] {
-            assert!(prefill_rows(Some(bad), 6, 256, false).is_err(), "{bad}");
+        const SMEM: usize = 227 * 1024;
+        assert_eq!(prefill_rows(None, 6, 256, false, SMEM).unwrap(), P_DEFAULT);
+        assert_eq!(prefill_rows(Some(" 256 "), 6, 256, false, SMEM).unwrap(), 256);
+        assert_eq!(prefill_rows(Some("128"), 6, 256, false, SMEM).unwrap(), 128);
+        // The default takes the most that fit: 154 rows in 48 KB.
+        assert_eq!(prefill_rows(None, 6, 256, false, 48 * 1024).unwrap(), 154);
+        assert_eq!(prefill_rows(Some("16"), 6, 256, false, SMEM).unwrap(), 16);
+        assert_eq!(prefill_rows(Some("40"), 6, 256, false, SMEM).unwrap(), 40);
+        for bad in ["15", "257", "0", "x", "-64"] {
+            assert!(prefill_rows(Some(bad), 6, 256, false, SMEM).is_err(), "{bad}");
         }
-        // 16 experts a row: 48 rows; 1024 experts (32 words): 32 rows.
-        assert_eq!(prefill_rows(Some("128"), 16, 256, false).unwrap(), 48);
-        assert_eq!(prefill_rows(Some("128"), 2, 1024, false).unwrap(), 32);
-        assert_eq!(prefill_rows(Some("128"), 16, 1024, false).unwrap(), 32);
+        // The words of 256 rows of 6 of 256 experts: 16 rows of scores, 12 ints a row for its
+        // pairs, 17 for its bitmap and prefix counts, 24 for the descriptor slots, one more.
+        assert_eq!(super::program::route_smem(256, 6, 256), 4 * (16 * 256 + 256 * (12 + 17 + 24) + 1));
+        // The largest row count that fits 48 KB (no opt-in): 154 rows of Flash's router, 50 of
+        // 16 experts a row of 1024 (scores of 4 rows, then 2 x 16 + 32 + 33 + 4 x 16 words a row).
+        assert_eq!(prefill_rows(Some("256"), 6, 256, false, 48 * 1024).unwrap(), 154);
+        assert_eq!(prefill_rows(Some("256"), 16, 1024, false, 48 * 1024).unwrap(), 50);
+        // Never below a verify's rows.
+        assert_eq!(prefill_rows(Some("256"), 16, 1024, false, 1024).unwrap(), N_MAX);
         // A drafter: a verify's rows.
-        assert_eq!(prefill_rows(Some("128"), 6, 256, true).unwrap(), N_MAX);
+        assert_eq!(prefill_rows(Some("128"), 6, 256, true, SMEM).unwrap(), N_MAX);
     }
 
     /// A prompt's routed products: the rows of a product kernel, nothing else.

@@ -37,6 +37,16 @@ fn gx_takes(m: &Mat, at: u64) -> bool {
     m.ty == crate::quant::GgmlType::IQ2_XXS && m.n_in > 0 && m.n_in.is_multiple_of(256) && at.is_multiple_of(2)
 }
 
+/// Bytes of ds4_route's dynamic shared memory for `n` rows of `k` experts of `experts`
+/// (decode_moe.cu `route_smem_words`: a round of rows' scores, then per (row, expert) pair two
+/// words, per row its bitmap words and their prefix popcounts, per descriptor slot four words).
+pub(super) fn route_smem(n: usize, k: usize, experts: usize) -> usize {
+    const SCORES: usize = 4096; // MOE_SCORES
+    let w = experts.div_ceil(32);
+    let per_round = (SCORES / experts.max(1)).max(1);
+    4 * (n.min(per_round) * experts + 2 * n * k + n * w + n * (w + 1) + 4 * n * k + 1)
+}
+
 /// Whether `ds4_moe_mma_q2_k` takes an expert stack's matrix `m` (expert 0's rows at `at`):
 /// Q2_K of whole super-blocks, rows 4-byte aligned (84 bytes a super-block).
 fn gq_takes(m: &Mat, at: u64) -> bool {
@@ -47,8 +57,9 @@ fn gq_takes(m: &Mat, at: u64) -> bool {
         && m.row_bytes.is_multiple_of(4)
 }
 
-/// Most rows of one routed-expert product in a prompt's step by default
-/// ([`expert_chunk`]): its experts serve more rows (128 rows of Flash: about 3 an expert),
+/// Most rows of one routed-expert product of the decode's kernels in a prompt's step by default
+/// ([`expert_chunk`]; the tensor-core kernels of gemm_experts.cu take up to [`GX_MAX_ROWS`]
+/// whatever it is): its experts serve more rows (128 rows of Flash: about 3 an expert),
 /// and each product of a chunk reads the expert's weights again. On an H200 (Flash, 2048-token
 /// prompts in 128-row steps, interleaved): 550 / 587 / 531 tok/s with chunks of 2 / 4 / 8 (in
 /// a build whose tensor-core products skipped the rows past 64 of a step, which favoured all
@@ -861,7 +872,7 @@ impl CudaDecoder {
                 k.route,
                 (1, 1, 1),
                 256,
-                0,
+                route_smem(n, kk, cfg.n_experts) as u32,
                 vec![
                     p(b.rl.ptr),
                     i(cfg.n_experts),

@@ -270,7 +270,8 @@ fn launch_route(
         Arg::I32(out.chunks.0 as i32),
         Arg::I32(out.chunks.1 as i32),
     ];
-    ctx.launch_named("ds4_route", (1, 1, 1), 256, 0, &args).expect("ds4_route");
+    let smem = super::program::route_smem(n, cfg.n_experts_used, cfg.n_experts) as u32;
+    ctx.launch_named("ds4_route", (1, 1, 1), 256, smem, &args).expect("ds4_route");
     keep.push(bias);
     keep.extend(hash);
 }
@@ -429,9 +430,9 @@ fn route_matches_cpu() {
         let lw = layer_weights(unused(), rt.clone(), [Stack { first: unused(), n_exp }; 3], [unused(); 3]);
         let templ = fake_templates(d, ff);
         let templ_buf = DevBuf::from_slice(&templ).expect("templates");
-        // Up to the most rows the kernel's arrays take (a prompt's step): n k <= 768 pairs,
-        // n ceil(E / 32) <= 1024 bitmap words.
-        let most = (768 / k).min(1024 / n_exp.div_ceil(32)).min(128);
+        // Up to the most rows the kernel takes (a prompt's step: 256), as far as its shared
+        // memory fits on this device (E = 1024, k = 16: 181 KB at 256 rows).
+        let most = (16..=256).rev().find(|&r| super::program::route_smem(r, k, n_exp) <= ctx.smem_optin).unwrap_or(16);
         for n in [1usize, 3, 16, most] {
             let what = format!("E={n_exp} k={k} hash={hash} norm={norm} n={n}");
             // Logits over the softplus range: linear part (> 20), tiny scores, and exact ties
