@@ -50,6 +50,19 @@ __device__ __forceinline__ void gx_entry(u32 grid, u32 aux0, u32 aux1, int t, u3
     hi = (g1 ^ m1) + (m1 & 0x01010101u);
 }
 
+// Lane (g, t)'s weight rows of the warp's outputs o0..: rows g and g + 8 of each m16 tile (A
+// fragments), clamped to the last row past n_out (loaded, never stored).
+__device__ __forceinline__ void gx_wrows(const MvDesc& D, int o0, int g, const u8* (&wrow)[GX_MT][2]) {
+#pragma unroll
+    for (int mt = 0; mt < GX_MT; mt++) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int o = min(o0 + 16 * mt + 8 * h + g, D.n_out - 1);
+            wrow[mt][h] = D.w + (long long)o * D.row_bytes;
+        }
+    }
+}
+
 // Lane (g, t)'s view of a descriptor's rows of x (8-bit activations, each in a slot of n_in
 // floats): row g of each n8 tile, whose 8 bytes a group it loads as B (null past n), and the
 // scales of rows 2t and 2t + 1, the columns of its C (null past n).
@@ -128,22 +141,11 @@ extern "C" __global__ void __launch_bounds__(128) ds4_moe_mma_iq2_xxs(const MvDe
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2;
     const int t = lane & 3;
-    const int n_in = D.n_in;
-    const int n_out = D.n_out;
-    const int nb = n_in >> 8;
+    const int nb = D.n_in >> 8;
     const u32 grid = (u32)__cvta_generic_to_shared(lut);
     const bool vec = (((unsigned long long)D.w | (unsigned long long)D.row_bytes) & 15ull) == 0;
-    // Output rows g and g + 8 of each m16 tile (clamped to the last row past n_out: loaded,
-    // never stored).
     const u8* wrow[GX_MT][2];
-#pragma unroll
-    for (int mt = 0; mt < GX_MT; mt++) {
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int o = min(B.o0 + 16 * mt + 8 * h + g, n_out - 1);
-            wrow[mt][h] = D.w + (long long)o * D.row_bytes;
-        }
-    }
+    gx_wrows(D, B.o0, g, wrow);
     const GxRows X = gx_rows(D, g, t);
     const bool two = n > 8;
     float acc[GX_MT][GX_NT][4] = {};
@@ -242,14 +244,7 @@ extern "C" __global__ void __launch_bounds__(128) ds4_moe_mma_q2_k(const MvDesc*
     const long long pay = 64ll * nb;
     const bool vec = (((unsigned long long)D.w | (unsigned long long)D.row_bytes) & 7ull) == 0;
     const u8* wrow[GX_MT][2];
-#pragma unroll
-    for (int mt = 0; mt < GX_MT; mt++) {
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int o = min(B.o0 + 16 * mt + 8 * h + g, D.n_out - 1);
-            wrow[mt][h] = D.w + (long long)o * D.row_bytes;
-        }
-    }
+    gx_wrows(D, B.o0, g, wrow);
     const GxRows X = gx_rows(D, g, t);
     const bool two = n > 8;
     float acc[GX_MT][GX_NT][4] = {};
