@@ -23,6 +23,13 @@ kernel_trace.cpp (its build line is in it), or from Nsight Systems' `cuda_gpu_tr
     CUDA_INJECTION64_PATH=/tmp/kernel_trace.so DS4_TRACE_OUT=/tmp/trace.csv \\
         python scripts/kernel_lab/ncu_step.py MODEL.gguf [STEPS] --cupti /tmp/kernel_trace.so
     python scripts/kernel_lab/ncu_step.py --trace /tmp/trace.csv [STEPS]
+
+The third form lists one traced step's kernels in the order they ran (STEP from 0; with
+--layer L only layer L's), each with its start, end, duration, the idle time before it and
+the time it added to the step: the critical path of a layer, kernel by kernel. The trace is
+a small CSV (a Flash step is about 1300 kernels), worth bringing back from the GPU machine.
+
+    python scripts/kernel_lab/ncu_step.py --timeline /tmp/trace.csv [STEP] [--layer L]
 """
 
 from __future__ import annotations
@@ -82,7 +89,9 @@ def summarize(report: str, steps: int) -> None:
         print(f"  {k:32} {ns / steps / 1e3:8.1f} us/step {count / steps:6.1f} launches {ns / count / 1e3:7.2f} us each")
 
 
-def summarize_trace(trace: str, steps: int) -> None:
+def read_trace(trace: str) -> list[tuple[int, int, str]]:
+    """The ds4 kernels of a trace CSV (kernel_trace.cpp's or nsys's cuda_gpu_trace) as (start
+    ns, duration ns, name), in start order."""
     rows = list(csv.reader(open(trace)))
     head = next(i for i, r in enumerate(rows) if any(c.startswith("Start") for c in r))
     cols = rows[head]
@@ -91,11 +100,49 @@ def summarize_trace(trace: str, steps: int) -> None:
         return next(i for i, c in enumerate(cols) if c.startswith(prefix))
 
     start, dur, name = col("Start"), col("Duration"), col("Name")
-    kernels = sorted(
+    return sorted(
         (int(r[start]), int(r[dur]), r[name].split("(")[0])
         for r in rows[head + 1 :]
         if len(r) > name and r[name].startswith("ds4_")
     )
+
+
+def timeline(trace: str, step: int = 0, layer: int | None = None) -> None:
+    """The kernels of one traced step (steps end with ds4_pack) in start order: start and end
+    relative to the step's first kernel, duration, the idle time before it (no kernel running)
+    and how far it moved the end of the busy time, as summarize_trace counts them. With
+    `layer`, only that layer's kernels: layer L runs from the 2L-th ds4_hc_pre of the step (its
+    attention site's; the mixing product before it and a side-branch prefetch are counted in
+    the layer before) to the 2L+2-th."""
+    kernels = read_trace(trace)
+    ends = [i for i, k in enumerate(kernels) if k[2] == "ds4_pack"]
+    if len(ends) <= step:
+        print(f"the trace holds {len(ends)} whole steps")
+        return
+    first = ends[step - 1] + 1 if step > 0 else 0
+    ks = kernels[first : ends[step] + 1]
+    t0 = ks[0][0]
+    pre = [i for i, k in enumerate(ks) if k[2] == "ds4_hc_pre"]
+    lo, hi = 0, len(ks)
+    if layer is not None:
+        if 2 * layer >= len(pre):
+            print(f"the step has {len(pre) // 2} layers")
+            return
+        lo = pre[2 * layer]
+        hi = pre[2 * layer + 2] if 2 * layer + 2 < len(pre) else len(ks)
+    print(f"{'#':>5} {'kernel':28} {'start us':>9} {'end us':>9} {'dur us':>8} {'idle us':>8} {'adds us':>8}")
+    busy = t0
+    for i, (s0, d, name) in enumerate(ks):
+        idle = max(0, s0 - busy)
+        adds = max(0, s0 + d - max(busy, s0))
+        busy = max(busy, s0 + d)
+        if lo <= i < hi:
+            print(f"{i:5} {name:28} {(s0 - t0) / 1e3:9.2f} {(s0 + d - t0) / 1e3:9.2f} {d / 1e3:8.2f} "
+                  f"{idle / 1e3:8.2f} {adds / 1e3:8.2f}")
+
+
+def summarize_trace(trace: str, steps: int) -> None:
+    kernels = read_trace(trace)
     if not kernels:
         print("no ds4 kernels in the trace")
         return
@@ -145,6 +192,13 @@ if __name__ == "__main__":
         summarize(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 1)
     elif sys.argv[1] == "--trace":
         summarize_trace(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 1)
+    elif sys.argv[1] == "--timeline":
+        args = sys.argv[2:]
+        layer = None
+        if "--layer" in args:
+            layer = int(args.pop(args.index("--layer") + 1))
+            args.remove("--layer")
+        timeline(args[0], int(args[1]) if len(args) > 1 else 0, layer)
     else:
         args = sys.argv[1:]
         out = None

@@ -1,0 +1,63 @@
+"""scripts/kernel_lab/ncu_step.py's trace readers on a made-up CUPTI trace (kernel_trace.cpp's
+CSV): the per-kernel sums and one step's timeline, against times worked out by hand."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "kernel_lab" / "ncu_step.py"
+
+# Two steps of two layers each (ns). Step 0: hc_pre 0-10, a product 13-30, a side-branch
+# prefetch 14-40 beside it, hc_pre 40-50, route 50-55 (layer 0); hc_pre 60-70, hc_pre 70-80
+# (layer 1); pack 80-82. Step 1 starts after a host gap at 1000.
+TRACE = """Start (ns),Duration (ns),Name
+0,10000,ds4_hc_pre
+13000,17000,ds4_mv_f16_1(const MvDesc*)
+14000,26000,ds4_prefetch
+40000,10000,ds4_hc_pre
+50000,5000,ds4_route
+60000,10000,ds4_hc_pre
+70000,10000,ds4_hc_pre
+80000,2000,ds4_pack
+1000000,10000,ds4_hc_pre
+1010000,2000,ds4_pack
+"""
+
+
+def run(tmp_path: Path, *args: str) -> list[str]:
+    trace = tmp_path / "trace.csv"
+    trace.write_text(TRACE)
+    out = subprocess.run([sys.executable, str(SCRIPT), *args[:1], str(trace), *args[1:]],
+                         capture_output=True, text=True, check=True).stdout
+    return out.splitlines()
+
+
+def test_timeline_of_a_step_and_of_a_layer(tmp_path: Path) -> None:
+    rows = [line.split() for line in run(tmp_path, "--timeline")[1:]]
+    # Index, name, start, end, duration, idle before, time added to the busy span (us).
+    assert [r[1] for r in rows] == ["ds4_hc_pre", "ds4_mv_f16_1", "ds4_prefetch", "ds4_hc_pre", "ds4_route",
+                                    "ds4_hc_pre", "ds4_hc_pre", "ds4_pack"]
+    got = {r[1] + r[0]: [float(v) for v in r[2:]] for r in rows}
+    assert got["ds4_mv_f16_11"] == [13.0, 30.0, 17.0, 3.0, 17.0]
+    # The prefetch runs beside the product: no idle, and only its last 10 us extend the step.
+    assert got["ds4_prefetch2"] == [14.0, 40.0, 26.0, 0.0, 10.0]
+    assert got["ds4_hc_pre5"] == [60.0, 70.0, 10.0, 5.0, 10.0]
+    # Layer 1: from the step's third hc_pre to the end.
+    layer = [line.split()[1] for line in run(tmp_path, "--timeline", "0", "--layer", "1")[1:]]
+    assert layer == ["ds4_hc_pre", "ds4_hc_pre", "ds4_pack"]
+    # The second step, and one past the trace.
+    assert [line.split()[1] for line in run(tmp_path, "--timeline", "1")[1:]] == ["ds4_hc_pre", "ds4_pack"]
+    assert run(tmp_path, "--timeline", "2") == ["the trace holds 2 whole steps"]
+
+
+def test_trace_summary_counts_the_host_gap_apart(tmp_path: Path) -> None:
+    lines = run(tmp_path, "--trace", "2")
+    # The trace spans 0-1012 us, of which 3 + 5 us idle inside step 0 and 918 between the steps
+    # (the host's), per step.
+    assert lines[0].startswith("5 launches per step; 0.506 ms from the first kernel's start")
+    assert "0.004 ms with no kernel running inside the steps and 0.459 ms between them" in lines[0]
+    pre = next(line.split() for line in lines if line.split()[0] == "ds4_hc_pre")
+    # hc_pre: 5 launches of 10 us over 2 steps.
+    assert pre[1:4] == ["25.0", "2.5", "10.00"]
