@@ -26,8 +26,8 @@
 # routed experts of as many layers as the disk holds get pseudo-random blocks first
 # (scripts/fill_experts.py: the generator's zero experts make the IQ2_XXS kernels look up one
 # lattice entry only, which flatters them); with TRACE=1 the kernels of two Flash decode steps
-# as they ran, summed per kernel (scripts/kernel_lab/kernel_trace.cpp, built here with nvcc
-# against the toolkit's CUPTI).
+# as they ran, summed per kernel, then layer 10's kernels in order (scripts/kernel_lab/
+# kernel_trace.cpp, built here with nvcc against the toolkit's CUPTI; ncu_step.py --timeline).
 set -euo pipefail
 wheel=${1:?usage: gpu_suite.sh WHEEL [WHEELHOUSE] [TESTS_BINARY]}
 python3 -m venv --system-site-packages /tmp/ds4-gpu-venv
@@ -83,6 +83,8 @@ if [ -n "${FLASH_GEN:-}" ] && [ -n "${TOKENIZER:-}" ]; then
         CUDA_INJECTION64_PATH=/tmp/kernel_trace.so DS4_TRACE_OUT=/tmp/ds4-trace.csv \
             python scripts/kernel_lab/ncu_step.py /tmp/ds4-flash-q2.gguf 2 --cupti /tmp/kernel_trace.so
         python scripts/kernel_lab/ncu_step.py --trace /tmp/ds4-trace.csv 2
+        # One layer's kernels as they ran (a CSA layer with its indexer; the CSV stays in /tmp).
+        python scripts/kernel_lab/ncu_step.py --timeline /tmp/ds4-trace.csv 0 --layer 10
     fi
     if [ -n "${FLASH_32K:-}" ]; then
         # About 4 minutes on an H200: the 32K-token context is filled by a prefill first.
