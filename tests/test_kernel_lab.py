@@ -61,3 +61,19 @@ def test_trace_summary_counts_the_host_gap_apart(tmp_path: Path) -> None:
     pre = next(line.split() for line in lines if line.split()[0] == "ds4_hc_pre")
     # hc_pre: 5 launches of 10 us over 2 steps.
     assert pre[1:4] == ["25.0", "2.5", "10.00"]
+
+
+def test_ncu_report_sums_per_kernel(tmp_path: Path) -> None:
+    # Nsight Compute's CSV (--csv --print-units base): a preamble line, then one row per kernel
+    # and metric.
+    report = tmp_path / "ncu.csv"
+    report.write_text('==PROF== Connected\n"ID","Kernel Name","Metric Name","Metric Value"\n'
+                      '"0","ds4_route(float const*)","gpu__time_duration.sum","12,000"\n'
+                      '"1","ds4_route(float const*)","gpu__time_duration.sum","8,000"\n'
+                      '"1","ds4_route(float const*)","sm__cycles_elapsed.avg","9"\n'
+                      '"2","ds4_pack","gpu__time_duration.sum","2,000"\n')
+    out = subprocess.run([sys.executable, str(SCRIPT), "--sum", str(report), "2"],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0] == "2 launches and 0.011 ms of kernels per step"
+    assert out[1].split() == ["ds4_route", "10.0", "us/step", "1.0", "launches", "10.00", "us", "each"]
+    assert out[2].split()[:2] == ["ds4_pack", "1.0"]

@@ -76,12 +76,12 @@ def summarize(report: str, steps: int) -> None:
     head = next(i for i, r in enumerate(rows) if "Kernel Name" in r)
     cols = rows[head]
     name, metric, value = cols.index("Kernel Name"), cols.index("Metric Name"), cols.index("Metric Value")
-    per = collections.defaultdict(lambda: [0, 0.0])
+    per: collections.defaultdict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
     for r in rows[head + 1 :]:
         if len(r) > value and r[metric] == "gpu__time_duration.sum":
-            k = per[r[name].split("(")[0]]
-            k[0] += 1
-            k[1] += float(r[value].replace(",", ""))  # nanoseconds
+            v = per[r[name].split("(")[0]]
+            v[0] += 1
+            v[1] += float(r[value].replace(",", ""))  # nanoseconds
     launches = sum(v[0] for v in per.values())
     total = sum(v[1] for v in per.values())
     print(f"{launches / steps:.0f} launches and {total / steps / 1e6:.3f} ms of kernels per step")
@@ -155,7 +155,7 @@ def summarize_trace(trace: str, steps: int) -> None:
     # are counted apart, not as idle before that kernel. A step's program may start with a
     # side-branch ds4_prefetch, which the graph launches at once, so the host's gap can fall
     # after it.
-    per = collections.defaultdict(lambda: [0, 0, 0, 0])
+    per: collections.defaultdict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0, 0])
     busy_end = kernels[0][0]
     host = True  # before a step's first main-stream kernel (the trace starts with a step)
     idle = between = 0
