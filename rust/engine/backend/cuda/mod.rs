@@ -607,11 +607,7 @@ impl CudaBackend {
         // One kernel for all of them.
         let f = if prefill {
             let sm80 = g.ctx.compute_capability.0 >= 8;
-            let name = match mats[0].ty {
-                GgmlType::F16 => "ds4_gemm_f16",
-                GgmlType::Q8_0 => "ds4_gemm_q8_0",
-                _ => return Err(cannot()),
-            };
+            let name = decode::gemm::kernel_name(mats[0].ty).ok_or_else(cannot)?;
             if mats.iter().any(|m| m.ty != mats[0].ty || !decode::gemm::takes(m, img.addr(m.start), x, n, sm80)) {
                 return Err(cannot());
             }

@@ -27,6 +27,15 @@ const TARGET_WARPS: usize = 1024;
 /// weights loaded once for all of them); a prompt's step of more rows takes several.
 pub(in crate::backend::cuda) const GEMM_MAX_ROWS: usize = 64;
 
+/// The kernel of `ty`'s products (`shaders/cuda/gemm.cu`): F16 and Q8_0 have one.
+pub(in crate::backend::cuda) fn kernel_name(ty: GgmlType) -> Option<&'static str> {
+    match ty {
+        GgmlType::F16 => Some("ds4_gemm_f16"),
+        GgmlType::Q8_0 => Some("ds4_gemm_q8_0"),
+        _ => None,
+    }
+}
+
 /// Whether `m`'s shape and format suit the kernels: F16, or Q8_0 on the float-x layout (Q8_0
 /// on the tensor-core layout keeps its own kernel, already 16 rows a weight read), whole units.
 fn shape_fits(m: &Mat) -> bool {

@@ -917,6 +917,7 @@ impl CudaDecoder {
         let g = backend.lock();
         g.ctx.bind()?;
         let k = Kernels::load(&g.ctx)?;
+        let smem_optin = g.ctx.smem_optin;
         drop(g);
         let cfg = &model.config;
         // The rows of a prompt's step, at least a verify's: those of the activation buffers.
@@ -925,7 +926,7 @@ impl CudaDecoder {
             cfg.n_experts_used,
             cfg.n_experts,
             model.draft.is_some(),
-            backend.lock().ctx.smem_optin,
+            smem_optin,
         )?;
         let prefill_chunk = program::expert_chunk(std::env::var("DS4_CUDA_EXPERT_CHUNK").ok().as_deref())?;
         // The most rows of a routed product's descriptor (program.rs `chunk`).

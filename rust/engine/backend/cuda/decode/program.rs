@@ -918,29 +918,30 @@ impl CudaDecoder {
             if um.ty != gm.ty || um.n_out != gm.n_out || um.n_in != gm.n_in {
                 return Err(Error::Backend("CUDA decode: expert gate and up differ in shape (unsupported)".into()));
             }
-            if gx_on {
-                launch(
-                    &mut ops,
-                    k.moe_mma_iq2,
-                    ((max_descs * (bpd_gx(&gm) + bpd_gx(&um))) as u32, 1, 1),
-                    (32 * MV_WARPS) as u32,
-                    0,
-                    vec![PArg::Table(gu_off), i(2 * max_descs), p(b.counters.ptr)],
-                );
-            } else {
-                let (fg, sg) = ctx
-                    .kernel(gm.ty, gm.n_in, gm.n_out, chunk)
-                    .ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
-                launch(
-                    &mut ops,
-                    fg,
-                    ((max_descs * (bpd(&gm) + bpd(&um))) as u32, 1, 1),
-                    THREADS,
-                    sg,
-                    // Not early: ds4_route writes this table.
-                    vec![PArg::Table(gu_off), i(2 * max_descs), p(b.counters.ptr), i(0)],
-                );
-            }
+            // A launch of routed products over the table ds4_route writes at `off` (max_descs
+            // descriptors a matrix of `mats`, which share one shape): the tensor-core kernel
+            // `mma`, or the decode's product kernel for `chunk` rows (not early: ds4_route
+            // writes the table).
+            let routed = |ops: &mut Vec<Op<PArg>>, mma: Option<sys::CUfunction>, mats: &[Mat], off: usize| {
+                let count = mats.len() * max_descs;
+                match mma {
+                    Some(f) => {
+                        let blocks: usize = mats.iter().map(|m| max_descs * bpd_gx(m)).sum();
+                        let args = vec![PArg::Table(off), i(count), p(b.counters.ptr)];
+                        launch(ops, f, (blocks as u32, 1, 1), (32 * MV_WARPS) as u32, 0, args);
+                    }
+                    None => {
+                        let (f, smem) = ctx
+                            .kernel(mats[0].ty, mats[0].n_in, mats[0].n_out, chunk)
+                            .ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
+                        let blocks: usize = mats.iter().map(|m| max_descs * bpd(m)).sum();
+                        let args = vec![PArg::Table(off), i(count), p(b.counters.ptr), i(0)];
+                        launch(ops, f, (blocks as u32, 1, 1), THREADS, smem, args);
+                    }
+                }
+                Ok::<(), Error>(())
+            };
+            routed(&mut ops, gx_on.then_some(k.moe_mma_iq2), &[gm, um], gu_off)?;
             if !shared_side {
                 shared_swiglu(&mut ops);
             }
@@ -964,28 +965,7 @@ impl CudaDecoder {
             if !shared_side {
                 products(&mut ops, &mut table, &down_sh)?;
             }
-            if dx_on {
-                launch(
-                    &mut ops,
-                    k.moe_mma_q2k,
-                    ((max_descs * bpd_gx(&dm)) as u32, 1, 1),
-                    (32 * MV_WARPS) as u32,
-                    0,
-                    vec![PArg::Table(down_off), i(max_descs), p(b.counters.ptr)],
-                );
-            } else {
-                let (fd, sd) = ctx
-                    .kernel(dm.ty, dm.n_in, dm.n_out, chunk)
-                    .ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
-                launch(
-                    &mut ops,
-                    fd,
-                    ((max_descs * bpd(&dm)) as u32, 1, 1),
-                    THREADS,
-                    sd,
-                    vec![PArg::Table(down_off), i(max_descs), p(b.counters.ptr), i(0)],
-                );
-            }
+            routed(&mut ops, dx_on.then_some(k.moe_mma_q2k), &[dm], down_off)?;
             if fork {
                 ops.push(Op::Join);
             }

@@ -43,8 +43,7 @@ fn run(ctx: &super::super::context::Context, w: &DevBuf, m: &Mat, x: &[f32], n: 
         gemm::desc(w.at(m.start), m, m.n_out, xb.at(0), y.at(0), m.n_out, part.at(0), n, 0);
     assert_eq!(d.group as usize, g);
     let table = DevBuf::from_slice(&[d]).unwrap();
-    let name = if m.ty == GgmlType::F16 { "ds4_gemm_f16" } else { "ds4_gemm_q8_0" };
-    let f = ctx.function(name).unwrap();
+    let f = ctx.function(gemm::kernel_name(m.ty).unwrap()).unwrap();
     let args = [Arg::Ptr(table.at(0)), Arg::I32(1), Arg::Ptr(counters.at(0))];
     ctx.launch_args(f, (blocks as u32, 1, 1), 128, 0, &args).unwrap();
     ctx.sync().unwrap();
