@@ -115,44 +115,52 @@ __device__ __forceinline__ void gemm_i8_to_f16(u32 w, u32& lo, u32& hi) {
     asm("sub.f16x2 %0, %1, %2;" : "=r"(hi) : "r"(b), "r"(bias));
 }
 
-// One unit's products of a warp's four tiles: x's rows g and g + 8 (xv: lane t's 8 inputs of
-// each) times the tiles' weights (wv: F16 8 halves a lane, Q8_0 8 bytes in .x and .y; dw:
-// Q8_0's block scale of the lane's row g of each tile), into acc.
+// One unit's weights of a warp's four tiles as the B fragments of its two k16 steps (F16: as
+// loaded; Q8_0: the bytes converted to halves, exactly) and, for Q8_0, the block scales of the
+// outputs of the lane's C fragments (the tile's rows 2t and 2t + 1, whose scales are in the
+// lanes of quads 2t and 2t + 1; 1 for F16). Made once per unit for all the m16 tiles of x.
 template <bool Q8>
+__device__ __forceinline__ void gemm_prep_w(const uint4 (&wv)[GEMM_TILES], const float (&dw)[GEMM_TILES], int t,
+                                            u32 (&b)[GEMM_TILES][2][2], float (&d0)[GEMM_TILES],
+                                            float (&d1)[GEMM_TILES]) {
+#pragma unroll
+    for (int q = 0; q < GEMM_TILES; q++) {
+        d0[q] = 1.0f;
+        d1[q] = 1.0f;
+        if (Q8) {
+            d0[q] = __shfl_sync(0xffffffffu, dw[q], 8 * t);
+            d1[q] = __shfl_sync(0xffffffffu, dw[q], 8 * t + 4);
+            gemm_i8_to_f16(wv[q].x, b[q][0][0], b[q][0][1]);
+            gemm_i8_to_f16(wv[q].y, b[q][1][0], b[q][1][1]);
+        } else {
+            b[q][0][0] = wv[q].x;
+            b[q][0][1] = wv[q].y;
+            b[q][1][0] = wv[q].z;
+            b[q][1][1] = wv[q].w;
+        }
+    }
+}
+
+// One unit's products of a warp's four tiles: x's rows g and g + 8 (xv: lane t's 8 inputs of
+// each) times the tiles' weights (b, d0, d1 from gemm_prep_w), into acc.
 __device__ __forceinline__ void gemm_unit(float (&acc)[GEMM_TILES][4], const float (&xv)[2][8],
-                                          const uint4 (&wv)[GEMM_TILES], const float (&dw)[GEMM_TILES], int t) {
+                                          const u32 (&b)[GEMM_TILES][2][2], const float (&d0)[GEMM_TILES],
+                                          const float (&d1)[GEMM_TILES]) {
     u32 hi[2][2][2], lo[2][2][2];
     const float b0 = gemm_split_x(xv[0], hi[0], lo[0]);
     const float b1 = gemm_split_x(xv[1], hi[1], lo[1]);
 #pragma unroll
     for (int q = 0; q < GEMM_TILES; q++) {
-        // The outputs of the lane's C fragment are the tile's rows 2t and 2t + 1: their scales
-        // are in the lanes of quads 2t and 2t + 1.
-        float d0 = 1.0f, d1 = 1.0f;
-        if (Q8) {
-            d0 = __shfl_sync(0xffffffffu, dw[q], 8 * t);
-            d1 = __shfl_sync(0xffffffffu, dw[q], 8 * t + 4);
-        }
-        u32 b[2][2];
-        if (Q8) {
-            gemm_i8_to_f16(wv[q].x, b[0][0], b[0][1]);
-            gemm_i8_to_f16(wv[q].y, b[1][0], b[1][1]);
-        } else {
-            b[0][0] = wv[q].x;
-            b[0][1] = wv[q].y;
-            b[1][0] = wv[q].z;
-            b[1][1] = wv[q].w;
-        }
         float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int st = 0; st < 2; st++) {
-            gemm_mma(c, hi[0][st][0], hi[1][st][0], hi[0][st][1], hi[1][st][1], b[st][0], b[st][1]);
-            gemm_mma(c, lo[0][st][0], lo[1][st][0], lo[0][st][1], lo[1][st][1], b[st][0], b[st][1]);
+            gemm_mma(c, hi[0][st][0], hi[1][st][0], hi[0][st][1], hi[1][st][1], b[q][st][0], b[q][st][1]);
+            gemm_mma(c, lo[0][st][0], lo[1][st][0], lo[0][st][1], lo[1][st][1], b[q][st][0], b[q][st][1]);
         }
-        acc[q][0] = fmaf(c[0], d0 * b0, acc[q][0]);
-        acc[q][1] = fmaf(c[1], d1 * b0, acc[q][1]);
-        acc[q][2] = fmaf(c[2], d0 * b1, acc[q][2]);
-        acc[q][3] = fmaf(c[3], d1 * b1, acc[q][3]);
+        acc[q][0] = fmaf(c[0], d0[q] * b0, acc[q][0]);
+        acc[q][1] = fmaf(c[1], d1[q] * b0, acc[q][1]);
+        acc[q][2] = fmaf(c[2], d0[q] * b1, acc[q][2]);
+        acc[q][3] = fmaf(c[3], d1[q] * b1, acc[q][3]);
     }
 }
 
@@ -277,13 +285,16 @@ __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int 
                 gemm_load_x(nu, t, xrow, 0, nxv);
             }
         }
-        gemm_unit<Q8>(acc[0], xv, wv, dw, t);
+        u32 bw[GEMM_TILES][2][2];
+        float d0[GEMM_TILES], d1[GEMM_TILES];
+        gemm_prep_w<Q8>(wv, dw, t, bw, d0, d1);
+        gemm_unit(acc[0], xv, bw, d0, d1);
 #pragma unroll
         for (int mt = 1; mt < GEMM_MTILES; mt++) {
             if (mt < mtiles) {
                 float mx[2][8];
                 gemm_load_x(u, t, xrow, mt, mx);
-                gemm_unit<Q8>(acc[mt], mx, wv, dw, t);
+                gemm_unit(acc[mt], mx, bw, d0, d1);
             }
         }
         if (nu < u1) {
