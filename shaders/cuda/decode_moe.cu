@@ -131,6 +131,8 @@ extern "C" __global__ void __launch_bounds__(256)
     // The union of the rows' sets, and its prefix popcounts (upre[W] = m).
     __shared__ u32 uni[MOE_WORDS];
     __shared__ int upre[MOE_WORDS + 1];
+    // Each warp's sum in step 4's scan.
+    __shared__ int warp_tot[MOE_MAX_WARPS];
 
     const int tid = threadIdx.x;
     const int lane = tid & 31;
@@ -300,6 +302,21 @@ extern "C" __global__ void __launch_bounds__(256)
             for (int r = 0; r < n; r++) {
                 if (BITS(r, w) & bit) {
                     gather_src[off + c] = r;
+                    // Row r's combine entry for e: at its count of distinct experts below e,
+                    // the gathered row of (e, r) (e's offset plus the rows before r that use
+                    // e) and the weights of the row's picks of e, added in pick order (equal
+                    // picks are adjacent: the row's experts are ascending).
+                    const int dj = PRE(r, w) + __popc(BITS(r, w) & (bit - 1u));
+                    int j = 0;
+                    while (CH(r, j) != e) {
+                        j++;
+                    }
+                    float ws = WT(r, j);
+                    for (int j2 = j + 1; j2 < k && CH(r, j2) == e; j2++) {
+                        ws += WT(r, j2);
+                    }
+                    comb_slot[r * k + dj] = off + c;
+                    comb_w[r * k + dj] = ws;
                     c++;
                 }
             }
@@ -312,6 +329,8 @@ extern "C" __global__ void __launch_bounds__(256)
     for (int r = 0; r < n; r++) {
         total += PRE(r, W);
     }
+    // The rest of the combine lists (entries past a row's distinct experts) and of the gather
+    // list (past its total rows).
     for (int idx = tid; idx < n * k; idx += blockDim.x) {
         const int r = idx / k;
         const int j = idx - r * k;
@@ -326,27 +345,6 @@ extern "C" __global__ void __launch_bounds__(256)
             comb_slot[idx] = 0;
             comb_w[idx] = 0.0f;
         }
-        const int e = CH(r, j);
-        if (j == 0 || CH(r, j - 1) != e) {
-            const int w = e >> 5;
-            const u32 bit = 1u << (e & 31);
-            // This row's distinct experts below e, and the gathered row of (e, r): e's
-            // offset plus the rows before r that use e.
-            const int dj = PRE(r, w) + __popc(BITS(r, w) & (bit - 1u));
-            int g = 0;
-            for (int q = 0; q < n; q++) {
-                g += PRE(q, w) + __popc(BITS(q, w) & (bit - 1u));
-                if (q < r && (BITS(q, w) & bit)) {
-                    g++;
-                }
-            }
-            float ws = WT(r, j);
-            for (int j2 = j + 1; j2 < k && CH(r, j2) == e; j2++) {
-                ws += WT(r, j2);
-            }
-            comb_slot[r * k + dj] = g;
-            comb_w[r * k + dj] = ws;
-        }
     }
     __syncthreads();
 
@@ -360,13 +358,41 @@ extern "C" __global__ void __launch_bounds__(256)
     const int bpd_gate = mv_row_blocks(templ[0]) * templ[0].slices;
     for (int pass = 0; pass < 2; pass++) {
         const int ck = pass == 0 ? chunk : chunk_dn;
-        if (tid == 0) {
-            int q = 0;
-            for (int i = 0; i < m; i++) {
-                s_dstart[i] = q;
-                q += (s_cnt[i] + ck - 1) / ck;
+        // s_dstart[i] = the descriptors of the used experts before i (i <= m): a block-wide
+        // exclusive scan, each thread over a run of `per` consecutive experts.
+        {
+            const int per = (m + (int)blockDim.x - 1) / (int)blockDim.x;
+            const int i0 = tid * per;
+            const int i1 = min(i0 + per, m);
+            int local = 0;
+            for (int i = i0; i < i1; i++) {
+                local += (s_cnt[i] + ck - 1) / ck;
             }
-            s_dstart[m] = q;
+            int v = local;
+            for (int o = 1; o < 32; o <<= 1) {
+                const int y = __shfl_up_sync(0xffffffffu, v, o);
+                if (lane >= o) {
+                    v += y;
+                }
+            }
+            if (lane == 31) {
+                warp_tot[warp] = v;
+            }
+            __syncthreads();
+            int run = v - local;
+            for (int p = 0; p < warp; p++) {
+                run += warp_tot[p];
+            }
+            for (int i = i0; i < i1; i++) {
+                s_dstart[i] = run;
+                run += (s_cnt[i] + ck - 1) / ck;
+            }
+            if (i0 < m && i1 == m) {
+                s_dstart[m] = run;
+            }
+            if (m == 0 && tid == 0) {
+                s_dstart[0] = 0;
+            }
         }
         __syncthreads();
         const int used = s_dstart[m];
