@@ -212,34 +212,36 @@ extern "C" __global__ void __launch_bounds__(256)
                 }
             }
             __syncwarp();
-            if (lane == 0) {
-                // Ascending expert ids (the fixed order of the sums over experts).
+            // Ascending expert ids (the fixed order of the sums over experts), lane j < k for
+            // pick j: its rank counts the smaller picks and the equal ones before it (a stable
+            // sort), so the row's list is the sorted picks.
+            const int v = lane < k ? CH(r, lane) : 0;
+            int rank = 0;
+            for (int j = 0; j < k; j++) {
+                const int o = __shfl_sync(0xffffffffu, v, j);
+                rank += (o < v || (o == v && j < lane)) ? 1 : 0;
+            }
+            __syncwarp();  // every pick read before any is moved
+            if (lane < k) {
+                CH(r, rank) = v;
+                WT(r, rank) = rs[v];
+                atomicOr(&BITS(r, v >> 5), 1u << (v & 31));
+            }
+            __syncwarp();
+            if (norm) {
+                // The sum in ascending order (every lane the same one), then each weight over it.
+                float sum = WT(r, 0);
                 for (int j = 1; j < k; j++) {
-                    const int v = CH(r, j);
-                    int q = j - 1;
-                    while (q >= 0 && CH(r, q) > v) {
-                        CH(r, q + 1) = CH(r, q);
-                        q--;
-                    }
-                    CH(r, q + 1) = v;
+                    sum += WT(r, j);
                 }
-                for (int j = 0; j < k; j++) {
-                    WT(r, j) = rs[CH(r, j)];
-                    BITS(r, CH(r, j) >> 5) |= 1u << (CH(r, j) & 31);
+                sum = sum + 1e-20f;
+                __syncwarp();  // every lane's sum read before any weight is divided
+                if (lane < k) {
+                    WT(r, lane) = WT(r, lane) / sum;
                 }
-                if (norm) {
-                    float sum = WT(r, 0);
-                    for (int j = 1; j < k; j++) {
-                        sum += WT(r, j);
-                    }
-                    sum = sum + 1e-20f;
-                    for (int j = 0; j < k; j++) {
-                        WT(r, j) = WT(r, j) / sum;
-                    }
-                }
-                for (int j = 0; j < k; j++) {
-                    WT(r, j) = WT(r, j) * wscale;
-                }
+            }
+            if (lane < k) {
+                WT(r, lane) = WT(r, lane) * wscale;
             }
             __syncwarp();
         }
