@@ -2,7 +2,7 @@
 
     ncu --profile-from-start off --clock-control none --cache-control none \\
         --metrics gpu__time_duration.sum --csv --print-units base \\
-        python scripts/kernel_lab/ncu_step.py MODEL.gguf [STEPS] [--prompt N] > /tmp/ncu.csv
+        python scripts/kernel_lab/ncu_step.py MODEL.gguf [STEPS] [--prompt N] [--rows R] > /tmp/ncu.csv
     python scripts/kernel_lab/ncu_step.py --sum /tmp/ncu.csv [STEPS]
 
 The first form loads the model, runs a prompt of N random tokens (default 64; Flash's
@@ -10,9 +10,10 @@ indexer selects rows only once a ratio-4 layer sees more than 512, from position
 ``--prompt 2100`` traces steps with the selection) and a few warm-up steps (the step
 programs are built and captured then), prints the mean wall time of 20 one-token steps, and
 turns the profiler on (cuProfilerStart) around STEPS more (default 1), so that ncu measures
-only those kernels. ncu runs each kernel alone, so the sum of the durations can differ from
-the step's wall time: it has no launch gaps, and no overlap of a kernel's start with the
-previous one's end. The second form sums the report per kernel name.
+only those kernels; with ``--rows R`` each of those steps is a prompt's step of R tokens
+(one more such step first builds its program). ncu runs each kernel alone, so the sum of the
+durations can differ from the step's wall time: it has no launch gaps, and no overlap of a
+kernel's start with the previous one's end. The second form sums the report per kernel name.
 
 The kernels' times as they ran (graph nodes, the side branch and programmatic launches
 overlapping), with the idle time between them, come from a CUPTI trace of the same steps by
@@ -42,7 +43,7 @@ import sys
 import time
 
 
-def profile(model: str, steps: int, cupti: str | None = None, prompt: int = 64) -> None:
+def profile(model: str, steps: int, cupti: str | None = None, prompt: int = 64, rows: int = 1) -> None:
     import numpy as np
 
     import ds4
@@ -56,18 +57,22 @@ def profile(model: str, steps: int, cupti: str | None = None, prompt: int = 64) 
     for i in range(20):
         s.eval([9 + i], logits="last")
     print(f"step {(time.perf_counter() - t) / 20 * 1e3:.3f} ms (wall, mean of 20)", file=sys.stderr)
+    # The measured steps: one token each, or with rows > 1 a prompt's step of that many.
+    batches = [[40 + i] * rows for i in range(steps)]
+    if rows > 1:
+        s.eval(batches[0], logits="last")  # the prompt step's program, built and captured
     if cupti:
         # Traced by kernel_trace.cpp, loaded as the process's CUDA injection library.
         lib = ctypes.CDLL(cupti)
         lib.ds4_trace_on()
-        for i in range(steps):
-            s.eval([40 + i], logits="last")
+        for b in batches:
+            s.eval(b, logits="last")
         lib.ds4_trace_off()
         return
     cuda = ctypes.CDLL("libcuda.so.1")
     cuda.cuProfilerStart()
-    for i in range(steps):
-        s.eval([40 + i], logits="last")
+    for b in batches:
+        s.eval(b, logits="last")
     cuda.cuProfilerStop()
 
 
@@ -206,7 +211,11 @@ if __name__ == "__main__":
         if "--prompt" in args:
             prompt = int(args.pop(args.index("--prompt") + 1))
             args.remove("--prompt")
+        rows = 1
+        if "--rows" in args:
+            rows = int(args.pop(args.index("--rows") + 1))
+            args.remove("--rows")
         if "--cupti" in args:
             out = args.pop(args.index("--cupti") + 1)
             args.remove("--cupti")
-        profile(args[0], int(args[1]) if len(args) > 1 else 1, out, prompt)
+        profile(args[0], int(args[1]) if len(args) > 1 else 1, out, prompt, rows)
