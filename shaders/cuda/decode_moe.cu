@@ -63,6 +63,138 @@ __device__ __forceinline__ float ds4_softplus(float x) {
     return (float)log1p((double)e);
 }
 
+// Row r's j-th pick and its weight in route_round's and ds4_route's lists ([n, k]).
+#define CH(r, j) ch_[(r) * k + (j)]
+#define WT(r, j) wt_[(r) * k + (j)]
+
+// Step 1 of the routing (moe::route) for rows r0 .. r0 + rows - 1 of a batch, by the whole
+// block (every thread calls it; it ends with a barrier): the rows' scores sqrt(softplus(logit))
+// into sc [rows, E] by all threads (the softplus in double is the routing's longest chain: with
+// one warp per row, a lone row left the other warps idle), then one warp per row its k picks
+// in ascending expert order (repeats kept) into ch_ and their weights into wt_ ([*, k], shared
+// or global memory). Arguments as for ds4_route; rows * E <= MOE_SCORES.
+__device__ __forceinline__ void route_round(const float* __restrict__ logits, int E, int k,
+                                            const float* __restrict__ bias, const unsigned* __restrict__ hash,
+                                            int norm, float wscale, const int* __restrict__ step, int r0, int rows,
+                                            float* sc, int* ch_, float* wt_) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int nw = blockDim.x >> 5;
+    for (int i = threadIdx.x; i < rows * E; i += blockDim.x) {
+        sc[i] = sqrtf(ds4_softplus(logits[(long long)r0 * E + i]));
+    }
+    __syncthreads();
+    for (int r = r0 + warp; r < r0 + rows; r += nw) {
+        const float* rs = sc + (r - r0) * E;
+        if (hash != nullptr) {
+            const long long token = step[2 + r];
+            if (lane < k) {
+                CH(r, lane) = (int)hash[token * k + lane];
+            }
+        } else {
+            // Top-k of scores + bias by descending total_cmp, ties to the lower index: k
+            // rounds of an arg-max over the experts not yet taken. Each lane keeps the keys
+            // of its experts lane, lane + 32, ... in registers, and which are still free.
+            int keys[MOE_WORDS];
+            u32 free_ = 0u;
+#pragma unroll
+            for (int i = 0; i < MOE_WORDS; i++) {
+                const int e = lane + 32 * i;
+                keys[i] = 0;
+                if (e < E) {
+                    keys[i] = ds4_total_key(rs[e] + bias[e]);
+                    free_ |= 1u << i;
+                }
+            }
+            for (int j = 0; j < k; j++) {
+                bool have = false;
+                int key = 0;
+                int idx = 0;
+#pragma unroll
+                for (int i = 0; i < MOE_WORDS; i++) {
+                    // Increasing expert per lane: equal keys keep the lower index.
+                    if (((free_ >> i) & 1u) && (!have || keys[i] > key)) {
+                        have = true;
+                        key = keys[i];
+                        idx = lane + 32 * i;
+                    }
+                }
+                for (int o = 16; o > 0; o >>= 1) {
+                    const int oh = __shfl_xor_sync(0xffffffffu, (int)have, o);
+                    const int ok = __shfl_xor_sync(0xffffffffu, key, o);
+                    const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+                    if (oh && (!have || ok > key || (ok == key && oi < idx))) {
+                        have = true;
+                        key = ok;
+                        idx = oi;
+                    }
+                }
+                if (lane == (idx & 31)) {
+                    free_ &= ~(1u << (idx >> 5));
+                }
+                if (lane == 0) {
+                    CH(r, j) = idx;
+                }
+            }
+        }
+        __syncwarp();
+        // Ascending expert ids (the fixed order of the sums over experts), lane j < k for
+        // pick j: its rank counts the smaller picks and the equal ones before it (a stable
+        // sort), so the row's list is the sorted picks.
+        const int v = lane < k ? CH(r, lane) : 0;
+        int rank = 0;
+        for (int j = 0; j < k; j++) {
+            const int o = __shfl_sync(0xffffffffu, v, j);
+            rank += (o < v || (o == v && j < lane)) ? 1 : 0;
+        }
+        __syncwarp();  // every pick read before any is moved
+        if (lane < k) {
+            CH(r, rank) = v;
+            WT(r, rank) = rs[v];
+        }
+        __syncwarp();
+        if (norm) {
+            // The sum in ascending order (every lane the same one), then each weight over it.
+            float sum = WT(r, 0);
+            for (int j = 1; j < k; j++) {
+                sum += WT(r, j);
+            }
+            sum = sum + 1e-20f;
+            __syncwarp();  // every lane's sum read before any weight is divided
+            if (lane < k) {
+                WT(r, lane) = WT(r, lane) / sum;
+            }
+        }
+        if (lane < k) {
+            WT(r, lane) = WT(r, lane) * wscale;
+        }
+        __syncwarp();
+    }
+    __syncthreads();
+}
+
+// Step 1 of ds4_route alone, its rows spread over blocks: for a prompt's step, where one block
+// scoring and choosing for hundreds of rows left the other SMs idle. Block b routes rows
+// b * per .. b * per + per - 1 (per = its warps, at most MOE_SCORES / E) with route_round, the
+// code ds4_route runs for a row itself, so the picks and weights are the same; they go to picks
+// and pick_w [n, k], for ds4_route's arguments of those names. Arguments as for ds4_route.
+// Grid (ceil(n / per)), block a multiple of 32 up to 256.
+extern "C" __global__ void __launch_bounds__(256)
+    ds4_route_pick(const float* __restrict__ logits, int E, int k, const float* __restrict__ bias,
+                   const unsigned* __restrict__ hash, int norm, float wscale, int n, const int* __restrict__ step,
+                   int* __restrict__ picks, float* __restrict__ pick_w) {
+    ds4_grid_deps();
+    __shared__ float sc[MOE_SCORES];
+    if (E > MOE_MAX_EXPERTS || k > MOE_MAX_K || k < 1) {
+        __trap();
+    }
+    const int per = min((int)(blockDim.x >> 5), max(1, MOE_SCORES / E));
+    const int r0 = blockIdx.x * per;
+    if (r0 < n) {
+        route_round(logits, E, k, bias, hash, norm, wscale, step, r0, min(per, n - r0), sc, picks, pick_w);
+    }
+}
+
 // The routing of a batch (moe::route per row, then the grouping of moe::forward).
 //
 // logits [n, E]: the router product of each row. k experts per row. bias [E]: the selection
@@ -88,6 +220,9 @@ __device__ __forceinline__ float ds4_softplus(float x) {
 //   q * bpd_gate, up max_descs * bpd_gate + q * bpd_up, down q * bpd_down (bpd = row_blocks *
 //   slices). With a chunk >= n every expert has one slot (the union of the batch).
 //
+// picks, pick_w: null, or each row's picks and weights [n, k] as ds4_route_pick wrote them,
+// which then stand for step 1 here (logits, bias, hash, norm and wscale unused).
+//
 // Grid (1), block 128 or 256 threads (any multiple of 32 from 64 to 256), dynamic shared
 // memory of 4 * route_smem_words(n, k, E) bytes or more (a 256-row step of Flash's 6 of 256
 // experts: about 70 KB, past the default 48 KB: the host opts the kernel in). Requires
@@ -98,7 +233,8 @@ extern "C" __global__ void __launch_bounds__(256)
               const unsigned* __restrict__ hash, int norm, float wscale, int n, const int* __restrict__ step,
               MvDesc* __restrict__ gu, MvDesc* __restrict__ down, int max_descs, const MvDesc* __restrict__ templ,
               int* __restrict__ gather_src, int* __restrict__ comb_slot, float* __restrict__ comb_w,
-              int* __restrict__ comb_cnt, int chunk, int chunk_dn) {
+              int* __restrict__ comb_cnt, int chunk, int chunk_dn, const int* __restrict__ picks,
+              const float* __restrict__ pick_w) {
     ds4_grid_deps();
     const int W = (E + 31) >> 5;
     // Outside the limits, or with less shared memory than the batch needs, the arrays would
@@ -138,8 +274,6 @@ extern "C" __global__ void __launch_bounds__(256)
     const int lane = tid & 31;
     const int warp = tid >> 5;
     const int nw = blockDim.x >> 5;
-#define CH(r, j) ch_[(r) * k + (j)]
-#define WT(r, j) wt_[(r) * k + (j)]
 #define BITS(r, w) bits_[(r) * W + (w)]
 #define PRE(r, w) pre_[(r) * (W + 1) + (w)]
 
@@ -148,105 +282,25 @@ extern "C" __global__ void __launch_bounds__(256)
     }
     __syncthreads();
 
-    // ---- 1. each row's experts and weights (moe::route): the scores of a round of rows by
-    // all threads (the softplus in double is the routing's longest chain: with one warp per
-    // row, a lone row left the other warps idle), then one warp per row.
-    const int per_round = MOE_SCORES / E;
-    for (int r0 = 0; r0 < n; r0 += per_round) {
-        const int rows = min(per_round, n - r0);
-        for (int i = tid; i < rows * E; i += blockDim.x) {
-            sc[i] = sqrtf(ds4_softplus(logits[(long long)r0 * E + i]));
+    // ---- 1. each row's experts and weights (moe::route): here a round of rows at a time, or
+    // ds4_route_pick's; then each row's bitmap.
+    if (picks == nullptr) {
+        const int per_round = MOE_SCORES / E;
+        for (int r0 = 0; r0 < n; r0 += per_round) {
+            route_round(logits, E, k, bias, hash, norm, wscale, step, r0, min(per_round, n - r0), sc, ch_, wt_);
         }
-        __syncthreads();
-        for (int r = r0 + warp; r < r0 + rows; r += nw) {
-            const float* rs = sc + (r - r0) * E;
-            if (hash != nullptr) {
-                const long long token = step[2 + r];
-                if (lane < k) {
-                    CH(r, lane) = (int)hash[token * k + lane];
-                }
-            } else {
-                // Top-k of scores + bias by descending total_cmp, ties to the lower index: k
-                // rounds of an arg-max over the experts not yet taken. Each lane keeps the keys
-                // of its experts lane, lane + 32, ... in registers, and which are still free.
-                int keys[MOE_WORDS];
-                u32 free_ = 0u;
-#pragma unroll
-                for (int i = 0; i < MOE_WORDS; i++) {
-                    const int e = lane + 32 * i;
-                    keys[i] = 0;
-                    if (e < E) {
-                        keys[i] = ds4_total_key(rs[e] + bias[e]);
-                        free_ |= 1u << i;
-                    }
-                }
-                for (int j = 0; j < k; j++) {
-                    bool have = false;
-                    int key = 0;
-                    int idx = 0;
-#pragma unroll
-                    for (int i = 0; i < MOE_WORDS; i++) {
-                        // Increasing expert per lane: equal keys keep the lower index.
-                        if (((free_ >> i) & 1u) && (!have || keys[i] > key)) {
-                            have = true;
-                            key = keys[i];
-                            idx = lane + 32 * i;
-                        }
-                    }
-                    for (int o = 16; o > 0; o >>= 1) {
-                        const int oh = __shfl_xor_sync(0xffffffffu, (int)have, o);
-                        const int ok = __shfl_xor_sync(0xffffffffu, key, o);
-                        const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-                        if (oh && (!have || ok > key || (ok == key && oi < idx))) {
-                            have = true;
-                            key = ok;
-                            idx = oi;
-                        }
-                    }
-                    if (lane == (idx & 31)) {
-                        free_ &= ~(1u << (idx >> 5));
-                    }
-                    if (lane == 0) {
-                        CH(r, j) = idx;
-                    }
-                }
-            }
-            __syncwarp();
-            // Ascending expert ids (the fixed order of the sums over experts), lane j < k for
-            // pick j: its rank counts the smaller picks and the equal ones before it (a stable
-            // sort), so the row's list is the sorted picks.
-            const int v = lane < k ? CH(r, lane) : 0;
-            int rank = 0;
-            for (int j = 0; j < k; j++) {
-                const int o = __shfl_sync(0xffffffffu, v, j);
-                rank += (o < v || (o == v && j < lane)) ? 1 : 0;
-            }
-            __syncwarp();  // every pick read before any is moved
-            if (lane < k) {
-                CH(r, rank) = v;
-                WT(r, rank) = rs[v];
-                atomicOr(&BITS(r, v >> 5), 1u << (v & 31));
-            }
-            __syncwarp();
-            if (norm) {
-                // The sum in ascending order (every lane the same one), then each weight over it.
-                float sum = WT(r, 0);
-                for (int j = 1; j < k; j++) {
-                    sum += WT(r, j);
-                }
-                sum = sum + 1e-20f;
-                __syncwarp();  // every lane's sum read before any weight is divided
-                if (lane < k) {
-                    WT(r, lane) = WT(r, lane) / sum;
-                }
-            }
-            if (lane < k) {
-                WT(r, lane) = WT(r, lane) * wscale;
-            }
-            __syncwarp();
+    } else {
+        for (int i = tid; i < n * k; i += blockDim.x) {
+            ch_[i] = picks[i];
+            wt_[i] = pick_w[i];
         }
         __syncthreads();
     }
+    for (int i = tid; i < n * k; i += blockDim.x) {
+        const int v = ch_[i];
+        atomicOr(&BITS(i / k, v >> 5), 1u << (v & 31));
+    }
+    __syncthreads();
 
     // ---- 2. prefix popcounts: warp 0 the union, the other warps the rows (lane = word)
     if (warp == 0) {

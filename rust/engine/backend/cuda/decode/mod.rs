@@ -459,6 +459,9 @@ struct Bufs {
     comb_slot: DevBuf,
     comb_w: DevBuf,
     comb_cnt: DevBuf,
+    /// Each row's routed experts and weights [rows, k] from `ds4_route_pick` ([`program::route_split`]).
+    picks: DevBuf,
+    pick_w: DevBuf,
     y: DevBuf,
     logits: DevBuf,
     /// The argmax of each logits row (u32), for the programs that end with it.
@@ -541,6 +544,7 @@ struct Kernels {
     attention_logits: sys::CUfunction,
     attention: sys::CUfunction,
     route: sys::CUfunction,
+    route_pick: sys::CUfunction,
     gather: sys::CUfunction,
     combine: sys::CUfunction,
     pack: sys::CUfunction,
@@ -586,6 +590,7 @@ impl Kernels {
             attention_logits: f("ds4_attention_logits")?,
             attention: f("ds4_attention")?,
             route: f("ds4_route")?,
+            route_pick: f("ds4_route_pick")?,
             gather: f("ds4_gather")?,
             combine: f("ds4_moe_combine")?,
             pack: f("ds4_pack")?,
@@ -655,6 +660,9 @@ pub(crate) struct CudaDecoder {
     expert_mma: bool,
     /// Whether a prompt's Q2_K down products do too (and `DS4_CUDA_EXPERT_MMA_DOWN`).
     expert_mma_down: bool,
+    /// Whether a prompt's step routes its rows over many blocks ([`program::route_split`],
+    /// `DS4_CUDA_ROUTE_PICK`).
+    route_pick: bool,
     /// Whether a step leaves its state writes pending in the state ([`StepWrites`], made
     /// while the GPU runs the next step) rather than making them before it returns;
     /// `DS4_CUDA_DEFER=0` makes them at once (A/B timing).
@@ -914,6 +922,7 @@ impl CudaDecoder {
         let expert_mma = setting("DS4_CUDA_EXPERT_MMA")?;
         // Its Q2_K down products too, unless either setting is 0.
         let expert_mma_down = expert_mma && setting("DS4_CUDA_EXPERT_MMA_DOWN")?;
+        let route_pick = setting("DS4_CUDA_ROUTE_PICK")?;
         let g = backend.lock();
         g.ctx.bind()?;
         let k = Kernels::load(&g.ctx)?;
@@ -1201,6 +1210,8 @@ impl CudaDecoder {
             comb_slot: DevBuf::zeroed(4 * rows * kk)?,
             comb_w: f32_buf(rows * kk)?,
             comb_cnt: DevBuf::zeroed(4 * rows)?,
+            picks: DevBuf::zeroed(4 * rows * kk)?,
+            pick_w: f32_buf(rows * kk)?,
             y: f32_buf(rows * d)?,
             logits: f32_buf(rows * cfg.vocab)?,
             ids: DevBuf::zeroed(4 * rows)?,
@@ -1239,6 +1250,7 @@ impl CudaDecoder {
             prefill_chunk,
             expert_mma,
             expert_mma_down,
+            route_pick,
             defer,
             mtp,
             dspark,

@@ -47,6 +47,27 @@ pub(super) fn route_smem(n: usize, k: usize, experts: usize) -> usize {
     4 * (n.min(per_round) * experts + 2 * n * k + n * w + n * (w + 1) + 4 * n * k + 1)
 }
 
+/// Threads of a `ds4_route_pick` block: it routes as many rows as it has warps.
+pub(super) const ROUTE_PICK_THREADS: u32 = 128;
+
+/// Blocks of a `ds4_route_pick` launch for `n` rows of `experts` (decode_moe.cu: a block's
+/// rows are its warps, at most MOE_SCORES / experts, whose scores it holds at once).
+pub(super) fn route_pick_grid(n: usize, experts: usize) -> u32 {
+    const SCORES: usize = 4096; // MOE_SCORES
+    let per = (ROUTE_PICK_THREADS as usize / 32).min((SCORES / experts.max(1)).max(1));
+    n.div_ceil(per) as u32
+}
+
+/// Whether a step of `n` rows routes its rows in `ds4_route_pick` before `ds4_route` (on by
+/// default, `DS4_CUDA_ROUTE_PICK=0` off): a prompt's step does. ds4_route is one block; for
+/// hundreds of rows its scores (a softplus in double each) and top-k ran on one SM; in blocks
+/// of four rows they take the whole GPU. Up to [`N_MAX`] rows (a decode's or verify's), one
+/// block scores them all in a round or two, and a second launch would only add its latency.
+/// Either way a row's picks come from the same code (route_round), so the same bits.
+pub(super) fn route_split(on: bool, n: usize) -> bool {
+    on && n > N_MAX
+}
+
 /// Whether `ds4_moe_mma_q2_k` takes an expert stack's matrix `m` (expert 0's rows at `at`):
 /// Q2_K of whole super-blocks, rows 4-byte aligned (84 bytes a super-block).
 fn gq_takes(m: &Mat, at: u64) -> bool {
@@ -867,34 +888,40 @@ impl CudaDecoder {
             table.resize(gu_off + 2 * max_descs * std::mem::size_of::<Desc>(), 0);
             let down_off = table.len();
             table.resize(down_off + max_descs * std::mem::size_of::<Desc>(), 0);
-            launch(
-                &mut ops,
-                k.route,
-                (1, 1, 1),
-                256,
-                route_smem(n, kk, cfg.n_experts) as u32,
-                vec![
-                    p(b.rl.ptr),
-                    i(cfg.n_experts),
-                    i(kk),
-                    c.bias.as_ref().map_or(null, |x| p(x.ptr)),
-                    c.hash.as_ref().map_or(null, |x| p(x.ptr)),
-                    i(cfg.expert_weights_norm as usize),
-                    fl(cfg.expert_weights_scale),
-                    i(n),
-                    p(step),
-                    PArg::Table(gu_off),
-                    PArg::Table(down_off),
-                    i(max_descs),
-                    PArg::Table(t_off),
-                    p(b.gather_src.ptr),
-                    p(b.comb_slot.ptr),
-                    p(b.comb_w.ptr),
-                    p(b.comb_cnt.ptr),
-                    i(chunk_gu),
-                    i(chunk_dn),
-                ],
-            );
+            let router_args = vec![
+                p(b.rl.ptr),
+                i(cfg.n_experts),
+                i(kk),
+                c.bias.as_ref().map_or(null, |x| p(x.ptr)),
+                c.hash.as_ref().map_or(null, |x| p(x.ptr)),
+                i(cfg.expert_weights_norm as usize),
+                fl(cfg.expert_weights_scale),
+                i(n),
+                p(step),
+            ];
+            let picks = if route_split(self.route_pick, n) {
+                let mut args = router_args.clone();
+                args.extend([p(b.picks.ptr), p(b.pick_w.ptr)]);
+                launch(&mut ops, k.route_pick, (route_pick_grid(n, cfg.n_experts), 1, 1), ROUTE_PICK_THREADS, 0, args);
+                [p(b.picks.ptr), p(b.pick_w.ptr)]
+            } else {
+                [null, null]
+            };
+            let mut args = router_args;
+            args.extend([
+                PArg::Table(gu_off),
+                PArg::Table(down_off),
+                i(max_descs),
+                PArg::Table(t_off),
+                p(b.gather_src.ptr),
+                p(b.comb_slot.ptr),
+                p(b.comb_w.ptr),
+                p(b.comb_cnt.ptr),
+                i(chunk_gu),
+                i(chunk_dn),
+            ]);
+            args.extend(picks);
+            launch(&mut ops, k.route, (1, 1, 1), 256, route_smem(n, kk, cfg.n_experts) as u32, args);
             // The gathered rows as 8-bit activations when their gate and up products take them.
             // (Tried and dropped for one row: ds4_route quantizing the row itself and every
             // descriptor reading that copy, with no gather launch. The routing got slower by more

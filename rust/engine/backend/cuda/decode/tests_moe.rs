@@ -229,7 +229,8 @@ impl RouteBufs {
     }
 }
 
-/// Queues ds4_route for the `n` rows of `logits` (device) with the product templates `templ`.
+/// Queues ds4_route for the `n` rows of `logits` (device) with the product templates `templ`;
+/// with `pick`, after ds4_route_pick (a prompt's step's split, program.rs `route_split`).
 #[allow(clippy::too_many_arguments)]
 fn launch_route(
     ctx: &Context,
@@ -241,6 +242,7 @@ fn launch_route(
     templ: &DevBuf,
     out: &RouteBufs,
     keep: &mut Vec<DevBuf>,
+    pick: bool,
 ) {
     let (bias, hash) = match router {
         Router::Learned { bias } => (DevBuf::from_slice(bias).expect("bias"), None),
@@ -248,7 +250,8 @@ fn launch_route(
     };
     let bias_ptr = if hash.is_some() { 0 } else { bias.at(0) };
     let hash_ptr = hash.as_ref().map_or(0, |h| h.at(0));
-    let args = [
+    let k = cfg.n_experts_used;
+    let router_args = [
         Arg::Ptr(logits.at(0)),
         Arg::I32(cfg.n_experts as i32),
         Arg::I32(cfg.n_experts_used as i32),
@@ -258,6 +261,17 @@ fn launch_route(
         Arg::F32(cfg.expert_weights_scale),
         Arg::I32(n as i32),
         Arg::Ptr(step_buf.at(0)),
+    ];
+    let (picks, pick_w) = (f32s(n * k), f32s(n * k));
+    if pick {
+        let mut args = router_args.to_vec();
+        args.extend([Arg::Ptr(picks.at(0)), Arg::Ptr(pick_w.at(0))]);
+        let grid = super::program::route_pick_grid(n, cfg.n_experts);
+        let threads = super::program::ROUTE_PICK_THREADS;
+        ctx.launch_named("ds4_route_pick", (grid, 1, 1), threads, 0, &args).expect("ds4_route_pick");
+    }
+    let mut args = router_args.to_vec();
+    args.extend([
         Arg::Ptr(out.gu.at(0)),
         Arg::Ptr(out.down.at(0)),
         Arg::I32(out.max_descs as i32),
@@ -269,10 +283,11 @@ fn launch_route(
         // Descriptors of at most this many rows (gate/up, then down).
         Arg::I32(out.chunks.0 as i32),
         Arg::I32(out.chunks.1 as i32),
-    ];
+    ]);
+    args.extend(if pick { [Arg::Ptr(picks.at(0)), Arg::Ptr(pick_w.at(0))] } else { [Arg::Ptr(0), Arg::Ptr(0)] });
     let smem = super::program::route_smem(n, cfg.n_experts_used, cfg.n_experts) as u32;
     ctx.launch_named("ds4_route", (1, 1, 1), 256, smem, &args).expect("ds4_route");
-    keep.push(bias);
+    keep.extend([bias, picks, pick_w]);
     keep.extend(hash);
 }
 
@@ -470,13 +485,19 @@ fn route_matches_cpu() {
             let st = step(&ctx, 0, &tokens);
             let out = RouteBufs::new(n, k, n_exp);
             let mut keep = Vec::new();
-            launch_route(&ctx, &cfg, &rt, &logits_buf, n, &st, &templ_buf, &out, &mut keep);
+            launch_route(&ctx, &cfg, &rt, &logits_buf, n, &st, &templ_buf, &out, &mut keep, false);
             let got = out.read(&ctx, n, k);
             check_routing(&what, &got, &want);
-            // Chunked tables, of a different size for gate/up and down (a prompt's step).
+            // The same with the rows routed by ds4_route_pick's blocks first.
+            let split = RouteBufs::new(n, k, n_exp);
+            launch_route(&ctx, &cfg, &rt, &logits_buf, n, &st, &templ_buf, &split, &mut keep, true);
+            check_routing(&format!("{what} picked apart"), &split.read(&ctx, n, k), &want);
+            // Chunked tables, of a different size for gate/up and down (a prompt's step), the
+            // second with the split.
             for chunks in [(2, 1), (16, 4), (3, 16)] {
                 let out = RouteBufs::chunked(n, k, n_exp, chunks);
-                launch_route(&ctx, &cfg, &rt, &logits_buf, n, &st, &templ_buf, &out, &mut keep);
+                let pick = chunks == (16, 4);
+                launch_route(&ctx, &cfg, &rt, &logits_buf, n, &st, &templ_buf, &out, &mut keep, pick);
                 let want = expected_routing(&routes, n_exp, k, &templ, chunks);
                 check_routing(&format!("{what} chunks {chunks:?}"), &out.read(&ctx, n, k), &want);
             }
@@ -486,7 +507,7 @@ fn route_matches_cpu() {
                 let lb = DevBuf::from_slice(&logits[row * n_exp..(row + 1) * n_exp]).expect("logits");
                 let st1 = step(&ctx, row, &tokens[row..row + 1]);
                 let o1 = RouteBufs::new(1, k, n_exp);
-                launch_route(&ctx, &cfg, &rt, &lb, 1, &st1, &templ_buf, &o1, &mut keep);
+                launch_route(&ctx, &cfg, &rt, &lb, 1, &st1, &templ_buf, &o1, &mut keep, false);
                 let g1 = o1.read(&ctx, 1, k);
                 let cnt = g1.comb_cnt[0] as usize;
                 assert_eq!(g1.comb_cnt[0], got.comb_cnt[row], "{what}: row {row} alone: comb_cnt");
@@ -740,7 +761,8 @@ fn moe_on_device(ctx: &Context, l: &MoeLayer, img: &DevBuf, h: &[f32], tokens: &
         product(img, &down, act.at(0), dout.at(0), part_d.at(0), 0, c_down).0,
     ];
     let templ_buf = DevBuf::from_slice(&templ).expect("templates");
-    launch_route(ctx, cfg, &lw.router, &logits, n, &st, &templ_buf, &route, &mut keep);
+    let pick = super::program::route_split(true, n);
+    launch_route(ctx, cfg, &lw.router, &logits, n, &st, &templ_buf, &route, &mut keep, pick);
     let args =
         [Arg::Ptr(hb.at(0)), Arg::Ptr(xg.at(0)), Arg::Ptr(route.gather_src.at(0)), Arg::I32(d as i32), Arg::I32(0)];
     ctx.launch_named("ds4_gather", (rows as u32, 1, 1), 256, 0, &args).expect("ds4_gather");
