@@ -435,6 +435,10 @@ __device__ __forceinline__ float ds4_index_score_mem(const float* qs, const floa
 // are read from global memory, with the same results).
 #define DS4_INDEX_MAX_Q 8192
 #define DS4_INDEX_MAX_HEADS 128
+// Most sweeps of rows whose terms ds4_index_scores_by_head holds between two barriers, and the
+// shared floats that hold them.
+#define DS4_INDEX_BATCH 8
+#define DS4_INDEX_TERMS 2304
 
 // The wide indexer kernels (the default; DS4_CUDA_INDEX=row compiles the program without them,
 // rust/engine/backend/cuda/context.rs): the scores one thread per (row, head)
@@ -455,13 +459,26 @@ __device__ __forceinline__ float ds4_index_score_mem(const float* qs, const floa
 // scores are bitwise the same; what changes is the latency: one thread per row ran 64 heads x
 // 128 FMAs in sequence, and at the Flash shape a row just past the top-k size (n_vis = 513)
 // left all but 3 blocks idle (10.7 us a launch this way, in a CUPTI trace of Flash steps).
+//
+// A sweep computes the terms of `per` rows; up to DS4_INDEX_BATCH sweeps (as many as the
+// busiest block has, at most 32 rows) fill the shared terms before a barrier, and then one
+// thread a row adds that row's terms, all the batch's rows at once. With one sweep a barrier, a
+// prompt's step (one block a row, some 600 indexer rows each) waited on one thread's chain of 64
+// dependent adds every 4 rows: 634 us a Flash CSA layer for 256 rows (H200, CUPTI trace). A
+// row's terms are `heads + 1` floats apart, so the adding threads read distinct banks.
 __device__ __forceinline__ void ds4_index_scores_by_head(const float* __restrict__ qr, const float* g_sh, int heads,
                                                          float scale, const float* __restrict__ irows, int n_vis,
                                                          float* out) {
-    __shared__ float terms[256];  // blockDim.x <= 256 (ds4_index_scores' launch bounds)
+    __shared__ float terms[DS4_INDEX_TERMS];
     const int h = (int)threadIdx.x % heads;
     const int lr = (int)threadIdx.x / heads;
     const int per = (int)blockDim.x / heads;  // rows per block and sweep
+    const int hp = heads + 1;
+    const int span = (int)gridDim.x * per;
+    int batch = min((n_vis + span - 1) / span, DS4_INDEX_BATCH);
+    batch = min(batch, max(1, 32 / per));
+    batch = max(1, min(batch, DS4_INDEX_TERMS / (per * hp)));
+    const int rows_b = batch * per;  // rows per block and batch
     float q[128];
 #pragma unroll
     for (int i = 0; i < 128; i += 4) {
@@ -472,37 +489,42 @@ __device__ __forceinline__ void ds4_index_scores_by_head(const float* __restrict
         q[i + 3] = v.w;
     }
     const float gh = g_sh[h];
-    // Every thread runs the same sweeps (the barriers below).
-    for (int s0 = blockIdx.x * per; s0 < n_vis; s0 += gridDim.x * per) {
-        const int s = s0 + lr;
-        float term = 0.0f;
-        if (s < n_vis) {
-            const float* k = irows + (long long)s * 128;
-            float a[16];
+    // Every thread runs the same batches (the barriers below).
+    for (int s0 = blockIdx.x * rows_b; s0 < n_vis; s0 += gridDim.x * rows_b) {
+        for (int i = 0; i < batch; i++) {
+            const int j = i * per + lr;  // the row's place in the batch
+            const int s = s0 + j;
+            float term = 0.0f;
+            if (s < n_vis) {
+                const float* k = irows + (long long)s * 128;
+                float a[16];
 #pragma unroll
-            for (int l = 0; l < 16; l++) {
-                a[l] = 0.0f;
-            }
-#pragma unroll
-            for (int c = 0; c < 8; c++) {
-#pragma unroll
-                for (int l4 = 0; l4 < 4; l4++) {
-                    const float4 kv = __ldg(reinterpret_cast<const float4*>(k + 16 * c + 4 * l4));
-                    a[4 * l4 + 0] = fmaf(q[16 * c + 4 * l4 + 0], kv.x, a[4 * l4 + 0]);
-                    a[4 * l4 + 1] = fmaf(q[16 * c + 4 * l4 + 1], kv.y, a[4 * l4 + 1]);
-                    a[4 * l4 + 2] = fmaf(q[16 * c + 4 * l4 + 2], kv.z, a[4 * l4 + 2]);
-                    a[4 * l4 + 3] = fmaf(q[16 * c + 4 * l4 + 3], kv.w, a[4 * l4 + 3]);
+                for (int l = 0; l < 16; l++) {
+                    a[l] = 0.0f;
                 }
+#pragma unroll
+                for (int c = 0; c < 8; c++) {
+#pragma unroll
+                    for (int l4 = 0; l4 < 4; l4++) {
+                        const float4 kv = __ldg(reinterpret_cast<const float4*>(k + 16 * c + 4 * l4));
+                        a[4 * l4 + 0] = fmaf(q[16 * c + 4 * l4 + 0], kv.x, a[4 * l4 + 0]);
+                        a[4 * l4 + 1] = fmaf(q[16 * c + 4 * l4 + 1], kv.y, a[4 * l4 + 1]);
+                        a[4 * l4 + 2] = fmaf(q[16 * c + 4 * l4 + 2], kv.z, a[4 * l4 + 2]);
+                        a[4 * l4 + 3] = fmaf(q[16 * c + 4 * l4 + 3], kv.w, a[4 * l4 + 3]);
+                    }
+                }
+                const float d = ds4_dot_lanes(a);
+                term = (fmaxf(d, 0.0f) * scale) * gh;
             }
-            const float d = ds4_dot_lanes(a);
-            term = (fmaxf(d, 0.0f) * scale) * gh;
+            terms[j * hp + h] = term;
         }
-        terms[threadIdx.x] = term;
         __syncthreads();
-        if (h == 0 && s < n_vis) {
+        const int s = s0 + (int)threadIdx.x;
+        if ((int)threadIdx.x < rows_b && s < n_vis) {
+            const float* t = terms + threadIdx.x * hp;
             float total = 0.0f;
-            for (int j = 0; j < heads; j++) {
-                total += terms[lr * heads + j];
+            for (int jj = 0; jj < heads; jj++) {
+                total += t[jj];
             }
             out[s] = total;
         }

@@ -503,6 +503,10 @@ fn check_index(c: IndexCase) {
     }
     let other = run_scores(&ctx, &c, c.pos0, &iq, &g, &irows, stride, 5, 128);
     assert_bits(&format!("{what}: grid 5 x 128 threads vs 132 x 256"), &other, &got);
+    // One block a row, as in a prompt's step of 132 rows or more (each block's batches of sweeps
+    // as full as they get).
+    let one_block = run_scores(&ctx, &c, c.pos0, &iq, &g, &irows, stride, 1, 256);
+    assert_bits(&format!("{what}: one block a row vs 132"), &one_block, &got);
     // The grid the decode's step of n rows uses (fewer blocks a row as rows are added).
     let bx = super::program::index_blocks(n) as usize;
     let at_step = run_scores(&ctx, &c, c.pos0, &iq, &g, &irows, stride, bx, 256);
@@ -537,6 +541,8 @@ fn index_scores_match_cpu() {
     check_index(IndexCase { heads: 4, head_dim: 64, ratio: 128, topk: 8, pos0: 128 * 20 - 3, n: 5 });
     check_index(IndexCase { heads: 8, head_dim: 48, ratio: 2, topk: 8, pos0: 100, n: 5 });
     check_index(IndexCase { heads: 160, head_dim: 128, ratio: 4, topk: 8, pos0: 400, n: 3 });
+    // Few heads of 128: a sweep takes 64 rows of a 256-thread block, more than a warp adds.
+    check_index(IndexCase { heads: 4, head_dim: 128, ratio: 4, topk: 8, pos0: 900, n: 3 });
 }
 
 // ---- 4. top-k
