@@ -74,6 +74,12 @@ if [ -n "${FLASH_GEN:-}" ] && [ -n "${TOKENIZER:-}" ]; then
         --ab DS4_CUDA_EXPERT_MMA=1,0 --runs 6
     python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --prefill 2048,8192 --prefill-only \
         --ab DS4_CUDA_EXPERT_MMA_DOWN=1,0 --runs 6
+    # The routing's rows and the compressors' windows spread over the GPU in a prompt's step, or
+    # each in one block.
+    python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --prefill 2048,8192 --prefill-only \
+        --ab DS4_CUDA_ROUTE_PICK=1,0 --runs 6
+    python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --prefill 2048,8192 --prefill-only \
+        --ab DS4_CUDA_COMPRESS_SPLIT=1,0 --runs 6
     DS4_CUDA_Q8=mma python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --ctx 2048 --prefill 2048 --runs 5
     if [ -n "${TRACE:-}" ]; then
         cuda=$(dirname "$(dirname "$(command -v nvcc)")")

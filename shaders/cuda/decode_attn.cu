@@ -362,6 +362,157 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
+// A compressor's candidate at slot j (position p = j mod R) of the window starting at `wstart`,
+// feature column `col` of the pw-wide slot: from the launch's row p - pos0 when the launch has
+// it (its score gate + ape, as CompressorState::push stores it), else from the state's slot
+// (which a launch stores before it is read). What ds4_compress would find in cur_kv and
+// cur_score at the window's close.
+__device__ __forceinline__ void ds4_comp_cand(const float* __restrict__ kv, const float* __restrict__ gate,
+                                              const float* __restrict__ ape, const float* __restrict__ cur_kv,
+                                              const float* __restrict__ cur_score, int pw, long long pos0,
+                                              long long wstart, int j, int col, float& score, float& value) {
+    const long long p = wstart + j;
+    if (p >= pos0) {
+        const long long at = (p - pos0) * pw + col;
+        value = kv[at];
+        score = gate[at] + ape[(long long)j * pw + col];
+    } else {
+        value = cur_kv[(long long)j * pw + col];
+        score = cur_score[(long long)j * pw + col];
+    }
+}
+
+// ds4_compress's work for a prompt's step (many rows) in two launches that run its windows side
+// by side: in one block, window after window, a Flash CSA layer's 64 window closes of a 256-row
+// step took 426 us (its indexer's 309; H200, CUPTI trace). ds4_compress_windows emits the rows
+// (and fills the backup areas) of the launch's windows, one block a window close, reading the
+// state but writing none of it; ds4_compress_state then leaves the state as ds4_compress does.
+// Each value is computed by ds4_compress's float operations in its order (the pooling's max,
+// exponentials, sum and weighted sum over the candidates, the previous window's first; the RMS
+// sum's tree of a 256-thread block; the rope; the rounding), so the two launches write the same
+// bits. Arguments as for ds4_compress.
+//
+// Block c takes the launch's c-th window close, at row rc = (R - 1 - pos0 mod R) + c R (none
+// when rc >= n). Grid (ceil(n / R)), block 256 (as ds4_compress's, for the RMS sum's tree).
+extern "C" __global__ void __launch_bounds__(256)
+    ds4_compress_windows(const float* __restrict__ kv, const float* __restrict__ gate, const float* __restrict__ ape,
+                         const float* __restrict__ norm, float eps, const float* __restrict__ cur_kv,
+                         const float* __restrict__ cur_score, const float* __restrict__ prev,
+                         float* __restrict__ backup, float* __restrict__ rows, int width, int ratio, int overlap,
+                         const float* __restrict__ inv_freq, int rope_dim, int round_mode, int n,
+                         const int* __restrict__ step) {
+    ds4_grid_deps();
+    __shared__ double red[32];
+    __shared__ float row[DS4_COMP_MAX_WIDTH];
+    const int R = ratio;
+    const int pw = (overlap ? 2 : 1) * width;
+    const int own = overlap ? width : 0;
+    const long long pos0 = step[0];
+    const int rc = (int)(R - 1 - pos0 % R) + (int)blockIdx.x * R;
+    if (rc >= n) {
+        return;
+    }
+    const long long pos = pos0 + rc;
+    const long long wstart = pos + 1 - R;
+    float* bk = overlap ? backup + (long long)rc * 2 * R * width : nullptr;
+    // Candidate j of segment seg (0: the previous window, overlap only; 1: this one) at feature f.
+    auto cand = [&](int seg, int j, int f, float& score, float& value) {
+        if (seg == 1) {
+            ds4_comp_cand(kv, gate, ape, cur_kv, cur_score, pw, pos0, wstart, j, own + f, score, value);
+        } else if (blockIdx.x == 0) {
+            // The window before the launch's first close: the state's previous window.
+            value = prev[(long long)j * width + f];
+            score = prev[(long long)(R + j) * width + f];
+        } else {
+            ds4_comp_cand(kv, gate, ape, cur_kv, cur_score, pw, pos0, wstart - R, j, f, score, value);
+        }
+    };
+    for (int f = threadIdx.x; f < width; f += blockDim.x) {
+        float m = __int_as_float(0xff800000);  // -inf
+        for (int seg = overlap ? 0 : 1; seg < 2; seg++) {
+            for (int j = 0; j < R; j++) {
+                float s, v;
+                cand(seg, j, f, s, v);
+                m = fmaxf(m, s);
+                if (seg == 0) {
+                    bk[(R + j) * width + f] = s;  // prev_score
+                }
+            }
+        }
+        float denom = 0.0f;
+        for (int seg = overlap ? 0 : 1; seg < 2; seg++) {
+            for (int j = 0; j < R; j++) {
+                float s, v;
+                cand(seg, j, f, s, v);
+                denom += expf(s - m);
+            }
+        }
+        float acc = 0.0f;
+        for (int seg = overlap ? 0 : 1; seg < 2; seg++) {
+            for (int j = 0; j < R; j++) {
+                float s, v;
+                cand(seg, j, f, s, v);
+                acc += v * (expf(s - m) / denom);
+                if (seg == 0) {
+                    bk[j * width + f] = v;  // prev_kv
+                }
+            }
+        }
+        row[f] = acc;
+    }
+    __syncthreads();
+    // compress_step: rms_norm with the weight, rope at the window's first position, rounding.
+    const float sc = ds4_rms_scale(row, width, eps, red);
+    for (int f = threadIdx.x; f < width; f += blockDim.x) {
+        row[f] = norm[f] * (row[f] * sc);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < rope_dim / 2; i += blockDim.x) {
+        ds4_rope_pair(row, width, inv_freq, rope_dim, (int)wstart, i, false);
+    }
+    __syncthreads();
+    float* out = rows + (pos / R) * width;
+    for (int f = threadIdx.x; f < width; f += blockDim.x) {
+        out[f] = ds4_round_store(row[f], round_mode);
+    }
+}
+
+// The state after ds4_compress_windows (see there): each slot holds the launch's last row of
+// that slot (its kv and score), or what it held; with overlap, prev holds the first halves of
+// the slots of the launch's last closed window (none closed: unchanged). Thread (j, col) reads
+// slot j's column col before it writes it, and no other thread reads it. Grid
+// (ceil(R * pw / 256)), block 256.
+extern "C" __global__ void ds4_compress_state(const float* __restrict__ kv, const float* __restrict__ gate,
+                                              const float* __restrict__ ape, float* __restrict__ cur_kv,
+                                              float* __restrict__ cur_score, float* __restrict__ prev, int width,
+                                              int ratio, int overlap, int n, const int* __restrict__ step) {
+    ds4_grid_deps();
+    const int R = ratio;
+    const int pw = (overlap ? 2 : 1) * width;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)R * pw) {
+        return;
+    }
+    const int j = (int)(i / pw);
+    const int col = (int)(i - (long long)j * pw);
+    const long long pos0 = step[0];
+    const int s0 = (int)(pos0 % R);
+    const int first_close = R - 1 - s0;
+    if (overlap && col < width && first_close < n) {
+        const int rc = first_close + (n - 1 - first_close) / R * R;
+        float score, value;
+        ds4_comp_cand(kv, gate, ape, cur_kv, cur_score, pw, pos0, pos0 + rc + 1 - R, j, col, score, value);
+        prev[(long long)j * width + col] = value;
+        prev[(long long)(R + j) * width + col] = score;
+    }
+    const int r_first = (j - s0 + R) % R;  // the launch's first row in slot j
+    if (r_first < n) {
+        const long long r = r_first + (long long)(n - 1 - r_first) / R * R;
+        cur_kv[(long long)j * pw + col] = kv[r * pw + col];
+        cur_score[(long long)j * pw + col] = gate[r * pw + col] + ape[(long long)j * pw + col];
+    }
+}
+
 // ---- 3 and 4. the lightning indexer (rust/engine/model/indexer.rs select)
 
 // cpu.rs dot_f32's (x86) lane sum of 16 accumulators.

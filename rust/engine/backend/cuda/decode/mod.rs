@@ -539,6 +539,8 @@ struct Kernels {
     finish_rows: sys::CUfunction,
     swiglu: sys::CUfunction,
     compress: sys::CUfunction,
+    compress_windows: sys::CUfunction,
+    compress_state: sys::CUfunction,
     index_scores: sys::CUfunction,
     index_topk: sys::CUfunction,
     attention_logits: sys::CUfunction,
@@ -585,6 +587,8 @@ impl Kernels {
             finish_rows: f("ds4_finish_rows")?,
             swiglu: f("ds4_swiglu")?,
             compress: f("ds4_compress")?,
+            compress_windows: f("ds4_compress_windows")?,
+            compress_state: f("ds4_compress_state")?,
             index_scores: f("ds4_index_scores")?,
             index_topk: f("ds4_index_topk")?,
             attention_logits: f("ds4_attention_logits")?,
@@ -663,6 +667,9 @@ pub(crate) struct CudaDecoder {
     /// Whether a prompt's step routes its rows over many blocks ([`program::route_split`],
     /// `DS4_CUDA_ROUTE_PICK`).
     route_pick: bool,
+    /// Whether a prompt's step runs its compressors' windows side by side
+    /// ([`program::compress_split`], `DS4_CUDA_COMPRESS_SPLIT`).
+    compress_split: bool,
     /// Whether a step leaves its state writes pending in the state ([`StepWrites`], made
     /// while the GPU runs the next step) rather than making them before it returns;
     /// `DS4_CUDA_DEFER=0` makes them at once (A/B timing).
@@ -923,6 +930,7 @@ impl CudaDecoder {
         // Its Q2_K down products too, unless either setting is 0.
         let expert_mma_down = expert_mma && setting("DS4_CUDA_EXPERT_MMA_DOWN")?;
         let route_pick = setting("DS4_CUDA_ROUTE_PICK")?;
+        let compress_split = setting("DS4_CUDA_COMPRESS_SPLIT")?;
         let g = backend.lock();
         g.ctx.bind()?;
         let k = Kernels::load(&g.ctx)?;
@@ -1251,6 +1259,7 @@ impl CudaDecoder {
             expert_mma,
             expert_mma_down,
             route_pick,
+            compress_split,
             defer,
             mtp,
             dspark,

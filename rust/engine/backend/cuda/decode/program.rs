@@ -68,6 +68,15 @@ pub(super) fn route_split(on: bool, n: usize) -> bool {
     on && n > N_MAX
 }
 
+/// Whether a step of `n` rows runs each compressor as `ds4_compress_windows` and
+/// `ds4_compress_state` (on by default, `DS4_CUDA_COMPRESS_SPLIT=0` off) rather than one
+/// `ds4_compress` block: a prompt's step does, whose windows then close side by side (the same
+/// bits, decode_attn.cu). A decode's or verify's rows (up to [`N_MAX`]) close at most a few
+/// windows, which one launch does sooner than two.
+pub(super) fn compress_split(on: bool, n: usize) -> bool {
+    on && n > N_MAX
+}
+
 /// Whether `ds4_moe_mma_q2_k` takes an expert stack's matrix `m` (expert 0's rows at `at`):
 /// Q2_K of whole super-blocks, rows 4-byte aligned (84 bytes a super-block).
 fn gq_takes(m: &Mat, at: u64) -> bool {
@@ -677,29 +686,49 @@ impl CudaDecoder {
                 ],
             );
             let compress = |ops: &mut Vec<_>, cm: &CompMirror, cc: &(DevBuf, DevBuf)| {
+                let prev = cm.prev.as_ref().map_or(null, |b| p(b.ptr));
+                let args = vec![
+                    p(cm.log_kv.ptr),
+                    p(cm.log_g.ptr),
+                    p(cc.0.ptr),
+                    p(cc.1.ptr),
+                    fl(cfg.rms_eps),
+                    p(cm.cur_kv.ptr),
+                    p(cm.cur_score.ptr),
+                    prev,
+                    cm.backup.as_ref().map_or(null, |b| p(b.ptr)),
+                    p(cm.rows.ptr),
+                    i(cm.width),
+                    i(cm.ratio),
+                    i(cm.overlap as usize),
+                    p(c.inv_freq.ptr),
+                    i(rope_dim),
+                    i(self.round_mode as usize),
+                    i(n),
+                    p(step),
+                ];
+                if !compress_split(self.compress_split, n) {
+                    launch(ops, k.compress, (1, 1, 1), 256, 0, args);
+                    return;
+                }
+                launch(ops, k.compress_windows, (n.div_ceil(cm.ratio) as u32, 1, 1), 256, 0, args);
+                let pw = if cm.overlap { 2 } else { 1 } * cm.width;
                 launch(
                     ops,
-                    k.compress,
-                    (1, 1, 1),
+                    k.compress_state,
+                    ((cm.ratio * pw).div_ceil(256) as u32, 1, 1),
                     256,
                     0,
                     vec![
                         p(cm.log_kv.ptr),
                         p(cm.log_g.ptr),
                         p(cc.0.ptr),
-                        p(cc.1.ptr),
-                        fl(cfg.rms_eps),
                         p(cm.cur_kv.ptr),
                         p(cm.cur_score.ptr),
-                        cm.prev.as_ref().map_or(null, |b| p(b.ptr)),
-                        cm.backup.as_ref().map_or(null, |b| p(b.ptr)),
-                        p(cm.rows.ptr),
+                        prev,
                         i(cm.width),
                         i(cm.ratio),
                         i(cm.overlap as usize),
-                        p(c.inv_freq.ptr),
-                        i(rope_dim),
-                        i(self.round_mode as usize),
                         i(n),
                         p(step),
                     ],

@@ -70,6 +70,13 @@ fn rope(yarn: bool) -> Rope {
 /// Batch sizes of successive launches: full batches and ragged ones.
 const CHUNKS: [usize; 10] = [16, 3, 1, 16, 7, 16, 5, 16, 2, 11];
 
+/// Launch sizes for the prompt's-step form of the compressor (ds4_compress_windows and
+/// ds4_compress_state), up to [`BACKUP_AREAS`] rows.
+const SPLIT_CHUNKS: [usize; 6] = [40, 3, 64, 1, 17, 9];
+
+/// Rows of a launch whose backup areas the tests' compressors hold.
+const BACKUP_AREAS: usize = 64;
+
 // ---- 1. raw window ring
 
 #[test]
@@ -155,7 +162,7 @@ impl DevComp {
             cur_kv: buf(&cs.cur_kv),
             cur_score: buf(&cs.cur_score),
             prev: c.overlap.then(|| buf(&prev)),
-            backup: c.overlap.then(|| zeroed(4 * 16 * 2 * c.ratio * c.width)),
+            backup: c.overlap.then(|| zeroed(4 * BACKUP_AREAS * 2 * c.ratio * c.width)),
             rows: zeroed(4 * c.cap() * c.width),
         }
     }
@@ -173,13 +180,13 @@ impl DevComp {
     }
 }
 
-/// Runs positions `pos0..pos0 + positions` of case `c` through `ds4_compress` in launches of
-/// `chunks` rows (cycled) and through the CPU reference; checks the state against the CPU's
-/// (copies bitwise, emitted rows to rounding) and every backup area a launch wrote; returns
-/// the device state.
-fn run_compress(ctx: &Context, c: &CompCase, chunks: &[usize]) -> Vec<(&'static str, Vec<f32>)> {
+/// Runs positions `pos0..pos0 + positions` of case `c` through `ds4_compress` (with `split`,
+/// `ds4_compress_windows` then `ds4_compress_state`) in launches of `chunks` rows (cycled) and
+/// through the CPU reference; checks the state against the CPU's (copies bitwise, emitted rows
+/// to rounding) and every backup area a launch wrote; returns the device state.
+fn run_compress(ctx: &Context, c: &CompCase, chunks: &[usize], split: bool) -> Vec<(&'static str, Vec<f32>)> {
     let (w, ratio, pw) = (c.width, c.ratio, c.pw());
-    let what = format!("ds4_compress {c:?}, launches of {chunks:?}");
+    let what = format!("ds4_compress {c:?}, launches of {chunks:?}, split {split}");
     let rope = rope(c.yarn);
     let seed = (w * 7 + ratio * 13 + c.pos0) as u64;
     let kv_all = randn(c.positions * pw, seed, 1.0);
@@ -220,7 +227,25 @@ fn run_compress(ctx: &Context, c: &CompCase, chunks: &[usize]) -> Vec<(&'static 
             int(n),
             ptr(&st),
         ];
-        launch(ctx, "ds4_compress", (1, 1), 256, 0, &args);
+        if split {
+            launch(ctx, "ds4_compress_windows", (n.div_ceil(ratio), 1), 256, 0, &args);
+            let state = [
+                ptr(&kvb),
+                ptr(&gb),
+                ptr(&apeb),
+                ptr(&dev.cur_kv),
+                ptr(&dev.cur_score),
+                dev.prev.as_ref().map_or(NULL, ptr),
+                int(w),
+                int(ratio),
+                int(c.overlap as usize),
+                int(n),
+                ptr(&st),
+            ];
+            launch(ctx, "ds4_compress_state", ((ratio * pw).div_ceil(256), 1), 256, 0, &state);
+        } else {
+            launch(ctx, "ds4_compress", (1, 1), 256, 0, &args);
+        }
         for r in 0..n {
             let p = pos + r;
             let (i, j) = ((done + r) * pw, (done + r + 1) * pw);
@@ -228,7 +253,7 @@ fn run_compress(ctx: &Context, c: &CompCase, chunks: &[usize]) -> Vec<(&'static 
             if closes && c.overlap {
                 // The backup area of row r holds prev (prev_kv then prev_score) before the close.
                 let want: Vec<f32> = cs.prev_kv.iter().chain(&cs.prev_score).copied().collect();
-                let got = read(ctx, dev.backup.as_ref().expect("backup"), 16 * 2 * ratio * w);
+                let got = read(ctx, dev.backup.as_ref().expect("backup"), BACKUP_AREAS * 2 * ratio * w);
                 let area = 2 * ratio * w;
                 assert_bits(&format!("{what}: backup area {r} at position {p}"), &got[r * area..(r + 1) * area], &want);
             }
@@ -276,10 +301,12 @@ fn run_compress(ctx: &Context, c: &CompCase, chunks: &[usize]) -> Vec<(&'static 
 
 fn check_compress(c: CompCase) {
     let Some(ctx) = context() else { return };
-    let batch = run_compress(&ctx, &c, &CHUNKS);
-    let single = run_compress(&ctx, &c, &[1]);
-    for ((name, b), (_, s)) in batch.iter().zip(&single) {
+    let batch = run_compress(&ctx, &c, &CHUNKS, false);
+    let single = run_compress(&ctx, &c, &[1], false);
+    let split = run_compress(&ctx, &c, &SPLIT_CHUNKS, true);
+    for (((name, b), (_, s)), (_, sp)) in batch.iter().zip(&single).zip(&split) {
         assert_bits(&format!("ds4_compress {c:?}: {name}, launches of 1 row vs batches"), s, b);
+        assert_bits(&format!("ds4_compress {c:?}: {name}, launches of 1 row vs the split form"), s, sp);
     }
 }
 
