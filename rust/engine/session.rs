@@ -493,9 +493,9 @@ pub(crate) mod tests {
     }
 
     /// A stand-in device decoder: the host forward pass behind the [`DeviceDecoder`] calls,
-    /// taking at most 4 rows a call (6 in a prompt's calls), failing the forward call numbered `fail_at`, with a NaN
-    /// in the logits of the one numbered `poison_at`; like the CUDA decoder, it leaves its
-    /// writes pending in the state.
+    /// taking at most 4 rows a call (6 in a prompt's calls), failing the forward call numbered
+    /// `fail_at`, with a NaN in the logits of the one numbered `poison_at`; like the CUDA
+    /// decoder, it leaves its writes pending in the state.
     struct HostDecoder(Arc<Seen>);
 
     /// Pending writes of rows from `pos0`: the layers as each row left them.

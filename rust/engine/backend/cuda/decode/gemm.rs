@@ -44,8 +44,9 @@ fn shape_fits(m: &Mat) -> bool {
 }
 
 /// Whether a prefill step runs the product of `m` (whose rows start at device address `at`) by
-/// the `rows` rows of floats at `x` on the tensor cores: a shape that [`shape_fits`], on a device of sm_80 or later (mma.sync m16n8k16), with rows aligned for
-/// the kernels' vector loads (16 bytes of F16, 8 of Q8_0 a lane, x in float4s).
+/// the `rows` rows of floats at `x` on the tensor cores: a shape that [`shape_fits`], on a
+/// device of sm_80 or later (mma.sync m16n8k16), with rows aligned for the kernels' vector
+/// loads (16 bytes of F16, 8 of Q8_0 a lane, x in float4s).
 pub(in crate::backend::cuda) fn takes(m: &Mat, at: u64, x: u64, rows: usize, sm80: bool) -> bool {
     let align = if m.ty == GgmlType::F16 { 16 } else { 8 };
     sm80 && shape_fits(m)
@@ -83,8 +84,8 @@ fn row_blocks(m: &Mat, g: usize) -> usize {
     m.n_out.div_ceil(MV_WARPS / g * GEMM_WARP_ROWS)
 }
 
-/// The descriptor of one product of `n <= GEMM_MAX_ROWS` rows of x at `x` in a launch of `launch_rows`
-/// output rows ([`split`]), and its blocks.
+/// The descriptor of one product of `n <= GEMM_MAX_ROWS` rows of x at `x` in a launch of
+/// `launch_rows` output rows ([`split`]), and its blocks.
 #[allow(clippy::too_many_arguments)]
 pub(in crate::backend::cuda) fn desc(
     at: u64,

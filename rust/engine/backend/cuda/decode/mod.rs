@@ -459,7 +459,8 @@ struct Bufs {
     comb_slot: DevBuf,
     comb_w: DevBuf,
     comb_cnt: DevBuf,
-    /// Each row's routed experts and weights [rows, k] from `ds4_route_pick` ([`program::route_split`]).
+    /// Each row's routed experts and weights [rows, k] from `ds4_route_pick`
+    /// ([`program::split_over_blocks`]).
     picks: DevBuf,
     pick_w: DevBuf,
     y: DevBuf,
@@ -664,11 +665,11 @@ pub(crate) struct CudaDecoder {
     expert_mma: bool,
     /// Whether a prompt's Q2_K down products do too (and `DS4_CUDA_EXPERT_MMA_DOWN`).
     expert_mma_down: bool,
-    /// Whether a prompt's step routes its rows over many blocks ([`program::route_split`],
+    /// Whether a prompt's step routes its rows over many blocks ([`program::split_over_blocks`],
     /// `DS4_CUDA_ROUTE_PICK`).
     route_pick: bool,
     /// Whether a prompt's step runs its compressors' windows side by side
-    /// ([`program::compress_split`], `DS4_CUDA_COMPRESS_SPLIT`).
+    /// ([`program::split_over_blocks`], `DS4_CUDA_COMPRESS_SPLIT`).
     compress_split: bool,
     /// Whether a step leaves its state writes pending in the state ([`StepWrites`], made
     /// while the GPU runs the next step) rather than making them before it returns;

@@ -37,13 +37,16 @@ fn gx_takes(m: &Mat, at: u64) -> bool {
     m.ty == crate::quant::GgmlType::IQ2_XXS && m.n_in > 0 && m.n_in.is_multiple_of(256) && at.is_multiple_of(2)
 }
 
+/// Scores the routing holds in shared memory at once, rows of `experts` (decode_moe.cu
+/// MOE_SCORES).
+const MOE_SCORES: usize = 4096;
+
 /// Bytes of ds4_route's dynamic shared memory for `n` rows of `k` experts of `experts`
 /// (decode_moe.cu `route_smem_words`: a round of rows' scores, then per (row, expert) pair two
 /// words, per row its bitmap words and their prefix popcounts, per descriptor slot four words).
 pub(super) fn route_smem(n: usize, k: usize, experts: usize) -> usize {
-    const SCORES: usize = 4096; // MOE_SCORES
     let w = experts.div_ceil(32);
-    let per_round = (SCORES / experts.max(1)).max(1);
+    let per_round = (MOE_SCORES / experts.max(1)).max(1);
     4 * (n.min(per_round) * experts + 2 * n * k + n * w + n * (w + 1) + 4 * n * k + 1)
 }
 
@@ -53,27 +56,23 @@ pub(super) const ROUTE_PICK_THREADS: u32 = 128;
 /// Blocks of a `ds4_route_pick` launch for `n` rows of `experts` (decode_moe.cu: a block's
 /// rows are its warps, at most MOE_SCORES / experts, whose scores it holds at once).
 pub(super) fn route_pick_grid(n: usize, experts: usize) -> u32 {
-    const SCORES: usize = 4096; // MOE_SCORES
-    let per = (ROUTE_PICK_THREADS as usize / 32).min((SCORES / experts.max(1)).max(1));
+    let per = (ROUTE_PICK_THREADS as usize / 32).min((MOE_SCORES / experts.max(1)).max(1));
     n.div_ceil(per) as u32
 }
 
-/// Whether a step of `n` rows routes its rows in `ds4_route_pick` before `ds4_route` (on by
-/// default, `DS4_CUDA_ROUTE_PICK=0` off): a prompt's step does. ds4_route is one block; for
-/// hundreds of rows its scores (a softplus in double each) and top-k ran on one SM; in blocks
-/// of four rows they take the whole GPU. Up to [`N_MAX`] rows (a decode's or verify's), one
-/// block scores them all in a round or two, and a second launch would only add its latency.
-/// Either way a row's picks come from the same code (route_round), so the same bits.
-pub(super) fn route_split(on: bool, n: usize) -> bool {
-    on && n > N_MAX
-}
-
-/// Whether a step of `n` rows runs each compressor as `ds4_compress_windows` and
-/// `ds4_compress_state` (on by default, `DS4_CUDA_COMPRESS_SPLIT=0` off) rather than one
-/// `ds4_compress` block: a prompt's step does, whose windows then close side by side (the same
-/// bits, decode_attn.cu). A decode's or verify's rows (up to [`N_MAX`]) close at most a few
-/// windows, which one launch does sooner than two.
-pub(super) fn compress_split(on: bool, n: usize) -> bool {
+/// Whether a step of `n` rows spreads over many blocks work that a decode's or verify's step
+/// (up to [`N_MAX`] rows) leaves to one block, when its switch is `on` (the default): a
+/// prompt's step does. Two such splits, each with the same bits either way:
+/// - the routing's step 1 in `ds4_route_pick` before `ds4_route` (`DS4_CUDA_ROUTE_PICK`): for
+///   hundreds of rows one block's scores (a softplus in double each) and top-k ran on one SM,
+///   and blocks of four rows take the whole GPU; a row's picks come from the same code
+///   (route_round);
+/// - each compressor as `ds4_compress_windows` and `ds4_compress_state`
+///   (`DS4_CUDA_COMPRESS_SPLIT`), whose windows then close side by side (decode_attn.cu).
+///
+/// Up to [`N_MAX`] rows one block scores them in a round or two, or closes a few windows, and a
+/// second launch would only add its latency.
+pub(super) fn split_over_blocks(on: bool, n: usize) -> bool {
     on && n > N_MAX
 }
 
@@ -707,7 +706,7 @@ impl CudaDecoder {
                     i(n),
                     p(step),
                 ];
-                if !compress_split(self.compress_split, n) {
+                if !split_over_blocks(self.compress_split, n) {
                     launch(ops, k.compress, (1, 1, 1), 256, 0, args);
                     return;
                 }
@@ -928,7 +927,7 @@ impl CudaDecoder {
                 i(n),
                 p(step),
             ];
-            let picks = if route_split(self.route_pick, n) {
+            let picks = if split_over_blocks(self.route_pick, n) {
                 let mut args = router_args.clone();
                 args.extend([p(b.picks.ptr), p(b.pick_w.ptr)]);
                 launch(&mut ops, k.route_pick, (route_pick_grid(n, cfg.n_experts), 1, 1), ROUTE_PICK_THREADS, 0, args);

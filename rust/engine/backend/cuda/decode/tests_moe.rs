@@ -230,7 +230,7 @@ impl RouteBufs {
 }
 
 /// Queues ds4_route for the `n` rows of `logits` (device) with the product templates `templ`;
-/// with `pick`, after ds4_route_pick (a prompt's step's split, program.rs `route_split`).
+/// with `pick`, after ds4_route_pick (a prompt's step's split, program.rs `split_over_blocks`).
 #[allow(clippy::too_many_arguments)]
 fn launch_route(
     ctx: &Context,
@@ -761,7 +761,7 @@ fn moe_on_device(ctx: &Context, l: &MoeLayer, img: &DevBuf, h: &[f32], tokens: &
         product(img, &down, act.at(0), dout.at(0), part_d.at(0), 0, c_down).0,
     ];
     let templ_buf = DevBuf::from_slice(&templ).expect("templates");
-    let pick = super::program::route_split(true, n);
+    let pick = super::program::split_over_blocks(true, n);
     launch_route(ctx, cfg, &lw.router, &logits, n, &st, &templ_buf, &route, &mut keep, pick);
     let args =
         [Arg::Ptr(hb.at(0)), Arg::Ptr(xg.at(0)), Arg::Ptr(route.gather_src.at(0)), Arg::I32(d as i32), Arg::I32(0)];
