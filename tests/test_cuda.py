@@ -217,13 +217,23 @@ def test_device_decode_matches_host_forward(tmp_path: Path, monkeypatch: pytest.
     s2.restore(snap)
     for t in prompt[150:160]:
         assert np.array_equal(s1.eval([t]).view(np.uint32), s2.eval([t]).view(np.uint32))
-    # The prefill kernels (gemm.cu: F16 and Q8_0 products) ran for the prompt's calls: without
-    # them (DS4_CUDA_GEMM=0, read when a session makes its decoder) the rows differ by rounding.
+    # The prefill kernels (gemm.cu: F16 and Q8_0 products; the attention on the tensor cores,
+    # decode_attn.cu section 6) ran for the prompt's calls: without them (DS4_CUDA_GEMM=0, read
+    # when a session makes its decoder: the decode's kernels for every step) the rows differ by
+    # rounding.
     monkeypatch.setenv("DS4_CUDA_GEMM", "0")
     plain = _chunked(m.session(512), prompt, cuts)
     monkeypatch.delenv("DS4_CUDA_GEMM")
-    assert np.array_equal(dev[:37].view(np.uint32), plain[:37].view(np.uint32)) == (dtype == "f32")
+    assert not np.array_equal(dev[:37].view(np.uint32), plain[:37].view(np.uint32))
     rel = np.abs(dev - plain).max(axis=1) / (np.abs(plain).max(axis=1) + 1e-6)
+    assert float(np.median(rel)) < tol
+    # Without the tensor-core attention alone (DS4_CUDA_ATTN_MMA=0), an F32 model's prompt rows
+    # are the decode kernels' bits (it has no F16 or Q8_0 products); the others' still differ.
+    monkeypatch.setenv("DS4_CUDA_ATTN_MMA", "0")
+    no_attn = _chunked(m.session(512), prompt, cuts)
+    monkeypatch.delenv("DS4_CUDA_ATTN_MMA")
+    assert np.array_equal(no_attn[:37].view(np.uint32), plain[:37].view(np.uint32)) == (dtype == "f32")
+    rel = np.abs(dev - no_attn).max(axis=1) / (np.abs(no_attn).max(axis=1) + 1e-6)
     assert float(np.median(rel)) < tol
     # Without them, every chunking gives the same bits (the decode's kernels only).
     monkeypatch.setenv("DS4_CUDA_GEMM", "0")

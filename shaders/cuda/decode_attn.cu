@@ -1333,3 +1333,270 @@ extern "C" __global__ void __launch_bounds__(DS4_ATTN_THREADS)
         out[(((long long)(h / hpg) * n + r) * hpg + (h % hpg)) * head_dim + c0 + col] = os[hh][col];
     }
 }
+
+// ---- 6. a prompt's attention on the tensor cores
+//
+// The same attention as section 5 (the row's keys, the sink, the inverse rope, the grouped
+// output) for a prompt's steps, on mma.sync m16n8k8 in tf32. A block takes one batch row and 16
+// heads, so each key row it reads serves 16 heads as the n operand of QK^T and the k operand of
+// PV. (Section 5's blocks take 8 heads and 32 columns or 64 keys, for a one-row step to fill the
+// GPU; for 256 rows a Flash CSA layer spent 2.2 ms in them, in float FMAs.) Each product is
+// split in a high and a low tf32 part (3xTF32: hi*hi + hi*lo + lo*hi, the low products first),
+// about 2^-21 of each term, summed in the tensor cores' order: a row's results agree with
+// section 5's to rounding, not bit for bit, which is why only a prompt's steps run this (a
+// verify stays bitwise its rows' single decodes); they depend only on the row's own keys and
+// the shape (row invariance).
+//
+// 1. Q's 16 heads (zeros past n_heads), split into their A fragments, to shared memory (a k
+//    step's high parts for the 32 lanes, then its low parts: each lane's 16 bytes in a row,
+//    no bank conflicts); the row's key pointers (section 5's order: the raw window, then the
+//    compressed rows) too.
+// 2. S = Q K^T / sqrt(head_dim): warp w takes key tiles of 8 keys w, w + 8, ..., each a chain
+//    of head_dim / 8 mma steps (two tiles' chains side by side); S to shared memory.
+// 3. The softmax with the sink per head as ds4_attention's statistics: M = max(sink, S),
+//    denom = e^{sink - M} + sum e^{S - M} (a double sum), P = e^{S - M} / denom in place.
+// 4. O = P V: warp w takes the output columns of its n8 tiles w, w + 8, ... (head_dim / 64 of
+//    them), a chain over the keys in steps of 8.
+// 5. The inverse rope of the rotary pairs (in a lane's own outputs) and the grouped store.
+//
+// Grid (ceil(n_heads / 16), n); block 256; dynamic shared memory of
+// ds4_attn_mma_smem(head_dim, lg_stride) bytes. head_dim a multiple of 64 up to
+// DS4_ATTN_MMA_MAX_DIM; lg_stride >= every row's key count (as ds4_attention_logits'); rope_dim
+// even, at most head_dim. sm_80 or later (the host launches it only there).
+
+#define DS4_ATTN_MMA_HEADS 16
+#define DS4_ATTN_MMA_MAX_DIM 512
+
+// The row stride of S in floats: room for whole tiles of 8 keys, and 4 mod 32, so that the
+// lanes of an A fragment (rows g, columns t: g * stride + t) read distinct banks.
+__device__ __host__ __forceinline__ int ds4_attn_mma_stride(int lg_stride) {
+    return ((lg_stride + 31) / 32) * 32 + 4;
+}
+
+// Bytes of shared memory: Q's fragments (head_dim / 8 steps x 32 lanes x 8 words), the key
+// pointers (lg_stride rounded up to 8), S (16 rows).
+__device__ __host__ __forceinline__ int ds4_attn_mma_smem(int head_dim, int lg_stride) {
+    return head_dim * 128 + ((lg_stride + 7) / 8) * 8 * 8 + DS4_ATTN_MMA_HEADS * ds4_attn_mma_stride(lg_stride) * 4;
+}
+
+// x as a high tf32 part and the low part of the rest (round to nearest, ties away: cvt.rna).
+__device__ __forceinline__ void ds4_tf32_split(float x, u32& hi, u32& lo) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
+    const float rest = x - __uint_as_float(hi);
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(rest));
+#else
+    hi = __float_as_uint(x);
+    lo = 0u;
+#endif
+}
+
+// d += a * b: 16 x 8 tf32 (a, row major) times 8 x 8 (b, column major), f32 sums.
+__device__ __forceinline__ void ds4_mma_tf32(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// d += a * b in 3xTF32 from the split parts: the two low products first.
+__device__ __forceinline__ void ds4_mma_3xtf32(float (&d)[4], const u32 (&ah)[4], const u32 (&al)[4], u32 bh0,
+                                               u32 bh1, u32 bl0, u32 bl1) {
+    ds4_mma_tf32(d, al, bh0, bh1);
+    ds4_mma_tf32(d, ah, bl0, bl1);
+    ds4_mma_tf32(d, ah, bh0, bh1);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    ds4_attention_mma(const float* __restrict__ q, const float* __restrict__ ring, int slots, int window, int block,
+                      const float* __restrict__ crows, int ratio, const int* __restrict__ sel,
+                      const int* __restrict__ nsel, int sel_stride, const float* __restrict__ sinks, int n_heads,
+                      int head_dim, float* __restrict__ out, int groups, const float* __restrict__ inv_freq,
+                      int rope_dim, int lg_stride, const int* __restrict__ step) {
+    ds4_grid_lead();
+    constexpr int H = DS4_ATTN_MMA_HEADS;
+    constexpr int NW = 8;
+    constexpr int NT = DS4_ATTN_MMA_MAX_DIM / 64;  // most output tiles of a warp
+    extern __shared__ __align__(16) u8 attn_sm[];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int r = blockIdx.y;
+    const int n = gridDim.y;
+    const int h0 = blockIdx.x * H;
+    const int steps = head_dim / 8;
+    const int sst = ds4_attn_mma_stride(lg_stride);
+    const int kcap = ((lg_stride + 7) / 8) * 8;
+    uint4* qs = (uint4*)attn_sm;                                  // [steps][hi, lo][32 lanes]
+    const float** kp = (const float**)(attn_sm + head_dim * 128);  // [kcap]
+    float* S = (float*)(kp + kcap);                                // [H][sst]
+    const Ds4AttnRow a = ds4_attn_row(r, slots, window, block, crows, ratio, sel, nsel, sel_stride, step);
+    if (head_dim % 64 != 0 || head_dim > DS4_ATTN_MMA_MAX_DIM || a.nk > lg_stride || (blockDim.x >> 5) != NW) {
+        __trap();  // outside the kernel's shapes: a host bug
+    }
+    const int nk = a.nk;
+    const int tiles = (nk + 7) / 8;  // key tiles of 8 (keys past nk: null rows, zero weights)
+
+    // 1. Q's fragments (k step s, lane l: rows g and g + 8 of the heads, columns 8s + t and
+    //    8s + t + 4; the high parts, then the low ones) and the key pointers.
+    const float* qr = q + (long long)r * n_heads * head_dim;
+    for (int i = threadIdx.x; i < steps * 32; i += blockDim.x) {
+        const int s = i >> 5;
+        const int l = i & 31;
+        const int fg = l >> 2;
+        const int ft = l & 3;
+        float v[4];
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int h = h0 + fg + 8 * (e & 1);
+            const int c = 8 * s + ft + 4 * (e >> 1);
+            v[e] = h < n_heads ? qr[(long long)h * head_dim + c] : 0.0f;
+        }
+        u32 hi[4], lo[4];
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            ds4_tf32_split(v[e], hi[e], lo[e]);
+        }
+        qs[64 * s + l] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+        qs[64 * s + 32 + l] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    }
+    for (int j = threadIdx.x; j < kcap; j += blockDim.x) {
+        kp[j] = j < nk ? ds4_attn_key(a, j, ring, slots, crows, head_dim) : nullptr;
+    }
+    __syncthreads();
+
+    // 2. S = Q K^T * scale (lane: key 8 tile + g as the n index), two key tiles at a time (tile
+    //    and tile + 8: two independent chains of mma, each tile's sums in its own order).
+    const float scale = 1.0f / sqrtf((float)head_dim);
+    for (int tile = warp; tile < tiles; tile += 2 * NW) {
+        const bool two = tile + NW < tiles;
+        const float* krow[2] = {kp[8 * tile + g], two ? kp[8 * (tile + NW) + g] : nullptr};
+        float c[2][4] = {};
+        for (int s = 0; s < steps; s++) {
+            const uint4 qh = qs[64 * s + lane];
+            const uint4 ql = qs[64 * s + 32 + lane];
+            const u32 ah[4] = {qh.x, qh.y, qh.z, qh.w};
+            const u32 al[4] = {ql.x, ql.y, ql.z, ql.w};
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                const float k0 = krow[u] ? __ldg(krow[u] + 8 * s + t) : 0.0f;
+                const float k1 = krow[u] ? __ldg(krow[u] + 8 * s + t + 4) : 0.0f;
+                u32 bh0, bl0, bh1, bl1;
+                ds4_tf32_split(k0, bh0, bl0);
+                ds4_tf32_split(k1, bh1, bl1);
+                ds4_mma_3xtf32(c[u], ah, al, bh0, bh1, bl0, bl1);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            if (u == 1 && !two) {
+                break;
+            }
+            const int j = 8 * (tile + NW * u) + 2 * t;
+            S[g * sst + j] = c[u][0] * scale;
+            S[g * sst + j + 1] = c[u][1] * scale;
+            S[(g + 8) * sst + j] = c[u][2] * scale;
+            S[(g + 8) * sst + j + 1] = c[u][3] * scale;
+        }
+    }
+    __syncthreads();
+
+    // 3. The softmax with the sink (ds4_attention's statistics), P in place; zeros past nk and
+    //    for heads past n_heads.
+    const unsigned full = 0xffffffffu;
+    for (int hh = warp; hh < H; hh += NW) {
+        float* l = S + hh * sst;
+        if (h0 + hh >= n_heads) {
+            for (int j = lane; j < 8 * tiles; j += 32) {
+                l[j] = 0.0f;
+            }
+            continue;
+        }
+        const float sink = sinks[h0 + hh];
+        float m = sink;
+        for (int j = lane; j < nk; j += 32) {
+            m = fmaxf(m, l[j]);
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            m = fmaxf(m, __shfl_xor_sync(full, m, o));
+        }
+        double sum = 0.0;
+        for (int j = lane; j < nk; j += 32) {
+            sum += (double)expf(l[j] - m);
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            sum += __shfl_xor_sync(full, sum, o);
+        }
+        const float denom = (float)((double)expf(sink - m) + sum);
+        for (int j = lane; j < 8 * tiles; j += 32) {
+            l[j] = j < nk ? expf(l[j] - m) / denom : 0.0f;
+        }
+    }
+    __syncthreads();
+
+    // 4. O = P V: this warp's output tiles jt = warp + 8 i (columns 8 jt + g as the n index).
+    const int nt = head_dim / 64;
+    float acc[NT][4];
+#pragma unroll
+    for (int i = 0; i < NT; i++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            acc[i][e] = 0.0f;
+        }
+    }
+    for (int s = 0; s < tiles; s++) {
+        const int j0 = 8 * s + t;
+        u32 ah[4], al[4];
+        ds4_tf32_split(S[g * sst + j0], ah[0], al[0]);
+        ds4_tf32_split(S[(g + 8) * sst + j0], ah[1], al[1]);
+        ds4_tf32_split(S[g * sst + j0 + 4], ah[2], al[2]);
+        ds4_tf32_split(S[(g + 8) * sst + j0 + 4], ah[3], al[3]);
+        const float* v0 = kp[j0];
+        const float* v1 = kp[j0 + 4];
+#pragma unroll
+        for (int i = 0; i < NT; i++) {
+            if (i < nt) {
+                const int col = 8 * (warp + NW * i) + g;
+                const float x0 = v0 ? __ldg(v0 + col) : 0.0f;
+                const float x1 = v1 ? __ldg(v1 + col) : 0.0f;
+                u32 bh0, bl0, bh1, bl1;
+                ds4_tf32_split(x0, bh0, bl0);
+                ds4_tf32_split(x1, bh1, bl1);
+                ds4_mma_3xtf32(acc[i], ah, al, bh0, bh1, bl0, bl1);
+            }
+        }
+    }
+
+    // 5. The inverse rope (a lane's outputs are the pairs (2t, 2t + 1) of its tiles) and the
+    //    grouped store.
+    const int rope0 = head_dim - rope_dim;
+    const int hpg = n_heads / groups;
+#pragma unroll
+    for (int i = 0; i < NT; i++) {
+        if (i >= nt) {
+            break;
+        }
+        const int col = 8 * (warp + NW * i) + 2 * t;
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            float x0 = acc[i][2 * half];
+            float x1 = acc[i][2 * half + 1];
+            if (col >= rope0) {
+                float cs, sn;
+                ds4_rope_cs(inv_freq, (int)a.pos, (col - rope0) / 2, cs, sn);
+                const float y0 = x0 * cs + (-x1) * (-sn);
+                const float y1 = x1 * cs + x0 * (-sn);
+                x0 = y0;
+                x1 = y1;
+            }
+            const int h = h0 + g + 8 * half;
+            if (h < n_heads) {
+                float* dst = out + (((long long)(h / hpg) * n + r) * hpg + (h % hpg)) * head_dim + col;
+                *(float2*)dst = make_float2(x0, x1);
+            }
+        }
+    }
+}

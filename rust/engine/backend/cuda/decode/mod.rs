@@ -546,6 +546,7 @@ struct Kernels {
     index_topk: sys::CUfunction,
     attention_logits: sys::CUfunction,
     attention: sys::CUfunction,
+    attention_mma: sys::CUfunction,
     route: sys::CUfunction,
     route_pick: sys::CUfunction,
     gather: sys::CUfunction,
@@ -594,6 +595,7 @@ impl Kernels {
             index_topk: f("ds4_index_topk")?,
             attention_logits: f("ds4_attention_logits")?,
             attention: f("ds4_attention")?,
+            attention_mma: f("ds4_attention_mma")?,
             route: f("ds4_route")?,
             route_pick: f("ds4_route_pick")?,
             gather: f("ds4_gather")?,
@@ -671,6 +673,9 @@ pub(crate) struct CudaDecoder {
     /// Whether a prompt's step runs its compressors' windows side by side
     /// ([`program::split_over_blocks`], `DS4_CUDA_COMPRESS_SPLIT`).
     compress_split: bool,
+    /// Whether a prompt's step runs its attention on the tensor cores
+    /// ([`program::attention_mma`], `DS4_CUDA_ATTN_MMA`).
+    attn_mma: bool,
     /// Whether a step leaves its state writes pending in the state ([`StepWrites`], made
     /// while the GPU runs the next step) rather than making them before it returns;
     /// `DS4_CUDA_DEFER=0` makes them at once (A/B timing).
@@ -932,6 +937,7 @@ impl CudaDecoder {
         let expert_mma_down = expert_mma && setting("DS4_CUDA_EXPERT_MMA_DOWN")?;
         let route_pick = setting("DS4_CUDA_ROUTE_PICK")?;
         let compress_split = setting("DS4_CUDA_COMPRESS_SPLIT")?;
+        let attn_mma = setting("DS4_CUDA_ATTN_MMA")?;
         let g = backend.lock();
         g.ctx.bind()?;
         let k = Kernels::load(&g.ctx)?;
@@ -1261,6 +1267,7 @@ impl CudaDecoder {
             expert_mma_down,
             route_pick,
             compress_split,
+            attn_mma,
             defer,
             mtp,
             dspark,

@@ -131,6 +131,37 @@ pub(super) fn attention_blocks(n_heads: usize, head_dim: usize, lg_stride: usize
     Ok((blocks(groups * lg_stride.div_ceil(64))?, blocks(groups * head_dim.div_ceil(32))?))
 }
 
+/// Most head dim of `ds4_attention_mma` (decode_attn.cu DS4_ATTN_MMA_MAX_DIM); it also takes
+/// only multiples of 64.
+const ATTN_MMA_MAX_DIM: usize = 512;
+
+/// Bytes of `ds4_attention_mma`'s dynamic shared memory (decode_attn.cu ds4_attn_mma_smem): Q's
+/// fragments, the key pointers, the logits of 16 heads in rows of `lg_stride` keys rounded up to
+/// 32, plus 4.
+pub(super) fn attention_mma_smem(head_dim: usize, lg_stride: usize) -> usize {
+    head_dim * 128 + lg_stride.div_ceil(8) * 8 * 8 + 16 * (lg_stride.div_ceil(32) * 32 + 4) * 4
+}
+
+/// Whether a step's attention runs `ds4_attention_mma` (the tensor cores, decode_attn.cu
+/// section 6) rather than section 5's two launches: a prompt's step (`prefill`; its rows are
+/// row-invariant among prompt steps but not bitwise a decode's, as the tensor-core products), when
+/// `on` (`DS4_CUDA_ATTN_MMA`, on by default), on sm_80 or later, for head dims it takes and
+/// key counts whose logits fit the shared memory a block may have (`smem_max`).
+pub(super) fn attention_mma(
+    on: bool,
+    prefill: bool,
+    sm80: bool,
+    head_dim: usize,
+    lg_stride: usize,
+    smem_max: usize,
+) -> bool {
+    on && prefill
+        && sm80
+        && head_dim.is_multiple_of(64)
+        && head_dim <= ATTN_MMA_MAX_DIM
+        && attention_mma_smem(head_dim, lg_stride) <= smem_max
+}
+
 /// Blocks of a `ds4_index_scores` launch in all, shared by its batch rows.
 const INDEX_WAVE: usize = 132;
 
@@ -786,36 +817,63 @@ impl CudaDecoder {
                 .into_iter()
                 .chain([p(nsel), i(cfg.index_topk)])
                 .collect::<Vec<_>>();
-            launch(
-                &mut ops,
-                k.attention_logits,
-                (logit_blocks, nn, 1),
-                256,
-                0,
-                [vec![p(b.q.ptr)], keys.to_vec(), vec![i(nh), i(hd), p(b.lg.ptr), i(lgs), p(step)]].concat(),
-            );
-            launch(
-                &mut ops,
-                k.attention,
-                (out_blocks, nn, 1),
-                256,
-                0,
-                [
-                    vec![p(b.lg.ptr), i(lgs)],
-                    keys.to_vec(),
-                    vec![
-                        p(c.sinks.ptr),
-                        i(nh),
-                        i(hd),
-                        p(b.o.ptr),
-                        i(cfg.o_groups),
-                        p(c.inv_freq.ptr),
-                        i(rope_dim),
-                        p(step),
-                    ],
-                ]
-                .concat(),
-            );
+            let on_tc = !job.block && attention_mma(self.attn_mma, prefill, sm80, hd, lgs, ctx.smem_optin);
+            if on_tc {
+                launch(
+                    &mut ops,
+                    k.attention_mma,
+                    (nh.div_ceil(16) as u32, nn, 1),
+                    256,
+                    attention_mma_smem(hd, lgs) as u32,
+                    [
+                        vec![p(b.q.ptr)],
+                        keys.to_vec(),
+                        vec![
+                            p(c.sinks.ptr),
+                            i(nh),
+                            i(hd),
+                            p(b.o.ptr),
+                            i(cfg.o_groups),
+                            p(c.inv_freq.ptr),
+                            i(rope_dim),
+                            i(lgs),
+                            p(step),
+                        ],
+                    ]
+                    .concat(),
+                );
+            } else {
+                launch(
+                    &mut ops,
+                    k.attention_logits,
+                    (logit_blocks, nn, 1),
+                    256,
+                    0,
+                    [vec![p(b.q.ptr)], keys.to_vec(), vec![i(nh), i(hd), p(b.lg.ptr), i(lgs), p(step)]].concat(),
+                );
+                launch(
+                    &mut ops,
+                    k.attention,
+                    (out_blocks, nn, 1),
+                    256,
+                    0,
+                    [
+                        vec![p(b.lg.ptr), i(lgs)],
+                        keys.to_vec(),
+                        vec![
+                            p(c.sinks.ptr),
+                            i(nh),
+                            i(hd),
+                            p(b.o.ptr),
+                            i(cfg.o_groups),
+                            p(c.inv_freq.ptr),
+                            i(rope_dim),
+                            p(step),
+                        ],
+                    ]
+                    .concat(),
+                );
+            }
             // Each group's product fills its rank columns of u's rows [n, groups * rank].
             let (groups, rank) = (cfg.o_groups, cfg.o_lora_rank);
             let gin = nh * hd / groups;

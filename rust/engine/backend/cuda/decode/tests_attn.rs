@@ -756,10 +756,19 @@ fn attn_cpu(s: &AttnSetup, keys: Keys, pos: usize, r: usize, rope: &Rope) -> Vec
     o
 }
 
-/// Runs `ds4_attention_logits` then `ds4_attention` for rows `rows` of the setup placed at
-/// `pos0..` (row i of the launch is setup row rows[i]); returns the output in row layout
-/// [n, heads * hd] (from the kernel's grouped layout).
-fn attn_device(ctx: &Context, s: &AttnSetup, keys: Keys, pos0: usize, rows: &[usize], rope: &Rope) -> Vec<f32> {
+/// Runs `ds4_attention_logits` then `ds4_attention` (with `mma`, `ds4_attention_mma`: a
+/// prompt's steps) for rows `rows` of the setup placed at `pos0..` (row i of the launch is
+/// setup row rows[i]); returns the output in row layout [n, heads * hd] (from the kernel's
+/// grouped layout).
+fn attn_device(
+    ctx: &Context,
+    s: &AttnSetup,
+    keys: Keys,
+    pos0: usize,
+    rows: &[usize],
+    rope: &Rope,
+    mma: bool,
+) -> Vec<f32> {
     let Shape { heads, hd, groups } = s.shape;
     let n = rows.len();
     let q: Vec<f32> = rows.iter().flat_map(|&r| s.q[r * heads * hd..(r + 1) * heads * hd].iter().copied()).collect();
@@ -782,32 +791,35 @@ fn attn_device(ctx: &Context, s: &AttnSetup, keys: Keys, pos0: usize, rows: &[us
         }
     }
     let (selb, nselb) = (buf(&sel), buf(&nsel));
-    let max_comp = match keys {
-        Keys::Sliding => 0,
-        Keys::Block => n,
-        Keys::Hca { .. } => s.crows.len(),
-        Keys::Csa { topk, .. } => topk,
-    };
     let st = step(ctx, pos0, &vec![0; n]);
     let (crows_arg, sel_arg, nsel_arg) = match keys {
         Keys::Sliding | Keys::Block => (NULL, NULL, NULL),
         Keys::Hca { .. } => (ptr(&crows), NULL, NULL),
         Keys::Csa { .. } => (ptr(&crows), ptr(&selb), ptr(&nselb)),
     };
-    let lgs = WINDOW + max_comp;
+    let lgs = key_capacity(s, keys, n);
     let lg = zeroed(n * heads * lgs * 4);
     let (logit_blocks, out_blocks) = attention_blocks(heads, hd, lgs).expect("attention grid");
     let block = int(matches!(keys, Keys::Block) as usize);
     let keys_args =
         [ptr(&ringb), int(s.ls.slots), int(WINDOW), block, crows_arg, int(ratio), sel_arg, nsel_arg, int(topk)];
-    let mut args = vec![ptr(&qb)];
-    args.extend(keys_args);
-    args.extend([int(heads), int(hd), ptr(&lg), int(lgs), ptr(&st)]);
-    launch(ctx, "ds4_attention_logits", (logit_blocks as usize, n), 256, 0, &args);
-    let mut args = vec![ptr(&lg), int(lgs)];
-    args.extend(keys_args);
-    args.extend([ptr(&sinkb), int(heads), int(hd), ptr(&out), int(groups), ptr(&freqb), int(ROPE_DIM), ptr(&st)]);
-    launch(ctx, "ds4_attention", (out_blocks as usize, n), 256, 0, &args);
+    if mma {
+        let mut args = vec![ptr(&qb)];
+        args.extend(keys_args);
+        args.extend([ptr(&sinkb), int(heads), int(hd), ptr(&out), int(groups), ptr(&freqb), int(ROPE_DIM)]);
+        args.extend([int(lgs), ptr(&st)]);
+        let smem = super::program::attention_mma_smem(hd, lgs);
+        launch(ctx, "ds4_attention_mma", (heads.div_ceil(16), n), 256, smem, &args);
+    } else {
+        let mut args = vec![ptr(&qb)];
+        args.extend(keys_args);
+        args.extend([int(heads), int(hd), ptr(&lg), int(lgs), ptr(&st)]);
+        launch(ctx, "ds4_attention_logits", (logit_blocks as usize, n), 256, 0, &args);
+        let mut args = vec![ptr(&lg), int(lgs)];
+        args.extend(keys_args);
+        args.extend([ptr(&sinkb), int(heads), int(hd), ptr(&out), int(groups), ptr(&freqb), int(ROPE_DIM), ptr(&st)]);
+        launch(ctx, "ds4_attention", (out_blocks as usize, n), 256, 0, &args);
+    }
     let grouped = read::<f32>(ctx, &out, n * heads * hd);
     let hpg = heads / groups;
     let mut o = vec![0f32; n * heads * hd];
@@ -820,6 +832,18 @@ fn attn_device(ctx: &Context, s: &AttnSetup, keys: Keys, pos0: usize, rows: &[us
     o
 }
 
+/// The logits' row stride of a step of `n` rows: the window and the most compressed keys a row
+/// has (the decoder's `max_keys`; a block's rows).
+fn key_capacity(s: &AttnSetup, keys: Keys, n: usize) -> usize {
+    WINDOW
+        + match keys {
+            Keys::Sliding => 0,
+            Keys::Block => n,
+            Keys::Hca { .. } => s.crows.len(),
+            Keys::Csa { topk, .. } => topk,
+        }
+}
+
 fn check_attention(keys: Keys, pos0: usize, n: usize) {
     check_attention_shaped(MAIN, keys, pos0, n);
 }
@@ -830,17 +854,32 @@ fn check_attention_shaped(shape: Shape, keys: Keys, pos0: usize, n: usize) {
     let rope = rope(!matches!(keys, Keys::Sliding | Keys::Block));
     let s = attn_setup(shape, keys, pos0, n);
     let rows: Vec<usize> = (0..n).collect();
-    let got = attn_device(&ctx, &s, keys, pos0, &rows, &rope);
-    let w = shape.heads * shape.hd;
-    for r in 0..n {
-        let pos = pos0 + r;
-        let want = attn_cpu(&s, keys, pos, r, &rope);
-        assert_close(&format!("{what}: row {r} (position {pos})"), &got[r * w..(r + 1) * w], &want, 2e-5);
-        if matches!(keys, Keys::Block) {
-            continue; // a block row's keys depend on the block
+    // Section 5's kernels, then (where it takes the shape) the prompt steps' tensor-core kernel.
+    let mma_fits = super::program::attention_mma(
+        true,
+        true,
+        ctx.compute_capability.0 >= 8,
+        shape.hd,
+        key_capacity(&s, keys, n),
+        ctx.smem_optin,
+    );
+    for mma in [false, true] {
+        if mma && !mma_fits {
+            continue;
         }
-        let one = attn_device(&ctx, &s, keys, pos, &[r], &rope);
-        assert_bits(&format!("{what}: row {r} alone vs in the batch"), &one, &got[r * w..(r + 1) * w]);
+        let what = format!("{what}{}", if mma { " on the tensor cores" } else { "" });
+        let got = attn_device(&ctx, &s, keys, pos0, &rows, &rope, mma);
+        let w = shape.heads * shape.hd;
+        for r in 0..n {
+            let pos = pos0 + r;
+            let want = attn_cpu(&s, keys, pos, r, &rope);
+            assert_close(&format!("{what}: row {r} (position {pos})"), &got[r * w..(r + 1) * w], &want, 2e-5);
+            if matches!(keys, Keys::Block) {
+                continue; // a block row's keys depend on the block
+            }
+            let one = attn_device(&ctx, &s, keys, pos, &[r], &rope, mma);
+            assert_bits(&format!("{what}: row {r} alone vs in the batch"), &one, &got[r * w..(r + 1) * w]);
+        }
     }
 }
 
