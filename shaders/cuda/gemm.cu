@@ -17,8 +17,8 @@
 // decode's.
 //
 // Row invariance: each output's sum is a function of its own row of x and the shape (units in
-// a fixed order per warp, warps of a group added in warp order, slices in slice order), so a
-// row gives the same bits whatever other rows share the step. These sums are not bitwise the
+// order within a slice, slices added in slice order), so a row gives the same bits whatever
+// other rows share the step. These sums are not bitwise the
 // decode kernels', which is why only a prompt's steps run them: a verify must be bitwise its
 // rows' single decodes, and runs the decode's kernels.
 //
@@ -141,48 +141,69 @@ __device__ __forceinline__ void gemm_prep_w(const uint4 (&wv)[GEMM_TILES], const
     }
 }
 
-// One unit's products of a warp's four tiles: x's rows g and g + 8 (xv: lane t's 8 inputs of
-// each) times the tiles' weights (b, d0, d1 from gemm_prep_w), into acc.
-__device__ __forceinline__ void gemm_unit(float (&acc)[GEMM_TILES][4], const float (&xv)[2][8],
-                                          const u32 (&b)[GEMM_TILES][2][2], const float (&d0)[GEMM_TILES],
-                                          const float (&d1)[GEMM_TILES]) {
-    u32 hi[2][2][2], lo[2][2][2];
-    const float b0 = gemm_split_x(xv[0], hi[0], lo[0]);
-    const float b1 = gemm_split_x(xv[1], hi[1], lo[1]);
+// One unit's products of a warp's four tiles: x's rows g and g + 8 of an m16 tile, already
+// split (hr, lr: the hi and lo pairs of row g, then of row g + 8, as gemm_stage_x stores them;
+// s0, s1 their scales back), times the tiles' weights (b, d0, d1 from gemm_prep_w), into acc.
+__device__ __forceinline__ void gemm_unit(float (&acc)[GEMM_TILES][4], const uint4 (&hr)[2], const uint4 (&lr)[2],
+                                          float s0, float s1, const u32 (&b)[GEMM_TILES][2][2],
+                                          const float (&d0)[GEMM_TILES], const float (&d1)[GEMM_TILES]) {
 #pragma unroll
     for (int q = 0; q < GEMM_TILES; q++) {
         float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int st = 0; st < 2; st++) {
-            gemm_mma(c, hi[0][st][0], hi[1][st][0], hi[0][st][1], hi[1][st][1], b[q][st][0], b[q][st][1]);
-            gemm_mma(c, lo[0][st][0], lo[1][st][0], lo[0][st][1], lo[1][st][1], b[q][st][0], b[q][st][1]);
-        }
-        acc[q][0] = fmaf(c[0], d0[q] * b0, acc[q][0]);
-        acc[q][1] = fmaf(c[1], d1[q] * b0, acc[q][1]);
-        acc[q][2] = fmaf(c[2], d0[q] * b1, acc[q][2]);
-        acc[q][3] = fmaf(c[3], d1[q] * b1, acc[q][3]);
+        gemm_mma(c, hr[0].x, hr[1].x, hr[0].y, hr[1].y, b[q][0][0], b[q][0][1]);
+        gemm_mma(c, lr[0].x, lr[1].x, lr[0].y, lr[1].y, b[q][0][0], b[q][0][1]);
+        gemm_mma(c, hr[0].z, hr[1].z, hr[0].w, hr[1].w, b[q][1][0], b[q][1][1]);
+        gemm_mma(c, lr[0].z, lr[1].z, lr[0].w, lr[1].w, b[q][1][0], b[q][1][1]);
+        acc[q][0] = fmaf(c[0], d0[q] * s0, acc[q][0]);
+        acc[q][1] = fmaf(c[1], d1[q] * s0, acc[q][1]);
+        acc[q][2] = fmaf(c[2], d0[q] * s1, acc[q][2]);
+        acc[q][3] = fmaf(c[3], d1[q] * s1, acc[q][3]);
     }
 }
 
-// Loads lane t's 8 inputs of unit u of x's rows g and g + 8 of m16 tile mt (zeros past n).
-__device__ __forceinline__ void gemm_load_x(int u, int t, const float* const (&xrow)[GEMM_MTILES][2], int mt,
-                                            float (&xv)[2][8]) {
+// One unit of the block's x, split once for the block's four warps: f[mt][h][0] the hi pairs,
+// f[mt][h][1] the lo pairs of row 16 mt + 8 h + g, lane 4 g + t's (its inputs [8t, 8t + 8) in
+// gemm_split_x's order), so that a warp reads a fragment as 32 consecutive uint4s; s the rows'
+// scales back. 8.25 KB.
+struct GemmX {
+    uint4 f[GEMM_MTILES][2][2][32];
+    float s[16 * GEMM_MTILES];
+};
+
+// Loads this thread's share of unit u of x: row 32 p + 8 warp + g, inputs [8t, 8t + 8), for
+// p = 0, 1 (zeros past n: xsrc null).
+__device__ __forceinline__ void gemm_fetch_x(int u, const float* const (&xsrc)[2], float4 (&xr)[2][2]) {
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
-        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f), b = a;
-        if (xrow[mt][h]) {
-            const float4* p = (const float4*)(xrow[mt][h] + 32 * u + 8 * t);
-            a = p[0];
-            b = p[1];
+    for (int p = 0; p < 2; p++) {
+        xr[p][0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        xr[p][1] = xr[p][0];
+        if (xsrc[p]) {
+            const float4* v = (const float4*)(xsrc[p] + 32 * (long long)u);
+            xr[p][0] = v[0];
+            xr[p][1] = v[1];
         }
-        xv[h][0] = a.x;
-        xv[h][1] = a.y;
-        xv[h][2] = a.z;
-        xv[h][3] = a.w;
-        xv[h][4] = b.x;
-        xv[h][5] = b.y;
-        xv[h][6] = b.z;
-        xv[h][7] = b.w;
+    }
+}
+
+// Splits this thread's share (gemm_fetch_x) into X, for the m16 tiles the block has: a warp's
+// eight rows of a pass lie in one half of one tile (mt = 2p + warp / 2, h = warp % 2), so the
+// branch is the warp's, and gemm_split_x's quad shuffles see all 32 lanes.
+__device__ __forceinline__ void gemm_stage_x(const float4 (&xr)[2][2], GemmX& X, int warp, int lane, int mtiles) {
+#pragma unroll
+    for (int p = 0; p < 2; p++) {
+        const int mt = 2 * p + (warp >> 1);
+        const int h = warp & 1;
+        if (mt < mtiles) {
+            const float v[8] = {xr[p][0].x, xr[p][0].y, xr[p][0].z, xr[p][0].w,
+                                xr[p][1].x, xr[p][1].y, xr[p][1].z, xr[p][1].w};
+            u32 hi[2][2], lo[2][2];
+            const float back = gemm_split_x(v, hi, lo);
+            X.f[mt][h][0][lane] = make_uint4(hi[0][0], hi[0][1], hi[1][0], hi[1][1]);
+            X.f[mt][h][1][lane] = make_uint4(lo[0][0], lo[0][1], lo[1][0], lo[1][1]);
+            if ((lane & 3) == 0) {
+                X.s[16 * mt + 8 * h + (lane >> 2)] = back;
+            }
+        }
     }
 }
 
@@ -208,9 +229,11 @@ __device__ __forceinline__ void gemm_load_w(int u, int t, const u8* const (&wrow
     }
 }
 
-// The products of a launch's descriptors (MvDesc, as matvec's: warp_rows = 32, `group` warps
-// splitting a row group's units, `slices` splitting them between blocks; x the rows as
-// floats, n <= 64). 128 threads.
+// The products of a launch's descriptors (MvDesc, as matvec's: warp_rows = 32, group = 1,
+// `slices` splitting the units between blocks; x the rows as floats, n <= 64). 128 threads: a
+// block's four warps take 128 output rows over the same units, so that each unit of x is
+// loaded and split once for all of them (in shared memory, GemmX, two in turn: the next unit
+// is loaded while this one's products run, then split into the other buffer).
 template <bool Q8>
 __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters) {
     const MvBlock B = mv_block(descs, count);
@@ -219,7 +242,6 @@ __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int 
     const int warp = threadIdx.x >> 5;
     const int g = lane >> 2;
     const int t = lane & 3;
-    const int G = D.group;
     const int units = D.n_in >> 5;
     const int n_out = D.n_out;
     const int n = D.n;
@@ -227,21 +249,19 @@ __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int 
     const int mtiles = (n + 15) >> 4;
     int u0, u1;
     mv_slice(units, D.slices, B.slice, u0, u1);
-    // Row g of each tile (null past n_out), x's rows 16 mt + g and 16 mt + g + 8 (null past n).
+    // Row g of each tile (null past n_out).
     const u8* wrow[GEMM_TILES];
 #pragma unroll
     for (int q = 0; q < GEMM_TILES; q++) {
         const int o = B.o0 + 8 * q + g;
         wrow[q] = (B.nrows > 0 && o < n_out) ? D.w + (long long)o * D.row_bytes : nullptr;
     }
-    const float* xrow[GEMM_MTILES][2];
+    // The rows of x this thread loads and splits (gemm_fetch_x).
+    const float* xsrc[2];
 #pragma unroll
-    for (int mt = 0; mt < GEMM_MTILES; mt++) {
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int r = 16 * mt + 8 * h + g;
-            xrow[mt][h] = r < n ? D.x + (long long)r * D.n_in : nullptr;
-        }
+    for (int p = 0; p < 2; p++) {
+        const int r = 32 * p + 8 * warp + g;
+        xsrc[p] = r < n ? D.x + (long long)r * D.n_in + 8 * t : nullptr;
     }
     float acc[GEMM_MTILES][GEMM_TILES][4];
 #pragma unroll
@@ -255,9 +275,9 @@ __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int 
         }
     }
     // The weights are the model's: before waiting for the previous kernel (programmatic
-    // dependent launch, common.cuh), one warp of the group asks L2 for its 32 rows over the
-    // slice (a lane a row), and each warp loads its first unit's weights.
-    if (B.p == 0 && B.o0 + lane < n_out && B.nrows > 0) {
+    // dependent launch, common.cuh), each warp asks L2 for its 32 rows over the slice (a lane
+    // a row) and loads its first unit's weights.
+    if (B.o0 + lane < n_out && B.nrows > 0) {
         const unsigned long long row = (unsigned long long)(D.w + (long long)(B.o0 + lane) * D.row_bytes);
         const int ub = Q8 ? 32 : 64;
         ds4_prefetch_l2(row + (unsigned long long)ub * u0, row + (unsigned long long)ub * u1);
@@ -265,103 +285,71 @@ __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int 
             ds4_prefetch_l2(row + 32ull * units + 2 * u0, row + 32ull * units + 2 * u1);
         }
     }
-    // Two units in flight: the next one's weights (and, with one m16 tile, its x) are loaded
-    // before this one's products.
-    float xv[2][8], nxv[2][8], dw[GEMM_TILES], ndw[GEMM_TILES];
-    uint4 wv[GEMM_TILES], nwv[GEMM_TILES];
-    int u = u0 + B.p;
-    if (u < u1) {
-        gemm_load_w<Q8>(u, t, wrow, units, wv, dw);
+    __shared__ GemmX xs[2];
+    float dw[GEMM_TILES];
+    uint4 wv[GEMM_TILES];
+    if (u0 < u1) {
+        gemm_load_w<Q8>(u0, t, wrow, units, wv, dw);
     }
     ds4_grid_deps();
-    if (u < u1) {
-        gemm_load_x(u, t, xrow, 0, xv);
+    if (u0 < u1) {
+        float4 xr[2][2];
+        gemm_fetch_x(u0, xsrc, xr);
+        gemm_stage_x(xr, xs[0], warp, lane, mtiles);
     }
-    for (; u < u1; u += G) {
-        const int nu = u + G;
-        if (nu < u1) {
-            gemm_load_w<Q8>(nu, t, wrow, units, nwv, ndw);
-            if (mtiles == 1) {
-                gemm_load_x(nu, t, xrow, 0, nxv);
-            }
+    __syncthreads();
+    // The loop's bounds are the block's: every warp reaches each barrier.
+    for (int u = u0, i = 0; u < u1; u++, i ^= 1) {
+        const bool more = u + 1 < u1;
+        float ndw[GEMM_TILES];
+        uint4 nwv[GEMM_TILES];
+        float4 nxr[2][2];
+        if (more) {
+            gemm_load_w<Q8>(u + 1, t, wrow, units, nwv, ndw);
+            gemm_fetch_x(u + 1, xsrc, nxr);
         }
-        u32 bw[GEMM_TILES][2][2];
-        float d0[GEMM_TILES], d1[GEMM_TILES];
-        gemm_prep_w<Q8>(wv, dw, t, bw, d0, d1);
-        gemm_unit(acc[0], xv, bw, d0, d1);
+        if (B.nrows > 0) {
+            u32 bw[GEMM_TILES][2][2];
+            float d0[GEMM_TILES], d1[GEMM_TILES];
+            gemm_prep_w<Q8>(wv, dw, t, bw, d0, d1);
+            const GemmX& X = xs[i];
 #pragma unroll
-        for (int mt = 1; mt < GEMM_MTILES; mt++) {
-            if (mt < mtiles) {
-                float mx[2][8];
-                gemm_load_x(u, t, xrow, mt, mx);
-                gemm_unit(acc[mt], mx, bw, d0, d1);
-            }
-        }
-        if (nu < u1) {
-            if (mtiles == 1) {
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-#pragma unroll
-                    for (int i = 0; i < 8; i++) {
-                        xv[h][i] = nxv[h][i];
-                    }
+            for (int mt = 0; mt < GEMM_MTILES; mt++) {
+                if (mt < mtiles) {
+                    const uint4 hr[2] = {X.f[mt][0][0][lane], X.f[mt][1][0][lane]};
+                    const uint4 lr[2] = {X.f[mt][0][1][lane], X.f[mt][1][1][lane]};
+                    gemm_unit(acc[mt], hr, lr, X.s[16 * mt + g], X.s[16 * mt + 8 + g], bw, d0, d1);
                 }
-            } else {
-                gemm_load_x(nu, t, xrow, 0, xv);
             }
+        }
+        if (more) {
+            // Buffer i ^ 1 was last read before the previous barrier.
+            gemm_stage_x(nxr, xs[i ^ 1], warp, lane, mtiles);
 #pragma unroll
             for (int q = 0; q < GEMM_TILES; q++) {
                 wv[q] = nwv[q];
                 dw[q] = ndw[q];
             }
         }
+        __syncthreads();
     }
     // Every weight is read: the next kernel may launch (its blocks wait for this grid).
     ds4_grid_launch();
-    // The group's warps in warp order, then the slices; tile by tile.
     float* y = D.slices > 1 ? D.part + (long long)B.slice * n * n_out : D.y;
     const int ys = D.slices > 1 ? n_out : D.y_stride;
-    __shared__ float red[MV_WARPS][16][8 * GEMM_TILES];
+    if (B.nrows > 0) {
 #pragma unroll
-    for (int mt = 0; mt < GEMM_MTILES; mt++) {
-        if (mt >= mtiles) {
-            break;
-        }
-        if (G > 1) {
-            if (mt > 0) {
-                __syncthreads();  // the previous tile's sums are read
-            }
-#pragma unroll
-            for (int q = 0; q < GEMM_TILES; q++) {
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    red[warp][g + 8 * (i >> 1)][8 * q + 2 * t + (i & 1)] = acc[mt][q][i];
-                }
-            }
-            __syncthreads();
-            if (B.p == 0) {
+        for (int mt = 0; mt < GEMM_MTILES; mt++) {
+            if (mt < mtiles) {
 #pragma unroll
                 for (int q = 0; q < GEMM_TILES; q++) {
 #pragma unroll
                     for (int i = 0; i < 4; i++) {
-                        float v = acc[mt][q][i];
-                        for (int p = 1; p < G; p++) {
-                            v += red[warp + p][g + 8 * (i >> 1)][8 * q + 2 * t + (i & 1)];
+                        const int r = 16 * mt + g + 8 * (i >> 1);
+                        const int o = B.o0 + 8 * q + 2 * t + (i & 1);
+                        if (r < n && o < n_out) {
+                            y[(long long)r * ys + o] = acc[mt][q][i];
                         }
-                        acc[mt][q][i] = v;
-                    }
-                }
-            }
-        }
-        if (B.p == 0) {
-#pragma unroll
-            for (int q = 0; q < GEMM_TILES; q++) {
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    const int r = 16 * mt + g + 8 * (i >> 1);
-                    const int o = B.o0 + 8 * q + 2 * t + (i & 1);
-                    if (r < n && o < n_out) {
-                        y[(long long)r * ys + o] = acc[mt][q][i];
                     }
                 }
             }
@@ -370,12 +358,17 @@ __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int 
     mv_add_slices(B.D, B.rb, counters);
 }
 
-extern "C" __global__ void __launch_bounds__(128) ds4_gemm_f16(const MvDesc* __restrict__ descs, int count,
+// Blocks an SM should hold (registers capped to fit; A/B with DS4_CUDA_DEFINES, context.rs).
+#ifndef GEMM_MIN_BLOCKS
+#define GEMM_MIN_BLOCKS 2
+#endif
+
+extern "C" __global__ void __launch_bounds__(128, GEMM_MIN_BLOCKS) ds4_gemm_f16(const MvDesc* __restrict__ descs, int count,
                                                                int* __restrict__ counters) {
     gemm_body<false>(descs, count, counters);
 }
 
-extern "C" __global__ void __launch_bounds__(128) ds4_gemm_q8_0(const MvDesc* __restrict__ descs, int count,
+extern "C" __global__ void __launch_bounds__(128, GEMM_MIN_BLOCKS) ds4_gemm_q8_0(const MvDesc* __restrict__ descs, int count,
                                                                 int* __restrict__ counters) {
     gemm_body<true>(descs, count, counters);
 }

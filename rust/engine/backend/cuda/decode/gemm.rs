@@ -17,11 +17,12 @@ pub(super) const GEMM_WARP_ROWS: usize = 32;
 /// Inputs of a unit (the kernels' step along a row: two m16n8k16 steps).
 const UNIT: usize = 32;
 
-/// Fewest units a warp keeps when the units of a row group are split between warps and blocks.
-const MIN_UNITS_PER_WARP: usize = 4;
+/// Fewest units a slice keeps when the units of a product are split between blocks.
+const MIN_UNITS_PER_SLICE: usize = 8;
 
-/// Warps a product should have at least to keep the GPU busy (about eight an SM of an H200).
-const TARGET_WARPS: usize = 1024;
+/// Warps a product should have at least to keep the GPU busy (about four an SM of an H200; a
+/// prompt's step of 256 rows runs four descriptors a product, so four times as many).
+const TARGET_WARPS: usize = 512;
 
 /// Most batch rows of one product descriptor (`GEMM_MTILES` m16 tiles in gemm.cu, each unit of
 /// weights loaded once for all of them); a prompt's step of more rows takes several.
@@ -56,32 +57,25 @@ pub(in crate::backend::cuda) fn takes(m: &Mat, at: u64, x: u64, rows: usize, sm8
         && x.is_multiple_of(16)
 }
 
-/// The warp group (warps of a block that split a row group's units) and the input slices
-/// (blocks that split them) of `m`'s products in a launch of `launch_rows` output rows in all
-/// (the products of one format in one call: those of a single matrix of that many rows, whose
-/// blocks the launch has). A function of the shapes only (row invariance): enough warps for the
-/// GPU, at least [`MIN_UNITS_PER_WARP`] units each. The partial sums of a split cost a round
-/// trip, so a launch of many products (the decode's eight o_a groups) splits less.
+/// The warp group (always 1: a block's four warps take 128 output rows over the same units,
+/// sharing each unit of x) and the input slices (blocks that split the units) of `m`'s products
+/// in a launch of `launch_rows` output rows in all (the products of one format in one call:
+/// those of a single matrix of that many rows, whose blocks the launch has). A function of the
+/// shapes only (row invariance): enough warps for the GPU, at least [`MIN_UNITS_PER_SLICE`]
+/// units a slice. The partial sums of a split cost a round trip, so a launch of many products
+/// (the eight o_a groups) splits less.
 pub(in crate::backend::cuda) fn split(m: &Mat, launch_rows: usize) -> (usize, usize) {
     let units = (m.n_in / UNIT).max(1);
-    let g = if units >= 4 * MIN_UNITS_PER_WARP {
-        4
-    } else if units >= 2 * MIN_UNITS_PER_WARP {
-        2
-    } else {
-        1
-    };
     let whole = Mat { n_out: launch_rows.max(m.n_out), ..*m };
-    let warps = row_blocks(&whole, g) * MV_WARPS;
-    let want = TARGET_WARPS.div_ceil(warps).clamp(1, 32).min((units / (g * MIN_UNITS_PER_WARP)).max(1));
+    let warps = row_blocks(&whole) * MV_WARPS;
+    let want = TARGET_WARPS.div_ceil(warps).clamp(1, 32).min((units / MIN_UNITS_PER_SLICE).max(1));
     // No empty slice: the kernel gives each slice ceil(units / slices) units.
-    (g, units.div_ceil(units.div_ceil(want)))
+    (1, units.div_ceil(units.div_ceil(want)))
 }
 
-/// Row blocks of `m`'s products at warp group `g`: blocks of `MV_WARPS / g` warps of
-/// [`GEMM_WARP_ROWS`] rows.
-fn row_blocks(m: &Mat, g: usize) -> usize {
-    m.n_out.div_ceil(MV_WARPS / g * GEMM_WARP_ROWS)
+/// Row blocks of `m`'s products: blocks of `MV_WARPS` warps of [`GEMM_WARP_ROWS`] rows.
+fn row_blocks(m: &Mat) -> usize {
+    m.n_out.div_ceil(MV_WARPS * GEMM_WARP_ROWS)
 }
 
 /// The descriptor of one product of `n <= GEMM_MAX_ROWS` rows of x at `x` in a launch of
@@ -102,7 +96,7 @@ pub(in crate::backend::cuda) fn desc(
     let (mut d, _) = CudaBackend::desc_split(at, m, x, y, part, n, counter, (g, s));
     d.y_stride = y_stride as i32;
     d.warp_rows = GEMM_WARP_ROWS as i32;
-    (d, row_blocks(m, g) * s)
+    (d, row_blocks(m) * s)
 }
 
 /// Partial-sum floats and counters the products of `mats` take at `n` rows (those whose shape
@@ -111,10 +105,10 @@ pub(in crate::backend::cuda) fn desc(
 pub(super) fn need(mats: &[Mat], n: usize) -> (usize, usize) {
     let (mut part, mut counters) = (0, 0);
     for m in mats.iter().filter(|m| shape_fits(m)) {
-        let (g, s) = split(m, m.n_out);
+        let s = split(m, m.n_out).1;
         if s > 1 {
             part += s * n * m.n_out;
-            counters += row_blocks(m, g) * n.div_ceil(GEMM_MAX_ROWS);
+            counters += row_blocks(m) * n.div_ceil(GEMM_MAX_ROWS);
         }
     }
     (part, counters)
@@ -128,8 +122,8 @@ mod tests {
         Mat { ty, n_in, n_out, start: 0, row_bytes: ty.row_bytes(n_in as u64).unwrap() as usize }
     }
 
-    /// Every split covers the units without an empty slice, keeps a warp's share, and fills the
-    /// GPU when the shape allows it.
+    /// Every split covers the units without an empty slice, keeps a slice's share, and fills
+    /// the GPU when the shape allows it.
     #[test]
     fn splits_cover_the_units() {
         for (n_out, n_in) in [(24, 16384), (1024, 4096), (8192, 1024), (64, 4096), (2048, 4096), (5, 32), (37, 96)] {
@@ -138,14 +132,15 @@ mod tests {
             // More rows in the launch: no more slices.
             assert!(split(&m, 8 * n_out).1 <= s);
             let units = n_in / UNIT;
-            assert!([1, 2, 4].contains(&g) && s >= 1, "{n_out}x{n_in}: {g} {s}");
+            assert!(g == 1 && s >= 1, "{n_out}x{n_in}: {g} {s}");
             let per = units.div_ceil(s);
             assert!((s - 1) * per < units, "{n_out}x{n_in}: slice {} empty", s - 1);
             if s > 1 {
-                assert!(per >= g * MIN_UNITS_PER_WARP, "{n_out}x{n_in}: {per} units for {g} warps");
+                assert!(per >= MIN_UNITS_PER_SLICE, "{n_out}x{n_in}: {per} units a slice");
             }
-            let warps = row_blocks(&m, g) * MV_WARPS * s;
-            assert!(warps >= TARGET_WARPS.min(m.n_out.div_ceil(GEMM_WARP_ROWS) * units / MIN_UNITS_PER_WARP) / 2);
+            let warps = row_blocks(&m) * MV_WARPS * s;
+            let most = row_blocks(&m) * MV_WARPS * (units / MIN_UNITS_PER_SLICE).max(1);
+            assert!(warps >= TARGET_WARPS.min(most) / 2, "{n_out}x{n_in}: {warps} warps");
         }
     }
 
