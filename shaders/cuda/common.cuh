@@ -354,12 +354,29 @@ __device__ __forceinline__ void mv_add_slices(const MvDesc* D, int rb, int* __re
     __threadfence();
     const int ob = rb * mv_block_rows(*D);
     const int rows = imin(mv_block_rows(*D), n_out - ob);
+    const long long step = (long long)n * n_out;
     for (int i = tid; i < n * rows; i += 32 * MV_WARPS) {
         const int r = i / rows;
         const int o = ob + i % rows;
+        const float* p = D->part + (long long)r * n_out + o;
+        // Eight slices' loads in flight before their adds (in slice order, as one at a time):
+        // a prompt's step splits its products in up to 32 slices of 64 rows, and one block
+        // adds them, at the end of the launch, while the other SMs wait.
         float v = 0.0f;
-        for (int s = 0; s < slices; s++) {
-            v += __ldcg(D->part + ((long long)s * n + r) * n_out + o);
+        int s = 0;
+        for (; s + 8 <= slices; s += 8) {
+            float a[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                a[j] = __ldcg(p + (s + j) * step);
+            }
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                v += a[j];
+            }
+        }
+        for (; s < slices; s++) {
+            v += __ldcg(p + s * step);
         }
         D->y[(long long)r * D->y_stride + o] = v;
     }

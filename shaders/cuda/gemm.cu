@@ -141,6 +141,16 @@ __device__ __forceinline__ void gemm_prep_w(const uint4 (&wv)[GEMM_TILES], const
     }
 }
 
+// Units a stage of the kernel's loop takes (gemm_body): their loads are in flight together,
+// and a barrier ends the stage. Blocks an SM should hold (registers capped to fit). A/B with
+// DS4_CUDA_DEFINES (context.rs).
+#ifndef GEMM_STAGE
+#define GEMM_STAGE 2
+#endif
+#ifndef GEMM_MIN_BLOCKS
+#define GEMM_MIN_BLOCKS 2
+#endif
+
 // One unit's products of a warp's four tiles: x's rows g and g + 8 of an m16 tile, already
 // split (hr, lr: the hi and lo pairs of row g, then of row g + 8, as gemm_stage_x stores them;
 // s0, s1 their scales back), times the tiles' weights (b, d0, d1 from gemm_prep_w), into acc.
@@ -232,8 +242,7 @@ __device__ __forceinline__ void gemm_load_w(int u, int t, const u8* const (&wrow
 // The products of a launch's descriptors (MvDesc, as matvec's: warp_rows = 32, group = 1,
 // `slices` splitting the units between blocks; x the rows as floats, n <= 64). 128 threads: a
 // block's four warps take 128 output rows over the same units, so that each unit of x is
-// loaded and split once for all of them (in shared memory, GemmX, two in turn: the next unit
-// is loaded while this one's products run, then split into the other buffer).
+// loaded and split once for all of them (in shared memory, GemmX).
 template <bool Q8>
 __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters) {
     const MvBlock B = mv_block(descs, count);
@@ -285,50 +294,70 @@ __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int 
             ds4_prefetch_l2(row + 32ull * units + 2 * u0, row + 32ull * units + 2 * u1);
         }
     }
-    __shared__ GemmX xs[2];
-    float dw[GEMM_TILES];
-    uint4 wv[GEMM_TILES];
-    if (u0 < u1) {
-        gemm_load_w<Q8>(u0, t, wrow, units, wv, dw);
+    // Stages of GEMM_STAGE units, two in turn: stage k's x in xs[k & 1], its weights in
+    // registers; the next stage's loads are in flight while this one's products run.
+    __shared__ GemmX xs[2][GEMM_STAGE];
+    float dw[GEMM_STAGE][GEMM_TILES];
+    uint4 wv[GEMM_STAGE][GEMM_TILES];
+#pragma unroll
+    for (int k = 0; k < GEMM_STAGE; k++) {
+        if (u0 + k < u1) {
+            gemm_load_w<Q8>(u0 + k, t, wrow, units, wv[k], dw[k]);
+        }
     }
     ds4_grid_deps();
-    if (u0 < u1) {
-        float4 xr[2][2];
-        gemm_fetch_x(u0, xsrc, xr);
-        gemm_stage_x(xr, xs[0], warp, lane, mtiles);
+#pragma unroll
+    for (int k = 0; k < GEMM_STAGE; k++) {
+        if (u0 + k < u1) {
+            float4 xr[2][2];
+            gemm_fetch_x(u0 + k, xsrc, xr);
+            gemm_stage_x(xr, xs[0][k], warp, lane, mtiles);
+        }
     }
     __syncthreads();
-    // The loop's bounds are the block's: every warp reaches each barrier.
-    for (int u = u0, i = 0; u < u1; u++, i ^= 1) {
-        const bool more = u + 1 < u1;
-        float ndw[GEMM_TILES];
-        uint4 nwv[GEMM_TILES];
-        float4 nxr[2][2];
-        if (more) {
-            gemm_load_w<Q8>(u + 1, t, wrow, units, nwv, ndw);
-            gemm_fetch_x(u + 1, xsrc, nxr);
+    // The loop's bounds are the block's: every warp reaches each barrier. The units are added
+    // in order whatever GEMM_STAGE is (the same bits).
+    for (int u = u0, i = 0; u < u1; u += GEMM_STAGE, i ^= 1) {
+        const int nu = u + GEMM_STAGE;
+        float ndw[GEMM_STAGE][GEMM_TILES];
+        uint4 nwv[GEMM_STAGE][GEMM_TILES];
+        float4 nxr[GEMM_STAGE][2][2];
+#pragma unroll
+        for (int k = 0; k < GEMM_STAGE; k++) {
+            if (nu + k < u1) {
+                gemm_load_w<Q8>(nu + k, t, wrow, units, nwv[k], ndw[k]);
+                gemm_fetch_x(nu + k, xsrc, nxr[k]);
+            }
         }
         if (B.nrows > 0) {
-            u32 bw[GEMM_TILES][2][2];
-            float d0[GEMM_TILES], d1[GEMM_TILES];
-            gemm_prep_w<Q8>(wv, dw, t, bw, d0, d1);
-            const GemmX& X = xs[i];
 #pragma unroll
-            for (int mt = 0; mt < GEMM_MTILES; mt++) {
-                if (mt < mtiles) {
-                    const uint4 hr[2] = {X.f[mt][0][0][lane], X.f[mt][1][0][lane]};
-                    const uint4 lr[2] = {X.f[mt][0][1][lane], X.f[mt][1][1][lane]};
-                    gemm_unit(acc[mt], hr, lr, X.s[16 * mt + g], X.s[16 * mt + 8 + g], bw, d0, d1);
+            for (int k = 0; k < GEMM_STAGE; k++) {
+                if (u + k < u1) {
+                    u32 bw[GEMM_TILES][2][2];
+                    float d0[GEMM_TILES], d1[GEMM_TILES];
+                    gemm_prep_w<Q8>(wv[k], dw[k], t, bw, d0, d1);
+                    const GemmX& X = xs[i][k];
+#pragma unroll
+                    for (int mt = 0; mt < GEMM_MTILES; mt++) {
+                        if (mt < mtiles) {
+                            const uint4 hr[2] = {X.f[mt][0][0][lane], X.f[mt][1][0][lane]};
+                            const uint4 lr[2] = {X.f[mt][0][1][lane], X.f[mt][1][1][lane]};
+                            gemm_unit(acc[mt], hr, lr, X.s[16 * mt + g], X.s[16 * mt + 8 + g], bw, d0, d1);
+                        }
+                    }
                 }
             }
         }
-        if (more) {
-            // Buffer i ^ 1 was last read before the previous barrier.
-            gemm_stage_x(nxr, xs[i ^ 1], warp, lane, mtiles);
+        // Buffers xs[i ^ 1] were last read before the previous barrier.
 #pragma unroll
-            for (int q = 0; q < GEMM_TILES; q++) {
-                wv[q] = nwv[q];
-                dw[q] = ndw[q];
+        for (int k = 0; k < GEMM_STAGE; k++) {
+            if (nu + k < u1) {
+                gemm_stage_x(nxr[k], xs[i ^ 1][k], warp, lane, mtiles);
+#pragma unroll
+                for (int q = 0; q < GEMM_TILES; q++) {
+                    wv[k][q] = nwv[k][q];
+                    dw[k][q] = ndw[k][q];
+                }
             }
         }
         __syncthreads();
@@ -358,10 +387,6 @@ __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int 
     mv_add_slices(B.D, B.rb, counters);
 }
 
-// Blocks an SM should hold (registers capped to fit; A/B with DS4_CUDA_DEFINES, context.rs).
-#ifndef GEMM_MIN_BLOCKS
-#define GEMM_MIN_BLOCKS 2
-#endif
 
 extern "C" __global__ void __launch_bounds__(128, GEMM_MIN_BLOCKS) ds4_gemm_f16(const MvDesc* __restrict__ descs, int count,
                                                                int* __restrict__ counters) {
