@@ -82,6 +82,11 @@ if [ -n "${FLASH_GEN:-}" ] && [ -n "${TOKENIZER:-}" ]; then
         --ab DS4_CUDA_COMPRESS_SPLIT=1,0 --runs 6
     python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --prefill 2048,8192 --prefill-only \
         --ab DS4_CUDA_ATTN_MMA=1,0 --runs 6
+    # Compile-time switches take a process each (the kernels are built once a process).
+    for d in GEMM_STAGE=2 GEMM_STAGE=1; do
+        DS4_CUDA_DEFINES=$d python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda \
+            --prefill 2048,8192 --prefill-only --runs 3
+    done
     DS4_CUDA_Q8=mma python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --ctx 2048 --prefill 2048 --runs 5
     if [ -n "${TRACE:-}" ]; then
         cuda=$(dirname "$(dirname "$(command -v nvcc)")")
