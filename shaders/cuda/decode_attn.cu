@@ -559,6 +559,23 @@ __device__ __forceinline__ float ds4_index_score_regs(const float* qs, const flo
     return total;
 }
 
+// ds4_index_score_regs of the row at k (HD floats in global memory, 16-byte aligned), loaded
+// into registers first.
+template <int HD>
+__device__ __forceinline__ float ds4_index_score_row(const float* qs, const float* gs, int heads, float scale,
+                                                     const float* k) {
+    float kr[HD];
+#pragma unroll
+    for (int i = 0; i < HD; i += 4) {
+        const float4 v = *reinterpret_cast<const float4*>(k + i);
+        kr[i] = v.x;
+        kr[i + 1] = v.y;
+        kr[i + 2] = v.z;
+        kr[i + 3] = v.w;
+    }
+    return ds4_index_score_regs<HD>(qs, gs, heads, scale, kr);
+}
+
 // The same for any head_dim (a multiple of 16), k read from memory.
 __device__ __forceinline__ float ds4_index_score_mem(const float* qs, const float* gs, int heads, int hd,
                                                      float scale, const float* k) {
@@ -736,27 +753,9 @@ extern "C" __global__ void __launch_bounds__(256)
         const float* k = irows + (long long)s * head_dim;
         float score;
         if (head_dim == 128 && fast) {
-            float kr[128];
-#pragma unroll
-            for (int i = 0; i < 128; i += 4) {
-                const float4 v = *reinterpret_cast<const float4*>(k + i);
-                kr[i] = v.x;
-                kr[i + 1] = v.y;
-                kr[i + 2] = v.z;
-                kr[i + 3] = v.w;
-            }
-            score = ds4_index_score_regs<128>(q_sh, g_sh, heads, scale, kr);
+            score = ds4_index_score_row<128>(q_sh, g_sh, heads, scale, k);
         } else if (head_dim == 64 && fast) {
-            float kr[64];
-#pragma unroll
-            for (int i = 0; i < 64; i += 4) {
-                const float4 v = *reinterpret_cast<const float4*>(k + i);
-                kr[i] = v.x;
-                kr[i + 1] = v.y;
-                kr[i + 2] = v.z;
-                kr[i + 3] = v.w;
-            }
-            score = ds4_index_score_regs<64>(q_sh, g_sh, heads, scale, kr);
+            score = ds4_index_score_row<64>(q_sh, g_sh, heads, scale, k);
         } else {
             score = ds4_index_score_mem(qs, gs, heads, head_dim, scale, k);
         }
