@@ -817,6 +817,9 @@ impl CudaDecoder {
                 .into_iter()
                 .chain([p(nsel), i(cfg.index_topk)])
                 .collect::<Vec<_>>();
+            // What both kernels take after the keys: the sinks, the shape, the grouped output
+            // and the inverse rope.
+            let out = [p(c.sinks.ptr), i(nh), i(hd), p(b.o.ptr), i(cfg.o_groups), p(c.inv_freq.ptr), i(rope_dim)];
             let on_tc = !job.block && attention_mma(self.attn_mma, prefill, sm80, hd, lgs, ctx.smem_optin);
             if on_tc {
                 launch(
@@ -825,22 +828,7 @@ impl CudaDecoder {
                     (nh.div_ceil(16) as u32, nn, 1),
                     256,
                     attention_mma_smem(hd, lgs) as u32,
-                    [
-                        vec![p(b.q.ptr)],
-                        keys.to_vec(),
-                        vec![
-                            p(c.sinks.ptr),
-                            i(nh),
-                            i(hd),
-                            p(b.o.ptr),
-                            i(cfg.o_groups),
-                            p(c.inv_freq.ptr),
-                            i(rope_dim),
-                            i(lgs),
-                            p(step),
-                        ],
-                    ]
-                    .concat(),
+                    [vec![p(b.q.ptr)], keys.to_vec(), out.to_vec(), vec![i(lgs), p(step)]].concat(),
                 );
             } else {
                 launch(
@@ -857,21 +845,7 @@ impl CudaDecoder {
                     (out_blocks, nn, 1),
                     256,
                     0,
-                    [
-                        vec![p(b.lg.ptr), i(lgs)],
-                        keys.to_vec(),
-                        vec![
-                            p(c.sinks.ptr),
-                            i(nh),
-                            i(hd),
-                            p(b.o.ptr),
-                            i(cfg.o_groups),
-                            p(c.inv_freq.ptr),
-                            i(rope_dim),
-                            p(step),
-                        ],
-                    ]
-                    .concat(),
+                    [vec![p(b.lg.ptr), i(lgs)], keys.to_vec(), out.to_vec(), vec![p(step)]].concat(),
                 );
             }
             // Each group's product fills its rank columns of u's rows [n, groups * rank].
