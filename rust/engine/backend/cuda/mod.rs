@@ -591,11 +591,11 @@ impl CudaBackend {
         }
         let (n_in, n_out) = mats.iter().fold((0, 0), |(a, b), m| (a.max(m.n_in), b.max(m.n_out)));
         // Scratch: the descriptors, x, y, the partial sums of the most split product.
-        let split = |m: &Mat| if prefill { decode::gemm::split(m, m.n_out) } else { (group(m), slices(m)) };
+        let slices_of = |m: &Mat| if prefill { decode::gemm::slices(m, m.n_out) } else { slices(m) };
         let table_len = DESC_FLOATS * mats.len();
         let x_len = (n * n_in).next_multiple_of(4);
         let y_len = n * n_out;
-        let part_len = mats.iter().map(|m| match split(m).1 {
+        let part_len = mats.iter().map(|m| match slices_of(m) {
             1 => 0,
             s => s * n * m.n_out,
         });

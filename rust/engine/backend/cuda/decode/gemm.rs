@@ -57,20 +57,22 @@ pub(in crate::backend::cuda) fn takes(m: &Mat, at: u64, x: u64, rows: usize, sm8
         && x.is_multiple_of(16)
 }
 
-/// The warp group (always 1: a block's four warps take 128 output rows over the same units,
-/// sharing each unit of x) and the input slices (blocks that split the units) of `m`'s products
-/// in a launch of `launch_rows` output rows in all (the products of one format in one call:
+/// The warp group of every product: a block's four warps take 128 output rows over the same
+/// units, sharing each unit of x, so no warps of a block split a row group's units.
+const GROUP: usize = 1;
+
+/// The input slices (blocks that split the units) of `m`'s products in a launch of `launch_rows` output rows in all (the products of one format in one call:
 /// those of a single matrix of that many rows, whose blocks the launch has). A function of the
 /// shapes only (row invariance): enough warps for the GPU, at least [`MIN_UNITS_PER_SLICE`]
 /// units a slice. The partial sums of a split cost a round trip, so a launch of many products
 /// (the eight o_a groups) splits less.
-pub(in crate::backend::cuda) fn split(m: &Mat, launch_rows: usize) -> (usize, usize) {
+pub(in crate::backend::cuda) fn slices(m: &Mat, launch_rows: usize) -> usize {
     let units = (m.n_in / UNIT).max(1);
     let whole = Mat { n_out: launch_rows.max(m.n_out), ..*m };
     let warps = row_blocks(&whole) * MV_WARPS;
     let want = TARGET_WARPS.div_ceil(warps).clamp(1, 32).min((units / MIN_UNITS_PER_SLICE).max(1));
     // No empty slice: the kernel gives each slice ceil(units / slices) units.
-    (1, units.div_ceil(units.div_ceil(want)))
+    units.div_ceil(units.div_ceil(want))
 }
 
 /// Row blocks of `m`'s products: blocks of `MV_WARPS` warps of [`GEMM_WARP_ROWS`] rows.
@@ -79,7 +81,7 @@ fn row_blocks(m: &Mat) -> usize {
 }
 
 /// The descriptor of one product of `n <= GEMM_MAX_ROWS` rows of x at `x` in a launch of
-/// `launch_rows` output rows ([`split`]), and its blocks.
+/// `launch_rows` output rows ([`slices`]), and its blocks.
 #[allow(clippy::too_many_arguments)]
 pub(in crate::backend::cuda) fn desc(
     at: u64,
@@ -92,8 +94,8 @@ pub(in crate::backend::cuda) fn desc(
     n: usize,
     counter: usize,
 ) -> (Desc, usize) {
-    let (g, s) = split(m, launch_rows);
-    let (mut d, _) = CudaBackend::desc_split(at, m, x, y, part, n, counter, (g, s));
+    let s = slices(m, launch_rows);
+    let (mut d, _) = CudaBackend::desc_split(at, m, x, y, part, n, counter, (GROUP, s));
     d.y_stride = y_stride as i32;
     d.warp_rows = GEMM_WARP_ROWS as i32;
     (d, row_blocks(m) * s)
@@ -105,7 +107,7 @@ pub(in crate::backend::cuda) fn desc(
 pub(super) fn need(mats: &[Mat], n: usize) -> (usize, usize) {
     let (mut part, mut counters) = (0, 0);
     for m in mats.iter().filter(|m| shape_fits(m)) {
-        let s = split(m, m.n_out).1;
+        let s = slices(m, m.n_out);
         if s > 1 {
             part += s * n * m.n_out;
             counters += row_blocks(m) * n.div_ceil(GEMM_MAX_ROWS);
@@ -128,11 +130,11 @@ mod tests {
     fn splits_cover_the_units() {
         for (n_out, n_in) in [(24, 16384), (1024, 4096), (8192, 1024), (64, 4096), (2048, 4096), (5, 32), (37, 96)] {
             let m = mat(GgmlType::F16, n_out, n_in);
-            let (g, s) = split(&m, n_out);
+            let s = slices(&m, n_out);
             // More rows in the launch: no more slices.
-            assert!(split(&m, 8 * n_out).1 <= s);
+            assert!(slices(&m, 8 * n_out) <= s);
             let units = n_in / UNIT;
-            assert!(g == 1 && s >= 1, "{n_out}x{n_in}: {g} {s}");
+            assert!(s >= 1, "{n_out}x{n_in}: {s}");
             let per = units.div_ceil(s);
             assert!((s - 1) * per < units, "{n_out}x{n_in}: slice {} empty", s - 1);
             if s > 1 {

@@ -36,12 +36,12 @@ fn matrix(ty: GgmlType, n_out: usize, n_in: usize, seed: u64) -> (Vec<u8>, Mat, 
 fn run(ctx: &super::super::context::Context, w: &DevBuf, m: &Mat, x: &[f32], n: usize) -> Vec<f32> {
     let xb = DevBuf::from_slice(x).unwrap();
     let y = DevBuf::zeroed(4 * n * m.n_out).unwrap();
-    let (g, s) = gemm::split(m, m.n_out);
+    let s = gemm::slices(m, m.n_out);
     let part = DevBuf::zeroed(4 * s * n * m.n_out).unwrap();
     let counters = DevBuf::zeroed(4 * 4096).unwrap();
     let (d, blocks): (Desc, usize) =
         gemm::desc(w.at(m.start), m, m.n_out, xb.at(0), y.at(0), m.n_out, part.at(0), n, 0);
-    assert_eq!(d.group as usize, g);
+    assert_eq!((d.group, d.slices as usize), (1, s));
     let table = DevBuf::from_slice(&[d]).unwrap();
     let f = ctx.function(gemm::kernel_name(m.ty).unwrap()).unwrap();
     let args = [Arg::Ptr(table.at(0)), Arg::I32(1), Arg::Ptr(counters.at(0))];
@@ -108,7 +108,7 @@ fn prefill_products_match_the_float_product_and_are_row_invariant() {
                 }
             }
         }
-        eprintln!("{ty} {n_out}x{n_in}: ok (split {:?})", gemm::split(&m, n_out));
+        eprintln!("{ty} {n_out}x{n_in}: ok ({} slices)", gemm::slices(&m, n_out));
     }
 }
 
