@@ -61,11 +61,12 @@ pub(in crate::backend::cuda) fn takes(m: &Mat, at: u64, x: u64, rows: usize, sm8
 /// units, sharing each unit of x, so no warps of a block split a row group's units.
 const GROUP: usize = 1;
 
-/// The input slices (blocks that split the units) of `m`'s products in a launch of `launch_rows` output rows in all (the products of one format in one call:
-/// those of a single matrix of that many rows, whose blocks the launch has). A function of the
-/// shapes only (row invariance): enough warps for the GPU, at least [`MIN_UNITS_PER_SLICE`]
-/// units a slice. The partial sums of a split cost a round trip, so a launch of many products
-/// (the eight o_a groups) splits less.
+/// The input slices (blocks that split the units) of `m`'s products in a launch of
+/// `launch_rows` output rows in all (the products of one format in one call: those of a single
+/// matrix of that many rows, whose blocks the launch has). A function of the shapes only (row
+/// invariance): enough warps for the GPU, at least [`MIN_UNITS_PER_SLICE`] units a slice. The
+/// partial sums of a split cost a round trip, so a launch of many products (the eight o_a
+/// groups) splits less.
 pub(in crate::backend::cuda) fn slices(m: &Mat, launch_rows: usize) -> usize {
     let units = (m.n_in / UNIT).max(1);
     let whole = Mat { n_out: launch_rows.max(m.n_out), ..*m };
