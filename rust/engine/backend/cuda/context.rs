@@ -163,16 +163,35 @@ pub(crate) fn tables_source() -> String {
 
 /// The whole NVRTC program: the shared header, the tables, then every format's kernels.
 pub fn kernel_source() -> String {
+    assemble(SOURCES.iter().map(|(name, text)| (format!("shaders/cuda/{name}"), text.to_string())))
+}
+
+/// The sources as one text, each file after a line that names it, the tables after the first.
+fn assemble(files: impl IntoIterator<Item = (String, String)>) -> String {
     let mut s = String::new();
-    for (i, (name, text)) in SOURCES.iter().enumerate() {
+    for (i, (name, text)) in files.into_iter().enumerate() {
         if i == 1 {
             s.push_str(&tables_source());
         }
-        s.push_str(&format!("// ---- shaders/cuda/{name}\n"));
-        s.push_str(text);
-        s.push('\n');
+        s.push_str(&format!("// ---- {name}\n{text}\n"));
     }
     s
+}
+
+/// What [`compile`] compiles: [`kernel_source`], or with `DS4_CUDA_SOURCES=DIR` the files of
+/// [`SOURCES`]' names read from DIR instead of the embedded ones. That is for kernel work on a
+/// GPU machine without Rust: one build runs and A/Bs several versions of the shaders, each in
+/// its own process. A file missing from DIR is an error, not a fallback, so an A/B never
+/// mixes versions unknowingly.
+pub(crate) fn compile_source(dir: Option<&std::path::Path>) -> Result<String> {
+    let Some(dir) = dir else { return Ok(kernel_source()) };
+    let files = SOURCES.iter().map(|(name, _)| {
+        let path = dir.join(name);
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| Error::Backend(format!("CUDA: DS4_CUDA_SOURCES: cannot read {}: {e}", path.display())))?;
+        Ok((path.display().to_string(), text))
+    });
+    Ok(assemble(files.collect::<Result<Vec<_>>>()?))
 }
 
 /// Where NVRTC can come from, for the error that says it was not found.
@@ -301,7 +320,11 @@ pub(crate) fn compile_with(arch: &str, defines: &[&str]) -> Result<Arc<String>> 
     options.extend(defines.iter().map(|d| format!("-D{d}")));
     let opts =
         nvrtc::CompileOptions { fmad: Some(false), options, name: Some("ds4_kernels.cu".into()), ..Default::default() };
-    let ptx = nvrtc::compile_ptx_with_opts(kernel_source(), opts).map_err(|e| {
+    let ptx = nvrtc::compile_ptx_with_opts(
+        compile_source(std::env::var_os("DS4_CUDA_SOURCES").as_ref().map(std::path::Path::new))?,
+        opts,
+    )
+    .map_err(|e| {
         let msg = match &e {
             nvrtc::CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
             other => format!("{other:?}"),

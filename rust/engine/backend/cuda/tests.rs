@@ -84,6 +84,25 @@ fn image_at(ty: GgmlType, rows: usize, n_in: usize, start: usize, rng: &mut Rng)
     (raw, Mat { ty, n_in, n_out: rows, start, row_bytes })
 }
 
+/// `DS4_CUDA_SOURCES`: the shaders read from a folder are the embedded ones when the folder
+/// is the repository's, under a line naming each file; a folder that lacks a file is an
+/// error that names it.
+#[test]
+fn sources_from_a_folder() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("shaders/cuda");
+    let read = context::compile_source(Some(&dir)).unwrap();
+    let strip = |s: &str| s.lines().filter(|l| !l.starts_with("// ---- ")).collect::<Vec<_>>().join("\n");
+    assert_eq!(strip(&read), strip(&kernel_source()));
+    let named = format!("// ---- {}/", dir.display());
+    assert_eq!(read.lines().filter(|l| l.starts_with(&named)).count(), context::SOURCES.len());
+    let tmp = std::env::temp_dir().join(format!("ds4-sources-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    std::fs::write(tmp.join("common.cuh"), "// nothing\n").unwrap();
+    let err = context::compile_source(Some(&tmp)).unwrap_err().to_string();
+    std::fs::remove_dir_all(&tmp).unwrap();
+    assert!(err.contains("DS4_CUDA_SOURCES") && err.contains("float.cu"), "{err}");
+}
+
 #[test]
 fn kernels_compile_with_nvrtc() {
     if !nvrtc_available() {
