@@ -179,10 +179,10 @@ fn assemble(files: impl IntoIterator<Item = (String, String)>) -> String {
 }
 
 /// What [`compile`] compiles: [`kernel_source`], or with `DS4_CUDA_SOURCES=DIR` the files of
-/// [`SOURCES`]' names read from DIR instead of the embedded ones. That is for kernel work on a
-/// GPU machine without Rust: one build runs and A/Bs several versions of the shaders, each in
-/// its own process. A file missing from DIR is an error, not a fallback, so an A/B never
-/// mixes versions unknowingly.
+/// [`SOURCES`]' names read from DIR instead of the embedded ones (an empty value counts as
+/// unset). That is for kernel work on a GPU machine without Rust: one build runs and A/Bs
+/// several versions of the shaders, each in its own process. A file missing from DIR is an
+/// error, not a fallback, so an A/B never mixes versions unknowingly.
 pub(crate) fn compile_source(dir: Option<&std::path::Path>) -> Result<String> {
     let Some(dir) = dir else { return Ok(kernel_source()) };
     let files = SOURCES.iter().map(|(name, _)| {
@@ -321,7 +321,9 @@ pub(crate) fn compile_with(arch: &str, defines: &[&str]) -> Result<Arc<String>> 
     let opts =
         nvrtc::CompileOptions { fmad: Some(false), options, name: Some("ds4_kernels.cu".into()), ..Default::default() };
     let ptx = nvrtc::compile_ptx_with_opts(
-        compile_source(std::env::var_os("DS4_CUDA_SOURCES").as_ref().map(std::path::Path::new))?,
+        compile_source(
+            std::env::var_os("DS4_CUDA_SOURCES").filter(|d| !d.is_empty()).as_ref().map(std::path::Path::new),
+        )?,
         opts,
     )
     .map_err(|e| {
