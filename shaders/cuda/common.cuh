@@ -868,6 +868,13 @@ __device__ __forceinline__ void matvec_split(const MvDesc* __restrict__ descs, i
     mv_store<NB>(acc, D, B.slice, B.rb, B.o0, B.nrows, counters);
 }
 
+// (Tried and not kept: the two-row kernels running the blocks of a one-row descriptor with
+// the one-row code, for a verify's routed experts, most of which serve one row (ds4_route cuts
+// an expert's rows in descriptors of up to two): the same bits, but on an H200 (Flash at
+// 2048 tokens, two interleaved A/B pairs) verifies of 4 rows took 16.82 / 16.97 ms against
+// 16.44 / 16.37, of 8 rows 26.91 / 27.49 against 26.33 / 26.28; the two-row code's unused row
+// costs little, and the block's second descriptor lookup and larger kernel more.)
+//
 // One product kernel, ds4_mv_<NAME>_<NB>, which runs RUN<F, NB> (matvec or matvec_split)
 // under the launch bounds BOUNDS (parenthesized), and ds4_smem_<NAME>_<NB> = SMEM, the dynamic
 // shared memory it needs.
