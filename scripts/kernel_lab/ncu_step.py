@@ -31,6 +31,12 @@ the time it added to the step: the critical path of a layer, kernel by kernel. T
 a small CSV (a Flash step is about 1300 kernels), worth bringing back from the GPU machine.
 
     python scripts/kernel_lab/ncu_step.py --timeline /tmp/trace.csv [STEP] [--layer L]
+
+The fourth sums one step's layers by kind (CSA, HCA, window): per stage of a Flash layer
+(q_b, the attention, o_b, the routing, the routed products, ...), the median time it added to
+the layer, from the previous stage's end to its own.
+
+    python scripts/kernel_lab/ncu_step.py --stages /tmp/trace.csv [STEP]
 """
 
 from __future__ import annotations
@@ -112,29 +118,40 @@ def read_trace(trace: str) -> list[tuple[int, int, str]]:
     )
 
 
-def timeline(trace: str, step: int = 0, layer: int | None = None) -> None:
-    """The kernels of one traced step (steps end with ds4_pack) in start order: start and end
-    relative to the step's first kernel, duration, the idle time before it (no kernel running)
-    and how far it moved the end of the busy time, as summarize_trace counts them. With
-    `layer`, only that layer's kernels: layer L runs from the 2L-th ds4_hc_pre of the step (its
-    attention site's; the mixing product before it and a side-branch prefetch are counted in
-    the layer before) to the 2L+2-th."""
-    kernels = read_trace(trace)
+def step_kernels(kernels: list[tuple[int, int, str]], step: int) -> list[tuple[int, int, str]] | None:
+    """The kernels of traced step `step` (steps end with ds4_pack), or None past the trace."""
     ends = [i for i, k in enumerate(kernels) if k[2] == "ds4_pack"]
     if len(ends) <= step:
         print(f"the trace holds {len(ends)} whole steps")
-        return
+        return None
     first = ends[step - 1] + 1 if step > 0 else 0
-    ks = kernels[first : ends[step] + 1]
+    return kernels[first : ends[step] + 1]
+
+
+def layer_starts(ks: list[tuple[int, int, str]]) -> list[int]:
+    """Where each layer of a step's kernels starts: layer L at the 2L-th ds4_hc_pre (its
+    attention site's; the mixing product before it and a side-branch prefetch are counted in
+    the layer before)."""
+    return [i for i, k in enumerate(ks) if k[2] == "ds4_hc_pre"][::2]
+
+
+def timeline(trace: str, step: int = 0, layer: int | None = None) -> None:
+    """The kernels of one traced step in start order: start and end relative to the step's
+    first kernel, duration, the idle time before it (no kernel running) and how far it moved
+    the end of the busy time, as summarize_trace counts them. With `layer`, only that layer's
+    kernels (layer_starts)."""
+    ks = step_kernels(read_trace(trace), step)
+    if ks is None:
+        return
     t0 = ks[0][0]
-    pre = [i for i, k in enumerate(ks) if k[2] == "ds4_hc_pre"]
+    starts = layer_starts(ks)
     lo, hi = 0, len(ks)
     if layer is not None:
-        if 2 * layer >= len(pre):
-            print(f"the step has {len(pre) // 2} layers")
+        if layer >= len(starts):
+            print(f"the step has {len(starts)} layers")
             return
-        lo = pre[2 * layer]
-        hi = pre[2 * layer + 2] if 2 * layer + 2 < len(pre) else len(ks)
+        lo = starts[layer]
+        hi = starts[layer + 1] if layer + 1 < len(starts) else len(ks)
     print(f"{'#':>5} {'kernel':28} {'start us':>9} {'end us':>9} {'dur us':>8} {'idle us':>8} {'adds us':>8}")
     busy = t0
     for i, (s0, d, name) in enumerate(ks):
@@ -144,6 +161,75 @@ def timeline(trace: str, step: int = 0, layer: int | None = None) -> None:
         if lo <= i < hi:
             print(f"{i:5} {name:28} {(s0 - t0) / 1e3:9.2f} {(s0 + d - t0) / 1e3:9.2f} {d / 1e3:8.2f} "
                   f"{idle / 1e3:8.2f} {adds / 1e3:8.2f}")
+
+
+# The stages of a Flash decode layer (one row) in program.rs's order: (label, the kernel that
+# ends it, the first of that name after the previous stage's end; the compressors' and
+# indexer's F16 products only when they come before ds4_finish_rows).
+STAGES = [
+    ("hc_pre, q_a and kv, q_a norm", "ds4_rms_weight"),
+    ("q_b", "ds4_mv_q8_0_mq_1"),
+    ("compressor and indexer products", "ds4_mv_f16_1"),
+    ("finish_rows", "ds4_finish_rows"),
+    ("compressors", "ds4_compress"),
+    ("indexer scores and top-k", "ds4_index_topk"),
+    ("attention", "ds4_attention"),
+    ("o_a", "ds4_mv_q8_0_1"),
+    ("o_b", "ds4_mv_q8_0_mq_1"),
+    ("hc_post", "ds4_hc_post"),
+    ("FFN mixing, hc_pre, router, route", "ds4_route"),
+    ("gather", "ds4_gather"),
+    ("routed gate and up", "ds4_mv_iq2_xxs_1"),
+    ("swiglu, routed down", "ds4_mv_q2_k_1"),
+    ("combine", "ds4_moe_combine"),
+]
+
+
+def stages(trace: str, step: int = 0) -> None:
+    """A decode step's layers by kind (CSA: with an indexer; HCA: a compressor without one;
+    window: neither), and per kind the median microseconds each stage of STAGES added to the
+    layer: from the end of the stage before (or the layer's start) to the end of the stage's
+    last kernel, where the critical path runs, then the time to the next layer's start. A
+    stage a layer lacks adds 0. Stage ends follow the kernel order of a Flash layer in
+    program.rs; a model with other product formats needs other names here."""
+    import statistics
+
+    ks = step_kernels(read_trace(trace), step)
+    if ks is None:
+        return
+    starts = layer_starts(ks)
+    per: dict[str, list[list[float]]] = {}
+    for li, lo in enumerate(starts):
+        hi = starts[li + 1] if li + 1 < len(starts) else len(ks)
+        layer = ks[lo:hi]
+        names = [k[2] for k in layer]
+        busy = layer[0][0]
+        adds = []
+        pos = -1
+        for _, kernel in STAGES:
+            # The last of a run of this kernel (two compressors in a CSA layer), found after
+            # the previous stage's kernel; a stage missing here adds nothing.
+            hits = [i for i in range(pos + 1, len(layer)) if names[i] == kernel]
+            if not hits or (kernel == "ds4_mv_f16_1" and "ds4_finish_rows" in names[pos + 1 : hits[0]]):
+                adds.append(0.0)
+                continue
+            i = hits[0]
+            while i + 1 < len(layer) and names[i + 1] == kernel:
+                i += 1
+            end = layer[i][0] + layer[i][1]
+            adds.append(max(0, end - busy) / 1e3)
+            busy = max(busy, end)
+            pos = i
+        nxt = ks[hi][0] if hi < len(ks) else busy
+        adds.append(max(0, nxt - busy) / 1e3)
+        kind = "CSA" if "ds4_index_topk" in names else "HCA" if "ds4_compress" in names else "window"
+        per.setdefault(kind, []).append(adds)
+    labels = [s[0] for s in STAGES] + ["to the next layer"]
+    kinds = list(per)
+    print(f"  {'us added, median':36}" + "".join(f"{f'{k} ({len(per[k])})':>14}" for k in kinds))
+    for j, label in enumerate(labels):
+        print(f"  {label:36}" + "".join(f"{statistics.median(a[j] for a in per[k]):14.1f}" for k in kinds))
+    print(f"  {'layer':36}" + "".join(f"{statistics.median(sum(a) for a in per[k]):14.1f}" for k in kinds))
 
 
 def summarize_trace(trace: str, steps: int) -> None:
@@ -197,6 +283,8 @@ if __name__ == "__main__":
         summarize(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 1)
     elif sys.argv[1] == "--trace":
         summarize_trace(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 1)
+    elif sys.argv[1] == "--stages":
+        stages(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 0)
     elif sys.argv[1] == "--timeline":
         args = sys.argv[2:]
         layer = None
