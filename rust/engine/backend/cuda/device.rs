@@ -187,7 +187,15 @@ impl Context {
         // SAFETY: the caller passes arguments matching the kernel's signature; `cells` outlives
         // the launch call (the driver copies the parameters at launch).
         unsafe {
-            if smem > 48 * 1024 {
+            // Without opting in, a block's static and dynamic shared memory together may not
+            // pass 48 KiB (ds4_route's static arrays plus a step's dynamic ones can).
+            let static_smem = if smem > 0 {
+                cu::function::get_function_attribute(f, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+                    .map_err(driver_err("reading a kernel's shared memory"))?
+            } else {
+                0
+            };
+            if smem as usize + static_smem.max(0) as usize > 48 * 1024 {
                 cu::function::set_function_attribute(
                     f,
                     sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

@@ -943,6 +943,16 @@ impl CudaDecoder {
         let k = Kernels::load(&g.ctx)?;
         let smem_optin = g.ctx.smem_optin;
         drop(g);
+        // What ds4_route's dynamic shared memory may take: the block's opt-in size less its
+        // static arrays.
+        // SAFETY: a function of the loaded module.
+        let route_static = unsafe {
+            cu::function::get_function_attribute(
+                k.route,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+            )
+        }
+        .map_err(driver_err("reading a kernel's shared memory"))?;
         let cfg = &model.config;
         // The rows of a prompt's step, at least a verify's: those of the activation buffers.
         let rows = prefill_rows(
@@ -950,7 +960,7 @@ impl CudaDecoder {
             cfg.n_experts_used,
             cfg.n_experts,
             model.draft.is_some(),
-            smem_optin,
+            smem_optin.saturating_sub(route_static.max(0) as usize),
         )?;
         let prefill_chunk = program::expert_chunk(std::env::var("DS4_CUDA_EXPERT_CHUNK").ok().as_deref())?;
         // The most rows of a routed product's descriptor (program.rs `chunk`).
