@@ -115,6 +115,17 @@ pub(crate) enum Arg {
     F32(f32),
 }
 
+/// Bytes of `f`'s static shared memory (its `__shared__` arrays), which count with a launch's
+/// dynamic bytes against the block's limit.
+pub(crate) fn static_smem(f: sys::CUfunction) -> Result<usize> {
+    // SAFETY: the caller's `f` is a function of a loaded module.
+    let bytes = unsafe {
+        cu::function::get_function_attribute(f, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+    }
+    .map_err(driver_err("reading a kernel's shared memory"))?;
+    Ok(bytes.max(0) as usize)
+}
+
 impl Context {
     /// The kernel called `name` in the loaded module.
     pub(crate) fn function(&self, name: &str) -> Result<sys::CUfunction> {
@@ -188,14 +199,11 @@ impl Context {
         // the launch call (the driver copies the parameters at launch).
         unsafe {
             // Without opting in, a block's static and dynamic shared memory together may not
-            // pass 48 KiB (ds4_route's static arrays plus a step's dynamic ones can).
-            let static_smem = if smem > 0 {
-                cu::function::get_function_attribute(f, sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
-                    .map_err(driver_err("reading a kernel's shared memory"))?
-            } else {
-                0
-            };
-            if smem as usize + static_smem.max(0) as usize > 48 * 1024 {
+            // pass 48 KiB (ds4_route's static arrays plus a step's dynamic ones can). The
+            // static size is asked for only where it decides.
+            const DEFAULT: usize = 48 * 1024;
+            let smem_bytes = smem as usize;
+            if smem_bytes > DEFAULT || (smem > 0 && smem_bytes + static_smem(f)? > DEFAULT) {
                 cu::function::set_function_attribute(
                     f,
                     sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

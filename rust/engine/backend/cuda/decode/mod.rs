@@ -50,7 +50,7 @@ use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 
 use super::context::{driver_err, Context, MAX_BATCH};
-use super::device::{Arg, DevBuf};
+use super::device::{static_smem, Arg, DevBuf};
 use super::{chunk_rows, row_blocks, slices, CudaBackend};
 use crate::backend::{DeviceDecoder, Greedy};
 use crate::model::config::AttentionKind;
@@ -943,16 +943,6 @@ impl CudaDecoder {
         let k = Kernels::load(&g.ctx)?;
         let smem_optin = g.ctx.smem_optin;
         drop(g);
-        // What ds4_route's dynamic shared memory may take: the block's opt-in size less its
-        // static arrays.
-        // SAFETY: a function of the loaded module.
-        let route_static = unsafe {
-            cu::function::get_function_attribute(
-                k.route,
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
-            )
-        }
-        .map_err(driver_err("reading a kernel's shared memory"))?;
         let cfg = &model.config;
         // The rows of a prompt's step, at least a verify's: those of the activation buffers.
         let rows = prefill_rows(
@@ -960,7 +950,9 @@ impl CudaDecoder {
             cfg.n_experts_used,
             cfg.n_experts,
             model.draft.is_some(),
-            smem_optin.saturating_sub(route_static.max(0) as usize),
+            // What ds4_route's dynamic shared memory may take: the block's opt-in size less
+            // its static arrays.
+            smem_optin.saturating_sub(static_smem(k.route)?),
         )?;
         let prefill_chunk = program::expert_chunk(std::env::var("DS4_CUDA_EXPERT_CHUNK").ok().as_deref())?;
         // The most rows of a routed product's descriptor (program.rs `chunk`).
