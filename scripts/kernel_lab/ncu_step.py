@@ -45,6 +45,7 @@ import collections
 import csv
 import ctypes
 import signal
+import statistics
 import sys
 import time
 
@@ -128,30 +129,30 @@ def step_kernels(kernels: list[tuple[int, int, str]], step: int) -> list[tuple[i
     return kernels[first : ends[step] + 1]
 
 
-def layer_starts(ks: list[tuple[int, int, str]]) -> list[int]:
-    """Where each layer of a step's kernels starts: layer L at the 2L-th ds4_hc_pre (its
-    attention site's; the mixing product before it and a side-branch prefetch are counted in
-    the layer before)."""
-    return [i for i, k in enumerate(ks) if k[2] == "ds4_hc_pre"][::2]
+def layer_spans(ks: list[tuple[int, int, str]]) -> list[tuple[int, int]]:
+    """Each layer of a step's kernels as [lo, hi) indices: layer L from the 2L-th ds4_hc_pre
+    (its attention site's; the mixing product before it and a side-branch prefetch are counted
+    in the layer before) to the next layer's start, the last to the step's end."""
+    starts = [i for i, k in enumerate(ks) if k[2] == "ds4_hc_pre"][::2]
+    return list(zip(starts, starts[1:] + [len(ks)]))
 
 
 def timeline(trace: str, step: int = 0, layer: int | None = None) -> None:
     """The kernels of one traced step in start order: start and end relative to the step's
     first kernel, duration, the idle time before it (no kernel running) and how far it moved
     the end of the busy time, as summarize_trace counts them. With `layer`, only that layer's
-    kernels (layer_starts)."""
+    kernels (layer_spans)."""
     ks = step_kernels(read_trace(trace), step)
     if ks is None:
         return
     t0 = ks[0][0]
-    starts = layer_starts(ks)
+    spans = layer_spans(ks)
     lo, hi = 0, len(ks)
     if layer is not None:
-        if layer >= len(starts):
-            print(f"the step has {len(starts)} layers")
+        if layer >= len(spans):
+            print(f"the step has {len(spans)} layers")
             return
-        lo = starts[layer]
-        hi = starts[layer + 1] if layer + 1 < len(starts) else len(ks)
+        lo, hi = spans[layer]
     print(f"{'#':>5} {'kernel':28} {'start us':>9} {'end us':>9} {'dur us':>8} {'idle us':>8} {'adds us':>8}")
     busy = t0
     for i, (s0, d, name) in enumerate(ks):
@@ -192,15 +193,11 @@ def stages(trace: str, step: int = 0) -> None:
     last kernel, where the critical path runs, then the time to the next layer's start. A
     stage a layer lacks adds 0. Stage ends follow the kernel order of a Flash layer in
     program.rs; a model with other product formats needs other names here."""
-    import statistics
-
     ks = step_kernels(read_trace(trace), step)
     if ks is None:
         return
-    starts = layer_starts(ks)
     per: dict[str, list[list[float]]] = {}
-    for li, lo in enumerate(starts):
-        hi = starts[li + 1] if li + 1 < len(starts) else len(ks)
+    for lo, hi in layer_spans(ks):
         layer = ks[lo:hi]
         names = [k[2] for k in layer]
         busy = layer[0][0]
