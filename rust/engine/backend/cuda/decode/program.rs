@@ -875,6 +875,11 @@ impl CudaDecoder {
             // unused (they are bound by issue and L1). Its products must not be split
             // (slices > 1): the partial sums and counters belong to the main stream's launches.
             // (Nor in a prefill step: its tensor-core products are split by gemm.rs's rule.)
+            // (Tried and dropped: forking it only after ds4_route, which in a fifth of Flash's
+            // layers took 25 to 27 us instead of 12 while the shared expert ran beside it. On an
+            // H200 at a 2048-token context decode steps took 8.40 / 8.54 ms against 8.44 with the
+            // fork here, verifies of 4 / 8 rows 16.86 / 27.38 and 16.94 / 27.27 against 17.04 /
+            // 26.73: no gain. Nor did DS4_CUDA_PRIORITY=1 change those figures.)
             let shared_side = fork && !prefill && [lw.gate_sh, lw.up_sh, lw.down_sh].iter().all(|m| slices(m) == 1);
             let shared_swiglu = |ops: &mut Vec<_>| {
                 launch(
