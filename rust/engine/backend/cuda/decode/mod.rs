@@ -676,6 +676,9 @@ pub(crate) struct CudaDecoder {
     /// Whether a prompt's step runs its attention on the tensor cores
     /// ([`program::attention_mma`], `DS4_CUDA_ATTN_MMA`).
     attn_mma: bool,
+    /// A prompt's tensor-core Q8_0 products in bands of output rows ([`program::band_rows`],
+    /// `DS4_CUDA_BANDS`).
+    bands: Option<usize>,
     /// Whether a step leaves its state writes pending in the state ([`StepWrites`], made
     /// while the GPU runs the next step) rather than making them before it returns;
     /// `DS4_CUDA_DEFER=0` makes them at once (A/B timing).
@@ -938,6 +941,7 @@ impl CudaDecoder {
         let route_pick = setting("DS4_CUDA_ROUTE_PICK")?;
         let compress_split = setting("DS4_CUDA_COMPRESS_SPLIT")?;
         let attn_mma = setting("DS4_CUDA_ATTN_MMA")?;
+        let bands = program::bands_setting(std::env::var("DS4_CUDA_BANDS").ok().as_deref())?;
         let g = backend.lock();
         g.ctx.bind()?;
         let k = Kernels::load(&g.ctx)?;
@@ -1270,6 +1274,7 @@ impl CudaDecoder {
             route_pick,
             compress_split,
             attn_mma,
+            bands,
             defer,
             mtp,
             dspark,
@@ -2408,5 +2413,27 @@ mod prefill_rows_tests {
         for bad in ["0", "3", "32", "four"] {
             assert!(expert_chunk(Some(bad)).is_err(), "{bad}");
         }
+    }
+
+    /// A prompt's product bands: none unless asked; whole row blocks, at most the matrix; about
+    /// BAND_BLOCKS blocks for all the descriptors of a band; none for a single descriptor.
+    #[test]
+    fn product_bands_are_whole_row_blocks() {
+        use super::program::{band_rows, bands_setting};
+        assert_eq!(bands_setting(None).unwrap(), None);
+        assert_eq!(bands_setting(Some("0")).unwrap(), None);
+        assert_eq!(bands_setting(Some("1")).unwrap(), Some(0));
+        assert_eq!(bands_setting(Some(" 40 ")).unwrap(), Some(40));
+        for bad in ["-1", "x", "1.5"] {
+            assert!(bands_setting(Some(bad)).is_err(), "{bad}");
+        }
+        // Flash's o_b at a 256-row step: 16 descriptors of 16 rows, 16 slices, 128 rows a block:
+        // two row blocks a band (512 blocks).
+        assert_eq!(band_rows(None, 128, 4096, 16, 16), 4096);
+        assert_eq!(band_rows(Some(0), 128, 4096, 16, 16), 256);
+        assert_eq!(band_rows(Some(0), 128, 4096, 1, 16), 4096);
+        assert_eq!(band_rows(Some(0), 64, 100, 16, 64), 64);
+        assert_eq!(band_rows(Some(40), 64, 4096, 16, 1), 64);
+        assert_eq!(band_rows(Some(200), 64, 150, 4, 1), 150);
     }
 }

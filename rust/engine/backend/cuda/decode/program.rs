@@ -10,7 +10,9 @@ use cudarc::driver::sys;
 use super::super::context::{driver_err, stem, Context, THREADS};
 use super::super::device::{Arg, DevBuf};
 use super::super::weights::DeviceImage;
-use super::super::{chunk_rows, group, row_blocks, slices, split_in_launch, CudaBackend, Desc, MV_WARPS};
+use super::super::{
+    chunk_rows, group, row_blocks, slices, split_in_launch, tensor_cores, warp_rows, CudaBackend, Desc, MV_WARPS,
+};
 use super::gemm;
 use super::{CompMirror, CudaDecoder, DSparkDevice, Launch, LayerConsts, LayerMirror, MtpDevice, Op, Program, N_MAX};
 use crate::model::config::LayerSpec;
@@ -224,6 +226,41 @@ pub(super) fn switch(name: &str, setting: Option<&str>) -> Result<bool> {
     }
 }
 
+/// Product blocks one band of a prompt's product should run as (about a wave of an H200: 132
+/// SMs, four blocks each of the tensor-core Q8_0 kernel), [`band_rows`].
+const BAND_BLOCKS: usize = 512;
+
+/// `DS4_CUDA_BANDS`: unset or 0, none; 1, bands of [`BAND_BLOCKS`]; any other row count, bands
+/// of that many rows (rounded up to whole row blocks: for tests). Off by default until timed.
+pub(super) fn bands_setting(setting: Option<&str>) -> Result<Option<usize>> {
+    match setting.map(str::trim) {
+        None | Some("" | "0") => Ok(None),
+        Some("1") => Ok(Some(0)),
+        Some(v) => match v.parse::<usize>() {
+            Ok(r) if r > 1 => Ok(Some(r)),
+            _ => Err(Error::invalid(format!("DS4_CUDA_BANDS takes 0, 1 or a row count, not {v:?}"))),
+        },
+    }
+}
+
+/// Output rows of a band of a prompt's product on the tensor-core Q8_0 kernel whose `rows` rows
+/// of x take `chunks` descriptors. Each descriptor reads the whole matrix, and one of them has
+/// about a wave of blocks (o_b at a 256-row step: 16 descriptors of 512 blocks), so a step read
+/// the weights from DRAM once per descriptor. In bands, the descriptors of all the chunks come
+/// for one band of output rows, then for the next, and the band's weights come from L2 for all
+/// but the first: `setting` from [`bands_setting`], rows a block `rpb`, `slices` a row block.
+/// The same outputs and sums (a descriptor of a band is the product's descriptor on a slice of
+/// its rows, the slices and groups of the whole product), so the same bits.
+pub(super) fn band_rows(setting: Option<usize>, rpb: usize, n_out: usize, chunks: usize, slices: usize) -> usize {
+    let rows = match setting {
+        None => return n_out,
+        _ if chunks < 2 => return n_out,
+        Some(0) => (BAND_BLOCKS / (chunks * slices)).max(1) * rpb,
+        Some(r) => r.div_ceil(rpb) * rpb,
+    };
+    rows.min(n_out)
+}
+
 /// A kernel argument of a program: a plain argument, or an offset in the program's table of
 /// product descriptors (its device address is known once the table is uploaded).
 #[derive(Clone, Copy, Debug)]
@@ -413,26 +450,42 @@ impl CudaDecoder {
                     let ys = y_stride.unwrap_or(m.n_out);
                     let split =
                         if y_stride.is_some() { split_in_launch(&m, launch_rows) } else { (group(&m), slices(&m)) };
-                    let mut r0 = 0;
-                    while r0 < rows {
-                        let c = (rows - r0).min(chunk_rows(ty, m.n_in, m.n_out));
-                        let part = b.part.ptr + 4 * part_off as u64;
-                        let (xc, yc) = (x + 4 * (r0 * m.n_in) as u64, y + 4 * (r0 * ys) as u64);
-                        let (mut dsc, nblocks) =
-                            CudaBackend::desc_split(cur.get().addr(m.start), &m, xc, yc, part, c, counter, split);
-                        dsc.block_start = blocks as i32;
-                        dsc.y_stride = ys as i32;
-                        // Only split products use partial sums and counters.
-                        let s = split.1;
-                        if s > 1 {
-                            part_off += s * c * m.n_out;
-                            counter += nblocks / s;
+                    let chunk = chunk_rows(ty, m.n_in, m.n_out);
+                    let at = cur.get().addr(m.start);
+                    // Rows a block (whole 16-row tiles of the tensor-core layout), and the bands
+                    // (band_rows: the whole matrix unless a prompt's tensor-core Q8_0 product).
+                    let rpb = MV_WARPS / split.0 * warp_rows(ty, m.n_in, m.n_out);
+                    let banded = prefill && y_stride.is_none() && tensor_cores(ty, m.n_in, m.n_out);
+                    let band =
+                        band_rows(if banded { self.bands } else { None }, rpb, m.n_out, rows.div_ceil(chunk), split.1);
+                    for b0 in (0..m.n_out).step_by(band.max(1)) {
+                        let bn = band.min(m.n_out - b0);
+                        let mut r0 = 0;
+                        while r0 < rows {
+                            let c = (rows - r0).min(chunk);
+                            let part = b.part.ptr + 4 * part_off as u64;
+                            let (xc, yc) = (x + 4 * (r0 * m.n_in) as u64, y + 4 * (r0 * ys) as u64);
+                            let (mut dsc, _) = CudaBackend::desc_split(at, &m, xc, yc, part, c, counter, split);
+                            // The band's rows: the whole product's descriptor on them (its kernel,
+                            // warp rows, group and slices).
+                            dsc.w = at + (b0 * m.row_bytes) as u64;
+                            dsc.n_out = bn as i32;
+                            dsc.y = yc + 4 * b0 as u64;
+                            let nblocks = bn.div_ceil(rpb) * split.1;
+                            dsc.block_start = blocks as i32;
+                            dsc.y_stride = ys as i32;
+                            // Only split products use partial sums and counters.
+                            let s = split.1;
+                            if s > 1 {
+                                part_off += s * c * bn;
+                                counter += nblocks / s;
+                            }
+                            blocks += nblocks;
+                            count += 1;
+                            nmax = nmax.max(c);
+                            table.extend_from_slice(desc_bytes(&dsc));
+                            r0 += c;
                         }
-                        blocks += nblocks;
-                        count += 1;
-                        nmax = nmax.max(c);
-                        table.extend_from_slice(desc_bytes(&dsc));
-                        r0 += c;
                     }
                 }
                 if part_off > b.part_floats || counter > b.counters_len {
