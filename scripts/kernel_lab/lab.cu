@@ -12,6 +12,11 @@
 // launches read DRAM, not L2. Prints per line: registers, blocks, slices, microseconds per
 // launch (mean of 200 back-to-back launches after 20 warm-up ones, CUDA events), GB/s. With
 // LAB_CHECK=REF.cubin each line also compares one launch's outputs with REF's same kernel.
+//
+// A prompt's tensor-core products (shaders/cuda/gemm.cu) with FORMAT gemm_q8_0 or gemm_f16:
+// NB is then the rows of a descriptor (up to 64), EXPERTS the descriptors over one matrix (a
+// 256-row step: 4 of 64), GROUP and ROWS_PER_WARP are 1 and 32, and the slices follow gemm.rs.
+// Their lines also print the tensor-core rate (2 n_out n_in rows / time).
 #include <cstring>
 #include <map>
 #include <string>
@@ -77,6 +82,19 @@ static int slice_count(int row_blocks, int tiles, int group, int rows_per_warp) 
     return (tiles + per - 1) / per;
 }
 
+// gemm.rs `slices` for one matrix of n_out x n_in: at least 256 warps, at least 8 units (32
+// inputs) a slice, at most 32 slices.
+static int gemm_slices(long long n_out, long long n_in) {
+    const long long units = n_in / 32 < 1 ? 1 : n_in / 32;
+    const long long warps = (n_out + 127) / 128 * 4;
+    long long want = (256 + warps - 1) / warps;
+    want = want < 1 ? 1 : want > 32 ? 32 : want;
+    const long long most = units / 8 < 1 ? 1 : units / 8;
+    want = want > most ? most : want;
+    const long long per = (units + want - 1) / want;
+    return (int)((units + per - 1) / per);
+}
+
 // The kernel `name` of module `path` (loaded once) and its dynamic shared memory.
 static CUfunction kernel_of(const char* path, const char* format, int nb, int* smem) {
     if (!modules.count(path)) {
@@ -87,17 +105,26 @@ static CUfunction kernel_of(const char* path, const char* format, int nb, int* s
     CUmodule mod = modules[path];
     char name[96];
     snprintf(name, sizeof name, "ds4_mv_%s_%d", format, nb);
+    const bool gemm = strncmp(format, "gemm_", 5) == 0;
+    if (gemm) {
+        snprintf(name, sizeof name, "ds4_%s", format);
+    }
     CUfunction f;
     CK(cuModuleGetFunction(&f, mod, name));
     *smem = 0;
     CUdeviceptr g;
     size_t size;
     char sym[96];
-    snprintf(sym, sizeof sym, "ds4_smem_%s_%d", format, nb);
+    if (gemm) {
+        snprintf(sym, sizeof sym, "ds4_smem_%s", format);
+    } else {
+        snprintf(sym, sizeof sym, "ds4_smem_%s_%d", format, nb);
+    }
     if (cuModuleGetGlobal(&g, &size, mod, sym) == CUDA_SUCCESS) {
         CK(cuMemcpyDtoH(smem, g, 4));
     }
-    if (*smem > 48 * 1024) {
+    // Static and dynamic shared memory together past 48 KiB need the opt-in too.
+    if (*smem > 0) {
         CK(cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, *smem));
     }
     return f;
@@ -110,7 +137,9 @@ static CUfunction kernel_of(const char* path, const char* format, int nb, int* s
 template <class Launch>
 static void check(const Config& c, const char* ref, CUdeviceptr X, CUdeviceptr Y, Launch launch, CUfunction f,
                   int smem) {
-    std::vector<float> x((size_t)16 * c.n_in);
+    const bool gemm = strncmp(c.format, "gemm_", 5) == 0;
+    const size_t rows = gemm ? (size_t)c.nb * c.experts : 16;
+    std::vector<float> x(rows * c.n_in);
     unsigned long long s = 0x2545F4914F6CDD1Dull;
     for (auto& v : x) {
         s ^= s << 13;
@@ -119,7 +148,7 @@ static void check(const Config& c, const char* ref, CUdeviceptr X, CUdeviceptr Y
         v = (float)((s >> 40) & 0xffff) / 32768.0f - 1.0f;
     }
     CK(cuMemcpyHtoD(X, x.data(), x.size() * 4));
-    const size_t ny = (size_t)16 * c.n_out * c.experts;
+    const size_t ny = gemm ? rows * c.n_out : (size_t)16 * c.n_out * c.experts;
     std::vector<unsigned> a(ny), b(ny);
     int rsmem = 0;
     CUfunction g = kernel_of(ref, c.format, c.nb, &rsmem);
@@ -153,18 +182,22 @@ static void run(const Config& c) {
     int regs = 0;
     CK(cuFuncGetAttribute(&regs, CU_FUNC_ATTRIBUTE_NUM_REGS, f));
 
+    const bool gemm = strncmp(c.format, "gemm_", 5) == 0;
     const long long row_bytes = c.n_in / c.block_elems * c.block_bytes;
     const long long mat = row_bytes * c.n_out;
+    // Matrices a launch reads (a gemm line's descriptors share one) and rows of x and y.
+    const int mats = gemm ? 1 : c.experts;
+    const long long xrows = gemm ? (long long)c.nb * c.experts : 16;
     // LAB_COPIES=k: k copies instead (1: every launch reads the same matrix, from L2 when it
     // fits: what a product gains when its weights were fetched ahead).
     const char* ncopies = getenv("LAB_COPIES");
-    const int copies = ncopies && atoi(ncopies) > 0 ? atoi(ncopies) : (int)((400ll << 20) / (mat * c.experts)) + 1;
+    const int copies = ncopies && atoi(ncopies) > 0 ? atoi(ncopies) : (int)((400ll << 20) / (mat * mats)) + 1;
     const int rows_per_block = 4 / c.group * c.rows_per_warp;
     const int row_blocks = (int)((c.n_out + rows_per_block - 1) / rows_per_block);
     const int tiles = (int)((c.n_in + c.tile - 1) / c.tile);
     // LAB_SLICES=k: k input slices (at most one per tile) instead of the host's choice.
     const char* force = getenv("LAB_SLICES");
-    int slices = slice_count(row_blocks, tiles, c.group, c.rows_per_warp);
+    int slices = gemm ? gemm_slices(c.n_out, c.n_in) : slice_count(row_blocks, tiles, c.group, c.rows_per_warp);
     if (force && atoi(force) > 0) {
         const int per = (tiles + atoi(force) - 1) / atoi(force);
         slices = (tiles + per - 1) / per;
@@ -172,12 +205,12 @@ static void run(const Config& c) {
     const int blocks = row_blocks * slices * c.experts;
 
     CUdeviceptr W, X, Y, P, C, T;
-    CK(cuMemAlloc(&W, mat * c.experts * copies));
-    fill_random(W, (size_t)(mat * c.experts * copies));
-    CK(cuMemAlloc(&X, 4ll * 16 * c.n_in));
-    CK(cuMemsetD8(X, 0, 4ll * 16 * c.n_in));
-    CK(cuMemAlloc(&Y, 4ll * 16 * c.n_out * c.experts));
-    CK(cuMemAlloc(&P, 4ll * slices * 16 * c.n_out * c.experts + 16));
+    CK(cuMemAlloc(&W, mat * mats * copies));
+    fill_random(W, (size_t)(mat * mats * copies));
+    CK(cuMemAlloc(&X, 4ll * xrows * c.n_in));
+    CK(cuMemsetD8(X, 0, 4ll * xrows * c.n_in));
+    CK(cuMemAlloc(&Y, 4ll * 16 * c.n_out * c.experts + 4ll * xrows * c.n_out));
+    CK(cuMemAlloc(&P, 4ll * slices * 16 * c.n_out * c.experts + 4ll * slices * xrows * c.n_out + 16));
     CK(cuMemAlloc(&C, 4ll * row_blocks * c.experts + 16));
     CK(cuMemsetD8(C, 0, 4ll * row_blocks * c.experts + 16));
     std::vector<char> table((size_t)c.desc_bytes * c.experts * copies);
@@ -185,8 +218,8 @@ static void run(const Config& c) {
         for (int e = 0; e < c.experts; e++) {
             Desc d;
             memset(&d, 0, sizeof d);
-            d.w = W + (unsigned long long)(cp * c.experts + e) * mat;
-            d.x = X;
+            d.w = W + (unsigned long long)(cp * mats + (gemm ? 0 : e)) * mat;
+            d.x = X + (gemm ? 4ull * e * c.nb * c.n_in : 0);
             d.y = Y + 4ull * e * c.nb * c.n_out;
             d.part = P + 4ull * e * slices * c.nb * c.n_out;
             d.row_bytes = row_bytes;
@@ -213,9 +246,13 @@ static void run(const Config& c) {
         CK(cuLaunchKernel(f, blocks, 1, 1, 128, 1, 1, smem, 0, args, 0));
     };
     const double us = lab_us_per_launch(launch, 20, 200);
-    printf("%-24s %-8s nb=%-2d %6lldx%-6lld x%-2d G=%d rpw=%d regs=%3d blocks=%6d slices=%2d %8.2f us %6.0f GB/s\n",
+    printf("%-24s %-8s nb=%-2d %6lldx%-6lld x%-2d G=%d rpw=%d regs=%3d blocks=%6d slices=%2d %8.2f us %6.0f GB/s",
            c.module, c.format, c.nb, c.n_out, c.n_in, c.experts, c.group, c.rows_per_warp, regs, blocks, slices, us,
-           mat * c.experts / us / 1e3);
+           mat * mats / us / 1e3);
+    if (gemm) {
+        printf(" %6.1f T/s smem=%d", 2.0 * c.n_out * c.n_in * xrows / us / 1e6, smem);
+    }
+    printf("\n");
     if (const char* ref = getenv("LAB_CHECK")) {
         auto once = [&](CUfunction g, int gsmem) {
             CUdeviceptr t = T;

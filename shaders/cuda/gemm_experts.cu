@@ -128,7 +128,11 @@ __device__ __forceinline__ void gx_store(const MvDesc& D, int o0, int g, int t, 
 // (Tried and dropped: this kernel's and ds4_moe_mma_q2_k's start (descriptor, lane place, weight
 // rows, rows of x) as one shared function, 999 -> 891 SASS instructions in this loop, with the
 // compressors' row emit shared by ds4_compress and ds4_compress_windows. The same results, but a
-// 2048-token Flash prompt on an H200 ran at 1143 tok/s against 1201 for the code as it is.)
+// 2048-token Flash prompt on an H200 ran at 1143 tok/s against 1201 for the code as it is.
+// Also dropped: both kernels loading their next step's weights while computing this one
+// (IQ2_XXS two groups ahead, 104 -> 136 registers; Q2_K a super-block, 138 -> 181): the same
+// bits, but a 256-row step of an 8192-token prompt took 1005 / 765 us a layer against 866 /
+// 601, and 870 / 586 with the registers capped back to four and three blocks an SM.)
 extern "C" __global__ void __launch_bounds__(128) ds4_moe_mma_iq2_xxs(const MvDesc* __restrict__ descs, int count,
                                                                       int* __restrict__ counters) {
     __shared__ u32 lut[256];

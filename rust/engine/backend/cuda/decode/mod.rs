@@ -2415,12 +2415,12 @@ mod prefill_rows_tests {
         }
     }
 
-    /// A prompt's product bands: none unless asked; whole row blocks, at most the matrix; about
+    /// A prompt's product bands: on unless turned off; whole row blocks, at most the matrix; about
     /// BAND_BLOCKS blocks for all the descriptors of a band; none for a single descriptor.
     #[test]
     fn product_bands_are_whole_row_blocks() {
         use super::program::{band_rows, bands_setting};
-        assert_eq!(bands_setting(None).unwrap(), None);
+        assert_eq!(bands_setting(None).unwrap(), Some(0));
         assert_eq!(bands_setting(Some("0")).unwrap(), None);
         assert_eq!(bands_setting(Some("1")).unwrap(), Some(0));
         assert_eq!(bands_setting(Some(" 40 ")).unwrap(), Some(40));

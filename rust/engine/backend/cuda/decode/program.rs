@@ -230,12 +230,14 @@ pub(super) fn switch(name: &str, setting: Option<&str>) -> Result<bool> {
 /// SMs, four blocks each of the tensor-core Q8_0 kernel), [`band_rows`].
 const BAND_BLOCKS: usize = 512;
 
-/// `DS4_CUDA_BANDS`: unset or 0, none; 1, bands of [`BAND_BLOCKS`]; any other row count, bands
-/// of that many rows (rounded up to whole row blocks: for tests). Off by default until timed.
+/// `DS4_CUDA_BANDS`: unset or 1, bands of [`BAND_BLOCKS`]; 0, none (A/B); any other row
+/// count, bands of that many rows (rounded up to whole row blocks: for tests). On by default:
+/// in a 256-row step of an 8192-token Flash prompt on an H200 (`DS4_DECODE_PROFILE`), o_b's
+/// product took 16.10 ms a step in bands against 17.52 without, q_b's 15.02 against 15.14.
 pub(super) fn bands_setting(setting: Option<&str>) -> Result<Option<usize>> {
     match setting.map(str::trim) {
-        None | Some("" | "0") => Ok(None),
-        Some("1") => Ok(Some(0)),
+        Some("0") => Ok(None),
+        None | Some("" | "1") => Ok(Some(0)),
         Some(v) => match v.parse::<usize>() {
             Ok(r) if r > 1 => Ok(Some(r)),
             _ => Err(Error::invalid(format!("DS4_CUDA_BANDS takes 0, 1 or a row count, not {v:?}"))),
