@@ -95,6 +95,9 @@ static int gemm_slices(long long n_out, long long n_in) {
     return (int)((units + per - 1) / per);
 }
 
+// Whether a line's FORMAT names a prompt's tensor-core product (gemm.cu) rather than matvec.
+static bool is_gemm(const char* format) { return strncmp(format, "gemm_", 5) == 0; }
+
 // The kernel `name` of module `path` (loaded once) and its dynamic shared memory.
 static CUfunction kernel_of(const char* path, const char* format, int nb, int* smem) {
     if (!modules.count(path)) {
@@ -105,7 +108,7 @@ static CUfunction kernel_of(const char* path, const char* format, int nb, int* s
     CUmodule mod = modules[path];
     char name[96];
     snprintf(name, sizeof name, "ds4_mv_%s_%d", format, nb);
-    const bool gemm = strncmp(format, "gemm_", 5) == 0;
+    const bool gemm = is_gemm(format);
     if (gemm) {
         snprintf(name, sizeof name, "ds4_%s", format);
     }
@@ -137,7 +140,7 @@ static CUfunction kernel_of(const char* path, const char* format, int nb, int* s
 template <class Launch>
 static void check(const Config& c, const char* ref, CUdeviceptr X, CUdeviceptr Y, Launch launch, CUfunction f,
                   int smem) {
-    const bool gemm = strncmp(c.format, "gemm_", 5) == 0;
+    const bool gemm = is_gemm(c.format);
     const size_t rows = gemm ? (size_t)c.nb * c.experts : 16;
     std::vector<float> x(rows * c.n_in);
     unsigned long long s = 0x2545F4914F6CDD1Dull;
@@ -182,7 +185,7 @@ static void run(const Config& c) {
     int regs = 0;
     CK(cuFuncGetAttribute(&regs, CU_FUNC_ATTRIBUTE_NUM_REGS, f));
 
-    const bool gemm = strncmp(c.format, "gemm_", 5) == 0;
+    const bool gemm = is_gemm(c.format);
     const long long row_bytes = c.n_in / c.block_elems * c.block_bytes;
     const long long mat = row_bytes * c.n_out;
     // Matrices a launch reads (a gemm line's descriptors share one) and rows of x and y.

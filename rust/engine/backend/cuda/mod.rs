@@ -292,7 +292,13 @@ pub(crate) fn row_blocks(w: &Mat) -> usize {
 
 /// Row blocks of `w`'s products at warp group `g`.
 fn row_blocks_in(w: &Mat, g: usize) -> usize {
-    w.n_out.div_ceil(MV_WARPS / g * warp_rows(w.ty, w.n_in, w.n_out))
+    w.n_out.div_ceil(rows_per_block(w, g))
+}
+
+/// Output rows of one block of `w`'s products at warp group `g`: `MV_WARPS / g` row groups of
+/// [`warp_rows`].
+pub(crate) fn rows_per_block(w: &Mat, g: usize) -> usize {
+    MV_WARPS / g * warp_rows(w.ty, w.n_in, w.n_out)
 }
 
 /// The warp group and input slices of `w`'s products when one launch runs them with others of

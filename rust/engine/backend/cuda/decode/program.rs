@@ -11,7 +11,7 @@ use super::super::context::{driver_err, stem, Context, THREADS};
 use super::super::device::{Arg, DevBuf};
 use super::super::weights::DeviceImage;
 use super::super::{
-    chunk_rows, group, row_blocks, slices, split_in_launch, tensor_cores, warp_rows, CudaBackend, Desc, MV_WARPS,
+    chunk_rows, group, row_blocks, rows_per_block, slices, split_in_launch, tensor_cores, CudaBackend, Desc, MV_WARPS,
 };
 use super::gemm;
 use super::{CompMirror, CudaDecoder, DSparkDevice, Launch, LayerConsts, LayerMirror, MtpDevice, Op, Program, N_MAX};
@@ -456,7 +456,7 @@ impl CudaDecoder {
                     let at = cur.get().addr(m.start);
                     // Rows a block (whole 16-row tiles of the tensor-core layout), and the bands
                     // (band_rows: the whole matrix unless a prompt's tensor-core Q8_0 product).
-                    let rpb = MV_WARPS / split.0 * warp_rows(ty, m.n_in, m.n_out);
+                    let rpb = rows_per_block(&m, split.0);
                     let banded = prefill && y_stride.is_none() && tensor_cores(ty, m.n_in, m.n_out);
                     let band =
                         band_rows(if banded { self.bands } else { None }, rpb, m.n_out, rows.div_ceil(chunk), split.1);
