@@ -51,8 +51,19 @@ pub(crate) fn fill_f32_bytearray<'py>(
     f32_bytearray(py, &out)
 }
 
-/// The values as a new bytearray of little-endian float32.
+/// The values as a new bytearray of little-endian float32: on a little-endian machine one copy
+/// of their bytes. (`PyByteArray::new_with` zeroes the new buffer before a loop fills it:
+/// `dequantize` of 4.1 MB of F32, the size of a verify's 8 rows of Flash logits, took 0.32 ms
+/// that way against 0.25 this way.)
 pub(crate) fn f32_bytearray<'py>(py: Python<'py>, values: &[f32]) -> PyResult<Bound<'py, PyByteArray>> {
+    #[cfg(target_endian = "little")]
+    {
+        // SAFETY: the bytes of `values` (`size_of_val` of them, initialised, no padding in
+        // f32), read as u8 while `values` is borrowed.
+        let bytes = unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values)) };
+        Ok(PyByteArray::new(py, bytes))
+    }
+    #[cfg(not(target_endian = "little"))]
     PyByteArray::new_with(py, values.len() * 4, |buf| {
         for (dst, v) in buf.chunks_exact_mut(4).zip(values) {
             dst.copy_from_slice(&v.to_le_bytes());
