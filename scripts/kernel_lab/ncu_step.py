@@ -10,9 +10,9 @@ indexer selects rows only once a ratio-4 layer sees more than 512, from position
 ``--prompt 2100`` traces steps with the selection) and a few warm-up steps (the step
 programs are built and captured then), prints the mean wall time of 20 one-token steps, and
 turns the profiler on (cuProfilerStart) around STEPS more (default 1), so that ncu measures
-only those kernels; with ``--rows R`` each of those steps is a prompt's step of R tokens
-(one more such step first builds its program). ncu runs each kernel alone, so the sum of the
-durations can differ from the step's wall time: it has no launch gaps, and no overlap of a
+only those kernels; with ``--rows R`` each of those steps is a batch of R random tokens (a
+verify's step up to 16 rows, a prompt's beyond; one more such step first builds its program).
+ncu runs each kernel alone, so the sum of the durations can differ from the step's wall time: it has no launch gaps, and no overlap of a
 kernel's start with the previous one's end. The second form sums the report per kernel name.
 
 The kernels' times as they ran (graph nodes, the side branch and programmatic launches
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import csv
+import re
 import ctypes
 import signal
 import statistics
@@ -64,8 +65,11 @@ def profile(model: str, steps: int, cupti: str | None = None, prompt: int = 64, 
     for i in range(20):
         s.eval([9 + i], logits="last")
     print(f"step {(time.perf_counter() - t) / 20 * 1e3:.3f} ms (wall, mean of 20)", file=sys.stderr)
-    # The measured steps: one token each, or with rows > 1 a prompt's step of that many.
-    batches = [[40 + i] * rows for i in range(steps)]
+    # The measured steps: one token each, or with rows > 1 a batch of that many random tokens
+    # (a verify's step up to the decoder's most rows, 16, a prompt's step beyond), whose rows
+    # route to different experts as a verify's do.
+    rng = np.random.default_rng(1)
+    batches = [[40 + i] if rows == 1 else rng.integers(8, m.vocab_size, rows).tolist() for i in range(steps)]
     if rows > 1:
         s.eval(batches[0], logits="last")  # the prompt step's program, built and captured
     if cupti:
@@ -169,19 +173,19 @@ def timeline(trace: str, step: int = 0, layer: int | None = None) -> None:
 # indexer's F16 products only when they come before ds4_finish_rows).
 STAGES = [
     ("hc_pre, q_a and kv, q_a norm", "ds4_rms_weight"),
-    ("q_b", "ds4_mv_q8_0_mq_1"),
-    ("compressor and indexer products", "ds4_mv_f16_1"),
+    ("q_b", "ds4_mv_q8_0_mq"),
+    ("compressor and indexer products", "ds4_mv_f16"),
     ("finish_rows", "ds4_finish_rows"),
     ("compressors", "ds4_compress"),
     ("indexer scores and top-k", "ds4_index_topk"),
     ("attention", "ds4_attention"),
-    ("o_a", "ds4_mv_q8_0_1"),
-    ("o_b", "ds4_mv_q8_0_mq_1"),
+    ("o_a", "ds4_mv_q8_0"),
+    ("o_b", "ds4_mv_q8_0_mq"),
     ("hc_post", "ds4_hc_post"),
     ("FFN mixing, hc_pre, router, route", "ds4_route"),
     ("gather", "ds4_gather"),
-    ("routed gate and up", "ds4_mv_iq2_xxs_1"),
-    ("swiglu, routed down", "ds4_mv_q2_k_1"),
+    ("routed gate and up", "ds4_mv_iq2_xxs"),
+    ("swiglu, routed down", "ds4_mv_q2_k"),
     ("combine", "ds4_moe_combine"),
 ]
 
@@ -192,14 +196,16 @@ def stages(trace: str, step: int = 0) -> None:
     layer: from the end of the stage before (or the layer's start) to the end of the stage's
     last kernel, where the critical path runs, then the time to the next layer's start. A
     stage a layer lacks adds 0. Stage ends follow the kernel order of a Flash layer in
-    program.rs; a model with other product formats needs other names here."""
+    program.rs (product kernels by their stem, without the rows: a verify's step too); a model
+    with other product formats needs other names here."""
     ks = step_kernels(read_trace(trace), step)
     if ks is None:
         return
     per: dict[str, list[list[float]]] = {}
     for lo, hi in layer_spans(ks):
         layer = ks[lo:hi]
-        names = [k[2] for k in layer]
+        # Product kernels by stem, whatever their rows (a verify's step runs ds4_mv_q8_0_8).
+        names = [re.sub(r"_\d+$", "", k[2]) if k[2].startswith("ds4_mv_") else k[2] for k in layer]
         busy = layer[0][0]
         adds = []
         pos = -1
@@ -207,7 +213,7 @@ def stages(trace: str, step: int = 0) -> None:
             # The last of a run of this kernel (two compressors in a CSA layer), found after
             # the previous stage's kernel; a stage missing here adds nothing.
             hits = [i for i in range(pos + 1, len(layer)) if names[i] == kernel]
-            if not hits or (kernel == "ds4_mv_f16_1" and "ds4_finish_rows" in names[pos + 1 : hits[0]]):
+            if not hits or (kernel == "ds4_mv_f16" and "ds4_finish_rows" in names[pos + 1 : hits[0]]):
                 adds.append(0.0)
                 continue
             i = hits[0]

@@ -16,7 +16,13 @@
 // products at one row 24.2 us against 25.3 with the 8-byte entries, 160 at one row 258 against
 // 273-276, 90 at two rows 189 against 201-202. Tried on top and not kept (the same bits):
 // the dp4a chains split in two (the same at one row, 194 us at two rows), both groups' x
-// loaded before either is used (208 us at two rows).
+// loaded before either is used (208 us at two rows); the lattice held in 8, 16 or 32 copies,
+// lane l reading copy l % C so that lanes looking up different entries meet in fewer banks
+// (2026-12-02, the same bits: twelve products at one row 24.0 / 25.6 / 35.1 us against 24.1
+// with one copy, 48 at one row 80.7 / 85.5 / 123.3 against 81.5, 160 at one row 256.6 / 271.7
+// / 394.1 against 258.6, twelve at two rows 30.6 / 32.2 / 41.6 against 30.4; in the engine 32
+// copies made Flash steps 9.12 ms against 8.70). With 4-byte entries the conflicts no longer
+// bound the kernel, and a table of 16 or 32 KB a block costs more to fill than it saves.
 //
 // On the device rows are split (rust/engine/quant/split/): the 64-byte group runs of all
 // super-blocks, then the 2-byte d's. Lane l's 16 bytes of chunk c are groups 2 (l & 3) and
