@@ -8,10 +8,12 @@ After a prompt of --ctx tokens (random ids), measures with the median of --runs:
   advancing, as in generation). For Flash at --ctx 2048 the two differ in kind: the indexer
   keeps 512 compressed rows and a ratio-4 layer then sees exactly 512, so the one step skips
   the indexer's selection, which every step from position 2051 on runs;
-* a verify of k rows for k = 2..8 (``eval`` of k tokens: the same computation), as a ratio
-  to the decode step, beside the byte model of a verify (docs/performance.md 5d): the weights
-  of one decode once, with the routed experts for the expected union of k rows' choices,
-  n(1 - (1 - used/n)^k) of n experts under independent uniform routing;
+* a verify of k rows for k = 2..8 (``eval`` of k tokens: the same computation, every row's
+  logits brought back), as a ratio to the decode step, beside the byte model of a verify
+  (docs/performance.md 5d): the weights of one decode once, with the routed experts for the
+  expected union of k rows' choices, n(1 - (1 - used/n)^k) of n experts under independent
+  uniform routing; then greedy verifies of 2, 4 and 8 rows (``Session.verify(greedy=True)``:
+  one token id a row, as a temperature-0 speculative step) as a ratio to a greedy step of one;
 * prefill tokens/s for each --prefill length (from an empty session); with --ab NAME, for a
   session made with the switch NAME=1 and one with NAME=0 (a setting the device decoder reads
   when a session makes it, such as DS4_CUDA_GEMM), or with --ab NAME=V1,V2,.. one a value
@@ -146,6 +148,15 @@ def steps(args: argparse.Namespace, m: ds4.Model, rng: np.random.Generator) -> N
         t = timed(lambda: s.eval(toks, logits="all"), args.runs, lambda: s.restore(snap))
         model = verify_byte_model(m.decode_weight_bytes(), routed, k)
         print(f"  verify {k} rows {1e3 * t:8.2f} ms  = {t / base:5.2f} decodes (byte model {model:.2f})")
+    # A temperature-0 verify as speculative decoding runs it: each row's greedy token, not its
+    # logits, against a greedy step of one row (the same call with one token).
+    one = timed(lambda: s.verify([5], greedy=True), args.runs, lambda: s.restore(snap))
+    print(f"  greedy step {1e3 * one:.2f} ms (Session.verify of one token, greedy)")
+    for k in (2, 4, 8):
+        toks = rng.integers(8, vocab, k).tolist()
+        t = timed(lambda: s.verify(toks, greedy=True), args.runs, lambda: s.restore(snap))
+        model = verify_byte_model(m.decode_weight_bytes(), routed, k)
+        print(f"  greedy verify {k} rows {1e3 * t:8.2f} ms  = {t / one:5.2f} greedy steps (byte model {model:.2f})")
 
 
 def prefill(args: argparse.Namespace, m: ds4.Model, rng: np.random.Generator) -> None:

@@ -140,6 +140,98 @@ def test_worst_argmax_gap_is_zero(models: dict[str, ds4.Model]) -> None:
     assert out.stats.num_accepted_tokens > 0 and out.stats.num_draft_tokens > out.stats.num_accepted_tokens
 
 
+@pytest.mark.parametrize("name", ["tiny-l", "tiny-a"])
+def test_verify_then_keep_is_eval_of_the_kept_prefix(models: dict[str, ds4.Model], name: str) -> None:
+    # Session.verify is Session.eval of the same tokens, bit for bit (logits, and with greedy
+    # each row's argmax); keep(n) leaves the session bit for bit as if only the first n had
+    # been evaluated: the same digest, and the same logits for what follows.
+    m = models[name]
+    prompt = prompts(name)[0]
+    draft = [int(t) for t in np.random.default_rng(7).integers(2, m.vocab_size, 5)]
+    s = m.session(512)
+    s.eval(prompt, logits="none")
+    snap = s.snapshot()
+    plain = s.eval(draft)
+    s.restore(snap)
+    v = s.verify(draft)
+    assert v.rows == 5 and v.ids is None and v.logits is not None
+    assert np.array_equal(v.logits.view(np.uint32), plain.view(np.uint32))
+    s.restore(snap)
+    g = s.verify(draft, greedy=True)
+    assert g.logits is None and g.ids == [int(i) for i in plain.argmax(axis=1)]
+    nxt = [3]
+    for n in range(len(draft) + 1):
+        s.restore(snap)
+        s.verify(draft, greedy=n % 2 == 1).keep(n)
+        ref = m.session(512)
+        ref.eval(prompt + draft[:n], logits="none")
+        assert s.position == ref.position == len(prompt) + n
+        assert s._native.digest() == ref._native.digest()
+        assert np.array_equal(s.eval(nxt).view(np.uint32), ref.eval(nxt).view(np.uint32))
+
+
+def test_a_python_speculative_loop_is_greedy_decoding(models: dict[str, ds4.Model]) -> None:
+    # The README's loop over Session.verify and keep, with drafts right and wrong at random
+    # depths: exactly the plain greedy tokens, and the plain session's state.
+    m = models["tiny-l"]
+    prompt = prompts("tiny-l")[1]
+    truth = m.session(1024).generate(prompt, max_tokens=30, ignore_eos=True).tokens
+    rng = np.random.default_rng(5)
+    s = m.session(1024)
+    anchor = int(s.eval(prompt, logits="last")[-1].argmax())
+    out = [anchor]
+    while len(out) < len(truth):
+        at = len(out)
+        draft = [truth[at + i] if at + i < len(truth) and rng.random() < 0.75 else int(rng.integers(2, m.vocab_size))
+                 for i in range(int(rng.integers(1, 6)))]
+        v = s.verify([anchor, *draft], greedy=True)
+        assert v.ids is not None
+        n = next((i for i, t in enumerate(draft) if t != v.ids[i]), len(draft))
+        v.keep(n + 1)
+        anchor = v.ids[n]
+        out += [*draft[:n], anchor]
+    assert out[:len(truth)] == truth
+    plain = m.session(1024)
+    plain.eval(prompt + out[:-1], logits="none")
+    assert s._native.digest() == plain._native.digest()
+
+
+def test_verify_errors_change_nothing(models: dict[str, ds4.Model]) -> None:
+    m = models["tiny-l"]
+    s = m.session(512)
+    s.eval(prompts("tiny-l")[0], logits="none")
+    before = (s.position, s._native.digest())
+    for bad in ([], list(range(2, 20)), [m.vocab_size]):
+        with pytest.raises(ValueError):
+            s.verify(bad)
+        assert (s.position, s._native.digest()) == before
+    v = s.verify([5, 6, 7])
+    with pytest.raises(ValueError, match="0..=3"):
+        v.keep(4)
+    with pytest.raises(ValueError):
+        v.keep(-1)
+    v.keep(1)  # still possible after the refused ones
+    with pytest.raises(ValueError, match="already kept"):
+        v.keep(0)
+    assert s.position == before[0] + 1
+    # Once the session changes, a verification can no longer cut it: after an eval, and after
+    # a restore to a state of the same length (whose rows the verify never wrote).
+    v = s.verify([8, 9])
+    s.eval([10])
+    at = (s.position, s._native.digest())
+    with pytest.raises(ValueError, match="changed"):
+        v.keep(0)
+    assert (s.position, s._native.digest()) == at
+    snap = s.snapshot()
+    v = s.verify([11, 12])
+    s.restore(snap)
+    s.eval([13, 14])
+    at = (s.position, s._native.digest())
+    with pytest.raises(ValueError, match="changed"):
+        v.keep(0)
+    assert (s.position, s._native.digest()) == at
+
+
 def test_stats(models: dict[str, ds4.Model]) -> None:
     m = models["tiny-l"]
     prompt = prompts("tiny-l")[1]

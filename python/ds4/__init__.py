@@ -18,7 +18,7 @@ from .errors import (
 )
 from .gguf import GGUFFile, TensorInfo
 from .convert import convert, convert_draft, convert_tokenizer
-from .model import Chunk, Generation, Model, Proposal, Session, Snapshot, Stream
+from .model import Chunk, Generation, Model, Proposal, Session, Snapshot, Stream, Verification
 from .speculative import SpecStats, Speculative
 from .sampling import Sampling
 from .tokenizer import StreamDecoder, Tokenizer, render_chat
@@ -49,6 +49,7 @@ __all__ = [
     "TensorInfo",
     "Tokenizer",
     "UnsupportedModelError",
+    "Verification",
     "__version__",
     "convert",
     "convert_draft",

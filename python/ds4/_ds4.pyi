@@ -15,6 +15,7 @@ __all__ = [
     "StreamDecoder",
     "TensorInfo",
     "Tokenizer",
+    "Verification",
     "bf16_to_f32",
     "cuda_available",
     "cuda_device_name",
@@ -162,12 +163,29 @@ class Snapshot:
         """Tokens processed when the snapshot was taken."""
 
 @final
+class Verification:
+    """The rows of a verify, which ``keep`` cuts to a prefix (native part of
+    ``ds4.Verification``)."""
+
+    @property
+    def rows(self) -> int:
+        """The verified tokens."""
+    def keep(self, n: int) -> None:
+        """Keeps the first ``n`` rows: the session is then bit for bit as if only those tokens
+        had been evaluated. Once per verify, and only while the session has not changed since."""
+
+@final
 class Session:
     """A decoding session (native part of ``ds4.Session``)."""
 
     def eval(self, tokens: list[int], which: str = "all") -> bytearray:
         """Evaluates ``tokens`` and returns float32 logits (a bytearray) of the rows asked for:
         ``which`` is "all", "last" or "none"."""
+    def verify(self, tokens: list[int], greedy: bool = False
+               ) -> tuple[Verification, bytearray | None, list[int] | None]:
+        """Evaluates ``tokens`` as a speculative verify (see ``ds4.Session.verify``): the verify,
+        then every row's logits (a bytearray), or with ``greedy`` every row's greedy token id
+        (None, and the logits, when some row has none)."""
     @property
     def position(self) -> int:
         """Tokens processed so far."""

@@ -22,7 +22,7 @@ from ._progress import Progress
 from .sampling import Sampling
 from .speculative import SpecStats, Speculative
 
-__all__ = ["Chunk", "Generation", "Model", "Proposal", "Session", "Snapshot", "Stream"]
+__all__ = ["Chunk", "Generation", "Model", "Proposal", "Session", "Snapshot", "Stream", "Verification"]
 
 Snapshot = _ds4.Snapshot
 
@@ -112,6 +112,36 @@ class Proposal:
     base_logits: npt.NDArray[np.float32] | None = None
     #: DSpark: the unnormalized hidden row of each token (the HC head's output).
     hidden: npt.NDArray[np.float32] | None = None
+
+
+class Verification:
+    """The rows of a speculative verify (see :meth:`Session.verify`): their logits, or their
+    greedy tokens, and :meth:`keep` to cut the session back to a prefix of them."""
+
+    def __init__(self, native: _ds4.Verification, logits: npt.NDArray[np.float32] | None,
+                 ids: list[int] | None) -> None:
+        self._native = native
+        #: float32 ``[rows, vocab]``: every row's logits (row ``i`` predicts the token after
+        #: the verified token ``i``); None for a greedy verify whose rows all have a greedy token.
+        self.logits = logits
+        #: A greedy verify's greedy token after each row (the lowest id of the largest logit,
+        #: as greedy decoding takes it); None otherwise, and when some row has none (NaN or
+        #: infinite logits: then :attr:`logits` holds every row).
+        self.ids = ids
+
+    @property
+    def rows(self) -> int:
+        """The verified tokens."""
+        return self._native.rows
+
+    def keep(self, n: int) -> None:
+        """Keeps the first ``n`` verified tokens: the session is then bit for bit as if only
+        those had been evaluated (without it, it keeps all of them). Once per verify, and
+        only before the session changes again (another evaluation, verify, restore or reset):
+        otherwise ``ValueError``, and nothing changes."""
+        if n < 0:
+            raise ValueError("keep takes a non-negative row count")
+        self._native.keep(n)
 
 
 class Model:
@@ -239,6 +269,22 @@ class Session:
             raise ValueError("token ids must be non-negative")
         out = np.frombuffer(self._native.eval(ids, logits), dtype="<f4")
         return out.reshape(-1, self._vocab)
+
+    def verify(self, tokens: Sequence[int] | npt.ArrayLike, *, greedy: bool = False) -> Verification:
+        """Evaluates 1 to 17 ``tokens`` as a speculative verify: exactly as :meth:`eval` would
+        (every row is bitwise the row a plain decode computes), keeping what is needed to cut
+        the session back to any prefix of them with :meth:`Verification.keep`. With
+        ``greedy``, each row's greedy token comes back instead of its logits (on the GPU, one id
+        a row is downloaded): a temperature-0 verify. The building block of a speculative loop:
+        verify the anchor and the draft, keep the tokens up to the first the target disagrees
+        with. Raises as :meth:`eval` does, and ``ValueError`` for more than 17 tokens; then
+        nothing changes. The GIL is released while computing."""
+        ids = [int(t) for t in np.asarray(tokens, dtype=np.int64).reshape(-1)]
+        if any(t < 0 for t in ids):
+            raise ValueError("token ids must be non-negative")
+        native, logits, greedy_ids = self._native.verify(ids, greedy)
+        rows = None if logits is None else np.frombuffer(logits, dtype="<f4").reshape(-1, self._vocab)
+        return Verification(native, rows, greedy_ids)
 
     @property
     def position(self) -> int:

@@ -41,6 +41,9 @@ pub struct Session {
     /// evaluation): the whole forward pass on the device, the state mirrored there.
     decoder: Option<Box<dyn DeviceDecoder>>,
     decoder_tried: bool,
+    /// How many times the state changed (evaluations, verifies, cuts, restores, resets): see
+    /// [`Session::changes`].
+    changes: u64,
 }
 
 impl Session {
@@ -64,7 +67,16 @@ impl Session {
         }
         let mut state = State::new(&model.config, precision);
         state.draft = model.draft.as_ref().map(|dm| dm.new_state(&model));
-        Ok(Session { model, ctx, state, sampler: None, last_greedy: None, decoder: None, decoder_tried: false })
+        Ok(Session {
+            model,
+            ctx,
+            state,
+            sampler: None,
+            last_greedy: None,
+            decoder: None,
+            decoder_tried: false,
+            changes: 0,
+        })
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -132,6 +144,14 @@ impl Session {
         Ok(greedy)
     }
 
+    /// How many times the state has changed so far. A caller holding a verify's log can tell
+    /// whether it is still the last batch (the count the verify left) before it cuts with
+    /// [`Session::keep`]: the log's position check alone would pass after a restore to a state
+    /// of the same length, and the cut would then undo rows the log never wrote.
+    pub fn changes(&self) -> u64 {
+        self.changes
+    }
+
     /// Evaluates `tokens` on the device decoder or the host, changing nothing on error: `pass`
     /// runs one pass, `join` puts the logits of earlier chunks of a long batch before the
     /// last chunk's rows. `tokens` is checked and not empty.
@@ -142,6 +162,7 @@ impl Session {
         pass: Pass<T>,
         join: impl FnOnce(Vec<f32>, T) -> T,
     ) -> Result<T> {
+        self.changes += 1;
         self.ensure_decoder();
         let device_rows = self.decoder.as_ref().map_or(0, |d| d.max_rows());
         if tokens.len() <= device_rows || (device_rows == 0 && tokens.len() <= crate::spec::MAX_DRAFT + 1) {
@@ -203,6 +224,7 @@ impl Session {
             )));
         }
         self.ensure_decoder();
+        self.changes += 1;
         let out = self.run_logged(tokens, Logits::All, pass)?;
         self.last_greedy = None;
         Ok(out)
@@ -228,6 +250,7 @@ impl Session {
     /// Keeps the first `keep` rows of the batch just verified: afterwards the session is bit
     /// for bit as if only those tokens had been evaluated.
     pub fn keep(&mut self, log: BatchLog, keep: usize) -> Result<()> {
+        self.changes += 1;
         let tag = self.state.sync;
         self.state.keep_prefix(log, keep)?;
         match self.decoder.as_mut() {
@@ -305,6 +328,7 @@ impl Session {
         if snap.state.draft.is_some() != self.state.draft.is_some() {
             return Err(Error::invalid("the snapshot does not belong to this session's model and context"));
         }
+        self.changes += 1;
         self.state = snap.state.clone();
         self.sampler = snap.sampler.clone();
         self.last_greedy = snap.last_greedy;
@@ -321,6 +345,7 @@ impl Session {
         state.draft = self.model.draft.as_ref().map(|dm| dm.new_state(&self.model));
         self.state = state;
         self.last_greedy = None;
+        self.changes += 1;
     }
 
     /// What the model's drafter proposes to follow the committed tokens and `anchor` (by

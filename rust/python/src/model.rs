@@ -2,12 +2,14 @@
 
 use std::sync::{Arc, Mutex};
 
+use ds4::backend::Greedy;
 use ds4::generate::{GenerateOptions, Generation, Speculation};
 use ds4::model::AttentionKind;
 use ds4::sampling::SamplingParams;
 use ds4::spec::ngram::NgramDrafter;
 use ds4::spec::schedule::{Policy, Scheduler};
 use ds4::spec::{Draft, Drafter, ModelDrafter};
+use ds4::state::BatchLog;
 use ds4::tokenizer::Tokenizer;
 use ds4::{Logits, Model, Session, Snapshot};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -279,6 +281,37 @@ impl PySession {
         })
     }
 
+    /// Evaluates `tokens` as a speculative verify (see `ds4.Session.verify`): the verify, then
+    /// every row's logits (a bytearray), or with `greedy` every row's greedy token id (None,
+    /// and the logits, when some row has none).
+    #[pyo3(signature = (tokens, greedy = false))]
+    #[allow(clippy::type_complexity)]
+    fn verify<'py>(
+        slf: &Bound<'py, Self>,
+        py: Python<'py>,
+        tokens: Vec<u32>,
+        greedy: bool,
+    ) -> PyResult<(PyVerification, Option<Bound<'py, PyByteArray>>, Option<Vec<u32>>)> {
+        let inner = &slf.get().inner;
+        let out = py.detach(|| {
+            let mut s = inner.lock().map_err(|_| ds4::Error::InvalidArgument("the session was poisoned".into()))?;
+            let (rows, log) = if greedy {
+                s.verify_argmax(&tokens)?
+            } else {
+                let (logits, log) = s.verify(&tokens)?;
+                (Greedy::Logits(logits), log)
+            };
+            Ok((rows, log, s.changes()))
+        });
+        let (rows, log, changes) = out.into_py_result()?;
+        let v =
+            PyVerification { session: slf.clone().unbind(), log: Mutex::new(Some(log)), changes, rows: tokens.len() };
+        Ok(match rows {
+            Greedy::Ids(ids) => (v, None, Some(ids)),
+            Greedy::Logits(logits) => (v, Some(crate::quant::f32_bytearray(py, &logits)?), None),
+        })
+    }
+
     /// What the model's drafter proposes from the committed state (nothing changes):
     /// (tokens, logits, confidence, base_logits, hidden), the float arrays as bytearrays.
     #[pyo3(signature = (anchor = None, k = None))]
@@ -375,6 +408,55 @@ impl PySession {
         });
         let gen = gen.into_py_result()?;
         Ok(PyStream { session: slf.clone().unbind(), gen: Mutex::new(gen), drafter_error: error_slot })
+    }
+}
+
+/// The rows of a verify, which `keep` cuts to a prefix (native part of `ds4.Verification`).
+#[pyclass(name = "Verification", module = "ds4._ds4", frozen)]
+pub struct PyVerification {
+    session: Py<PySession>,
+    /// What the verify's rows overwrote; taken by the first `keep`.
+    log: Mutex<Option<BatchLog>>,
+    /// The session's change count right after the verify: a cut applies only while the
+    /// session is still there (`Session::changes`).
+    changes: u64,
+    rows: usize,
+}
+
+#[pymethods]
+impl PyVerification {
+    /// The verified tokens.
+    #[getter]
+    fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Keeps the first `n` rows: the session is then bit for bit as if only those tokens had
+    /// been evaluated. Once per verify, and only while the session has not changed since.
+    fn keep(&self, py: Python<'_>, n: usize) -> PyResult<()> {
+        if n > self.rows {
+            return Err(PyValueError::new_err(format!("keep takes 0..={} rows, not {n}", self.rows)));
+        }
+        let log = self
+            .log
+            .lock()
+            .map_err(|_| PyRuntimeError::new_err("the verification was poisoned by a panic"))?
+            .take()
+            .ok_or_else(|| PyValueError::new_err("this verification was already kept"))?;
+        let inner = &self.session.get().inner;
+        let changes = self.changes;
+        py.detach(|| {
+            let mut s = inner.lock().map_err(|_| ds4::Error::InvalidArgument("the session was poisoned".into()))?;
+            if s.changes() != changes {
+                return Err(ds4::Error::InvalidArgument(
+                    "the session changed since this verification (evaluated, verified, restored or reset): \
+                     its rows can no longer be cut"
+                        .into(),
+                ));
+            }
+            s.keep(log, n)
+        })
+        .into_py_result()
     }
 }
 
@@ -516,6 +598,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_device_name, m)?)?;
     m.add_class::<PyModel>()?;
     m.add_class::<PySession>()?;
+    m.add_class::<PyVerification>()?;
     m.add_class::<PySnapshot>()?;
     m.add_class::<PyStream>()?;
     Ok(())
