@@ -15,7 +15,8 @@ import ds4
 from ds4.testing import TINY, random_model
 from conftest import GOLDEN, LLAMACPP_TINY_L
 from test_drafters import check_sampling_is_exact, llamacpp_layout
-from test_speculative import Oracle, check_identical, prompts
+from test_speculative import (Oracle, check_identical, check_python_speculative_loop, check_verify_then_keep,
+                               prompts)
 
 FIXTURES = ["tiny-a", "tiny-b", "tiny-l"]
 gpu = pytest.mark.skipif(not ds4.cuda_available(), reason="no usable CUDA GPU")
@@ -129,6 +130,18 @@ def test_speculation_is_exact_on_cuda(files: dict[str, Path], method: str) -> No
         else:
             spec = ds4.Speculative(method, max_draft=4, adaptive=False)
         check_identical(m, prompt, spec, max_tokens=40, ignore_eos=True)
+
+
+@gpu
+@pytest.mark.parametrize("name", ["tiny-l", "tiny-a"])
+def test_verify_and_keep_on_cuda(files: dict[str, Path], name: str) -> None:
+    # Session.verify on the device (a greedy verify's ids from the GPU's argmax): eval's rows
+    # bit for bit, keep(n) the state of evaluating n tokens, and a Python speculative loop
+    # over them the greedy output.
+    m = ds4.Model.load(files[name], backend="cuda")
+    check_verify_then_keep(m, name)
+    if name == "tiny-l":
+        check_python_speculative_loop(m)
 
 
 @gpu
