@@ -12,8 +12,9 @@ programs are built and captured then), prints the mean wall time of 20 one-token
 turns the profiler on (cuProfilerStart) around STEPS more (default 1), so that ncu measures
 only those kernels; with ``--rows R`` each of those steps is a batch of R random tokens (a
 verify's step up to 16 rows, a prompt's beyond; one more such step first builds its program).
-ncu runs each kernel alone, so the sum of the durations can differ from the step's wall time: it has no launch gaps, and no overlap of a
-kernel's start with the previous one's end. The second form sums the report per kernel name.
+ncu runs each kernel alone, so the sum of the durations can differ from the step's wall time:
+it has no launch gaps, and no overlap of a kernel's start with the previous one's end. The
+second form sums the report per kernel name.
 
 The kernels' times as they ran (graph nodes, the side branch and programmatic launches
 overlapping), with the idle time between them, come from a CUPTI trace of the same steps by
@@ -43,8 +44,8 @@ from __future__ import annotations
 
 import collections
 import csv
-import re
 import ctypes
+import re
 import signal
 import statistics
 import sys
@@ -71,7 +72,7 @@ def profile(model: str, steps: int, cupti: str | None = None, prompt: int = 64, 
     rng = np.random.default_rng(1)
     batches = [[40 + i] if rows == 1 else rng.integers(8, m.vocab_size, rows).tolist() for i in range(steps)]
     if rows > 1:
-        s.eval(batches[0], logits="last")  # the prompt step's program, built and captured
+        s.eval(batches[0], logits="last")  # the program of a step of that many rows, built and captured
     if cupti:
         # Traced by kernel_trace.cpp, loaded as the process's CUDA injection library.
         lib = ctypes.CDLL(cupti)

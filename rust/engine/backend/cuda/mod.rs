@@ -328,8 +328,8 @@ pub(crate) fn split_in_launch(w: &Mat, rows: usize) -> (usize, usize) {
 /// reduction order (row invariance). (Tried: the float formats aiming at twice the blocks, which
 /// puts Flash's router, 256 x 4096 F16, in 4 slices and its HCA compressors, 512 x 4096, in 2.
 /// In the lab (H200) faster at 8 batch rows, 13.3 against 15.5 us and 16.4 against 18.8, at one
-/// row 6.7 against 7.4 and 8.0 against 7.5; in the engine Flash steps took 8.89 ms against 8.67 and verifies of 8
-/// rows 26.36 against 26.54: not kept.)
+/// row 6.7 against 7.4 and 8.0 against 7.5; in the engine Flash steps took 8.89 ms against 8.67
+/// and verifies of 8 rows 26.36 against 26.54: not kept.)
 fn slices(w: &Mat) -> usize {
     let tiles = w.n_in.div_ceil(tile_elems(w.ty, w.n_in, w.n_out));
     // The Q8_0 kernel's warps are few (32 rows each) and its chunks short: it asks for four
