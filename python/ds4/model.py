@@ -114,6 +114,15 @@ class Proposal:
     hidden: npt.NDArray[np.float32] | None = None
 
 
+def _token_ids(tokens: Sequence[int] | npt.ArrayLike) -> list[int]:
+    """Token ids as a list of ints (any sequence or array, flattened); ``ValueError`` for a
+    negative one."""
+    ids = [int(t) for t in np.asarray(tokens, dtype=np.int64).reshape(-1)]
+    if any(t < 0 for t in ids):
+        raise ValueError("token ids must be non-negative")
+    return ids
+
+
 class Verification:
     """The rows of a speculative verify (see :meth:`Session.verify`): their logits, or their
     greedy tokens, and :meth:`keep` to cut the session back to a prefix of them."""
@@ -264,10 +273,7 @@ class Session:
         for ``"none"``). Raises :class:`ds4.ContextOverflowError` if they do not fit and
         ``ValueError`` for a token outside the vocabulary; then nothing changes.
         The GIL is released while computing."""
-        ids = [int(t) for t in np.asarray(tokens, dtype=np.int64).reshape(-1)]
-        if any(t < 0 for t in ids):
-            raise ValueError("token ids must be non-negative")
-        out = np.frombuffer(self._native.eval(ids, logits), dtype="<f4")
+        out = np.frombuffer(self._native.eval(_token_ids(tokens), logits), dtype="<f4")
         return out.reshape(-1, self._vocab)
 
     def verify(self, tokens: Sequence[int] | npt.ArrayLike, *, greedy: bool = False) -> Verification:
@@ -279,10 +285,7 @@ class Session:
         verify the anchor and the draft, keep the tokens up to the first the target disagrees
         with. Raises as :meth:`eval` does, and ``ValueError`` for more than 17 tokens; then
         nothing changes. The GIL is released while computing."""
-        ids = [int(t) for t in np.asarray(tokens, dtype=np.int64).reshape(-1)]
-        if any(t < 0 for t in ids):
-            raise ValueError("token ids must be non-negative")
-        native, logits, greedy_ids = self._native.verify(ids, greedy)
+        native, logits, greedy_ids = self._native.verify(_token_ids(tokens), greedy)
         rows = None if logits is None else np.frombuffer(logits, dtype="<f4").reshape(-1, self._vocab)
         return Verification(native, rows, greedy_ids)
 

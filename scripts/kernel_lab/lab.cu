@@ -107,10 +107,11 @@ static CUfunction kernel_of(const char* path, const char* format, int nb, int* s
     }
     CUmodule mod = modules[path];
     char name[96];
-    snprintf(name, sizeof name, "ds4_mv_%s_%d", format, nb);
     const bool gemm = is_gemm(format);
     if (gemm) {
         snprintf(name, sizeof name, "ds4_%s", format);
+    } else {
+        snprintf(name, sizeof name, "ds4_mv_%s_%d", format, nb);
     }
     CUfunction f;
     CK(cuModuleGetFunction(&f, mod, name));
