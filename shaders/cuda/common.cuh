@@ -868,6 +868,18 @@ __device__ __forceinline__ void matvec_split(const MvDesc* __restrict__ descs, i
     mv_store<NB>(acc, D, B.slice, B.rb, B.o0, B.nrows, counters);
 }
 
+// (Tried and not kept, 2026-12-02: the routed experts' launches on as many blocks as are
+// resident (4 an SM), each block running the launch's blocks i, i + gridDim.x, ... with the
+// first chunk of its next one loaded before the last chunk of the current one was computed,
+// so that a warp always had a chunk in flight and the descriptor search and lattice copy were
+// paid once a block. The same bits, but slower on an H200 (lab, pseudo-random weights, plain
+// against looping): IQ2_XXS twelve 2048 x 4096 at one row 24.05 / 25.35 us, at two 30.35 /
+// 33.64, 88 at two 185.1 / 209.7; Q2_K six 4096 x 2048 at one row 14.41 / 18.04 (the plain
+// kernel keeps six blocks an SM there), 44 at two 125.2 / 154.0; 2, 3 or 8 blocks an SM were
+// no better. Flash at a 2100-token context, interleaved: steps 8.89 against 8.74 ms, verifies
+// of 2 / 4 / 8 rows 11.91 / 16.98 / 27.47 against 11.33 / 16.25 / 26.28. Launching and
+// retiring blocks costs the H200 less than the loop's registers and serial blocks do.)
+//
 // (Tried and not kept: the two-row kernels running the blocks of a one-row descriptor with
 // the one-row code, for a verify's routed experts, most of which serve one row (ds4_route cuts
 // an expert's rows in descriptors of up to two): the same bits, but on an H200 (Flash at
