@@ -215,7 +215,10 @@ const PREFETCH_THREADS: usize = 128;
 /// blocks of 32 threads (9.03 against 9.00 ms: no better, the other kernels a little slower);
 /// the next layer's q_b asked for on the FFN site's side branch after the shared expert,
 /// during the routed experts (9.90 against 8.97 ms: the longer side chain holds up the join
-/// before `ds4_moe_combine`).
+/// before `ds4_moe_combine`). Nor (2026-12-02) each block of the routed gate and up launch
+/// asking L2 for its share of its slot's down matrix (the down table follows the gate and up
+/// table slot for slot): steps 8.72 against 8.70 ms, verifies of 2 / 4 / 8 rows 11.38 / 16.37
+/// / 26.48 against 11.37 / 16.33 / 26.29 (three interleaved runs).
 pub(super) fn prefetch_q_b(setting: Option<&str>) -> Result<bool> {
     switch("DS4_CUDA_PREFETCH", setting)
 }
