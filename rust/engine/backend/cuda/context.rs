@@ -65,8 +65,9 @@ pub(crate) const Q8_MMA_MAX_IN: usize = 1024;
 /// though as fast in the lab at one row (9.53 against 9.82 us), made steps slower in the engine
 /// (9.48 ms), as did all Q8_0 on the tensor cores (`DS4_CUDA_Q8=mma`: 9.70 against 8.96, for a
 /// verify of 8 rows in 26.07 ms and the prompt in 5.13 s). A bound on rows instead
-/// (`DS4_CUDA_Q8_MMA_MIN_ROWS=4096`, which also takes o_a's tensor of 8192 rows but not its
-/// products of 1024) made steps 0.8 ms slower and no verify faster.
+/// (`DS4_CUDA_Q8_MMA_MIN_ROWS=4096`) moves that down (4096 rows), not o_a, whose products have
+/// 1024 rows (`DS4_DECODE_PROFILE`, 2026-12-02: o_a stayed on the float-x kernel): steps 9.41
+/// ms against 8.65, verifies of 8 rows 28.06 against 26.52 (two interleaved runs).
 pub(crate) const Q8_MMA_MIN_IN: usize = 8192;
 
 /// Matrices (planes) of at least this many rows go to Q8_0's tensor-core kernel by default,
@@ -81,7 +82,19 @@ pub(crate) const Q8_MMA_MIN_ROWS: usize = 65536;
 /// for none; by default those whose rows have at most `DS4_CUDA_Q8_MMA_MAX_IN` elements
 /// ([`Q8_MMA_MAX_IN`]: Flash's q_b) or at least `DS4_CUDA_Q8_MMA_MIN_IN` ([`Q8_MMA_MIN_IN`]:
 /// its o_b), and those of at least `DS4_CUDA_Q8_MMA_MIN_ROWS` rows ([`Q8_MMA_MIN_ROWS`]: the
-/// head, which the tensor-core kernel reads faster even at one row).
+/// head, which the tensor-core kernel reads faster even at one row); also any listed in
+/// `DS4_CUDA_Q8_MMA_SHAPES` (`NIN`x`ROWS`, comma-separated; entries that do not parse are
+/// ignored).
+///
+/// `DS4_CUDA_Q8_MMA_SHAPES=4096x1024,4096x8192` puts Flash's o_a (its 8192-row plane and its
+/// 1024-row group products) on the tensor cores, and q_a too, which has the groups' shape (H200,
+/// 2100-token context, a process each, two interleaved runs, 2026-12-02): verifies of 2 / 4 /
+/// 8 rows 11.48 / 15.97 / 24.73 ms against 11.26 / 16.41 / 26.44, but steps 8.80 ms against
+/// 8.62. Per launch (`DS4_DECODE_PROFILE`): o_a 23.5 us at one row and 29.3 at eight against
+/// 21.8 and 63.4 on the float-x kernel; q_a then leaves kv's launch (10.6 + 8.4 us against 9.7
+/// for both), which is most of the steps' loss. Not the default, as decode is the common
+/// case; o_a alone on the tensor cores (a choice by its plane's rows, which the group
+/// products do not carry yet) would keep most of the verify's gain for about 0.07 ms a step.
 /// The choice depends only on the shape, never on the batch, and the device layout of the
 /// weights follows it, so a row computes the same way in every batch (row invariance). A
 /// product on some rows of a plane must make the plane's choice: o_a's groups (1024 of 8192
@@ -100,7 +113,16 @@ pub(crate) fn tensor_cores(ty: GgmlType, n_in: usize, rows: usize) -> bool {
             ),
         }
     });
-    ty == GgmlType::Q8_0 && (n_in <= max_in || n_in >= min_in || rows >= min_rows)
+    static SHAPES: OnceLock<Vec<(usize, usize)>> = OnceLock::new();
+    let shapes = SHAPES.get_or_init(|| q8_mma_shapes(&std::env::var("DS4_CUDA_Q8_MMA_SHAPES").unwrap_or_default()));
+    ty == GgmlType::Q8_0 && (n_in <= max_in || n_in >= min_in || rows >= min_rows || shapes.contains(&(n_in, rows)))
+}
+
+/// The `(n_in, rows)` shapes of a `DS4_CUDA_Q8_MMA_SHAPES` setting ("4096x1024,4096x8192"),
+/// without the entries that do not parse.
+fn q8_mma_shapes(setting: &str) -> Vec<(usize, usize)> {
+    let shape = |s: &str| s.trim().split_once('x').and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)));
+    setting.split(',').filter_map(shape).collect()
 }
 
 /// The stem of Q8_0's tensor-core kernels.
@@ -543,5 +565,18 @@ impl Drop for Context {
                 cu::module::unload(self.module).ok();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod shape_setting_tests {
+    use super::q8_mma_shapes;
+
+    /// `DS4_CUDA_Q8_MMA_SHAPES`: `NINxROWS` entries, spaces allowed, the malformed ones dropped.
+    #[test]
+    fn q8_mma_shapes_parse() {
+        assert_eq!(q8_mma_shapes("4096x1024,4096x8192"), vec![(4096, 1024), (4096, 8192)]);
+        assert_eq!(q8_mma_shapes(" 64x32 , x5, 7x, 8y9,,3x4"), vec![(64, 32), (3, 4)]);
+        assert!(q8_mma_shapes("").is_empty());
     }
 }
