@@ -94,7 +94,8 @@ pub(crate) const Q8_MMA_MIN_ROWS: usize = 65536;
 /// 21.8 and 63.4 on the float-x kernel; q_a then leaves kv's launch (10.6 + 8.4 us against 9.7
 /// for both), which is most of the steps' loss. Not the default, as decode is the common
 /// case; o_a alone on the tensor cores (a choice by its plane's rows, which the group
-/// products do not carry yet) would keep most of the verify's gain for about 0.07 ms a step.
+/// products do not carry yet) should, by the per-launch figures, keep most of the verify's
+/// gain for about 0.07 ms a step (not measured).
 /// The choice depends only on the shape, never on the batch, and the device layout of the
 /// weights follows it, so a row computes the same way in every batch (row invariance). A
 /// product on some rows of a plane must make the plane's choice: o_a's groups (1024 of 8192
