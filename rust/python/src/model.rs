@@ -1,6 +1,6 @@
 //! `Model`, `Session` and `Snapshot`.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use ds4::backend::Greedy;
 use ds4::generate::{GenerateOptions, Generation, Speculation};
@@ -204,6 +204,12 @@ pub struct PySession {
 }
 
 impl PySession {
+    /// The session, locked where a ds4 error is wanted (inside `py.detach`): a lock poisoned by
+    /// a panic is an error, not a second panic.
+    fn lock(&self) -> ds4::Result<MutexGuard<'_, Session>> {
+        self.inner.lock().map_err(|_| ds4::Error::InvalidArgument("the session was poisoned".into()))
+    }
+
     fn with<T>(&self, f: impl FnOnce(&mut Session) -> PyResult<T>) -> PyResult<T> {
         let mut s = self.inner.lock().map_err(|_| PyRuntimeError::new_err("the session was poisoned by a panic"))?;
         f(&mut s)
@@ -223,8 +229,7 @@ impl PySession {
             _ => return Err(PyValueError::new_err(format!("logits must be 'all', 'last' or 'none', got {which:?}"))),
         };
         let out = py.detach(|| {
-            let mut s =
-                self.inner.lock().map_err(|_| ds4::Error::InvalidArgument("the session was poisoned".into()))?;
+            let mut s = self.lock()?;
             s.eval(&tokens, which)
         });
         crate::quant::f32_bytearray(py, &out.into_py_result()?)
@@ -292,9 +297,9 @@ impl PySession {
         tokens: Vec<u32>,
         greedy: bool,
     ) -> PyResult<(PyVerification, Option<Bound<'py, PyByteArray>>, Option<Vec<u32>>)> {
-        let inner = &slf.get().inner;
+        let session = slf.get();
         let out = py.detach(|| {
-            let mut s = inner.lock().map_err(|_| ds4::Error::InvalidArgument("the session was poisoned".into()))?;
+            let mut s = session.lock()?;
             let (rows, log) = if greedy {
                 s.verify_argmax(&tokens)?
             } else {
@@ -329,8 +334,7 @@ impl PySession {
         Option<Bound<'py, PyByteArray>>,
     )> {
         let p = py.detach(|| {
-            let mut s =
-                self.inner.lock().map_err(|_| ds4::Error::InvalidArgument("the session was poisoned".into()))?;
+            let mut s = self.lock()?;
             s.propose(anchor, k)
         });
         let p = p.into_py_result()?;
@@ -398,8 +402,7 @@ impl PySession {
             }
         };
         let gen = py.detach(|| {
-            let mut s =
-                this.inner.lock().map_err(|_| ds4::Error::InvalidArgument("the session was poisoned".into()))?;
+            let mut s = this.lock()?;
             let mut speculation = speculation;
             if let (Some((m, max)), Some(sp)) = (&model_method, speculation.as_mut()) {
                 sp.drafter = Box::new(ModelDrafter::new(&s, m, *max)?);
@@ -443,10 +446,10 @@ impl PyVerification {
             .map_err(|_| PyRuntimeError::new_err("the verification was poisoned by a panic"))?
             .take()
             .ok_or_else(|| PyValueError::new_err("this verification was already kept"))?;
-        let inner = &self.session.get().inner;
+        let session = self.session.get();
         let changes = self.changes;
         py.detach(|| {
-            let mut s = inner.lock().map_err(|_| ds4::Error::InvalidArgument("the session was poisoned".into()))?;
+            let mut s = session.lock()?;
             if s.changes() != changes {
                 return Err(ds4::Error::InvalidArgument(
                     "the session changed since this verification (evaluated, verified, restored or reset): \
@@ -517,8 +520,7 @@ impl PyStream {
         let session = self.session.get();
         let out = py.detach(|| {
             let mut g = self.gen.lock().map_err(|_| ds4::Error::InvalidArgument("the stream was poisoned".into()))?;
-            let mut s =
-                session.inner.lock().map_err(|_| ds4::Error::InvalidArgument("the session was poisoned".into()))?;
+            let mut s = session.lock()?;
             g.step(&mut s)
         });
         if out.is_err() {
