@@ -64,15 +64,23 @@ pub(crate) const Q8_MMA_MAX_IN: usize = 1024;
 /// 30.63, the prompt 6.00 s against 6.50. The shared expert's down (4096 x 2048) as well,
 /// though as fast in the lab at one row (9.53 against 9.82 us), made steps slower in the engine
 /// (9.48 ms), as did all Q8_0 on the tensor cores (`DS4_CUDA_Q8=mma`: 9.70 against 8.96, for a
-/// verify of 8 rows in 26.07 ms and the prompt in 5.13 s). A bound on rows instead
-/// (`DS4_CUDA_Q8_MMA_MIN_ROWS=4096`) moves that down (4096 rows), not o_a, whose products have
-/// 1024 rows (`DS4_DECODE_PROFILE`, 2026-12-02: o_a stayed on the float-x kernel): steps 9.41
-/// ms against 8.65, verifies of 8 rows 28.06 against 26.52 (two interleaved runs).
+/// verify of 8 rows in 26.07 ms and the prompt in 5.13 s). (`DS4_CUDA_Q8_MMA_MIN_ROWS=4096`
+/// moves that down too, 4096 rows: steps 9.41 ms against 8.65, verifies of 8 rows 28.06
+/// against 26.52, two interleaved runs.)
 pub(crate) const Q8_MMA_MIN_IN: usize = 8192;
 
 /// Matrices (planes) of at least this many rows go to Q8_0's tensor-core kernel by default,
-/// whatever their row length (see [`tensor_cores`]): the LM head.
-pub(crate) const Q8_MMA_MIN_ROWS: usize = 65536;
+/// whatever their row length (see [`tensor_cores`]): Flash's o_a (8192 x 4096, its eight
+/// 1024-row group products with it: `DeviceImage::kernel_mat`) and the LM head. o_a on the
+/// tensor cores (H200, Flash with the experts of 33 of 43 layers filled, 2100-token context,
+/// `ab_steps.py --processes`, two interleaved runs, medians, 2026-12-02): steps in a row 8.72
+/// ms against 8.72, verifies of 2 / 4 / 8 rows 11.33 / 15.76 / 24.82 ms against 11.39 / 16.31 /
+/// 26.35 (per launch, o_a 23.5 us at one row and 29.3 at eight against 21.8 and 63.4 on the
+/// float-x kernel), the 2100-token prompt 2.00 s against 1.93 (o_a leaves the prompt's
+/// `ds4_gemm_q8_0`, which reads the float-x layout, for this kernel, which reads the weights
+/// once per 16 rows). With q_a and kv as well (`DS4_CUDA_Q8_MMA_SHAPES=4096x1024,4096x512`),
+/// verifies of 8 rows 24.51 ms but steps 8.91.
+pub(crate) const Q8_MMA_MIN_ROWS: usize = 8192;
 
 /// Whether this process multiplies `ty` matrices of `rows` rows (a plane: a 2-D tensor, one
 /// expert of a 3-D one) of `n_in` elements on the tensor cores: Q8_0 ones through the exact
@@ -81,25 +89,18 @@ pub(crate) const Q8_MMA_MIN_ROWS: usize = 65536;
 /// slower at several batch rows). `DS4_CUDA_Q8`, read once: `mma` for all Q8_0 matrices, `fma`
 /// for none; by default those whose rows have at most `DS4_CUDA_Q8_MMA_MAX_IN` elements
 /// ([`Q8_MMA_MAX_IN`]: Flash's q_b) or at least `DS4_CUDA_Q8_MMA_MIN_IN` ([`Q8_MMA_MIN_IN`]:
-/// its o_b), and those of at least `DS4_CUDA_Q8_MMA_MIN_ROWS` rows ([`Q8_MMA_MIN_ROWS`]: the
-/// head, which the tensor-core kernel reads faster even at one row); also any listed in
+/// its o_b), and those of at least `DS4_CUDA_Q8_MMA_MIN_ROWS` rows ([`Q8_MMA_MIN_ROWS`]: its
+/// o_a, and the head, which the tensor-core kernel reads faster even at one row); also any listed in
 /// `DS4_CUDA_Q8_MMA_SHAPES` (`NIN`x`ROWS`, comma-separated; entries that do not parse are
 /// ignored).
 ///
-/// `DS4_CUDA_Q8_MMA_SHAPES=4096x1024,4096x8192` puts Flash's o_a (its 8192-row plane and its
-/// 1024-row group products) on the tensor cores, and q_a too, which has the groups' shape (H200,
-/// 2100-token context, a process each, two interleaved runs, 2026-12-02): verifies of 2 / 4 /
-/// 8 rows 11.48 / 15.97 / 24.73 ms against 11.26 / 16.41 / 26.44, but steps 8.80 ms against
-/// 8.62. Per launch (`DS4_DECODE_PROFILE`): o_a 23.5 us at one row and 29.3 at eight against
-/// 21.8 and 63.4 on the float-x kernel; q_a then leaves kv's launch (10.6 + 8.4 us against 9.7
-/// for both), which is most of the steps' loss. Not the default, as decode is the common
-/// case; o_a alone on the tensor cores (a choice by its plane's rows, which the group
-/// products do not carry yet) should, by the per-launch figures, keep most of the verify's
-/// gain for about 0.07 ms a step (not measured).
+/// `DS4_CUDA_Q8_MMA_SHAPES=4096x1024` puts Flash's q_a on the tensor cores as well: it then
+/// leaves kv's launch (10.6 + 8.4 us against 9.7 for both), which made steps 0.18 ms slower
+/// (H200, 2026-12-02).
 /// The choice depends only on the shape, never on the batch, and the device layout of the
 /// weights follows it, so a row computes the same way in every batch (row invariance). A
-/// product on some rows of a plane must make the plane's choice: o_a's groups (1024 of 8192
-/// rows) do; `DeviceImage::holds_split` keeps any other on the CPU.
+/// product on some rows of a plane makes the plane's choice (`DeviceImage::kernel_mat`; the
+/// decoder's o_a launch, program.rs): the plane's kernel laid its rows out.
 pub(crate) fn tensor_cores(ty: GgmlType, n_in: usize, rows: usize) -> bool {
     static BOUNDS: OnceLock<(usize, usize, usize)> = OnceLock::new();
     let (max_in, min_in, min_rows) = *BOUNDS.get_or_init(|| {

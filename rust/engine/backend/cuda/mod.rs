@@ -312,14 +312,11 @@ pub(crate) fn rows_per_block(w: &Mat, g: usize) -> usize {
 /// 8192 x 4096 matrix 15.6 us with 1; Flash decode at 2K, two A/B pairs: 9.57 / 9.61 ms with
 /// each product's own split, 9.27 / 9.39 ms with this). Like [`group`] and [`slices`], a
 /// function of shapes only, never of the batch (row invariance); the host's products do not
-/// use it, so its o_a sums in another order than the device decoder's.
-/// (A launch whose rows would change the kernel, [`tensor_cores`], keeps each product's own
-/// split: the kernel is the product's.)
+/// use it, so its o_a sums in another order than the device decoder's. The launch also runs
+/// the whole matrix's kernel ([`tensor_cores`] of `rows` rows): o_a's groups are row ranges of
+/// one plane, whose kernel chose the weights' device layout.
 pub(crate) fn split_in_launch(w: &Mat, rows: usize) -> (usize, usize) {
     let whole = Mat { n_out: rows.max(w.n_out), ..*w };
-    if tensor_cores(w.ty, w.n_in, w.n_out) != tensor_cores(whole.ty, whole.n_in, whole.n_out) {
-        return (group(w), slices(w));
-    }
     (group(&whole), slices(&whole))
 }
 
@@ -537,9 +534,14 @@ impl CudaBackend {
 
     /// The descriptor of the product of `w` (its rows at device address `w_at`) with `n <= 16`
     /// rows at device `x` into device `y` (partial sums at `part` when split, counters from
-    /// `counter`), and its block count.
-    fn desc(w_at: u64, w: &Mat, x: u64, y: u64, part: u64, n: usize, counter: usize) -> (Desc, usize) {
-        Self::desc_split(w_at, w, x, y, part, n, counter, (group(w), slices(w)))
+    /// `counter`), and its block count. `kernel`: the matrix whose shape chooses the kernel and
+    /// the split ([`DeviceImage::kernel_mat`]: `w`, or the plane `w`'s rows belong to).
+    #[allow(clippy::too_many_arguments)]
+    fn desc(w_at: u64, w: &Mat, kernel: &Mat, x: u64, y: u64, part: u64, n: usize, counter: usize) -> (Desc, usize) {
+        let (g, s) = (group(kernel), slices(kernel));
+        let (mut d, _) = Self::desc_split(w_at, w, x, y, part, n, counter, (g, s));
+        d.warp_rows = warp_rows(kernel.ty, kernel.n_in, kernel.n_out) as i32;
+        (d, w.n_out.div_ceil(rows_per_block(kernel, g)) * s)
     }
 
     /// [`CudaBackend::desc`] at warp group and input slices `(g, s)` ([`split_in_launch`]).
@@ -641,7 +643,7 @@ impl CudaBackend {
                 if prefill {
                     decode::gemm::desc(at, m, m.n_out, x, y, m.n_out, part, n, 0)
                 } else {
-                    Self::desc(at, m, x, y, part, n, 0)
+                    Self::desc(at, m, m, x, y, part, n, 0)
                 }
             })
             .collect();
@@ -751,10 +753,15 @@ impl Backend for CudaBackend {
         }
         // Scratch layout, in floats: the descriptor table, the inputs, the outputs, the partial
         // sums of split products. The table and the inputs go over in one copy.
+        // Each product's kernel follows its plane's (kernel_mat).
+        let kernel_of = |p: &Placed| img.kernel_mat(specs[p.spec].0);
         let table_len = DESC_FLOATS
             * placed
                 .iter()
-                .map(|p| p.n.div_ceil(chunk_rows(specs[p.spec].0.ty, specs[p.spec].0.n_in, specs[p.spec].0.n_out)))
+                .map(|p| {
+                    let k = kernel_of(p);
+                    p.n.div_ceil(chunk_rows(k.ty, k.n_in, k.n_out))
+                })
                 .sum::<usize>();
         let x_end = table_len + x_len;
         let mut total = x_end;
@@ -766,10 +773,10 @@ impl Backend for CudaBackend {
         }
         let y_end = total;
         for p in &placed {
-            let w = specs[p.spec].0;
-            if slices(w) > 1 {
-                total += slices(w) * p.n * w.n_out;
-                counters += p.n.div_ceil(chunk_rows(w.ty, w.n_in, w.n_out)) * row_blocks(w);
+            let (w, k) = (specs[p.spec].0, kernel_of(p));
+            if slices(&k) > 1 {
+                total += slices(&k) * p.n * w.n_out;
+                counters += p.n.div_ceil(chunk_rows(k.ty, k.n_in, k.n_out)) * row_blocks(&k);
             }
         }
         if !placed.is_empty() {
@@ -830,17 +837,18 @@ impl CudaBackend {
         let mut counter = 0;
         for p in placed {
             let w = specs[p.spec].0;
-            let stem = context::stem(w.ty, w.n_in, w.n_out).expect("a GPU format");
+            let k = img.kernel_mat(w);
+            let stem = context::stem(k.ty, k.n_in, k.n_out).expect("a GPU format");
             let mut r = 0;
             while r < p.n {
-                let c = (p.n - r).min(chunk_rows(w.ty, w.n_in, w.n_out));
+                let c = (p.n - r).min(chunk_rows(k.ty, k.n_in, k.n_out));
                 let nb = context::BATCH_SIZES.iter().copied().find(|&b| b >= c).expect("c <= 16");
                 let x = at(p.x_off + r * w.n_in);
                 let y = at(p.y_off + r * w.n_out);
-                let (d, blocks) = Self::desc(img.addr(w.start), w, x, y, at(part), c, counter);
+                let (d, blocks) = Self::desc(img.addr(w.start), w, &k, x, y, at(part), c, counter);
                 if d.slices > 1 {
                     part += d.slices as usize * c * w.n_out;
-                    counter += row_blocks(w);
+                    counter += blocks / d.slices as usize;
                 }
                 chunks.push((stem, nb, d, blocks));
                 r += c;

@@ -298,13 +298,15 @@ fn split_formats_run_on_listed_tensors_only() {
 #[test]
 fn launch_of_several_products_splits_as_one_matrix() {
     let oa = Mat { ty: GgmlType::Q8_0, n_in: 4096, n_out: 1024, start: 0, row_bytes: 4352 };
+    let plane = Mat { n_out: 8 * 1024, ..oa };
     if context::tensor_cores(GgmlType::Q8_0, oa.n_in, oa.n_out) {
         assert_eq!((group(&oa), slices(&oa)), (4, 8));
-        assert_eq!(split_in_launch(&oa, 8 * 1024), (4, 2));
     } else {
         assert_eq!((group(&oa), slices(&oa)), (4, 1));
-        assert_eq!(split_in_launch(&oa, 8 * 1024), (1, 1));
     }
+    // The launch runs the plane's kernel, whichever the groups alone would take.
+    let want = if context::tensor_cores(GgmlType::Q8_0, plane.n_in, plane.n_out) { (4, 2) } else { (1, 1) };
+    assert_eq!(split_in_launch(&oa, 8 * 1024), want);
     assert_eq!(split_in_launch(&oa, 1024), (group(&oa), slices(&oa)));
     let hc = Mat { ty: GgmlType::F16, n_in: 16384, n_out: 24, start: 0, row_bytes: 32768 };
     assert_eq!(split_in_launch(&hc, 24), (group(&hc), slices(&hc)));
@@ -344,6 +346,7 @@ fn strided_outputs_fill_columns_of_wider_rows() {
                     let (mut d, nb) = CudaBackend::desc(
                         img.addr(m.start),
                         m,
+                        &img.kernel_mat(m),
                         xb[gi].at(0),
                         y.at(4 * gi * rank),
                         part.at(4 * part_off),
@@ -393,7 +396,7 @@ fn run_kernel(g: &Inner, img: &DeviceImage, w: &Mat, f: sys::CUfunction, smem: u
     let y = DevBuf::zeroed(4 * n * w.n_out).unwrap();
     let part = DevBuf::zeroed(4 * 32 * n * w.n_out).unwrap();
     let counters = DevBuf::zeroed(4 * 4096).unwrap();
-    let (d, blocks) = CudaBackend::desc(img.addr(w.start), w, xb.at(0), y.at(0), part.at(0), n, 0);
+    let (d, blocks) = CudaBackend::desc(img.addr(w.start), w, w, xb.at(0), y.at(0), part.at(0), n, 0);
     let tb = DevBuf::from_slice(&[d]).unwrap();
     let args = [Arg::Ptr(tb.at(0)), Arg::I32(1), Arg::Ptr(counters.at(0)), Arg::I32(0)];
     g.ctx.launch_args(f, (blocks as u32, 1, 1), THREADS, smem, &args).unwrap();
@@ -497,33 +500,40 @@ fn q8_0_staged_x_gives_the_same_bits() {
     }
 }
 
-/// A plane of many rows (the LM head's class) takes the tensor-core kernel by default at any
-/// row length, and matches the CPU; a product on some of its rows that would take the other
-/// kernel (it cannot read the plane's layout) runs on the CPU.
+/// A plane of many rows (Flash's o_a and LM head) takes the tensor-core kernel by default at
+/// any row length, and matches the CPU; a product on some of its rows (o_a's groups) takes the
+/// plane's kernel and split even where its own shape would take the other kernel (which cannot
+/// read the plane's layout), so its rows are the plane's product's bit for bit.
 #[test]
 fn q8_0_plane_of_many_rows_and_its_slices() {
     let Some(b) = backend() else { return };
     let mut rng = Rng(0x4ead);
-    let rows = context::Q8_MMA_MIN_ROWS;
-    check_format(&b, GgmlType::Q8_0, rows, 64, &mut rng);
-    let (raw, w) = image(GgmlType::Q8_0, rows, 64, &mut rng);
+    // Rows of 2048: by default the plane is on the tensor cores by its rows, and 1024 of them
+    // alone would not be.
+    let (rows, n_in) = (context::Q8_MMA_MIN_ROWS, 2048);
+    check_format(&b, GgmlType::Q8_0, rows, n_in, &mut rng);
+    let (raw, w) = image(GgmlType::Q8_0, rows, n_in, &mut rng);
     b.upload_image(&raw, 32, &[w], |_, _| {}).unwrap();
-    let x: Vec<f32> = (0..3 * 64).map(|_| rng.f32()).collect();
+    let x: Vec<f32> = (0..3 * n_in).map(|_| rng.f32()).collect();
     let whole = b.matmul(&raw, &w, &x).unwrap();
-    let part = Mat { n_out: 1024, ..w };
-    let got = b.matmul(&raw, &part, &x).unwrap();
-    if context::tensor_cores(w.ty, w.n_in, w.n_out) != context::tensor_cores(part.ty, part.n_in, part.n_out) {
-        assert_eq!(got, cpu::matmul_new(&raw, &part, &x).unwrap());
+    // Rows 1024..2048 (o_a's second group): a tile-aligned range in the middle of the plane.
+    let part = Mat { n_out: 1024, start: w.start + 1024 * w.row_bytes, ..w };
+    {
+        let g = b.lock();
+        let img = g.images.iter().find(|i| i.is(&raw)).unwrap();
+        assert!(img.holds_split(&part));
+        assert_eq!(img.kernel_mat(&part), Mat { n_out: rows, ..part });
     }
+    let got = b.matmul(&raw, &part, &x).unwrap();
     for r in 0..3 {
-        let close = (0..1024).all(|o| (got[r * 1024 + o] - whole[r * rows + o]).abs() <= 1e-4);
-        assert!(close, "batch row {r}: the first 1024 rows alone differ from the plane's");
+        let same = (0..1024).all(|o| got[r * 1024 + o].to_bits() == whole[r * rows + 1024 + o].to_bits());
+        assert!(same, "batch row {r}: rows 1024..2048 alone differ from the plane's");
     }
     b.release(&raw).unwrap();
 }
 
 /// Which Q8_0 kernel takes a matrix is one decision, a function of its shape alone (row
-/// invariance, and a slice of a matrix shares its layout): the kernel stem, tile, rows a warp
+/// invariance; a product on a slice of a plane takes the plane's, `DeviceImage::kernel_mat`): the kernel stem, tile, rows a warp
 /// and batch chunk all follow `tensor_cores`, the rows it takes are those up to a bound, from
 /// another bound on, and matrices of many rows, and no other format is affected. Host-side: no
 /// GPU needed.
@@ -552,17 +562,24 @@ fn q8_0_kernel_choice_is_one_rule_of_the_shape() {
             }
         }
     }
-    // Unless the process chose otherwise, Flash's q_b (32768 x 1024), o_b (4096 x 8192) and
-    // head (129280 x 4096) are on the tensor cores, and its o_a (8192 x 4096), q_a (1024 x
-    // 4096) and shared expert (2048 x 4096, 4096 x 2048) are not.
+    // Unless the process chose otherwise, Flash's q_b (32768 x 1024), o_b (4096 x 8192), o_a
+    // (8192 x 4096) and head (129280 x 4096) are on the tensor cores, and its q_a (1024 x 4096),
+    // kv (512 x 4096) and shared expert (2048 x 4096, 4096 x 2048) are not.
     let set = |v: &str| std::env::var_os(v).is_some();
-    let vars = ["DS4_CUDA_Q8", "DS4_CUDA_Q8_MMA_MAX_IN", "DS4_CUDA_Q8_MMA_MIN_IN", "DS4_CUDA_Q8_MMA_MIN_ROWS"];
+    let vars = [
+        "DS4_CUDA_Q8",
+        "DS4_CUDA_Q8_MMA_MAX_IN",
+        "DS4_CUDA_Q8_MMA_MIN_IN",
+        "DS4_CUDA_Q8_MMA_MIN_ROWS",
+        "DS4_CUDA_Q8_MMA_SHAPES",
+    ];
     if !vars.iter().any(|v| set(v)) {
         let flash = [
             (1024, 32768, true),
             (8192, 4096, true),
             (4096, 129280, true),
-            (4096, 8192, false),
+            (4096, 8192, true),
+            (4096, 512, false),
             (4096, 1024, false),
             (4096, 2048, false),
             (2048, 4096, false),
@@ -571,22 +588,6 @@ fn q8_0_kernel_choice_is_one_rule_of_the_shape() {
             assert_eq!(context::tensor_cores(GgmlType::Q8_0, n_in, rows), mma, "{rows} x {n_in}");
         }
     }
-}
-
-/// A product on some rows of a plane runs on the GPU only with the plane's Q8_0 kernel (the
-/// plane's device layout follows its kernel): a launch whose rows would change the kernel keeps
-/// each product's own split. Host-side.
-#[test]
-fn q8_0_slices_of_a_plane_keep_its_kernel() {
-    let row_bytes = 4352;
-    let head = Mat { ty: GgmlType::Q8_0, n_in: 4096, n_out: 129280, start: 0, row_bytes };
-    let part = Mat { n_out: 1024, ..head };
-    let mma = |m: &Mat| context::tensor_cores(m.ty, m.n_in, m.n_out);
-    if mma(&head) != mma(&part) {
-        assert_eq!(split_in_launch(&part, 129280), (group(&part), slices(&part)));
-    }
-    let oa = Mat { n_out: 1024, ..head };
-    assert_eq!(mma(&oa), mma(&Mat { n_out: 8192, ..oa }), "o_a's groups and their plane");
 }
 
 /// The prefill products' timing (benches/cuda.rs `prefill/`) runs F16 and float-x Q8_0 of at

@@ -54,23 +54,36 @@ impl DeviceImage {
         start >= self.data_offset && start.checked_add(len).is_some_and(|e| e <= self.host_len)
     }
 
-    /// Whether the rows of `w` (a split format) are stored split: inside one tensor of the
-    /// same format and row length that was split at upload, at a row boundary of it.
-    /// The rows must take the same Q8_0 kernel as their plane (`tensor_cores`, which decided
-    /// the plane's layout), and on the tensor cores be a range its kernel takes
-    /// (`q8_0::takes_rows`: from a tile's start, ending at a tile's or a plane's end).
-    pub(crate) fn holds_split(&self, w: &Mat) -> bool {
+    /// The plane rows of the split tensor holding the rows of `w` (a split format): one of the
+    /// same format and row length that was split at upload, `w` at a row boundary of it and,
+    /// when the plane is on Q8_0's tensor cores, a range that kernel takes (`q8_0::takes_rows`:
+    /// from a tile's start, ending at a tile's or a plane's end).
+    fn split_plane(&self, w: &Mat) -> Option<usize> {
         let i = self.split.partition_point(|(t, _)| t.start <= w.start);
-        i > 0 && {
-            let (t, plane) = &self.split[i - 1];
-            let tiled = tensor_cores(t.ty, t.n_in, *plane);
-            t.ty == w.ty
-                && t.n_in == w.n_in
-                && t.row_bytes == w.row_bytes
-                && (w.start - t.start).is_multiple_of(t.row_bytes)
-                && w.start + w.nbytes() <= t.start + t.nbytes()
-                && tensor_cores(w.ty, w.n_in, w.n_out) == tiled
-                && (!tiled || q8_0::takes_rows((w.start - t.start) / t.row_bytes, w.n_out, *plane))
+        let (t, plane) = self.split.get(i.checked_sub(1)?)?;
+        let tiled = tensor_cores(t.ty, t.n_in, *plane);
+        let inside = t.ty == w.ty
+            && t.n_in == w.n_in
+            && t.row_bytes == w.row_bytes
+            && (w.start - t.start).is_multiple_of(t.row_bytes)
+            && w.start + w.nbytes() <= t.start + t.nbytes()
+            && (!tiled || q8_0::takes_rows((w.start - t.start) / t.row_bytes, w.n_out, *plane));
+        inside.then_some(*plane)
+    }
+
+    /// Whether the rows of `w` (a split format) are stored split ([`DeviceImage::split_plane`]).
+    pub(crate) fn holds_split(&self, w: &Mat) -> bool {
+        self.split_plane(w).is_some()
+    }
+
+    /// `w` with the rows that choose the kernel of its products: its plane's when its rows are
+    /// stored split (the plane's kernel laid them out at upload: Flash's o_a groups, 1024 of
+    /// its 8192 rows, take the tensor cores with it), else its own. The products then split
+    /// as the plane's do, so their rows are the plane's product's bit for bit.
+    pub(crate) fn kernel_mat(&self, w: &Mat) -> Mat {
+        match self.split_plane(w) {
+            Some(plane) => Mat { n_out: plane, ..*w },
+            None => *w,
         }
     }
 

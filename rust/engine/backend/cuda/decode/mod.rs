@@ -1063,8 +1063,8 @@ impl CudaDecoder {
                 g2.extend([i.proj, i.compressor.kv, i.compressor.gate, i.q_b]);
             }
             need(&g2, rows);
-            let oa = Mat { n_out: cfg.o_lora_rank, ..l.o_a };
-            need(&vec![oa; cfg.o_groups], rows);
+            // o_a's groups: one launch split as their whole plane (program.rs `split_in_launch`).
+            need(&[l.o_a], rows);
             need(&[l.o_b], rows);
             need(&[l.hc_ffn.proj], rows);
             need(&[l.router_proj, l.gate_sh, l.up_sh], rows);

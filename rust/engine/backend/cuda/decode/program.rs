@@ -11,7 +11,8 @@ use super::super::context::{driver_err, stem, Context, THREADS};
 use super::super::device::{Arg, DevBuf};
 use super::super::weights::DeviceImage;
 use super::super::{
-    chunk_rows, group, row_blocks, rows_per_block, slices, split_in_launch, tensor_cores, CudaBackend, Desc, MV_WARPS,
+    chunk_rows, group, row_blocks, rows_per_block, slices, split_in_launch, tensor_cores, warp_rows, CudaBackend, Desc,
+    MV_WARPS,
 };
 use super::gemm;
 use super::{CompMirror, CudaDecoder, DSparkDevice, Launch, LayerConsts, LayerMirror, MtpDevice, Op, Program, N_MAX};
@@ -376,9 +377,20 @@ impl CudaDecoder {
          -> Result<()> {
             let mut part_off = 0usize;
             let mut counter = 0usize;
+            // The matrix whose shape picks a product's kernel: its own, or for strided products
+            // (o_a's groups, consecutive row ranges of one plane) the plane's, whose kernel
+            // decided how the weights were laid out at upload (`DeviceImage::kernel_mat`): a
+            // group on another kernel than its plane's would read a layout it does not know.
+            let plane_rows = y_stride.map(|_| prods.iter().map(|pr| pr.0.n_out).sum::<usize>());
+            let kmat = |m: &Mat| Mat { n_out: plane_rows.unwrap_or(m.n_out), ..*m };
             // A prefill step's tensor-core products first (gemm.rs): one launch per format.
+            // (Tried in every step, decode and verify too, for the trunk's F16 products, whose
+            // float kernel is bound by its x loads at 8 rows: on an H200, Flash at a 2100-token
+            // context, three interleaved runs, 2026-12-02, steps 10.97 ms against 8.66 and
+            // verifies of 2 / 4 / 8 rows 13.66 / 17.72 / 25.95 ms against 11.31 / 15.79 / 24.80;
+            // those of at least 512 rows only, 10.36 ms and 13.01 / 17.43 / 25.95.)
             let on_tc = |pr: &(Mat, u64, u64, usize)| {
-                prefill && gemm::takes(&pr.0, cur.get().addr(pr.0.start), pr.1, pr.3, sm80)
+                prefill && gemm::takes(&kmat(&pr.0), cur.get().addr(pr.0.start), pr.1, pr.3, sm80)
             };
             let tc: Vec<(Mat, u64, u64, usize)> = prods.iter().copied().filter(on_tc).collect();
             let rest: Vec<(Mat, u64, u64, usize)> = prods.iter().copied().filter(|pr| !on_tc(pr)).collect();
@@ -435,13 +447,13 @@ impl CudaDecoder {
                     }));
                 }
             }
-            // One launch per kernel, in call order: (format, stem, its first product, whose shape
-            // picks the same kernel as every other of its products).
-            let stem_of = |m: &Mat| stem(m.ty, m.n_in, m.n_out);
+            // One launch per kernel, in call order: (format, stem, the matrix whose shape picks
+            // the kernel of every product of the launch).
+            let stem_of = |m: &Mat| stem(m.ty, m.n_in, kmat(m).n_out);
             let mut kernels: Vec<(crate::quant::GgmlType, Option<&'static str>, Mat)> = Vec::new();
             for pr in prods {
                 if !kernels.iter().any(|k| (k.0, k.1) == (pr.0.ty, stem_of(&pr.0))) {
-                    kernels.push((pr.0.ty, stem_of(&pr.0), pr.0));
+                    kernels.push((pr.0.ty, stem_of(&pr.0), kmat(&pr.0)));
                 }
             }
             for (ty, kstem, km) in kernels {
@@ -456,16 +468,15 @@ impl CudaDecoder {
                 let mut nmax = 1;
                 // Strided outputs are the o_a groups: products of one shape that share the
                 // launch's row blocks (split_in_launch).
-                let launch_rows: usize = prods.iter().filter(mine).map(|pr| pr.0.n_out).sum();
                 for &(m, x, y, rows) in prods.iter().filter(mine) {
                     let ys = y_stride.unwrap_or(m.n_out);
                     let split =
-                        if y_stride.is_some() { split_in_launch(&m, launch_rows) } else { (group(&m), slices(&m)) };
-                    let chunk = chunk_rows(ty, m.n_in, m.n_out);
+                        if y_stride.is_some() { split_in_launch(&m, km.n_out) } else { (group(&m), slices(&m)) };
+                    let chunk = chunk_rows(ty, m.n_in, km.n_out);
                     let at = cur.get().addr(m.start);
                     // Rows a block (whole 16-row tiles of the tensor-core layout), and the bands
                     // (band_rows: the whole matrix unless a prompt's tensor-core Q8_0 product).
-                    let rpb = rows_per_block(&m, split.0);
+                    let rpb = rows_per_block(&km, split.0);
                     let banded = prefill && y_stride.is_none() && tensor_cores(ty, m.n_in, m.n_out);
                     let band =
                         band_rows(if banded { self.bands } else { None }, rpb, m.n_out, rows.div_ceil(chunk), split.1);
@@ -485,6 +496,7 @@ impl CudaDecoder {
                             let nblocks = bn.div_ceil(rpb) * split.1;
                             dsc.block_start = blocks as i32;
                             dsc.y_stride = ys as i32;
+                            dsc.warp_rows = warp_rows(ty, km.n_in, km.n_out) as i32;
                             // Only split products use partial sums and counters.
                             let s = split.1;
                             if s > 1 {
@@ -974,7 +986,8 @@ impl CudaDecoder {
             }
             // Templates of the routed products (ds4_route fills in expert, rows, offsets).
             let templ = |m: Mat, x: u64, y: u64, part_base: usize, counter: usize| {
-                CudaBackend::desc(cur.get().addr(m.start), &m, x, y, b.part.ptr + 4 * part_base as u64, 0, counter).0
+                CudaBackend::desc(cur.get().addr(m.start), &m, &m, x, y, b.part.ptr + 4 * part_base as u64, 0, counter)
+                    .0
             };
             let (gm, um, dm) = (lw.gate_exps.first, lw.up_exps.first, lw.down_exps.first);
             let gx_on = gx && gx_takes(&gm, cur.get().addr(gm.start)) && gx_takes(&um, cur.get().addr(um.start));

@@ -79,7 +79,7 @@ fn prefill_products_match_the_float_product_and_are_row_invariant() {
             eprintln!("{ty} {n_out}x{n_in}: not a prefill tensor-core product here");
             continue;
         }
-        let w = DevBuf::from_slice(&split_image(&raw, &[m])).unwrap();
+        let w = DevBuf::from_slice(&split_image(&raw, &[(m, m.n_out)])).unwrap();
         // Rows of different scales, one of them all zeros, one with a large value.
         let mut x = randn(ROWS * n_in, 100 + si as u64, 1.0);
         for (r, row) in x.chunks_mut(n_in).enumerate() {
@@ -167,7 +167,7 @@ fn expert_products_on_the_tensor_cores_match_the_act8_dot() {
         let mut raw = vec![0u8; start];
         raw.extend_from_slice(&data);
         let m = Mat { ty, n_in, n_out, start, row_bytes };
-        let w = DevBuf::from_slice(&split_image(&raw, &[m])).unwrap();
+        let w = DevBuf::from_slice(&split_image(&raw, &[(m, m.n_out)])).unwrap();
         // Per weight the magnitude of what the kernel sums: |w| (IQ2_XXS), |d sc q| + |dmin m|
         // (Q2_K).
         let mut parts = vec![0f32; n_out * n_in];

@@ -122,7 +122,7 @@ fn router(rng: &mut Rng, hash: bool, vocab: usize, k: usize, n_experts: usize) -
 /// The product of `w` (in the device image `img`) with `n` rows at `x` into `y` (partial sums
 /// at `part`, counters from `counter`), and its block count.
 fn product(img: &DevBuf, w: &Mat, x: u64, y: u64, part: u64, n: usize, counter: usize) -> (Desc, usize) {
-    CudaBackend::desc(img.at(w.start), w, x, y, part, n, counter)
+    CudaBackend::desc(img.at(w.start), w, w, x, y, part, n, counter)
 }
 
 /// Launches the product kernel of matrices shaped as `w` for `n` batch rows over `count`
@@ -673,15 +673,15 @@ struct MoeLayer {
     cfg: ModelConfig,
     spec: LayerSpec,
     lw: LayerWeights,
-    /// Every tensor of `raw` (for the split device layout).
-    tensors: Vec<Mat>,
+    /// Every tensor of `raw` with the rows of its planes (for the split device layout).
+    tensors: Vec<(Mat, usize)>,
 }
 
 /// Random weights: rows uniform in ±3/sqrt(n_in), so that every product is of order 1.
 fn build_layer(rng: &mut Rng, hash: bool, n_exp: usize, k: usize, d: usize, ff: usize) -> MoeLayer {
     let mut raw = vec![0u8; 256];
     let mut tensors = Vec::new();
-    let mut add = |ty: GgmlType, n_in: usize, n_out: usize, rng: &mut Rng| -> Mat {
+    let mut add = |ty: GgmlType, n_in: usize, n_out: usize, plane: usize, rng: &mut Rng| -> Mat {
         let start = raw.len().next_multiple_of(256);
         raw.resize(start, 0);
         let a = 3.0 / (n_in as f32).sqrt();
@@ -696,17 +696,18 @@ fn build_layer(rng: &mut Rng, hash: bool, n_exp: usize, k: usize, d: usize, ff: 
             }
             _ => unreachable!(),
         }
-        tensors.push(Mat { ty, n_in, n_out, start, row_bytes });
+        tensors.push((Mat { ty, n_in, n_out, start, row_bytes }, plane));
         Mat { ty, n_in, n_out, start, row_bytes }
     };
-    let router_proj = add(GgmlType::F32, d, n_exp, rng);
+    let router_proj = add(GgmlType::F32, d, n_exp, n_exp, rng);
     let mut stack = |n_in: usize, n_out: usize, rng: &mut Rng| {
-        // One tensor: n_exp whole matrices back to back.
-        let first = add(GgmlType::Q8_0, n_in, n_out * n_exp, rng);
+        // One tensor: n_exp whole matrices back to back, a plane each.
+        let first = add(GgmlType::Q8_0, n_in, n_out * n_exp, n_out, rng);
         Stack { first: Mat { n_out, ..first }, n_exp }
     };
     let exps = [stack(d, ff, rng), stack(d, ff, rng), stack(ff, d, rng)];
-    let sh = [add(GgmlType::Q8_0, d, ff, rng), add(GgmlType::Q8_0, d, ff, rng), add(GgmlType::Q8_0, ff, d, rng)];
+    let sh =
+        [add(GgmlType::Q8_0, d, ff, ff, rng), add(GgmlType::Q8_0, d, ff, ff, rng), add(GgmlType::Q8_0, ff, d, d, rng)];
     let cfg = config(n_exp, k, d, ff, true, 1.5);
     let r = router(rng, hash, cfg.vocab, k, n_exp);
     let lw = layer_weights(router_proj, r, exps, sh);

@@ -64,14 +64,18 @@ pub(crate) fn randn(len: usize, seed: u64, scale: f32) -> Vec<f32> {
         .collect()
 }
 
-/// A copy of the image `raw` with the rows of each of `tensors` that has a split format in the
-/// split device layout, as [`super::super::CudaBackend::upload`] stores them.
-pub(crate) fn split_image(raw: &[u8], tensors: &[crate::model::weights::Mat]) -> Vec<u8> {
+/// A copy of the image `raw` with the rows of each of `tensors` (a tensor and the rows of its
+/// planes: an expert stack's are one expert's) that has a split format in the split device
+/// layout, as [`super::super::CudaBackend::upload`] stores them: each plane in the layout of
+/// its kernel.
+pub(crate) fn split_image(raw: &[u8], tensors: &[(crate::model::weights::Mat, usize)]) -> Vec<u8> {
     let mut out = raw.to_vec();
-    for t in tensors.iter().filter(|t| crate::quant::split::is_split(t.ty)) {
-        // Each tensor one plane, as upload_image takes them.
-        let tiles = super::super::context::tensor_cores(t.ty, t.n_in, t.n_out).then_some((t.n_out, 0));
-        crate::quant::split::split_rows(t.ty, t.row_bytes, &mut out[t.start..t.start + t.nbytes()], tiles);
+    for (t, plane) in tensors.iter().filter(|(t, _)| crate::quant::split::is_split(t.ty)) {
+        let tiles = super::super::context::tensor_cores(t.ty, t.n_in, *plane).then_some((*plane, 0));
+        for p in (0..t.n_out).step_by(*plane) {
+            let at = t.start + p * t.row_bytes;
+            crate::quant::split::split_rows(t.ty, t.row_bytes, &mut out[at..at + plane * t.row_bytes], tiles);
+        }
     }
     out
 }
