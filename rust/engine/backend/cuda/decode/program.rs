@@ -80,7 +80,9 @@ pub(super) fn route_pick_grid(n: usize, experts: usize) -> u32 {
 /// Up to [`N_MAX`] rows one block scores them in a round or two, or closes a few windows, and a
 /// second launch would only add its latency. (A verify's compressors split from 2 or from 5
 /// rows on: verifies of 2 / 4 / 8 rows of Flash at a 2100-token context 11.43 / 16.82 / 26.91
-/// and 11.35 / 16.47 / 26.80 ms against 11.34 / 16.45 / 26.75, interleaved on an H200.)
+/// and 11.35 / 16.47 / 26.80 ms against 11.34 / 16.45 / 26.75, interleaved on an H200. Its
+/// routing split from 2 rows on: verifies of 4 / 8 rows 15.53 / 24.30 ms against 15.49 / 24.14,
+/// steps 8.49 against 8.50, two interleaved runs, 2026-12-02; the same bits, tested.)
 pub(super) fn split_over_blocks(on: bool, n: usize) -> bool {
     on && n > N_MAX
 }
