@@ -90,9 +90,9 @@ pub(crate) const Q8_MMA_MIN_ROWS: usize = 8192;
 /// for none; by default those whose rows have at most `DS4_CUDA_Q8_MMA_MAX_IN` elements
 /// ([`Q8_MMA_MAX_IN`]: Flash's q_b) or at least `DS4_CUDA_Q8_MMA_MIN_IN` ([`Q8_MMA_MIN_IN`]:
 /// its o_b), and those of at least `DS4_CUDA_Q8_MMA_MIN_ROWS` rows ([`Q8_MMA_MIN_ROWS`]: its
-/// o_a, and the head, which the tensor-core kernel reads faster even at one row); also any listed in
-/// `DS4_CUDA_Q8_MMA_SHAPES` (`NIN`x`ROWS`, comma-separated; entries that do not parse are
-/// ignored).
+/// o_a, and the head, which the tensor-core kernel reads faster even at one row); also any
+/// listed in `DS4_CUDA_Q8_MMA_SHAPES` (`NIN`x`ROWS`, comma-separated; entries that do not
+/// parse are ignored).
 ///
 /// `DS4_CUDA_Q8_MMA_SHAPES=4096x1024` puts Flash's q_a on the tensor cores as well: it then
 /// leaves kv's launch (10.6 + 8.4 us against 9.7 for both), which made steps 0.18 ms slower

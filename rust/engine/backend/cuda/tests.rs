@@ -508,8 +508,8 @@ fn q8_0_staged_x_gives_the_same_bits() {
 fn q8_0_plane_of_many_rows_and_its_slices() {
     let Some(b) = backend() else { return };
     let mut rng = Rng(0x4ead);
-    // Rows of 2048: by default the plane is on the tensor cores by its rows, and 1024 of them
-    // alone would not be.
+    // Rows of 2048 elements: by default the plane is on the tensor cores by its row count, and
+    // 1024 of its rows alone would not be.
     let (rows, n_in) = (context::Q8_MMA_MIN_ROWS, 2048);
     check_format(&b, GgmlType::Q8_0, rows, n_in, &mut rng);
     let (raw, w) = image(GgmlType::Q8_0, rows, n_in, &mut rng);
@@ -533,10 +533,10 @@ fn q8_0_plane_of_many_rows_and_its_slices() {
 }
 
 /// Which Q8_0 kernel takes a matrix is one decision, a function of its shape alone (row
-/// invariance; a product on a slice of a plane takes the plane's, `DeviceImage::kernel_mat`): the kernel stem, tile, rows a warp
-/// and batch chunk all follow `tensor_cores`, the rows it takes are those up to a bound, from
-/// another bound on, and matrices of many rows, and no other format is affected. Host-side: no
-/// GPU needed.
+/// invariance; a product on a slice of a plane takes the plane's, `DeviceImage::kernel_mat`):
+/// the kernel stem, tile, rows a warp and batch chunk all follow `tensor_cores`, the rows it
+/// takes are those up to a bound, from another bound on, and matrices of many rows, and no
+/// other format is affected. Host-side: no GPU needed.
 #[test]
 fn q8_0_kernel_choice_is_one_rule_of_the_shape() {
     for rows in [1, 24, 1024, 8192, 65535, 65536, 129280] {
