@@ -311,10 +311,10 @@ pub(crate) fn rows_per_block(w: &Mat, g: usize) -> usize {
 /// they fill the GPU with 1 (on an H200, Flash o_a: 23 us a launch with 4, 19 with 2; a single
 /// 8192 x 4096 matrix 15.6 us with 1; Flash decode at 2K, two A/B pairs: 9.57 / 9.61 ms with
 /// each product's own split, 9.27 / 9.39 ms with this). Like [`group`] and [`slices`], a
-/// function of shapes only, never of the batch (row invariance); the host's products do not
-/// use it, so its o_a sums in another order than the device decoder's. The launch also runs
-/// the whole matrix's kernel ([`tensor_cores`] of `rows` rows): o_a's groups are row ranges of
-/// one plane, whose kernel chose the weights' device layout.
+/// function of shapes only, never of the batch (row invariance). The launch also runs the
+/// whole matrix's kernel ([`tensor_cores`] of `rows` rows): o_a's groups are row ranges of one
+/// plane, whose kernel chose the weights' device layout. (The host's products of the groups
+/// take the same kernel and split one by one, through `DeviceImage::kernel_mat`.)
 pub(crate) fn split_in_launch(w: &Mat, rows: usize) -> (usize, usize) {
     let whole = Mat { n_out: rows.max(w.n_out), ..*w };
     (group(&whole), slices(&whole))
