@@ -51,8 +51,8 @@ fi
 (cd tests && DS4_CUDA_Q8=fma python -m pytest -q -p no:cacheprovider test_cuda.py)
 (cd tests && DS4_CUDA_Q8=mma python -m pytest -q -p no:cacheprovider test_cuda.py)
 # A plane on the tensor cores whose group products alone would not be (the tiny models' o_a,
-# 128 x 256, in groups of 64 rows, as Flash's o_a with DS4_CUDA_Q8_MMA_SHAPES=4096x8192): the
-# decoder's o_a launch must take the plane's kernel, which laid out its weights.
+# 128 x 256 in groups of 64 rows, as Flash's o_a is by default, 8192 x 4096 in groups of
+# 1024): the decoder's o_a launch must take the plane's kernel, which laid out its weights.
 (cd tests && DS4_CUDA_Q8_MMA_MAX_IN=0 DS4_CUDA_Q8_MMA_SHAPES=256x128 python -m pytest -q -p no:cacheprovider \
     test_cuda.py -k "quantized or device_decode or invariant")
 ds4 random MID /tmp/ds4-mid-q8_0.gguf --dtype q8_0 -q
