@@ -31,6 +31,10 @@ fi
 
 # Waits for the background Flash file, then prints its log's last lines; fails if it failed.
 flash_wait() {
+    if [ ! -e /tmp/ds4-flash-q2.gguf.done ] && [ ! -e /tmp/ds4-flash-q2.gguf.log ]; then
+        echo "flash_wait: no Flash file is being written (device_prep.sh without GEN and TOKENIZER)" >&2
+        return 1
+    fi
     while [ ! -e /tmp/ds4-flash-q2.gguf.done ] && ! grep -q "^the Flash file" /tmp/ds4-flash-q2.gguf.log 2>/dev/null; do
         sleep 2
     done

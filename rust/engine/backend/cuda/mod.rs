@@ -344,6 +344,8 @@ fn slices(w: &Mat) -> usize {
 /// One product placed in the scratch buffers (offsets in floats).
 struct Placed {
     spec: usize,
+    /// The matrix whose shape chooses its kernel and split ([`DeviceImage::kernel_mat`]).
+    kernel: Mat,
     n: usize,
     x_off: usize,
     y_off: usize,
@@ -538,17 +540,16 @@ impl CudaBackend {
     /// the split ([`DeviceImage::kernel_mat`]: `w`, or the plane `w`'s rows belong to).
     #[allow(clippy::too_many_arguments)]
     fn desc(w_at: u64, w: &Mat, kernel: &Mat, x: u64, y: u64, part: u64, n: usize, counter: usize) -> (Desc, usize) {
-        let (g, s) = (group(kernel), slices(kernel));
-        let (mut d, _) = Self::desc_split(w_at, w, x, y, part, n, counter, (g, s));
-        d.warp_rows = warp_rows(kernel.ty, kernel.n_in, kernel.n_out) as i32;
-        (d, w.n_out.div_ceil(rows_per_block(kernel, g)) * s)
+        Self::desc_split(w_at, w, kernel, x, y, part, n, counter, (group(kernel), slices(kernel)))
     }
 
-    /// [`CudaBackend::desc`] at warp group and input slices `(g, s)` ([`split_in_launch`]).
+    /// [`CudaBackend::desc`] at warp group and input slices `(g, s)` ([`split_in_launch`]); the
+    /// warp rows and the block count follow `kernel`.
     #[allow(clippy::too_many_arguments)]
     fn desc_split(
         w_at: u64,
         w: &Mat,
+        kernel: &Mat,
         x: u64,
         y: u64,
         part: u64,
@@ -570,10 +571,10 @@ impl CudaBackend {
             counter: counter as i32,
             group: g as i32,
             y_stride: w.n_out as i32,
-            warp_rows: warp_rows(w.ty, w.n_in, w.n_out) as i32,
+            warp_rows: warp_rows(kernel.ty, kernel.n_in, kernel.n_out) as i32,
             pad: 0,
         };
-        (d, row_blocks_in(w, g) * s)
+        (d, w.n_out.div_ceil(rows_per_block(kernel, g)) * s)
     }
 
     /// Times `iters` launches of the product of each of `mats` in turn (they should be at
@@ -745,7 +746,7 @@ impl Backend for CudaBackend {
             if Self::gpu_shape(img, w) {
                 // Each x starts 16-byte aligned for the kernels' float4 loads (n_in % 4 == 0
                 // for every GPU format, so each of its rows is aligned too).
-                placed.push(Placed { spec: i, n, x_off: x_len, y_off: 0 });
+                placed.push(Placed { spec: i, kernel: img.kernel_mat(w), n, x_off: x_len, y_off: 0 });
                 x_len += (n * w.n_in).next_multiple_of(4);
             } else {
                 on_cpu.push(i);
@@ -753,15 +754,10 @@ impl Backend for CudaBackend {
         }
         // Scratch layout, in floats: the descriptor table, the inputs, the outputs, the partial
         // sums of split products. The table and the inputs go over in one copy.
-        // Each product's kernel follows its plane's (kernel_mat).
-        let kernel_of = |p: &Placed| img.kernel_mat(specs[p.spec].0);
         let table_len = DESC_FLOATS
             * placed
                 .iter()
-                .map(|p| {
-                    let k = kernel_of(p);
-                    p.n.div_ceil(chunk_rows(k.ty, k.n_in, k.n_out))
-                })
+                .map(|p| p.n.div_ceil(chunk_rows(p.kernel.ty, p.kernel.n_in, p.kernel.n_out)))
                 .sum::<usize>();
         let x_end = table_len + x_len;
         let mut total = x_end;
@@ -773,10 +769,10 @@ impl Backend for CudaBackend {
         }
         let y_end = total;
         for p in &placed {
-            let (w, k) = (specs[p.spec].0, kernel_of(p));
-            if slices(&k) > 1 {
-                total += slices(&k) * p.n * w.n_out;
-                counters += p.n.div_ceil(chunk_rows(k.ty, k.n_in, k.n_out)) * row_blocks(&k);
+            let (w, k) = (specs[p.spec].0, &p.kernel);
+            if slices(k) > 1 {
+                total += slices(k) * p.n * w.n_out;
+                counters += p.n.div_ceil(chunk_rows(k.ty, k.n_in, k.n_out)) * row_blocks(k);
             }
         }
         if !placed.is_empty() {
@@ -836,8 +832,7 @@ impl CudaBackend {
         let mut part = y_end;
         let mut counter = 0;
         for p in placed {
-            let w = specs[p.spec].0;
-            let k = img.kernel_mat(w);
+            let (w, k) = (specs[p.spec].0, &p.kernel);
             let stem = context::stem(k.ty, k.n_in, k.n_out).expect("a GPU format");
             let mut r = 0;
             while r < p.n {
@@ -845,7 +840,7 @@ impl CudaBackend {
                 let nb = context::BATCH_SIZES.iter().copied().find(|&b| b >= c).expect("c <= 16");
                 let x = at(p.x_off + r * w.n_in);
                 let y = at(p.y_off + r * w.n_out);
-                let (d, blocks) = Self::desc(img.addr(w.start), w, &k, x, y, at(part), c, counter);
+                let (d, blocks) = Self::desc(img.addr(w.start), w, k, x, y, at(part), c, counter);
                 if d.slices > 1 {
                     part += d.slices as usize * c * w.n_out;
                     counter += blocks / d.slices as usize;

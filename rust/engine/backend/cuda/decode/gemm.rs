@@ -102,7 +102,7 @@ pub(in crate::backend::cuda) fn desc(
     counter: usize,
 ) -> (Desc, usize) {
     let s = slices(m, launch_rows);
-    let (mut d, _) = CudaBackend::desc_split(at, m, x, y, part, n, counter, (GROUP, s));
+    let (mut d, _) = CudaBackend::desc_split(at, m, m, x, y, part, n, counter, (GROUP, s));
     d.y_stride = y_stride as i32;
     d.warp_rows = GEMM_WARP_ROWS as i32;
     (d, row_blocks(m) * s)

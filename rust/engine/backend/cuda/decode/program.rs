@@ -11,8 +11,7 @@ use super::super::context::{driver_err, stem, Context, THREADS};
 use super::super::device::{Arg, DevBuf};
 use super::super::weights::DeviceImage;
 use super::super::{
-    chunk_rows, group, row_blocks, rows_per_block, slices, split_in_launch, tensor_cores, warp_rows, CudaBackend, Desc,
-    MV_WARPS,
+    chunk_rows, group, row_blocks, rows_per_block, slices, split_in_launch, tensor_cores, CudaBackend, Desc, MV_WARPS,
 };
 use super::gemm;
 use super::{CompMirror, CudaDecoder, DSparkDevice, Launch, LayerConsts, LayerMirror, MtpDevice, Op, Program, N_MAX};
@@ -379,12 +378,10 @@ impl CudaDecoder {
          -> Result<()> {
             let mut part_off = 0usize;
             let mut counter = 0usize;
-            // The matrix whose shape picks a product's kernel: its own, or for strided products
-            // (o_a's groups, consecutive row ranges of one plane) the plane's, whose kernel
-            // decided how the weights were laid out at upload (`DeviceImage::kernel_mat`): a
-            // group on another kernel than its plane's would read a layout it does not know.
-            let plane_rows = y_stride.map(|_| prods.iter().map(|pr| pr.0.n_out).sum::<usize>());
-            let kmat = |m: &Mat| Mat { n_out: plane_rows.unwrap_or(m.n_out), ..*m };
+            // The matrix whose shape picks a product's kernel (`DeviceImage::kernel_mat`): its
+            // own, or for rows of a plane (o_a's groups) the plane's, whose kernel laid out the
+            // weights at upload.
+            let kmat = |m: &Mat| cur.get().kernel_mat(m);
             // A prefill step's tensor-core products first (gemm.rs): one launch per format.
             // (Tried in every step, decode and verify too, for the trunk's F16 products, whose
             // float kernel is bound by its x loads at 8 rows: on an H200, Flash at a 2100-token
@@ -470,16 +467,18 @@ impl CudaDecoder {
                 let mut nmax = 1;
                 // Strided outputs are the o_a groups: products of one shape that share the
                 // launch's row blocks (split_in_launch).
+                let launch_rows: usize = prods.iter().filter(mine).map(|pr| pr.0.n_out).sum();
                 for &(m, x, y, rows) in prods.iter().filter(mine) {
                     let ys = y_stride.unwrap_or(m.n_out);
+                    let k = kmat(&m);
                     let split =
-                        if y_stride.is_some() { split_in_launch(&m, km.n_out) } else { (group(&m), slices(&m)) };
-                    let chunk = chunk_rows(ty, m.n_in, km.n_out);
+                        if y_stride.is_some() { split_in_launch(&m, launch_rows) } else { (group(&k), slices(&k)) };
+                    let chunk = chunk_rows(ty, k.n_in, k.n_out);
                     let at = cur.get().addr(m.start);
                     // Rows a block (whole 16-row tiles of the tensor-core layout), and the bands
                     // (band_rows: the whole matrix unless a prompt's tensor-core Q8_0 product).
-                    let rpb = rows_per_block(&km, split.0);
-                    let banded = prefill && y_stride.is_none() && tensor_cores(ty, m.n_in, m.n_out);
+                    let rpb = rows_per_block(&k, split.0);
+                    let banded = prefill && y_stride.is_none() && tensor_cores(ty, k.n_in, k.n_out);
                     let band =
                         band_rows(if banded { self.bands } else { None }, rpb, m.n_out, rows.div_ceil(chunk), split.1);
                     for b0 in (0..m.n_out).step_by(band.max(1)) {
@@ -489,7 +488,7 @@ impl CudaDecoder {
                             let c = (rows - r0).min(chunk);
                             let part = b.part.ptr + 4 * part_off as u64;
                             let (xc, yc) = (x + 4 * (r0 * m.n_in) as u64, y + 4 * (r0 * ys) as u64);
-                            let (mut dsc, _) = CudaBackend::desc_split(at, &m, xc, yc, part, c, counter, split);
+                            let (mut dsc, _) = CudaBackend::desc_split(at, &m, &k, xc, yc, part, c, counter, split);
                             // The band's rows: the whole product's descriptor on them (its kernel,
                             // warp rows, group and slices).
                             dsc.w = at + (b0 * m.row_bytes) as u64;
@@ -498,7 +497,6 @@ impl CudaDecoder {
                             let nblocks = bn.div_ceil(rpb) * split.1;
                             dsc.block_start = blocks as i32;
                             dsc.y_stride = ys as i32;
-                            dsc.warp_rows = warp_rows(ty, km.n_in, km.n_out) as i32;
                             // Only split products use partial sums and counters.
                             let s = split.1;
                             if s > 1 {
@@ -1010,7 +1008,7 @@ impl CudaDecoder {
             }
             // The tensor-core kernel's template: warps of GX_WARP_ROWS outputs, no split.
             let templ_gx = |m: Mat, x: u64, y: u64| {
-                let (mut t, _) = CudaBackend::desc_split(cur.get().addr(m.start), &m, x, y, 0, 0, 0, (1, 1));
+                let (mut t, _) = CudaBackend::desc_split(cur.get().addr(m.start), &m, &m, x, y, 0, 0, 0, (1, 1));
                 t.warp_rows = GX_WARP_ROWS as i32;
                 t
             };

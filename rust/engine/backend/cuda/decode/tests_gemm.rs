@@ -126,7 +126,7 @@ fn run_moe_mma(
     use super::super::CudaBackend;
     let y = DevBuf::zeroed(4 * n.max(1) * m.n_out).unwrap();
     let counters = DevBuf::zeroed(64).unwrap();
-    let (mut d, _) = CudaBackend::desc_split(w.at(m.start), m, xb.at(0), y.at(0), 0, n, 0, (1, 1));
+    let (mut d, _) = CudaBackend::desc_split(w.at(m.start), m, m, xb.at(0), y.at(0), 0, n, 0, (1, 1));
     d.warp_rows = 32;
     let table = DevBuf::from_slice(&[d]).unwrap();
     let f = ctx.function(name).unwrap();
