@@ -15,22 +15,60 @@
         ld_lane16(row, (long long)nb * PAY, c, lane, vec, ch.v);                                              \
     }
 
-// Adds sum_i w[i] * x[r][e0 + i] (i < 4) to each row's accumulators, one fmaf per element.
+// Rows of x whose float4 loads float_dot4 issues together before using any (DS4_CUDA_DEFINES
+// may set MV_XROWS for A/B timing; 1 is the former code). Issued row by row, each load followed
+// by its row's FMAs, a verify's batch made each chunk wait for 16 round trips to L2 one after
+// another (the sixteen loads of 8 rows; the SASS of ds4_mv_f16_8 had each load right before
+// its FMAs, and now has two or more ahead of them). In groups of 4 the same bits (the loads
+// move, not the arithmetic), 4 registers a row, no spills at 8 rows; a group of one is the
+// former code, so the one-row kernels keep their SASS. On an H200 (Flash at a 2100-token context, two alternating runs
+// each, verify_bench.py, 2026-12-02): greedy verifies of 4 / 8 rows 14.79 / 22.73-22.80 ms
+// against 15.15 / 23.34-23.38, decode steps unchanged (the one-row kernels' SASS is the same).
+// The same grouping in Q8_0's float-x kernel (scaled_dot4, common.cuh), groups of 2 or 4:
+// greedy verifies of 8 rows 22.89 / 22.87 ms against 22.69, not kept. The 16-row kernels keep
+// the former code: there the groups' registers spilled (ds4_mv_f16_16 228 bytes of spill loads
+// against 48).
+#ifndef MV_XROWS
+#define MV_XROWS 4
+#endif
+template <int NB>
+struct MvXRows {
+    static constexpr int value = NB > 8 ? 1 : NB < MV_XROWS ? NB : MV_XROWS;
+};
+
+// Adds sum_i w[i] * x[r][e0 + i] (i < 4) to each row's accumulators, one fmaf per element,
+// the x of MvXRows rows loaded before their FMAs.
 template <int NB>
 __device__ __forceinline__ void float_dot4(const float (&wf)[MV_ROWS][4], const float* __restrict__ x, int n_in,
                                            int n, int e0, float (&acc)[MV_ROWS][NB]) {
+    constexpr int XR = MvXRows<NB>::value;
 #pragma unroll
-    for (int r = 0; r < NB; r++) {
-        if (r < n) {
-            const float4 xv = __ldg((const float4*)(x + (long long)r * n_in + e0));
+    for (int r0 = 0; r0 < NB; r0 += XR) {
+        float4 xv[XR];
+        if constexpr (XR > 1) {
 #pragma unroll
-            for (int q = 0; q < MV_ROWS; q++) {
-                float a = acc[q][r];
-                a = fmaf(wf[q][0], xv.x, a);
-                a = fmaf(wf[q][1], xv.y, a);
-                a = fmaf(wf[q][2], xv.z, a);
-                a = fmaf(wf[q][3], xv.w, a);
-                acc[q][r] = a;
+            for (int i = 0; i < XR; i++) {
+                if (r0 + i < n) {
+                    xv[i] = __ldg((const float4*)(x + (long long)(r0 + i) * n_in + e0));
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < XR; i++) {
+            const int r = r0 + i;
+            if (r < n) {
+                if constexpr (XR == 1) {
+                    xv[0] = __ldg((const float4*)(x + (long long)r * n_in + e0));
+                }
+#pragma unroll
+                for (int q = 0; q < MV_ROWS; q++) {
+                    float a = acc[q][r];
+                    a = fmaf(wf[q][0], xv[i].x, a);
+                    a = fmaf(wf[q][1], xv[i].y, a);
+                    a = fmaf(wf[q][2], xv[i].z, a);
+                    a = fmaf(wf[q][3], xv[i].w, a);
+                    acc[q][r] = a;
+                }
             }
         }
     }
