@@ -17,7 +17,7 @@ After a prompt of --ctx tokens (random ids), measures with the median of --runs:
 * prefill tokens/s for each --prefill length (from an empty session); with --ab NAME, for a
   session made with the switch NAME=1 and one with NAME=0 (a setting the device decoder reads
   when a session makes it, such as DS4_CUDA_GEMM), or with --ab NAME=V1,V2,.. one a value
-  (DS4_CUDA_PREFILL_ROWS=16,128,256), their runs interleaved. --prefill-only
+  (DS4_CUDA_PREFILL_ROWS=16,256,512), their runs interleaved. --prefill-only
   skips the prompt of --ctx tokens, the decode steps and the verifies.
 
 Every timed call but the steps in a row is preceded by a restore of the same snapshot,

@@ -74,7 +74,7 @@ if [ -n "${FLASH_GEN:-}" ] && [ -n "${TOKENIZER:-}" ]; then
     # The rows of a prompt's step, and its routed expert products on the tensor cores or not,
     # interleaved in one process.
     python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --prefill 2048,8192 --prefill-only \
-        --ab DS4_CUDA_PREFILL_ROWS=16,128,256 --runs 6
+        --ab DS4_CUDA_PREFILL_ROWS=16,256,512 --runs 6
     python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --prefill 2048,8192 --prefill-only \
         --ab DS4_CUDA_EXPERT_MMA=1,0 --runs 6
     python benches/verify_bench.py /tmp/ds4-flash-q2.gguf --backend cuda --prefill 2048,8192 --prefill-only \

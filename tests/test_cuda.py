@@ -196,7 +196,7 @@ def test_device_decode_matches_host_forward(tmp_path: Path, monkeypatch: pytest.
     again = _chunked(m.session(512), prompt, [37, 53, *range(54, 70), 86, 100, 130, 164, 165, 166, 200, 230, 260, 261])
     assert np.array_equal(dev.view(np.uint32), again.view(np.uint32))
     # Nor do the rows of a prompt's step (DS4_CUDA_PREFILL_ROWS, read when a session makes its
-    # decoder; 256 by default: the 150-row call in one step, its products of more than 64 rows
+    # decoder; 512 by default: the 150-row call in one step, its products of more than 64 rows
     # in several descriptors) or of its routed products (DS4_CUDA_EXPERT_CHUNK, 4), or the bands
     # of output rows of its tensor-core Q8_0 products (DS4_CUDA_BANDS), over prompt calls of 150
     # and 134 rows.

@@ -27,7 +27,8 @@ const MIN_UNITS_PER_SLICE: usize = 8;
 /// microseconds at 1 / 2 / 4 / 8 / 16 slices) 1024 x 4096: 200 / 139 / 84 / 72.5 / 86.7;
 /// 4096 x 2048: 107 / 110 / 140 / 148 / 192; 2048 x 4096: 201 / 142 / 103 / 145 / 151; 4096 x
 /// 4096: 230 / 174 / 211 / 226 / 264. This target picks 8, 2, 4 and 2 of them (512 picked 16,
-/// 4, 8 and 4).
+/// 4, 8 and 4). (Steps of 512 rows, the default since, run eight descriptors a product on the
+/// same slices: the slices follow the shape only.)
 const TARGET_WARPS: usize = 256;
 
 /// Most batch rows of one product descriptor (`GEMM_MTILES` m16 tiles in gemm.cu, each unit of

@@ -68,7 +68,7 @@ const N_MAX: usize = MAX_BATCH;
 
 /// Most rows of a prompt's step (`DS4_CUDA_PREFILL_ROWS`; ds4_route's MOE_MAX_ROWS in
 /// decode_moe.cu).
-const P_MAX: usize = 256;
+const P_MAX: usize = 512;
 
 /// Rows of a prompt's step by default. A step reads each weight once for all its rows, so more
 /// rows read less a token (the routed experts: a 16-row step of Flash reads about 81 of a
@@ -77,10 +77,17 @@ const P_MAX: usize = 256;
 /// and 8192-token prompts at 465 / 425 tok/s with steps of 16 rows, 502 / 467 with 64; with
 /// 128 (and products of 4 rows, [`program::expert_chunk`]) 565 / 529 in a later build; with
 /// the routed products on the tensor cores (gemm_experts.cu), 893 / 807 with 128 rows and 936 /
-/// 842 with 256 (a 256-row step reads about 255 of the 256).
-const P_DEFAULT: usize = 256;
+/// 842 with 256 (a 256-row step reads about 255 of the 256). Past that every expert is read
+/// anyway, but the routed products' tensor-core kernels decode an expert's weights once for up
+/// to 16 of its rows (gemm_experts.cu), and a 512-row step gives an expert about 12 where a
+/// 256-row one gave 6: 2048- and 8192-token prompts at 1335 / 1201 tok/s against 1207 / 1084
+/// with 256 (H200, 2026-12-02, interleaved in one process; the MID model 9623 / 9055 against
+/// 9186 / 8639). The same bits: a 1300-token Flash prompt in steps of 512, 256 and 100 rows
+/// gave equal last-row logits, and equal logits for the token after it. The routing of 512
+/// rows takes 125 KB of shared memory (Flash's router).
+const P_DEFAULT: usize = 512;
 
-/// The rows of a prompt's step: `setting` (`DS4_CUDA_PREFILL_ROWS`, 16..=256) or [`P_DEFAULT`],
+/// The rows of a prompt's step: `setting` (`DS4_CUDA_PREFILL_ROWS`, 16..=512) or [`P_DEFAULT`],
 /// cut to the most whose routing fits in `smem_max` bytes of shared memory a block (ds4_route
 /// for this router: `k` experts a row of `experts`, [`program::route_smem`]); [`N_MAX`] with a
 /// drafter (its device upkeep and the host's capture are sized for a decode's rows).
@@ -2380,18 +2387,23 @@ mod prefill_rows_tests {
     fn prefill_rows_follow_the_setting_and_the_router_limits() {
         const SMEM: usize = 227 * 1024;
         assert_eq!(prefill_rows(None, 6, 256, false, SMEM).unwrap(), P_DEFAULT);
+        assert_eq!(P_DEFAULT, 512);
         assert_eq!(prefill_rows(Some(" 256 "), 6, 256, false, SMEM).unwrap(), 256);
+        assert_eq!(prefill_rows(Some("512"), 6, 256, false, SMEM).unwrap(), 512);
         assert_eq!(prefill_rows(Some("128"), 6, 256, false, SMEM).unwrap(), 128);
         // The default takes the most that fit: 154 rows in 48 KB.
         assert_eq!(prefill_rows(None, 6, 256, false, 48 * 1024).unwrap(), 154);
         assert_eq!(prefill_rows(Some("16"), 6, 256, false, SMEM).unwrap(), 16);
         assert_eq!(prefill_rows(Some("40"), 6, 256, false, SMEM).unwrap(), 40);
-        for bad in ["15", "257", "0", "x", "-64"] {
+        for bad in ["15", "513", "0", "x", "-64"] {
             assert!(prefill_rows(Some(bad), 6, 256, false, SMEM).is_err(), "{bad}");
         }
         // The words of 256 rows of 6 of 256 experts: 16 rows of scores, 12 ints a row for its
         // pairs, 17 for its bitmap and prefix counts, 24 for the descriptor slots, one more.
         assert_eq!(super::program::route_smem(256, 6, 256), 4 * (16 * 256 + 256 * (12 + 17 + 24) + 1));
+        // 512 rows: 124932 bytes, within an H200's 227 KB a block; one row fewer in 122 KB.
+        assert_eq!(super::program::route_smem(512, 6, 256), 4 * (16 * 256 + 512 * (12 + 17 + 24) + 1));
+        assert_eq!(prefill_rows(None, 6, 256, false, 122 * 1024).unwrap(), 511);
         // The largest row count that fits 48 KB (no opt-in): 154 rows of Flash's router, 50 of
         // 16 experts a row of 1024 (scores of 4 rows, then 2 x 16 + 32 + 33 + 4 x 16 words a row).
         assert_eq!(prefill_rows(Some("256"), 6, 256, false, 48 * 1024).unwrap(), 154);

@@ -445,14 +445,18 @@ fn route_matches_cpu() {
         let lw = layer_weights(unused(), rt.clone(), [Stack { first: unused(), n_exp }; 3], [unused(); 3]);
         let templ = fake_templates(d, ff);
         let templ_buf = DevBuf::from_slice(&templ).expect("templates");
-        // Up to the most rows the kernel takes (a prompt's step: 256), as far as its shared
+        // Up to the most rows the kernel takes (a prompt's step: P_MAX), as far as its shared
         // memory fits on this device (E = 1024, k = 16: 181 KB at 256 rows).
-        let most = (16..=256).rev().find(|&r| super::program::route_smem(r, k, n_exp) <= ctx.smem_optin).unwrap_or(16);
+        let most = (16..=super::P_MAX)
+            .rev()
+            .find(|&r| super::program::route_smem(r, k, n_exp) <= ctx.smem_optin)
+            .unwrap_or(16);
         // And the most rows whose dynamic shared memory fits the 48 KiB a launch gets without
         // opting in: with the kernel's static arrays it may not (E = 256, k = 8: 126 rows,
         // 49148 bytes), which the launch must opt in for (it once counted the dynamic part
         // only: Flash's router at 154 rows, a prompt's last step, would not have launched).
-        let edge = (16..=256).rev().find(|&r| super::program::route_smem(r, k, n_exp) <= 48 * 1024).unwrap_or(16);
+        let edge =
+            (16..=super::P_MAX).rev().find(|&r| super::program::route_smem(r, k, n_exp) <= 48 * 1024).unwrap_or(16);
         let mut counts = vec![1usize, 3, 16, edge, most];
         counts.dedup();
         for n in counts {
