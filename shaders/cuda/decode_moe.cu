@@ -226,9 +226,9 @@ extern "C" __global__ void __launch_bounds__(256)
 // Grid (1), block 128 or 256 threads (any multiple of 32 from 64 to 256), dynamic shared
 // memory of 4 * route_smem_words(n, k, E) bytes or more (a 256-row step of Flash's 6 of 256
 // experts: about 70 KB, a 512-row one 125 KB, past the default 48 KB: the host opts the kernel
-// in). Requires
-// E <= 1024, k <= 16, n <= 512, chunks >= 1, max_descs >= the number of chunks of either
-// (n * k always is; min(n * k, E) is when both chunks >= n) and <= n * k, hash entries < E.
+// in). Requires E <= 1024, k <= 16, n <= 512, chunks >= 1, max_descs >= the number of chunks
+// of either (n * k always is; min(n * k, E) is when both chunks >= n) and <= n * k, hash
+// entries < E.
 //
 // (Tried and dropped: the templates and the selection bias copied to shared memory before the
 // wait for the router product, and the top-k's rounds over 8 words of experts rather than
