@@ -16,18 +16,17 @@
     }
 
 // Rows of x whose float4 loads float_dot4 issues together before using any (DS4_CUDA_DEFINES
-// may set MV_XROWS for A/B timing; 1 is the former code). Issued row by row, each load followed
-// by its row's FMAs, a verify's batch made each chunk wait for 16 round trips to L2 one after
-// another (the sixteen loads of 8 rows; the SASS of ds4_mv_f16_8 had each load right before
-// its FMAs, and now has two or more ahead of them). In groups of 4 the same bits (the loads
-// move, not the arithmetic), 4 registers a row, no spills at 8 rows; a group of one is the
-// former code, so the one-row kernels keep their SASS. On an H200 (Flash at a 2100-token context, two alternating runs
-// each, verify_bench.py, 2026-12-02): greedy verifies of 4 / 8 rows 14.79 / 22.73-22.80 ms
-// against 15.15 / 23.34-23.38, decode steps unchanged (the one-row kernels' SASS is the same).
-// The same grouping in Q8_0's float-x kernel (scaled_dot4, common.cuh), groups of 2 or 4:
-// greedy verifies of 8 rows 22.89 / 22.87 ms against 22.69, not kept. The 16-row kernels keep
-// the former code: there the groups' registers spilled (ds4_mv_f16_16 228 bytes of spill loads
-// against 48).
+// may set MV_XROWS for A/B timing; 1 is the former code). Issued row by row, each load right
+// before its row's FMAs (so the SASS of ds4_mv_f16_8 had it), a verify of 8 rows waited for
+// sixteen round trips to L2 a chunk, one after another; now two or more are in flight. Only
+// the loads move, not the arithmetic: the same bits. 4 registers a row, no spills up to 8
+// rows; the one-row kernels (a group of one is the former code) and the 16-row ones (where
+// groups spilled: ds4_mv_f16_16 228 bytes of spill loads against 48) keep their SASS. On an
+// H200 (Flash at a 2100-token context, verify_bench.py, two alternating runs each,
+// 2026-12-02): greedy verifies of 4 / 8 rows 14.79 / 22.73-22.80 ms against 15.15 /
+// 23.34-23.38, decode steps unchanged. The same grouping in Q8_0's float-x kernel
+// (scaled_dot4, common.cuh), groups of 2 or 4: greedy verifies of 8 rows 22.89 / 22.87 ms
+// against 22.69, not kept.
 #ifndef MV_XROWS
 #define MV_XROWS 4
 #endif
