@@ -341,14 +341,17 @@ def _child_logits(model: Path, prompt: list[int], env: dict[str, str], out: Path
 
 
 @gpu
-def test_l2_prefetch_changes_no_bits(tmp_path: Path) -> None:
-    # The side branch's L2 prefetch of each layer's q_b is a hint: every logit is the same bits
-    # with it and without, across a prefill chunk and single steps (a child process each: the
-    # setting is read when a session's decoder is made).
+@pytest.mark.parametrize("switch", ["DS4_CUDA_PREFETCH", "DS4_CUDA_SIDE_PROJ"])
+def test_side_branch_work_changes_no_bits(switch: str, tmp_path: Path) -> None:
+    # What the side branch runs beside the main stream moves no bits: the L2 prefetch of each
+    # layer's q_b is a hint, and the compressors' and indexer's projections (split products
+    # among them, with partial sums of their own) are the same launches on another stream.
+    # Every logit is the same bits with each and without, across a prefill chunk and single
+    # steps (a child process each: the settings are read when a session's decoder is made).
     cfg = TINY.replace(num_hidden_layers=3, compress_ratios=(0, 4, 128))
     path = random_model(tmp_path / "m.gguf", cfg, seed=5, dtype="q2")
     p = np.random.default_rng(4).integers(8, cfg.vocab_size, 60).tolist()
-    off, on = (_child_logits(path, p, {"DS4_CUDA_PREFETCH": v}, tmp_path / f"pf{v}.npy") for v in "01")
+    off, on = (_child_logits(path, p, {switch: v}, tmp_path / f"sw{v}.npy") for v in "01")
     assert np.array_equal(off.view(np.uint32), on.view(np.uint32))
 
 

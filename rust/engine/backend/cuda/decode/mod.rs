@@ -224,14 +224,15 @@ enum Op<A = Arg> {
 /// The side branch of the decode's programs: a second stream that forks from the context's
 /// stream at each [`Op::Side`] and joins it at each [`Op::Join`] (in a captured graph, a
 /// parallel branch). It runs the hyper-connections' Sinkhorn iterations (ds4_hc_sinkhorn),
-/// which only the site's expansion reads, while the sublayer runs, and the FFN's shared
-/// expert beside the router and the routed experts; with `DS4_CUDA_FORK=0` the iterations run
-/// inside ds4_hc_pre (the same operations: the results are bitwise equal, which
-/// `hc_pre_matches_cpu` and test_cuda.py check) and the shared expert in line. A Flash decode
-/// step at 2K on an H200, both ways in one run: 11.87 ms without the branch, 11.12 ms with it.
-/// (The compressors' and indexer's projections and updates on it too, beside the query path,
-/// measured 11.32 ms against 10.99 in one run: not kept.) The decoder's drop destroys the
-/// branch while its context lives (a session may outlive its model).
+/// which only the site's expansion reads, while the sublayer runs; the compressors' and
+/// indexer's projections beside the query path (program.rs, `DS4_CUDA_SIDE_PROJ`); and the
+/// FFN's shared expert beside the router and the routed experts. With `DS4_CUDA_FORK=0` the
+/// iterations run inside ds4_hc_pre (the same operations: the results are bitwise equal, which
+/// `hc_pre_matches_cpu` and test_cuda.py check) and the rest in line. A Flash decode step at 2K
+/// on an H200, both ways in one run: 11.87 ms without the branch, 11.12 ms with it. (The
+/// compressors' updates on it too, with their projections, measured 11.32 ms against 10.99 in
+/// one run, before programmatic launch: not kept.) The decoder's drop destroys the branch
+/// while its context lives (a session may outlive its model).
 struct SideBranch {
     stream: sys::CUstream,
     fork: sys::CUevent,
@@ -475,9 +476,14 @@ struct Bufs {
     /// The argmax of each logits row (u32), for the programs that end with it.
     ids: DevBuf,
     part: DevBuf,
+    /// Floats of `part` and counters of `counters` that the main stream's launches use (each
+    /// call's from 0); the side branch's split products have those past them
+    /// (`side_part_floats`, `side_counters_len`), as they may run beside any main launch.
     part_floats: usize,
     counters: DevBuf,
     counters_len: usize,
+    side_part_floats: usize,
+    side_counters_len: usize,
     capture: DevBuf,
     runs: DevBuf,
     journal: DevBuf,
@@ -662,6 +668,10 @@ pub(crate) struct CudaDecoder {
     side: Option<SideBranch>,
     /// Whether each layer asks L2 for its q_b weights early ([`program::prefetch_q_b`]).
     prefetch_q_b: bool,
+    /// Whether a decode's or verify's compressor and indexer projections run on the side
+    /// branch beside the query path (`DS4_CUDA_SIDE_PROJ`; see the layer's attention site in
+    /// program.rs).
+    side_proj: bool,
     /// Whether prefill steps run the tensor-core products (`gemm.rs`; `DS4_CUDA_GEMM=0`: no).
     gemm_on: bool,
     /// Whether the steps now are a prompt's ([`DeviceDecoder::set_prefill`]).
@@ -947,6 +957,7 @@ impl CudaDecoder {
         let expert_mma_down = expert_mma && setting("DS4_CUDA_EXPERT_MMA_DOWN")?;
         let route_pick = setting("DS4_CUDA_ROUTE_PICK")?;
         let compress_split = setting("DS4_CUDA_COMPRESS_SPLIT")?;
+        let side_proj = setting("DS4_CUDA_SIDE_PROJ")?;
         let attn_mma = setting("DS4_CUDA_ATTN_MMA")?;
         let bands = program::bands_setting(std::env::var("DS4_CUDA_BANDS").ok().as_deref())?;
         let g = backend.lock();
@@ -1057,6 +1068,21 @@ impl CudaDecoder {
             }
         };
         let dspark_stages = dspark_w.map(|dw| dw.stages.as_slice()).unwrap_or_default();
+        // The side branch's products of a decode or verify (program.rs: the compressors' and
+        // indexer's projections of h, then the indexer's q_b), at most N_MAX rows.
+        let mut side_need = (0usize, 0usize);
+        for l in w.layers.iter().chain(mtp_w.map(|m| &m.block)).chain(dspark_stages) {
+            let mut of_h = Vec::new();
+            if let Some(c) = &l.compressor {
+                of_h.extend([c.kv, c.gate]);
+            }
+            if let Some(i) = &l.indexer {
+                of_h.extend([i.proj, i.compressor.kv, i.compressor.gate]);
+            }
+            let (p1, c1) = split_need(&of_h, N_MAX);
+            let (p2, c2) = l.indexer.as_ref().map_or((0, 0), |i| split_need(&[i.q_b], N_MAX));
+            side_need = (side_need.0.max(p1).max(p2), side_need.1.max(c1).max(c2));
+        }
         let mut routed_need = (0usize, 0usize);
         for l in w.layers.iter().chain(mtp_w.map(|m| &m.block)).chain(dspark_stages) {
             need(&[l.hc_attn.proj], rows);
@@ -1243,10 +1269,12 @@ impl CudaDecoder {
             y: f32_buf(rows * d)?,
             logits: f32_buf(rows * cfg.vocab)?,
             ids: DevBuf::zeroed(4 * rows)?,
-            part: f32_buf(part_floats)?,
+            part: f32_buf(part_floats + side_need.0)?,
             part_floats,
-            counters: DevBuf::zeroed(4 * counters_len.max(1))?,
+            counters: DevBuf::zeroed(4 * (counters_len + side_need.1).max(1))?,
             counters_len,
+            side_part_floats: side_need.0,
+            side_counters_len: side_need.1,
             capture: f32_buf(capture_layers.max(1) * N_MAX * hc * d)?,
             runs: DevBuf::zeroed(std::mem::size_of::<CopyRun>() * Self::journal_runs(cfg, rows))?,
             journal: f32_buf(journal_floats)?,
@@ -1272,6 +1300,7 @@ impl CudaDecoder {
             resync_after_cut: std::env::var("DS4_DECODE_RESYNC").is_ok_and(|v| v == "1"),
             side: if std::env::var("DS4_CUDA_FORK").is_ok_and(|v| v == "0") { None } else { Some(SideBranch::new()?) },
             prefetch_q_b,
+            side_proj,
             gemm_on,
             prefill: false,
             prefill_rows: rows,

@@ -370,14 +370,21 @@ impl CudaDecoder {
             };
         // Products: (matrix, x, y, rows), y's rows `y_stride` floats apart (None: n_out). One
         // launch per format; partial sums and counters laid out from 0 for each call (launches
-        // of different calls never overlap).
-        let products_strided = |ops: &mut Vec<_>,
-                                table: &mut Vec<u8>,
-                                prods: &[(Mat, u64, u64, usize)],
-                                y_stride: Option<usize>|
+        // of different main-stream calls never overlap), or for the side branch's (`side`)
+        // past the main stream's, in a region of their own.
+        let products_on = |ops: &mut Vec<_>,
+                           table: &mut Vec<u8>,
+                           prods: &[(Mat, u64, u64, usize)],
+                           y_stride: Option<usize>,
+                           side: bool|
          -> Result<()> {
-            let mut part_off = 0usize;
-            let mut counter = 0usize;
+            let (mut part_off, mut counter) = if side { (b.part_floats, b.counters_len) } else { (0, 0) };
+            let (part_cap, counters_cap) = if side {
+                (b.part_floats + b.side_part_floats, b.counters_len + b.side_counters_len)
+            } else {
+                (b.part_floats, b.counters_len)
+            };
+            let first = ops.len();
             // The matrix whose shape picks a product's kernel (`DeviceImage::kernel_mat`): its
             // own, or for rows of a plane (o_a's groups) the plane's, whose kernel laid out the
             // weights at upload.
@@ -427,7 +434,7 @@ impl CudaDecoder {
                             r0 += c;
                         }
                     }
-                    if part_off > b.part_floats || counter > b.counters_len {
+                    if part_off > part_cap || counter > counters_cap {
                         return Err(Error::Backend("CUDA decode: partial-sum buffer too small (internal)".into()));
                     }
                     ops.push(Op::Launch(Launch {
@@ -511,7 +518,7 @@ impl CudaDecoder {
                         }
                     }
                 }
-                if part_off > b.part_floats || counter > b.counters_len {
+                if part_off > part_cap || counter > counters_cap {
                     return Err(Error::Backend("CUDA decode: partial-sum buffer too small (internal)".into()));
                 }
                 let (f, smem) = ctx
@@ -533,10 +540,21 @@ impl CudaDecoder {
                     label: shapes_label(prods.iter().filter(mine).map(|pr| &pr.0)),
                 }));
             }
+            if side {
+                let mine: Vec<_> = ops.drain(first..).collect();
+                ops.extend(mine.into_iter().map(|op| match op {
+                    Op::Launch(l) => Op::Side(l),
+                    other => other,
+                }));
+            }
             Ok(())
         };
+        let products_strided =
+            |ops: &mut Vec<_>, table: &mut Vec<u8>, prods: &[(Mat, u64, u64, usize)], y_stride: Option<usize>| {
+                products_on(ops, table, prods, y_stride, false)
+            };
         let products = |ops: &mut Vec<_>, table: &mut Vec<u8>, prods: &[(Mat, u64, u64, usize)]| {
-            products_strided(ops, table, prods, None)
+            products_on(ops, table, prods, None, false)
         };
         // A side-branch launch that asks L2 for a matrix's weights (nothing without the
         // branch: in line, the launch would only delay the main stream).
@@ -661,7 +679,8 @@ impl CudaDecoder {
         // A hyper-connection site on the streams `x` (`n` rows): the mixing logits, then
         // ds4_hc_pre's collapse into h with the sublayer's input norm and its mix; with
         // `expand`, the Sinkhorn iterations the expansion's mixing matrix needs (on the side
-        // branch, or inside ds4_hc_pre), else none (the drafter upkeep reads only h).
+        // branch, returned for the caller to queue, or inside ds4_hc_pre), else none (the
+        // drafter upkeep reads only h).
         let hc_site = |ops: &mut Vec<_>,
                        table: &mut Vec<u8>,
                        hw: &HyperWeights,
@@ -670,7 +689,7 @@ impl CudaDecoder {
                        mix: u64,
                        norm: u64,
                        expand: bool|
-         -> Result<()> {
+         -> Result<Option<Op<PArg>>> {
             // The mixing logits of the raw streams; ds4_hc_pre applies their RMS scale.
             // (Tried and dropped: the kernels that write the streams (ds4_hc_post,
             // ds4_moe_combine) leaving each block's partial products with this projection,
@@ -709,17 +728,17 @@ impl CudaDecoder {
                     fl(cfg.rms_eps),
                 ],
             );
-            if fork && expand {
-                ops.push(Op::Side(Launch {
+            // The iterations on the side branch: queued by the caller.
+            Ok((fork && expand).then(|| {
+                Op::Side(Launch {
                     f: k.hc_sinkhorn,
                     grid: g1,
                     block: 32,
                     smem: 0,
                     args: vec![p(mix), i(hc), fl(cfg.hc_eps), i(cfg.sinkhorn_iters)],
                     label: String::new(),
-                }));
-            }
-            Ok(())
+                })
+            }))
         };
         for job in &jobs {
             let (lw, spec, c, mm) = (job.lw, job.spec, job.c, job.mm);
@@ -728,7 +747,40 @@ impl CudaDecoder {
             if self.prefetch_q_b {
                 prefetch(&mut ops, &lw.q_b);
             }
-            hc_site(&mut ops, &mut table, &lw.hc_attn, &c.hc_attn, b.x.ptr, b.mix_a.ptr, c.attn_norm.ptr, true)?;
+            let mut sinkhorn_a =
+                hc_site(&mut ops, &mut table, &lw.hc_attn, &c.hc_attn, b.x.ptr, b.mix_a.ptr, c.attn_norm.ptr, true)?;
+            // The compressors' and indexer's projections of h (all but the indexer's q_b, which
+            // reads the normed q_a), which only finish_rows and the compressors read.
+            let mut of_h = Vec::new();
+            if let (Some(cw), Some(cm)) = (&lw.compressor, &mm.comp) {
+                of_h.extend([(cw.kv, b.h.ptr, cm.log_kv.ptr, n), (cw.gate, b.h.ptr, cm.log_g.ptr, n)]);
+            }
+            if let (Some(iw), Some(im)) = (&lw.indexer, &mm.index) {
+                of_h.extend([
+                    (iw.proj, b.h.ptr, b.ig.ptr, n),
+                    (iw.compressor.kv, b.h.ptr, im.log_kv.ptr, n),
+                    (iw.compressor.gate, b.h.ptr, im.log_g.ptr, n),
+                ]);
+            }
+            // In a decode or verify they run on the side branch from here, beside the query
+            // path (q_a and kv, the q_a norm, q_b), with their partial sums in the side's own
+            // region (`products_on`), and the main stream waits for them before finish_rows;
+            // the Sinkhorn iterations then fork after that wait, so that it does not wait for
+            // them too. `DS4_CUDA_SIDE_PROJ=0` keeps them on the main stream after q_b, in q_b's
+            // call. Measured on an H200 (Flash at a 2100-token context, `ab_steps.py`, three
+            // interleaved runs each, 2026-12-02): verifies of 2 / 4 / 8 rows 11.07 / 15.15 /
+            // 23.65 ms against 11.17 / 15.37 / 24.18, steps 8.62 ms both; with only the HCA
+            // layers' (unsplit) projections there, two sessions: steps 8.49 / 8.54 ms against
+            // 8.55 / 8.67. The indexer's q_b there too (after the norm) or after q_b on the
+            // main stream: the same within the noise (8.54 against 8.55 ms).
+            // (An earlier try with the compressors' updates on the branch too, before the
+            // prefetch of q_b and programmatic launch, was slower: see `SideBranch`.)
+            let proj_side = fork && self.side_proj && !prefill && n <= N_MAX && !of_h.is_empty();
+            if proj_side {
+                products_on(&mut ops, &mut table, &of_h, None, true)?;
+            } else {
+                ops.extend(sinkhorn_a.take());
+            }
             products(&mut ops, &mut table, &[(lw.q_a, b.h.ptr, b.cq.ptr, n), (lw.kv, b.h.ptr, b.kv.ptr, n)])?;
             launch(
                 &mut ops,
@@ -750,18 +802,23 @@ impl CudaDecoder {
             // weights exactly when its mirror has a compressor, and indexer weights exactly when
             // it has an indexer: see `decoder_for`.)
             let mut g = vec![(lw.q_b, b.cq.ptr, b.q.ptr, n)];
-            if let (Some(cw), Some(cm)) = (&lw.compressor, &mm.comp) {
-                g.extend([(cw.kv, b.h.ptr, cm.log_kv.ptr, n), (cw.gate, b.h.ptr, cm.log_g.ptr, n)]);
+            if !proj_side {
+                g.extend(of_h);
             }
-            if let (Some(iw), Some(im)) = (&lw.indexer, &mm.index) {
-                g.extend([
-                    (iw.proj, b.h.ptr, b.ig.ptr, n),
-                    (iw.compressor.kv, b.h.ptr, im.log_kv.ptr, n),
-                    (iw.compressor.gate, b.h.ptr, im.log_g.ptr, n),
-                    (iw.q_b, b.cq.ptr, b.iq.ptr, n),
-                ]);
+            if let (Some(iw), Some(_)) = (&lw.indexer, &mm.index) {
+                let iqb = (iw.q_b, b.cq.ptr, b.iq.ptr, n);
+                if proj_side {
+                    // The indexer's q_b on the side branch too, forked after the q_a norm.
+                    products_on(&mut ops, &mut table, &[iqb], None, true)?;
+                } else {
+                    g.push(iqb);
+                }
             }
             products(&mut ops, &mut table, &g)?;
+            if proj_side {
+                ops.push(Op::Join);
+                ops.extend(sinkhorn_a.take());
+            }
             let rope_dim = cfg.rope_dim;
             // Query heads, the K=V row (then its ring slot) and the indexer heads: one launch.
             let ih = if lw.indexer.is_some() { cfg.index_heads } else { 0 };
@@ -944,7 +1001,9 @@ impl CudaDecoder {
             launch(&mut ops, k.hc_post, rows_grid(d.div_ceil(256)), 256, 0, args);
 
             // ---- MoE
-            hc_site(&mut ops, &mut table, &lw.hc_ffn, &c.hc_ffn, b.x.ptr, b.mix_f.ptr, c.ffn_norm.ptr, true)?;
+            let sinkhorn_f =
+                hc_site(&mut ops, &mut table, &lw.hc_ffn, &c.hc_ffn, b.x.ptr, b.mix_f.ptr, c.ffn_norm.ptr, true)?;
+            ops.extend(sinkhorn_f);
             // The shared expert (its products, its swiglu) reads only h and its own buffers,
             // and only ds4_moe_combine reads its output: with the side branch it runs there,
             // beside the router and the routed experts, whose kernels leave DRAM bandwidth
@@ -1300,7 +1359,8 @@ impl CudaDecoder {
                     // expansion reads the mixing matrix), then its K=V rows.
                     let c = &dev.consts;
                     let hw = &mw.block.hc_attn;
-                    hc_site(&mut ops, &mut table, hw, &c.hc_attn, uk.xs.ptr, b.mix_a.ptr, c.attn_norm.ptr, false)?;
+                    let _none =
+                        hc_site(&mut ops, &mut table, hw, &c.hc_attn, uk.xs.ptr, b.mix_a.ptr, c.attn_norm.ptr, false)?;
                     products(&mut ops, &mut table, &[(mw.block.kv, b.h.ptr, b.kv.ptr, n)])?;
                     kv_rows(&mut ops, uk.step.ptr, b.kv.ptr, c, uk.rows.ptr);
                 }
