@@ -790,9 +790,9 @@ impl CudaDecoder {
                 0,
                 vec![p(b.cq.ptr), p(b.cq.ptr), p(c.q_a_norm.ptr), i(cfg.q_lora_rank), fl(cfg.rms_eps)],
             );
-            // After q_b (which needs only q_a and its norm), in one call: the compressors' and
-            // indexer's products (F16 in ds4's layout), which finish_rows and the compressors
-            // need. With q_a, as they were, they held the query path back and took a launch of
+            // After q_b (which needs only q_a and its norm), in one call, unless they run on the
+            // side branch (above): the compressors' and indexer's products (F16 in ds4's
+            // layout), which finish_rows and the compressors need. With q_a, as they were, they held the query path back and took a launch of
             // their own (on an H200, a Flash CSA layer's F16 products ran 14.8 us between q_a
             // and its norm, and the indexer's q_b 8.3 us after q_b); here they take 19 us after
             // q_b, one launch less a CSA layer for about the same step (steps in a row at a
@@ -1359,8 +1359,9 @@ impl CudaDecoder {
                     // expansion reads the mixing matrix), then its K=V rows.
                     let c = &dev.consts;
                     let hw = &mw.block.hc_attn;
-                    let _none =
+                    let none =
                         hc_site(&mut ops, &mut table, hw, &c.hc_attn, uk.xs.ptr, b.mix_a.ptr, c.attn_norm.ptr, false)?;
+                    debug_assert!(none.is_none(), "no expansion, no Sinkhorn iterations");
                     products(&mut ops, &mut table, &[(mw.block.kv, b.h.ptr, b.kv.ptr, n)])?;
                     kv_rows(&mut ops, uk.step.ptr, b.kv.ptr, c, uk.rows.ptr);
                 }
