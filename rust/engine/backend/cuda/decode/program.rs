@@ -282,6 +282,15 @@ enum PArg {
     Table(usize),
 }
 
+/// Moves the launches of `ops` from `first` on to the side branch, in their order.
+fn to_side(ops: &mut Vec<Op<PArg>>, first: usize) {
+    let tail: Vec<_> = ops.drain(first..).collect();
+    ops.extend(tail.into_iter().map(|op| match op {
+        Op::Launch(l) => Op::Side(l),
+        other => other,
+    }));
+}
+
 /// The bytes of a descriptor as the kernels read it.
 fn desc_bytes(d: &Desc) -> &[u8] {
     // SAFETY: Desc is repr(C) plain data without implicit padding (four u64, one i64, ten i32,
@@ -541,11 +550,7 @@ impl CudaDecoder {
                 }));
             }
             if side {
-                let mine: Vec<_> = ops.drain(first..).collect();
-                ops.extend(mine.into_iter().map(|op| match op {
-                    Op::Launch(l) => Op::Side(l),
-                    other => other,
-                }));
+                to_side(ops, first);
             }
             Ok(())
         };
@@ -792,8 +797,8 @@ impl CudaDecoder {
             );
             // After q_b (which needs only q_a and its norm), in one call, unless they run on the
             // side branch (above): the compressors' and indexer's products (F16 in ds4's
-            // layout), which finish_rows and the compressors need. With q_a, as they were, they held the query path back and took a launch of
-            // their own (on an H200, a Flash CSA layer's F16 products ran 14.8 us between q_a
+            // layout), which finish_rows and the compressors need. With q_a, as they were, they
+            // held the query path back and took a launch of their own (on an H200, a Flash CSA layer's F16 products ran 14.8 us between q_a
             // and its norm, and the indexer's q_b 8.3 us after q_b); here they take 19 us after
             // q_b, one launch less a CSA layer for about the same step (steps in a row at a
             // 2100-token context, interleaved A/B: 10.24 ms against 10.28 with them with q_a). The
@@ -1029,14 +1034,11 @@ impl CudaDecoder {
             let gate_up_sh = [(lw.gate_sh, b.h.ptr, b.gsh.ptr, n), (lw.up_sh, b.h.ptr, b.ush.ptr, n)];
             let down_sh = [(lw.down_sh, b.ash.ptr, b.dsh.ptr, n)];
             if shared_side {
-                let mut sh = Vec::new();
-                products(&mut sh, &mut table, &gate_up_sh)?;
-                shared_swiglu(&mut sh);
-                products(&mut sh, &mut table, &down_sh)?;
-                ops.extend(sh.into_iter().map(|op| match op {
-                    Op::Launch(l) => Op::Side(l),
-                    other => other,
-                }));
+                let first = ops.len();
+                products(&mut ops, &mut table, &gate_up_sh)?;
+                shared_swiglu(&mut ops);
+                products(&mut ops, &mut table, &down_sh)?;
+                to_side(&mut ops, first);
                 products(&mut ops, &mut table, &[(lw.router_proj, b.h.ptr, b.rl.ptr, n)])?;
             } else {
                 let mut g = vec![(lw.router_proj, b.h.ptr, b.rl.ptr, n)];
