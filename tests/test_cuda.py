@@ -268,10 +268,18 @@ def test_device_decode_matches_host_forward(tmp_path: Path, monkeypatch: pytest.
     assert float(np.median(rel)) < tol
     # Without the tensor-core attention alone (DS4_CUDA_ATTN_MMA=0), an F32 model's prompt rows
     # are the decode kernels' bits (it has no F16 or Q8_0 products); the others' still differ.
+    # (With the hyper-connection sites in a mixing product and ds4_hc_pre each, as a prompt's
+    # step runs them: on sm_90 a decode's run as one cluster launch, ds4_hc_site, unless
+    # DS4_CUDA_HC_SITE=0, and so do a prompt's with DS4_CUDA_GEMM=0.)
+    monkeypatch.setenv("DS4_CUDA_HC_SITE", "0")
     monkeypatch.setenv("DS4_CUDA_ATTN_MMA", "0")
     no_attn = _chunked(m.session(512), prompt, cuts)
     monkeypatch.delenv("DS4_CUDA_ATTN_MMA")
-    assert np.array_equal(no_attn[:37].view(np.uint32), plain[:37].view(np.uint32)) == (dtype == "f32")
+    monkeypatch.setenv("DS4_CUDA_GEMM", "0")
+    plain_sites = _chunked(m.session(512), prompt, cuts)
+    monkeypatch.delenv("DS4_CUDA_GEMM")
+    monkeypatch.delenv("DS4_CUDA_HC_SITE")
+    assert np.array_equal(no_attn[:37].view(np.uint32), plain_sites[:37].view(np.uint32)) == (dtype == "f32")
     rel = np.abs(dev - no_attn).max(axis=1) / (np.abs(no_attn).max(axis=1) + 1e-6)
     assert float(np.median(rel)) < tol
     # Without them, every chunking gives the same bits (the decode's kernels only).
@@ -353,6 +361,22 @@ def test_side_branch_work_changes_no_bits(switch: str, tmp_path: Path) -> None:
     p = np.random.default_rng(4).integers(8, cfg.vocab_size, 60).tolist()
     off, on = (_child_logits(path, p, {switch: v}, tmp_path / f"sw{v}.npy") for v in "01")
     assert np.array_equal(off.view(np.uint32), on.view(np.uint32))
+
+
+@gpu
+def test_fused_hyper_connection_sites_agree(tmp_path: Path) -> None:
+    # A decode's and a verify's hyper-connection sites run as one cluster launch each on sm_90
+    # (ds4_hc_site: the mixing product's sums in another order, the attention site's expansion
+    # folded into the FFN site's launch); DS4_CUDA_HC_SITE=0 runs the mixing product, ds4_hc_pre
+    # and ds4_hc_post. Across a prefill chunk and single steps of an F32 model the logits agree
+    # to rounding, and so do the greedy tokens.
+    cfg = TINY.replace(num_hidden_layers=3, compress_ratios=(0, 4, 128))
+    path = random_model(tmp_path / "m.gguf", cfg, seed=6, dtype="f32")
+    p = np.random.default_rng(5).integers(8, cfg.vocab_size, 60).tolist()
+    off, on = (_child_logits(path, p, {"DS4_CUDA_HC_SITE": v}, tmp_path / f"hc{v}.npy") for v in "01")
+    row_err = np.abs(on - off).max(axis=1) / (np.abs(off).max(axis=1) + 1e-6)
+    assert float(row_err.max()) < 1e-4, float(row_err.max())
+    assert np.array_equal(on.argmax(axis=1), off.argmax(axis=1))
 
 
 # The start of the drafter children: argv is target, drafter, golden file, "device" or "host";

@@ -135,10 +135,11 @@ def step_kernels(kernels: list[tuple[int, int, str]], step: int) -> list[tuple[i
 
 
 def layer_spans(ks: list[tuple[int, int, str]]) -> list[tuple[int, int]]:
-    """Each layer of a step's kernels as [lo, hi) indices: layer L from the 2L-th ds4_hc_pre
-    (its attention site's; the mixing product before it and a side-branch prefetch are counted
-    in the layer before) to the next layer's start, the last to the step's end."""
-    starts = [i for i, k in enumerate(ks) if k[2] == "ds4_hc_pre"][::2]
+    """Each layer of a step's kernels as [lo, hi) indices: layer L from the 2L-th ds4_hc_pre or
+    ds4_hc_site (its attention site's; the mixing product before a ds4_hc_pre and a side-branch
+    prefetch are counted in the layer before) to the next layer's start, the last to the step's
+    end."""
+    starts = [i for i, k in enumerate(ks) if k[2] in ("ds4_hc_pre", "ds4_hc_site")][::2]
     return list(zip(starts, starts[1:] + [len(ks)]))
 
 

@@ -111,6 +111,21 @@ int main(int argc, char** argv) {
                              &hc, &d, &hc_eps, &none_iters, &norm, &eps};
             time_alone("hc_pre, 0 iterations, norm (the decode's)", hc_pre, 1, 1, 1024, args0);
         }
+        // ds4_hc_site (the site in one cluster launch, with the F16 projection), where the
+        // module has it: with the norm, then with the attention site's expansion folded in.
+        CUfunction hc_site;
+        if (cuModuleGetFunction(&hc_site, mod, "ds4_hc_site") == CUDA_SUCCESS) {
+            static CUdeviceptr proj = buf((size_t)n_mix * hc_d / 2, 0.01f);
+            int row_bytes = 2 * hc_d, w_f16 = 1, iters0 = 0;
+            void* args[] = {&proj, &row_bytes, &w_f16, &x,    &y,   &mix,  &base, &scale,
+                            &hc,   &d,         &hc_eps, &iters0, &norm, &eps, &none, &none};
+            time_kernel("hc_site, norm", hc_site, 8, 1, d / 8, args);
+            time_alone("hc_site, norm", hc_site, 8, 1, d / 8, args);
+            void* pargs[] = {&proj, &row_bytes, &w_f16, &x,    &y,   &mix, &base, &scale,
+                             &hc,   &d,         &hc_eps, &iters0, &norm, &eps, &f,   &mix};
+            time_kernel("hc_site, norm, expansion", hc_site, 8, 1, d / 8, pargs);
+            time_kernel("hc_site, norm, 8 rows", hc_site, 8, 8, d / 8, args);
+        }
         {
             CUfunction rms_weight;
             CK(cuModuleGetFunction(&rms_weight, mod, "ds4_rms_weight"));

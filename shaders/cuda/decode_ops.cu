@@ -690,6 +690,324 @@ extern "C" __global__ void ds4_hc_post(float* x, const float* f, const float* mi
     }
 }
 
+// ---- A hyper-connection site in one launch (the decode's and verify's rows, sm_90 and later)
+//
+// ds4_hc_site does what the site's mixing product (the F16 projection of the raw streams to
+// the n_mix logits) and ds4_hc_pre do, for each row on a thread block cluster of
+// HC_SITE_CLUSTER blocks: block b of a row's cluster owns the columns [b * cols, (b + 1) *
+// cols) of every stream (cols = d / HC_SITE_CLUSTER), one column a thread. Its threads read
+// their columns' weights before the wait for the previous kernel (the weights are constant),
+// then their stream values; each block sums its columns' part of the n_mix logits and of the
+// streams' sum of squares, and every block adds the cluster's parts, read from each block's
+// shared memory in rank order (distributed shared memory, `mapa`), so each block has the same
+// logits, bit for bit; the collapse's sum of squares for the input norm goes the same way.
+// Block 0's warp 0 writes the row's mix (hc_mix_warp, as ds4_hc_pre). The product's and
+// ds4_hc_pre's launches become one, whose collapse is spread over the cluster's SMs rather than
+// ds4_hc_pre's one block (what it gains: decode/program.rs, `hc_site`).
+//
+// The arithmetic is ds4_hc_pre's (hc_pre_row_regs) after the logits; the logits are the same
+// dot products as the product kernel's in another order of sums (each thread's columns in
+// stream order, fmaf; the warp's butterfly, the block's warps in order, the cluster's blocks
+// in rank order), so the result agrees with the two-launch path to rounding, and every row is
+// computed the same way whatever the batch (row invariance).
+//
+// With post_f (not null) the block first applies the previous site's expansion to its
+// columns, as ds4_hc_post does (ds4_hc_post_at: the same operations), writing x back, and
+// goes on with the new values: the attention site's expansion folded into the FFN site.
+//
+// proj: the site's projection, n_mix rows of hc * d weights, F16 (w_f16 = 1) or F32 (0),
+// row_bytes apart. x [n, hc * d], y [n, d], mix [n, hc + hc * hc]; base, scale, hc_eps,
+// iters, norm, eps as ds4_hc_pre's. post_f [n, d] and post_mix [n, hc + hc * hc]: the
+// expansion's sublayer output and mix, or null. Grid (HC_SITE_CLUSTER, n); block
+// ceil(cols / 32) * 32 threads, at most HC_SITE_THREADS; d a multiple of HC_SITE_CLUSTER;
+// 1 <= hc <= HC_SITE_MAX.
+#define HC_SITE_CLUSTER 8
+#define HC_SITE_THREADS 512
+#define HC_SITE_MAX 4
+
+__device__ __forceinline__ u32 ds4_cluster_rank() {
+    u32 r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+    return r;
+}
+
+// Every thread of the cluster arrives (its shared-memory writes released), then waits for all
+// (the others' acquired).
+__device__ __forceinline__ void ds4_cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// The value at `p` (this block's shared memory) in the cluster's block `rank`.
+__device__ __forceinline__ float ds4_cluster_ld_f32(const float* p, u32 rank) {
+    float v = 0.0f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    u32 a;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"((u32)__cvta_generic_to_shared(p)), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a));
+#endif
+    return v;
+}
+
+__device__ __forceinline__ double ds4_cluster_ld_f64(const double* p, u32 rank) {
+    double v = 0.0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    u32 a;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"((u32)__cvta_generic_to_shared(p)), "r"(rank));
+    asm volatile("ld.shared::cluster.f64 %0, [%1];" : "=d"(v) : "r"(a));
+#endif
+    return v;
+}
+
+// The sum over the cluster's blocks, in rank order, of the double at `p` in each.
+__device__ __forceinline__ double ds4_cluster_sum_f64(const double* p) {
+    double e[HC_SITE_CLUSTER];
+#pragma unroll
+    for (int k = 0; k < HC_SITE_CLUSTER; k++) {
+        e[k] = ds4_cluster_ld_f64(p, k);
+    }
+    double a = e[0];
+#pragma unroll
+    for (int k = 1; k < HC_SITE_CLUSTER; k++) {
+        a += e[k];
+    }
+    return a;
+}
+
+template <int HC>
+__device__ __forceinline__ void hc_site_row(const u8* proj, int row_bytes, int w_f16, float* x, float* y, float* mix,
+                                            const float* base, const float* scale, int d, float hc_eps, int iters,
+                                            const float* norm, float eps, const float* post_f,
+                                            const float* post_mix) {
+    constexpr int NM = (2 + HC) * HC;
+    __shared__ float red_f[HC_SITE_THREADS / 32][NM];
+    __shared__ double red_d[HC_SITE_THREADS / 32];
+    __shared__ float part_f[NM];
+    __shared__ double part_d[2];
+    __shared__ float tot_f[NM];
+    __shared__ double tot_d[2];
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int nw = blockDim.x >> 5;
+    const u32 rank = ds4_cluster_rank();
+    const int cols = d / HC_SITE_CLUSTER;
+    const bool mine = tid < cols;
+    const int c = (int)rank * cols + tid;
+    // Before the wait: this column's weights (F16 kept as pairs of halves) and norm weight.
+    u32 w16[(NM * HC + 1) / 2];
+#pragma unroll
+    for (int i = 0; i < (NM * HC + 1) / 2; i++) {
+        w16[i] = 0u;
+    }
+    if (mine && w_f16) {
+#pragma unroll
+        for (int o = 0; o < NM; o++) {
+            const unsigned short* wr = (const unsigned short*)(proj + (long long)o * row_bytes);
+#pragma unroll
+            for (int s = 0; s < HC; s++) {
+                const int i = o * HC + s;
+                w16[i >> 1] |= (u32)wr[(long long)s * d + c] << (16 * (i & 1));
+            }
+        }
+    }
+    const float nwc = (mine && norm) ? norm[c] : 0.0f;
+    ds4_grid_lead();
+    float v[HC];
+#pragma unroll
+    for (int s = 0; s < HC; s++) {
+        v[s] = 0.0f;
+    }
+    if (mine && post_f) {
+        // The previous site's expansion of this column (ds4_hc_post_at's operations).
+        const float* mr = post_mix + (long long)blockIdx.y * (HC + HC * HC);
+        const float* comb = mr + HC;
+        const float fk = post_f[(long long)blockIdx.y * d + c];
+        float old[HC];
+#pragma unroll
+        for (int s = 0; s < HC; s++) {
+            old[s] = x[(long long)s * d + c];
+        }
+#pragma unroll
+        for (int j = 0; j < HC; j++) {
+            float acc = 0.0f;
+#pragma unroll
+            for (int s = 0; s < HC; s++) {
+                acc += comb[s * HC + j] * old[s];
+            }
+            v[j] = mr[j] * fk + acc;
+            x[(long long)j * d + c] = v[j];
+        }
+    } else if (mine) {
+#pragma unroll
+        for (int s = 0; s < HC; s++) {
+            v[s] = x[(long long)s * d + c];
+        }
+    }
+    // This thread's part of the logits and of the streams' sum of squares.
+    float p[NM];
+    double ss = 0.0;
+#pragma unroll
+    for (int s = 0; s < HC; s++) {
+        const double q = (double)v[s];
+        ss += q * q;
+    }
+#pragma unroll
+    for (int o = 0; o < NM; o++) {
+        p[o] = 0.0f;
+#pragma unroll
+        for (int s = 0; s < HC; s++) {
+            const int i = o * HC + s;
+            float w;
+            if (w_f16) {
+                w = f16_bits_to_f32(w16[i >> 1] >> (16 * (i & 1)));
+            } else {
+                w = mine ? ((const float*)(proj + (long long)o * row_bytes))[(long long)s * d + c] : 0.0f;
+            }
+            p[o] = fmaf(w, v[s], p[o]);
+        }
+    }
+    // The block's part: each warp's butterfly, then the warps in order. (Tried: a
+    // reduce-scatter butterfly, lane o ending with logit o's sum, 31 shuffles a warp instead of
+    // 120, together with the last cluster barrier split around the stores of y: slower, 15.5
+    // us a launch in the lab against 10.6 (H200, one row, back to back; two machines) and
+    // Flash steps at 2100 tokens 9.00 ms against 8.53 without this kernel.)
+#pragma unroll
+    for (int o = 0; o < NM; o++) {
+        for (int k = 16; k > 0; k >>= 1) {
+            p[o] += __shfl_xor_sync(0xffffffffu, p[o], k);
+        }
+    }
+    for (int k = 16; k > 0; k >>= 1) {
+        ss += __shfl_xor_sync(0xffffffffu, ss, k);
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int o = 0; o < NM; o++) {
+            red_f[warp][o] = p[o];
+        }
+        red_d[warp] = ss;
+    }
+    __syncthreads();
+    if (tid < NM) {
+        float a = red_f[0][tid];
+        for (int k = 1; k < nw; k++) {
+            a += red_f[k][tid];
+        }
+        part_f[tid] = a;
+    } else if (tid == NM) {
+        double a = red_d[0];
+        for (int k = 1; k < nw; k++) {
+            a += red_d[k];
+        }
+        part_d[0] = a;
+    }
+    // The cluster's sums, in rank order, by every block alike.
+    ds4_cluster_sync();
+    // (All of a thread's remote loads go out before the first add: each waits about as long
+    // as a global one.)
+    if (tid < NM) {
+        float e[HC_SITE_CLUSTER];
+#pragma unroll
+        for (int k = 0; k < HC_SITE_CLUSTER; k++) {
+            e[k] = ds4_cluster_ld_f32(&part_f[tid], k);
+        }
+        float a = e[0];
+#pragma unroll
+        for (int k = 1; k < HC_SITE_CLUSTER; k++) {
+            a += e[k];
+        }
+        tot_f[tid] = a;
+    } else if (tid == NM) {
+        tot_d[0] = ds4_cluster_sum_f64(&part_d[0]);
+    }
+    __syncthreads();
+    const float fs = 1.0f / sqrtf((float)(tot_d[0] / (double)(HC * d)) + eps);
+    float yv = 0.0f;
+#pragma unroll
+    for (int s = 0; s < HC; s++) {
+        const float pre = ds4_sigmoid((tot_f[s] * fs) * scale[0] + base[s]) + hc_eps;
+        yv += pre * v[s];
+    }
+    if (rank == 0 && warp == 0) {
+        const float rpost = lane < HC ? tot_f[HC + lane] : 0.0f;
+        const float rcomb = lane < HC * HC ? tot_f[2 * HC + lane] : 0.0f;
+        hc_mix_warp<HC>(rpost * fs, rcomb * fs, mix + (long long)blockIdx.y * (HC + HC * HC), base, scale, hc_eps,
+                        iters);
+    }
+    float* yr = y + (long long)blockIdx.y * d;
+    if (norm) {
+        double s2 = mine ? (double)yv * (double)yv : 0.0;
+        for (int k = 16; k > 0; k >>= 1) {
+            s2 += __shfl_xor_sync(0xffffffffu, s2, k);
+        }
+        if (lane == 0) {
+            red_d[warp] = s2;
+        }
+        __syncthreads();
+        if (tid == 0) {
+            double a = red_d[0];
+            for (int k = 1; k < nw; k++) {
+                a += red_d[k];
+            }
+            part_d[1] = a;
+        }
+        ds4_cluster_sync();
+        if (tid == 0) {
+            tot_d[1] = ds4_cluster_sum_f64(&part_d[1]);
+        }
+        __syncthreads();
+        const float sc = 1.0f / sqrtf((float)(tot_d[1] / (double)d) + eps);
+        if (mine) {
+            yr[c] = nwc * (yv * sc);
+        }
+    } else if (mine) {
+        yr[c] = yv;
+    }
+    // No block leaves while another may still read its shared memory.
+    ds4_cluster_sync();
+}
+
+template <int H>
+__device__ __forceinline__ void hc_site_streams(int hc, const u8* proj, int row_bytes, int w_f16, float* x, float* y,
+                                                float* mix, const float* base, const float* scale, int d,
+                                                float hc_eps, int iters, const float* norm, float eps,
+                                                const float* post_f, const float* post_mix) {
+    if (hc == H) {
+        hc_site_row<H>(proj, row_bytes, w_f16, x, y, mix, base, scale, d, hc_eps, iters, norm, eps, post_f, post_mix);
+    } else if constexpr (H > 1) {
+        hc_site_streams<H - 1>(hc, proj, row_bytes, w_f16, x, y, mix, base, scale, d, hc_eps, iters, norm, eps,
+                               post_f, post_mix);
+    } else {
+        __trap();  // the host checks hc (a host bug)
+    }
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define DS4_HC_SITE_CLUSTER_DIMS __cluster_dims__(HC_SITE_CLUSTER, 1, 1)
+#else
+#define DS4_HC_SITE_CLUSTER_DIMS
+#endif
+
+extern "C" __global__ void DS4_HC_SITE_CLUSTER_DIMS __launch_bounds__(HC_SITE_THREADS)
+    ds4_hc_site(const u8* proj, int row_bytes, int w_f16, float* x, float* y, float* mix, const float* base,
+                const float* scale, int hc, int d, float hc_eps, int iters, const float* norm, float eps,
+                const float* post_f, const float* post_mix) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (d % HC_SITE_CLUSTER != 0 || (int)blockDim.x * HC_SITE_CLUSTER < d || gridDim.x != HC_SITE_CLUSTER) {
+        __trap();  // a host bug
+    }
+    x += (long long)blockIdx.y * hc * d;
+    hc_site_streams<HC_SITE_MAX>(hc, proj, row_bytes, w_f16, x, y, mix, base, scale, d, hc_eps, iters, norm, eps,
+                                 post_f, post_mix);
+#else
+    __trap();  // clusters need sm_90 (the host never launches this kernel before it)
+#endif
+}
+
 // The output head's collapse (hyper.rs head): logits [n, hc], x [n, hc * d], y [n, d];
 // base (hc floats) and scale (scale[0] used) of hc_head. Grid (n); hc <= DS4_HC_MAX.
 extern "C" __global__ void ds4_hc_head(const float* logits, const float* x, float* y, const float* base,

@@ -547,6 +547,7 @@ struct Kernels {
     rms_plain: sys::CUfunction,
     rms_weight: sys::CUfunction,
     hc_pre: sys::CUfunction,
+    hc_site: sys::CUfunction,
     hc_post: sys::CUfunction,
     hc_sinkhorn: sys::CUfunction,
     hc_head: sys::CUfunction,
@@ -596,6 +597,7 @@ impl Kernels {
             rms_plain: f("ds4_rms_plain")?,
             rms_weight: f("ds4_rms_weight")?,
             hc_pre: f("ds4_hc_pre")?,
+            hc_site: f("ds4_hc_site")?,
             hc_post: f("ds4_hc_post")?,
             hc_sinkhorn: f("ds4_hc_sinkhorn")?,
             hc_head: f("ds4_hc_head")?,
@@ -672,6 +674,10 @@ pub(crate) struct CudaDecoder {
     /// branch beside the query path (`DS4_CUDA_SIDE_PROJ`; see the layer's attention site in
     /// program.rs).
     side_proj: bool,
+    /// Whether a decode's and verify's hyper-connection sites run as one cluster launch each
+    /// (`ds4_hc_site`, sm_90 and later; `DS4_CUDA_HC_SITE=0`: the mixing product and
+    /// ds4_hc_pre, and the attention site's expansion in ds4_hc_post).
+    hc_fused: bool,
     /// Whether prefill steps run the tensor-core products (`gemm.rs`; `DS4_CUDA_GEMM=0`: no).
     gemm_on: bool,
     /// Whether the steps now are a prompt's ([`DeviceDecoder::set_prefill`]).
@@ -958,6 +964,7 @@ impl CudaDecoder {
         let route_pick = setting("DS4_CUDA_ROUTE_PICK")?;
         let compress_split = setting("DS4_CUDA_COMPRESS_SPLIT")?;
         let side_proj = setting("DS4_CUDA_SIDE_PROJ")?;
+        let hc_fused = setting("DS4_CUDA_HC_SITE")? && backend.compute_capability().0 >= 9;
         let attn_mma = setting("DS4_CUDA_ATTN_MMA")?;
         let bands = program::bands_setting(std::env::var("DS4_CUDA_BANDS").ok().as_deref())?;
         let g = backend.lock();
@@ -1301,6 +1308,7 @@ impl CudaDecoder {
             side: if std::env::var("DS4_CUDA_FORK").is_ok_and(|v| v == "0") { None } else { Some(SideBranch::new()?) },
             prefetch_q_b,
             side_proj,
+            hc_fused,
             gemm_on,
             prefill: false,
             prefill_rows: rows,

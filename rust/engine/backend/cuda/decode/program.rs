@@ -21,6 +21,12 @@ use crate::model::weights::{HyperWeights, LayerWeights, Mat};
 use crate::model::Model;
 use crate::{Error, Result};
 
+/// ds4_hc_site's cluster blocks a row, most threads a block and most streams
+/// (decode_ops.cu HC_SITE_CLUSTER, HC_SITE_THREADS, HC_SITE_MAX).
+const HC_SITE_CLUSTER: usize = 8;
+const HC_SITE_THREADS: usize = 512;
+const HC_SITE_MAX: usize = 4;
+
 /// Most rows of one routed-expert product in a decode step or a verify: the kernels for few
 /// rows read the weights much faster per row (IQ2_XXS at 16 rows runs at a fifth of its
 /// one-row speed), and in a batch most experts serve one or two rows. (Chunks of one row, every
@@ -681,11 +687,23 @@ impl CudaDecoder {
         let chunk_gx = n.min(GX_MAX_ROWS);
         let max_descs = if chunk >= n && (!gx || chunk_gx >= n) { (n * kk).min(cfg.n_experts) } else { n * kk };
 
+        // The Sinkhorn iterations of a site's mix on the side branch (queued by the caller).
+        let sinkhorn = |mix: u64| {
+            Op::Side(Launch {
+                f: k.hc_sinkhorn,
+                grid: g1,
+                block: 32,
+                smem: 0,
+                args: vec![p(mix), i(hc), fl(cfg.hc_eps), i(cfg.sinkhorn_iters)],
+                label: String::new(),
+            })
+        };
         // A hyper-connection site on the streams `x` (`n` rows): the mixing logits, then
         // ds4_hc_pre's collapse into h with the sublayer's input norm and its mix; with
         // `expand`, the Sinkhorn iterations the expansion's mixing matrix needs (on the side
         // branch, returned for the caller to queue, or inside ds4_hc_pre), else none (the
-        // drafter upkeep reads only h).
+        // drafter upkeep reads only h). With `post` (the sublayer output and mix of the
+        // previous site), that site's expansion of x first (ds4_hc_post).
         let hc_site = |ops: &mut Vec<_>,
                        table: &mut Vec<u8>,
                        hw: &HyperWeights,
@@ -693,8 +711,70 @@ impl CudaDecoder {
                        x: u64,
                        mix: u64,
                        norm: u64,
-                       expand: bool|
+                       expand: bool,
+                       post: Option<(u64, u64)>|
          -> Result<Option<Op<PArg>>> {
+            let iters = if fork || !expand { 0 } else { cfg.sinkhorn_iters };
+            // The arguments ds4_hc_site and ds4_hc_pre share, in their order.
+            let common = vec![
+                p(x),
+                p(b.h.ptr),
+                p(mix),
+                p(base_scale.0.ptr),
+                p(base_scale.1.ptr),
+                i(hc),
+                i(d),
+                fl(cfg.hc_eps),
+                i(iters),
+                p(norm),
+                fl(cfg.rms_eps),
+            ];
+            // A decode's or verify's site in one cluster launch (ds4_hc_site, decode_ops.cu),
+            // the expansion folded in, where its shape allows; a prompt's step keeps the
+            // product and ds4_hc_pre (for hundreds of rows a cluster a row is slower), unless
+            // its products are the decode's too (DS4_CUDA_GEMM=0: every call's rows then have
+            // the bits of single decodes). On an H200, Flash at a 2100-token context,
+            // `ab_steps.py` against DS4_CUDA_HC_SITE=0, two interleaved runs: steps 8.43
+            // against 8.49 ms, verifies of 2 / 8 rows 10.97 / 23.10 against 11.05 / 23.58
+            // (an earlier form, three runs: 8.51 against 8.61 ms, 2 / 4 / 8 rows 10.96 / 14.88
+            // / 23.10 against 11.09 / 15.09 / 23.56). Less than the launches it saves: in a
+            // traced step the launch adds 12 to 14 us after its predecessor, where the product,
+            // ds4_hc_pre and ds4_hc_post added about 13 at the FFN site; in the lab it takes
+            // 10.6 us a launch back to back against 6.9 for ds4_hc_pre alone (the cluster's
+            // barriers and remote reads).
+            let proj = hw.proj;
+            let w_f16 = match proj.ty {
+                crate::quant::GgmlType::F16 => Some(1),
+                crate::quant::GgmlType::F32 => Some(0),
+                _ => None,
+            };
+            let cols = d / HC_SITE_CLUSTER;
+            let threads = cols.div_ceil(32) * 32;
+            let elem = if w_f16 == Some(1) { 2 } else { 4 };
+            if let Some(w_f16) = w_f16.filter(|_| {
+                self.hc_fused
+                    && (!prefill || !self.gemm_on)
+                    && (1..=HC_SITE_MAX).contains(&hc)
+                    && d.is_multiple_of(HC_SITE_CLUSTER)
+                    && threads <= HC_SITE_THREADS
+                    && proj.n_out == n_mix
+                    && proj.n_in == hc * d
+                    && proj.row_bytes == elem * hc * d
+            }) {
+                let (pf, pm) = post.map_or((null, null), |(f, m)| (p(f), p(m)));
+                launch(
+                    ops,
+                    k.hc_site,
+                    (HC_SITE_CLUSTER as u32, nn, 1),
+                    threads as u32,
+                    0,
+                    [vec![p(cur.get().addr(proj.start)), i(proj.row_bytes), i(w_f16)], common, vec![pf, pm]].concat(),
+                );
+                return Ok((fork && expand).then(|| sinkhorn(mix)));
+            }
+            if let Some((f, m)) = post {
+                launch(ops, k.hc_post, rows_grid(d.div_ceil(256)), 256, 0, vec![p(x), p(f), p(m), i(hc), i(d)]);
+            }
             // The mixing logits of the raw streams; ds4_hc_pre applies their RMS scale.
             // (Tried and dropped: the kernels that write the streams (ds4_hc_post,
             // ds4_moe_combine) leaving each block's partial products with this projection,
@@ -711,39 +791,8 @@ impl CudaDecoder {
             // 8.78 (interleaved A/B, medians of 3; 32 or 8 blocks a row, the slices' sums
             // read warp-parallel or one by one: all slower).)
             products(ops, table, &[(hw.proj, x, b.mixl.ptr, n)])?;
-            launch(
-                ops,
-                k.hc_pre,
-                g1,
-                wide(d),
-                0,
-                vec![
-                    p(b.mixl.ptr),
-                    i(n_mix),
-                    p(x),
-                    p(b.h.ptr),
-                    p(mix),
-                    p(base_scale.0.ptr),
-                    p(base_scale.1.ptr),
-                    i(hc),
-                    i(d),
-                    fl(cfg.hc_eps),
-                    i(if fork || !expand { 0 } else { cfg.sinkhorn_iters }),
-                    p(norm),
-                    fl(cfg.rms_eps),
-                ],
-            );
-            // The iterations on the side branch: queued by the caller.
-            Ok((fork && expand).then(|| {
-                Op::Side(Launch {
-                    f: k.hc_sinkhorn,
-                    grid: g1,
-                    block: 32,
-                    smem: 0,
-                    args: vec![p(mix), i(hc), fl(cfg.hc_eps), i(cfg.sinkhorn_iters)],
-                    label: String::new(),
-                })
-            }))
+            launch(ops, k.hc_pre, g1, wide(d), 0, [vec![p(b.mixl.ptr), i(n_mix)], common].concat());
+            Ok((fork && expand).then(|| sinkhorn(mix)))
         };
         for job in &jobs {
             let (lw, spec, c, mm) = (job.lw, job.spec, job.c, job.mm);
@@ -752,8 +801,17 @@ impl CudaDecoder {
             if self.prefetch_q_b {
                 prefetch(&mut ops, &lw.q_b);
             }
-            let mut sinkhorn_a =
-                hc_site(&mut ops, &mut table, &lw.hc_attn, &c.hc_attn, b.x.ptr, b.mix_a.ptr, c.attn_norm.ptr, true)?;
+            let mut sinkhorn_a = hc_site(
+                &mut ops,
+                &mut table,
+                &lw.hc_attn,
+                &c.hc_attn,
+                b.x.ptr,
+                b.mix_a.ptr,
+                c.attn_norm.ptr,
+                true,
+                None,
+            )?;
             // The compressors' and indexer's projections of h (all but the indexer's q_b, which
             // reads the normed q_a), which only finish_rows and the compressors read.
             let mut of_h = Vec::new();
@@ -997,17 +1055,16 @@ impl CudaDecoder {
                 .collect();
             products_strided(&mut ops, &mut table, &oa, Some(groups * rank))?;
             products(&mut ops, &mut table, &[(lw.o_b, b.u.ptr, b.attn_out.ptr, n)])?;
-            // The attention site's hyper-connection expansion of x (the FFN site's is fused
-            // into ds4_moe_combine).
-            let args = vec![p(b.x.ptr), p(b.attn_out.ptr), p(b.mix_a.ptr), i(hc), i(d)];
+            // The attention site's hyper-connection expansion of x, in the FFN site's launch
+            // (hc_site's `post`; the FFN site's own is fused into ds4_moe_combine).
             if fork {
                 ops.push(Op::Join);
             }
-            launch(&mut ops, k.hc_post, rows_grid(d.div_ceil(256)), 256, 0, args);
 
             // ---- MoE
+            let post = Some((b.attn_out.ptr, b.mix_a.ptr));
             let sinkhorn_f =
-                hc_site(&mut ops, &mut table, &lw.hc_ffn, &c.hc_ffn, b.x.ptr, b.mix_f.ptr, c.ffn_norm.ptr, true)?;
+                hc_site(&mut ops, &mut table, &lw.hc_ffn, &c.hc_ffn, b.x.ptr, b.mix_f.ptr, c.ffn_norm.ptr, true, post)?;
             ops.extend(sinkhorn_f);
             // The shared expert (its products, its swiglu) reads only h and its own buffers,
             // and only ds4_moe_combine reads its output: with the side branch it runs there,
@@ -1361,8 +1418,17 @@ impl CudaDecoder {
                     // expansion reads the mixing matrix), then its K=V rows.
                     let c = &dev.consts;
                     let hw = &mw.block.hc_attn;
-                    let none =
-                        hc_site(&mut ops, &mut table, hw, &c.hc_attn, uk.xs.ptr, b.mix_a.ptr, c.attn_norm.ptr, false)?;
+                    let none = hc_site(
+                        &mut ops,
+                        &mut table,
+                        hw,
+                        &c.hc_attn,
+                        uk.xs.ptr,
+                        b.mix_a.ptr,
+                        c.attn_norm.ptr,
+                        false,
+                        None,
+                    )?;
                     debug_assert!(none.is_none(), "no expansion, no Sinkhorn iterations");
                     products(&mut ops, &mut table, &[(mw.block.kv, b.h.ptr, b.kv.ptr, n)])?;
                     kv_rows(&mut ops, uk.step.ptr, b.kv.ptr, c, uk.rows.ptr);

@@ -345,6 +345,138 @@ fn hc_pre_matches_cpu() {
     }
 }
 
+/// `ds4_hc_site` over the rows of `x` (hc streams of d each) with the projection `proj` (the
+/// bytes of `w.proj`, F16 or F32), its collapse normed with `norm` when given, the previous
+/// site's expansion (`post`: its sublayer output and mix) first when given: (y, mix, x after).
+/// `iters`: the Sinkhorn iterations inside the kernel (0: none, as the decode's side branch).
+#[allow(clippy::too_many_arguments)]
+fn run_hc_site(
+    ctx: &Context,
+    hc: usize,
+    proj: &[u8],
+    w: &HyperWeights,
+    x: &[f32],
+    d: usize,
+    norm: Option<&[f32]>,
+    iters: usize,
+    post: Option<(&[f32], &[f32])>,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let n = x.len() / (hc * d);
+    let pb = DevBuf::from_slice(proj).expect("projection");
+    let (xb, bb, sb) = (buf(x), buf(&w.base), buf(&w.scale));
+    let nb = norm.map(buf);
+    let post = post.map(|(f, m)| (buf(f), buf(m)));
+    let yb = DevBuf::zeroed(n * d * 4).expect("y");
+    let mb = DevBuf::zeroed(n * (hc + hc * hc) * 4).expect("mix");
+    let cols = d / 8;
+    ctx.launch_named(
+        "ds4_hc_site",
+        (8, n as u32, 1),
+        (cols.div_ceil(32) * 32) as u32,
+        0,
+        &[
+            Arg::Ptr(pb.ptr),
+            Arg::I32(w.proj.row_bytes as i32),
+            Arg::I32((w.proj.ty == GgmlType::F16) as i32),
+            ptr(&xb),
+            ptr(&yb),
+            ptr(&mb),
+            ptr(&bb),
+            ptr(&sb),
+            Arg::I32(hc as i32),
+            Arg::I32(d as i32),
+            Arg::F32(HC_EPS),
+            Arg::I32(iters as i32),
+            nb.as_ref().map_or(Arg::Ptr(0), ptr),
+            Arg::F32(EPS),
+            post.as_ref().map_or(Arg::Ptr(0), |p| ptr(&p.0)),
+            post.as_ref().map_or(Arg::Ptr(0), |p| ptr(&p.1)),
+        ],
+    )
+    .expect("launching ds4_hc_site");
+    (read(ctx, &yb, n * d), read(ctx, &mb, n * (hc + hc * hc)), read(ctx, &xb, x.len()))
+}
+
+/// The site in one cluster launch against the CPU's hyper::pre (and hyper::post before it),
+/// for F32 and F16 projections, the Flash shape and smaller ones (threads past d / 8 idle);
+/// the expansion folded in gives ds4_hc_post's x bit for bit; Sinkhorn inside or apart the
+/// same mix; every row bitwise the row alone.
+#[test]
+fn hc_site_matches_cpu() {
+    let Some(ctx) = context() else { return };
+    if ctx.compute_capability.0 < 9 {
+        eprintln!("skipped: sm_{}{} has no thread block clusters", ctx.compute_capability.0, ctx.compute_capability.1);
+        return;
+    }
+    let cases = [(HC, 4096usize, true), (HC, 4096, false), (HC, 1024, true), (HC, 1000, false), (HC, 64, true)];
+    let cases = cases.into_iter().chain([(1, 256, true), (2, 512, false), (3, 136, true)]);
+    for (k, (hc, d, half)) in cases.enumerate() {
+        let what = format!("ds4_hc_site hc {hc} d {d} {}", if half { "F16" } else { "F32" });
+        let n = 5;
+        let n_mix = (2 + hc) * hc;
+        let (mut raw, mut w) = hyper_site(n_mix, hc, d, 140 + k as u64);
+        if half {
+            raw = raw
+                .chunks(4)
+                .flat_map(|b| f16::from_f32(f32::from_le_bytes([b[0], b[1], b[2], b[3]])).to_le_bytes())
+                .collect();
+            w.proj = Mat { ty: GgmlType::F16, row_bytes: 2 * hc * d, ..w.proj };
+        }
+        let ops = Ops { raw: &raw, backend: &Cpu };
+        let x0 = randn(n * hc * d, 150 + k as u64, 2.0);
+        let cfg = ModelConfig { hc_mult: hc, ..config(d, 1, 64) };
+        let nw = randn(d, 160 + k as u64, 1.0);
+        let check = |got: (&[f32], &[f32]), x: &[f32], tag: &str| {
+            let (want_y, mixes) = hyper::pre(ops, &w, x, &cfg).expect("hyper::pre");
+            let mut want = want_y.clone();
+            for row in want.chunks_mut(d) {
+                rms_norm(row, &nw, EPS);
+            }
+            assert_close(&format!("{what}{tag}: normed y"), got.0, &want, 1e-5);
+            for (r, m) in mixes.iter().enumerate() {
+                let g = &got.1[r * (hc + hc * hc)..(r + 1) * (hc + hc * hc)];
+                assert_close(&format!("{what}{tag}: post, row {r}"), &g[..hc], &m.post, 1e-5);
+                assert_close(&format!("{what}{tag}: comb, row {r}"), &g[hc..], &m.comb, 5e-5);
+            }
+        };
+        let (y, mix, x_after) = run_hc_site(&ctx, hc, &raw, &w, &x0, d, Some(&nw), ITERS, None);
+        check((&y, &mix), &x0, "");
+        assert_bits(&format!("{what}: x untouched"), &x_after, &x0);
+        // Without the norm: the plain collapse.
+        let (plain, mix1, _) = run_hc_site(&ctx, hc, &raw, &w, &x0, d, None, ITERS, None);
+        let (want_plain, _) = hyper::pre(ops, &w, &x0, &cfg).expect("hyper::pre");
+        assert_close(&format!("{what}: y"), &plain, &want_plain, 1e-5);
+        assert_bits(&format!("{what}: mix without the norm"), &mix1, &mix);
+        // The decode's way: no iterations here, all of them in ds4_hc_sinkhorn after.
+        let (y0, mix0, _) = run_hc_site(&ctx, hc, &raw, &w, &x0, d, Some(&nw), 0, None);
+        let mb = buf(&mix0);
+        let args = [ptr(&mb), Arg::I32(hc as i32), Arg::F32(HC_EPS), Arg::I32(ITERS as i32)];
+        ctx.launch_named("ds4_hc_sinkhorn", (n as u32, 1, 1), 32, 0, &args).expect("launching ds4_hc_sinkhorn");
+        assert_bits(&format!("{what}: y, Sinkhorn apart"), &y0, &y);
+        assert_bits(&format!("{what}: mix, Sinkhorn apart"), &read(&ctx, &mb, mix.len()), &mix);
+        assert_rows_invariant(&format!("{what}: normed y"), &y, n, |r| {
+            run_hc_site(&ctx, hc, &raw, &w, &x0[r * hc * d..(r + 1) * hc * d], d, Some(&nw), ITERS, None).0
+        });
+        assert_rows_invariant(&format!("{what}: mix"), &mix, n, |r| {
+            run_hc_site(&ctx, hc, &raw, &w, &x0[r * hc * d..(r + 1) * hc * d], d, Some(&nw), ITERS, None).1
+        });
+        if hc != HC {
+            continue;
+        }
+        // The previous site's expansion folded in: x as ds4_hc_post leaves it, bit for bit,
+        // then the site on it.
+        let f = randn(n * d, 170 + k as u64, 2.0);
+        let prev: Vec<f32> = (0..n * (HC + HC * HC)).map(|i| 0.5 + 0.01 * (i % 37) as f32).collect();
+        let want_x = run_hc_post(&ctx, &x0, &f, &prev, d);
+        let (y2, mix2, x2) = run_hc_site(&ctx, hc, &raw, &w, &x0, d, Some(&nw), ITERS, Some((&f, &prev)));
+        assert_bits(&format!("{what}: x after the expansion"), &x2, &want_x);
+        check((&y2, &mix2), &want_x, " after the expansion");
+        let (y3, mix3, _) = run_hc_site(&ctx, hc, &raw, &w, &want_x, d, Some(&nw), ITERS, None);
+        assert_bits(&format!("{what}: y after the expansion"), &y2, &y3);
+        assert_bits(&format!("{what}: mix after the expansion"), &mix2, &mix3);
+    }
+}
+
 /// `ds4_hc_post` in place on `x` (n rows of hc * d).
 fn run_hc_post(ctx: &Context, x: &[f32], f: &[f32], mix: &[f32], d: usize) -> Vec<f32> {
     let n = f.len() / d;
