@@ -777,6 +777,67 @@ __device__ __forceinline__ double ds4_cluster_sum_f64(const double* p) {
     return a;
 }
 
+// HC_SITE_ASYNC (a DS4_CUDA_DEFINES variant, off by default; not yet timed): the cluster's
+// exchanges without ds4_cluster_sync. A cluster barrier with release / acquire semantics is a
+// GPU-scope fence in SASS (MEMBAR.ALL.GPU before the barrier, an L1 invalidation after: three
+// of them a launch), which may be much of the kernel's time. With the variant each block
+// pushes its parts into every block's shared memory with st.async, whose bytes complete a
+// transaction count on the receiver's mbarrier, and waits on its own mbarrier; the one barrier
+// left that orders anything is the relaxed one after the mbarriers' initialization, arrived at
+// before the wait for the previous kernel. The receivers add the same values in the same rank
+// order, so the results are the default's bit for bit.
+#ifdef HC_SITE_ASYNC
+// This block's shared-memory address `a` (32-bit) in the cluster's block `rank`.
+__device__ __forceinline__ u32 ds4_cluster_map(u32 a, u32 rank) {
+    u32 r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+    return r;
+}
+
+__device__ __forceinline__ void ds4_mbar_init(u64* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"((u32)__cvta_generic_to_shared(bar)) : "memory");
+}
+
+// The block's one arrival on `bar`, expecting `bytes` from st.async.
+__device__ __forceinline__ void ds4_mbar_expect(u64* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                 ::"r"((u32)__cvta_generic_to_shared(bar)), "r"(bytes)
+                 : "memory");
+}
+
+// Waits for phase 0 of `bar` to complete (each barrier serves one exchange a launch).
+__device__ __forceinline__ void ds4_mbar_wait0(u64* bar) {
+    const u32 a = (u32)__cvta_generic_to_shared(bar);
+    u32 done = 0;
+    while (!done) {
+        asm volatile(
+            "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0;\n\t"
+            "selp.u32 %0, 1, 0, p;\n\t}"
+            : "=r"(done)
+            : "r"(a)
+            : "memory");
+    }
+}
+
+// Stores 4 (st.async .b32) or 8 bytes (.b64) at `dst` of block `rank`, completing as many
+// bytes of that block's mbarrier `bar` (both at this block's addresses).
+__device__ __forceinline__ void ds4_push_f32(const float* dst, u64* bar, u32 rank, float v) {
+    const u32 d = ds4_cluster_map((u32)__cvta_generic_to_shared(dst), rank);
+    const u32 b = ds4_cluster_map((u32)__cvta_generic_to_shared(bar), rank);
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
+                 ::"r"(d), "r"(__float_as_uint(v)), "r"(b)
+                 : "memory");
+}
+
+__device__ __forceinline__ void ds4_push_f64(const double* dst, u64* bar, u32 rank, double v) {
+    const u32 d = ds4_cluster_map((u32)__cvta_generic_to_shared(dst), rank);
+    const u32 b = ds4_cluster_map((u32)__cvta_generic_to_shared(bar), rank);
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b64 [%0], %1, [%2];"
+                 ::"r"(d), "l"(__double_as_longlong(v)), "r"(b)
+                 : "memory");
+}
+#endif
+
 template <int HC>
 __device__ __forceinline__ void hc_site_row(const u8* proj, int row_bytes, int w_f16, float* x, float* y, float* mix,
                                             const float* base, const float* scale, int d, float hc_eps, int iters,
@@ -815,6 +876,20 @@ __device__ __forceinline__ void hc_site_row(const u8* proj, int row_bytes, int w
         }
     }
     const float nwc = (mine && norm) ? norm[c] : 0.0f;
+#ifdef HC_SITE_ASYNC
+    // Every block's parts, by rank, for the logits and sum of squares (round 0) and the
+    // collapse's sum of squares (round 1), with one mbarrier a round, initialized before any
+    // block may push (the relaxed barrier's wait comes before the first push).
+    __shared__ float recv_f[HC_SITE_CLUSTER][NM];
+    __shared__ double recv_d[2][HC_SITE_CLUSTER];
+    __shared__ __align__(8) u64 bars[2];
+    if (tid == 0) {
+        ds4_mbar_init(&bars[0]);
+        ds4_mbar_init(&bars[1]);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
     ds4_grid_lead();
     float v[HC];
 #pragma unroll
@@ -906,6 +981,36 @@ __device__ __forceinline__ void hc_site_row(const u8* proj, int row_bytes, int w
         part_d[0] = a;
     }
     // The cluster's sums, in rank order, by every block alike.
+#ifdef HC_SITE_ASYNC
+    __syncthreads();
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+    if (tid == 0) {
+        ds4_mbar_expect(&bars[0], HC_SITE_CLUSTER * (NM * 4 + 8));
+    }
+    for (int j = tid; j < HC_SITE_CLUSTER * (NM + 1); j += blockDim.x) {
+        const u32 k = (u32)(j / (NM + 1));
+        const int o = j - (int)k * (NM + 1);
+        if (o < NM) {
+            ds4_push_f32(&recv_f[rank][o], &bars[0], k, part_f[o]);
+        } else {
+            ds4_push_f64(&recv_d[0][rank], &bars[0], k, part_d[0]);
+        }
+    }
+    ds4_mbar_wait0(&bars[0]);
+    if (tid < NM) {
+        float a = recv_f[0][tid];
+        for (int k = 1; k < HC_SITE_CLUSTER; k++) {
+            a += recv_f[k][tid];
+        }
+        tot_f[tid] = a;
+    } else if (tid == NM) {
+        double a = recv_d[0][0];
+        for (int k = 1; k < HC_SITE_CLUSTER; k++) {
+            a += recv_d[0][k];
+        }
+        tot_d[0] = a;
+    }
+#else
     ds4_cluster_sync();
     // (All of a thread's remote loads go out before the first add: each waits about as long
     // as a global one.)
@@ -924,6 +1029,7 @@ __device__ __forceinline__ void hc_site_row(const u8* proj, int row_bytes, int w
     } else if (tid == NM) {
         tot_d[0] = ds4_cluster_sum_f64(&part_d[0]);
     }
+#endif
     __syncthreads();
     const float fs = 1.0f / sqrtf((float)(tot_d[0] / (double)(HC * d)) + eps);
     float yv = 0.0f;
@@ -955,10 +1061,28 @@ __device__ __forceinline__ void hc_site_row(const u8* proj, int row_bytes, int w
             }
             part_d[1] = a;
         }
+#ifdef HC_SITE_ASYNC
+        __syncthreads();
+        if (tid == 0) {
+            ds4_mbar_expect(&bars[1], HC_SITE_CLUSTER * 8);
+        }
+        if (tid < HC_SITE_CLUSTER) {
+            ds4_push_f64(&recv_d[1][rank], &bars[1], (u32)tid, part_d[1]);
+        }
+        ds4_mbar_wait0(&bars[1]);
+        if (tid == 0) {
+            double a = recv_d[1][0];
+            for (int k = 1; k < HC_SITE_CLUSTER; k++) {
+                a += recv_d[1][k];
+            }
+            tot_d[1] = a;
+        }
+#else
         ds4_cluster_sync();
         if (tid == 0) {
             tot_d[1] = ds4_cluster_sum_f64(&part_d[1]);
         }
+#endif
         __syncthreads();
         const float sc = 1.0f / sqrtf((float)(tot_d[1] / (double)d) + eps);
         if (mine) {
@@ -967,8 +1091,13 @@ __device__ __forceinline__ void hc_site_row(const u8* proj, int row_bytes, int w
     } else if (mine) {
         yr[c] = yv;
     }
+#ifdef HC_SITE_ASYNC
+    // No block leaves before every block has received its pushes (no ordering needed).
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+#else
     // No block leaves while another may still read its shared memory.
     ds4_cluster_sync();
+#endif
 }
 
 template <int H>

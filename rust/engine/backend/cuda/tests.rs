@@ -129,6 +129,23 @@ fn kernels_compile_with_nvrtc() {
     }
 }
 
+/// The variant of ds4_hc_site that exchanges the cluster's sums with st.async and mbarriers
+/// (`DS4_CUDA_DEFINES=HC_SITE_ASYNC=1`, decode_ops.cu) compiles for sm_90, and the default
+/// program has none of it.
+#[test]
+fn hc_site_async_variant_compiles() {
+    if !nvrtc_available() {
+        assert!(std::env::var_os("DS4_REQUIRE_NVRTC").is_none(), "DS4_REQUIRE_NVRTC is set but libnvrtc was not found");
+        eprintln!("skipped: libnvrtc not found");
+        return;
+    }
+    let ptx = context::compile_with("compute_90", &["HC_SITE_ASYNC=1"]).unwrap_or_else(|e| panic!("{e}"));
+    assert!(ptx.contains(".entry ds4_hc_site("), "no ds4_hc_site in the PTX");
+    assert!(ptx.contains("st.async.shared::cluster.mbarrier::complete_tx::bytes"), "no st.async in the variant");
+    let plain = context::compile_with("compute_90", &[]).unwrap_or_else(|e| panic!("{e}"));
+    assert!(!plain.contains("st.async"), "the default program pushes with st.async");
+}
+
 #[test]
 fn no_device_is_an_error_not_a_panic() {
     // On a machine without a GPU this must be BackendUnavailable; with one, a backend.
