@@ -1079,13 +1079,7 @@ impl CudaDecoder {
         // indexer's projections of h, then the indexer's q_b), at most N_MAX rows.
         let mut side_need = (0usize, 0usize);
         for l in w.layers.iter().chain(mtp_w.map(|m| &m.block)).chain(dspark_stages) {
-            let mut of_h = Vec::new();
-            if let Some(c) = &l.compressor {
-                of_h.extend([c.kv, c.gate]);
-            }
-            if let Some(i) = &l.indexer {
-                of_h.extend([i.proj, i.compressor.kv, i.compressor.gate]);
-            }
+            let of_h: Vec<Mat> = program::projections_of_h(l).into_iter().map(|(m, _)| m).collect();
             let (p1, c1) = split_need(&of_h, N_MAX);
             let (p2, c2) = l.indexer.as_ref().map_or((0, 0), |i| split_need(&[i.q_b], N_MAX));
             side_need = (side_need.0.max(p1).max(p2), side_need.1.max(c1).max(c2));
@@ -1096,12 +1090,8 @@ impl CudaDecoder {
             need(&[l.q_a, l.kv], rows);
             // q_b with the compressors' and indexer's products (as `build` groups them).
             let mut g2 = vec![l.q_b];
-            if let Some(c) = &l.compressor {
-                g2.extend([c.kv, c.gate]);
-            }
-            if let Some(i) = &l.indexer {
-                g2.extend([i.proj, i.compressor.kv, i.compressor.gate, i.q_b]);
-            }
+            g2.extend(program::projections_of_h(l).into_iter().map(|(m, _)| m));
+            g2.extend(l.indexer.as_ref().map(|i| i.q_b));
             need(&g2, rows);
             // o_a's groups: one launch split as their whole plane (program.rs `split_in_launch`).
             need(&[l.o_a], rows);

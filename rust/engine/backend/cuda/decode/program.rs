@@ -198,6 +198,30 @@ pub(super) fn index_blocks(n: usize) -> u32 {
 /// Threads of `ds4_argmax_rows` (one block per logits row).
 pub(super) const ARGMAX_THREADS: u32 = 1024;
 
+/// Where one of a layer's projections of h at the attention site goes ([`projections_of_h`]).
+#[derive(Clone, Copy)]
+pub(super) enum OfH {
+    CompKv,
+    CompGate,
+    IndexProj,
+    IndexKv,
+    IndexGate,
+}
+
+/// The compressor's and indexer's projections of h in layer `lw`, in the order the step
+/// programs queue them (the attention site in `build`); the decoder sizes the side branch's
+/// partial sums from the same list (mod.rs).
+pub(super) fn projections_of_h(lw: &LayerWeights) -> Vec<(Mat, OfH)> {
+    let mut v = Vec::new();
+    if let Some(c) = &lw.compressor {
+        v.extend([(c.kv, OfH::CompKv), (c.gate, OfH::CompGate)]);
+    }
+    if let Some(i) = &lw.indexer {
+        v.extend([(i.proj, OfH::IndexProj), (i.compressor.kv, OfH::IndexKv), (i.compressor.gate, OfH::IndexGate)]);
+    }
+    v
+}
+
 /// Bytes a thread of `ds4_prefetch` asks L2 for.
 const PREFETCH_PIECE: usize = 32768;
 
@@ -814,17 +838,23 @@ impl CudaDecoder {
             )?;
             // The compressors' and indexer's projections of h (all but the indexer's q_b, which
             // reads the normed q_a), which only finish_rows and the compressors read.
-            let mut of_h = Vec::new();
-            if let (Some(cw), Some(cm)) = (&lw.compressor, &mm.comp) {
-                of_h.extend([(cw.kv, b.h.ptr, cm.log_kv.ptr, n), (cw.gate, b.h.ptr, cm.log_g.ptr, n)]);
-            }
-            if let (Some(iw), Some(im)) = (&lw.indexer, &mm.index) {
-                of_h.extend([
-                    (iw.proj, b.h.ptr, b.ig.ptr, n),
-                    (iw.compressor.kv, b.h.ptr, im.log_kv.ptr, n),
-                    (iw.compressor.gate, b.h.ptr, im.log_g.ptr, n),
-                ]);
-            }
+            // Each to its state in the layer's mirror (a layer has compressor weights exactly
+            // when its mirror has a compressor, and indexer weights exactly when it has an
+            // indexer: see `decoder_for`).
+            let of_h: Vec<(Mat, u64, u64, usize)> = projections_of_h(lw)
+                .into_iter()
+                .filter_map(|(m, to)| {
+                    let y = match (to, &mm.comp, &mm.index) {
+                        (OfH::CompKv, Some(cm), _) => cm.log_kv.ptr,
+                        (OfH::CompGate, Some(cm), _) => cm.log_g.ptr,
+                        (OfH::IndexProj, _, Some(_)) => b.ig.ptr,
+                        (OfH::IndexKv, _, Some(im)) => im.log_kv.ptr,
+                        (OfH::IndexGate, _, Some(im)) => im.log_g.ptr,
+                        _ => return None,
+                    };
+                    Some((m, b.h.ptr, y, n))
+                })
+                .collect();
             // In a decode or verify they run on the side branch from here, beside the query
             // path (q_a and kv, the q_a norm, q_b), with their partial sums in the side's own
             // region (`products_on`), and the main stream waits for them before finish_rows;
