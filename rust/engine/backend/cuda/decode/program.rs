@@ -813,7 +813,9 @@ impl CudaDecoder {
             // step (CUPTI trace) against about 11 for this product, ds4_hc_pre and
             // ds4_hc_post together, and Flash steps at 2100 tokens took 9.30 ms against
             // 8.78 (interleaved A/B, medians of 3; 32 or 8 blocks a row, the slices' sums
-            // read warp-parallel or one by one: all slower).)
+            // read warp-parallel or one by one: all slower). ds4_hc_site, above, is that idea
+            // on a cluster: every block stays resident and adds the others' parts itself, with
+            // no last block and no atomic count.)
             products(ops, table, &[(hw.proj, x, b.mixl.ptr, n)])?;
             launch(ops, k.hc_pre, g1, wide(d), 0, [vec![p(b.mixl.ptr), i(n_mix)], common].concat());
             Ok((fork && expand).then(|| sinkhorn(mix)))
