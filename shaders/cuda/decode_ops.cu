@@ -741,40 +741,55 @@ __device__ __forceinline__ void ds4_cluster_sync() {
 #endif
 }
 
+// The address of `p` (this block's shared memory) in the cluster's block `rank`.
+__device__ __forceinline__ u32 ds4_cluster_map(const void* p, u32 rank) {
+    u32 r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"((u32)__cvta_generic_to_shared(p)), "r"(rank));
+#endif
+    return r;
+}
+
 // The value at `p` (this block's shared memory) in the cluster's block `rank`.
-__device__ __forceinline__ float ds4_cluster_ld_f32(const float* p, u32 rank) {
+__device__ __forceinline__ float ds4_cluster_ld(const float* p, u32 rank) {
     float v = 0.0f;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    u32 a;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"((u32)__cvta_generic_to_shared(p)), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(ds4_cluster_map(p, rank)));
 #endif
     return v;
 }
 
-__device__ __forceinline__ double ds4_cluster_ld_f64(const double* p, u32 rank) {
+__device__ __forceinline__ double ds4_cluster_ld(const double* p, u32 rank) {
     double v = 0.0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    u32 a;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"((u32)__cvta_generic_to_shared(p)), "r"(rank));
-    asm volatile("ld.shared::cluster.f64 %0, [%1];" : "=d"(v) : "r"(a));
+    asm volatile("ld.shared::cluster.f64 %0, [%1];" : "=d"(v) : "r"(ds4_cluster_map(p, rank)));
 #endif
     return v;
 }
 
-// The sum over the cluster's blocks, in rank order, of the double at `p` in each.
-__device__ __forceinline__ double ds4_cluster_sum_f64(const double* p) {
-    double e[HC_SITE_CLUSTER];
-#pragma unroll
-    for (int k = 0; k < HC_SITE_CLUSTER; k++) {
-        e[k] = ds4_cluster_ld_f64(p, k);
-    }
-    double a = e[0];
+// The sum in rank order of the cluster's values e[0], e[1], ... (the same order, so the same
+// bits, wherever the blocks' parts are gathered).
+template <class T>
+__device__ __forceinline__ T ds4_rank_sum(const T (&e)[HC_SITE_CLUSTER]) {
+    T a = e[0];
 #pragma unroll
     for (int k = 1; k < HC_SITE_CLUSTER; k++) {
         a += e[k];
     }
     return a;
+}
+
+// The sum over the cluster's blocks, in rank order, of the value at `p` in each. (All of a
+// thread's remote loads go out before the first add: each waits about as long as a global
+// one.)
+template <class T>
+__device__ __forceinline__ T ds4_cluster_sum(const T* p) {
+    T e[HC_SITE_CLUSTER];
+#pragma unroll
+    for (int k = 0; k < HC_SITE_CLUSTER; k++) {
+        e[k] = ds4_cluster_ld(p, k);
+    }
+    return ds4_rank_sum(e);
 }
 
 // HC_SITE_ASYNC (a DS4_CUDA_DEFINES variant, off by default; not yet timed): the cluster's
@@ -787,13 +802,6 @@ __device__ __forceinline__ double ds4_cluster_sum_f64(const double* p) {
 // before the wait for the previous kernel. The receivers add the same values in the same rank
 // order, so the results are the default's bit for bit.
 #ifdef HC_SITE_ASYNC
-// This block's shared-memory address `a` (32-bit) in the cluster's block `rank`.
-__device__ __forceinline__ u32 ds4_cluster_map(u32 a, u32 rank) {
-    u32 r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-    return r;
-}
-
 __device__ __forceinline__ void ds4_mbar_init(u64* bar) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"((u32)__cvta_generic_to_shared(bar)) : "memory");
 }
@@ -821,19 +829,15 @@ __device__ __forceinline__ void ds4_mbar_wait0(u64* bar) {
 
 // Stores 4 (st.async .b32) or 8 bytes (.b64) at `dst` of block `rank`, completing as many
 // bytes of that block's mbarrier `bar` (both at this block's addresses).
-__device__ __forceinline__ void ds4_push_f32(const float* dst, u64* bar, u32 rank, float v) {
-    const u32 d = ds4_cluster_map((u32)__cvta_generic_to_shared(dst), rank);
-    const u32 b = ds4_cluster_map((u32)__cvta_generic_to_shared(bar), rank);
+__device__ __forceinline__ void ds4_push(const float* dst, u64* bar, u32 rank, float v) {
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
-                 ::"r"(d), "r"(__float_as_uint(v)), "r"(b)
+                 ::"r"(ds4_cluster_map(dst, rank)), "r"(__float_as_uint(v)), "r"(ds4_cluster_map(bar, rank))
                  : "memory");
 }
 
-__device__ __forceinline__ void ds4_push_f64(const double* dst, u64* bar, u32 rank, double v) {
-    const u32 d = ds4_cluster_map((u32)__cvta_generic_to_shared(dst), rank);
-    const u32 b = ds4_cluster_map((u32)__cvta_generic_to_shared(bar), rank);
+__device__ __forceinline__ void ds4_push(const double* dst, u64* bar, u32 rank, double v) {
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b64 [%0], %1, [%2];"
-                 ::"r"(d), "l"(__double_as_longlong(v)), "r"(b)
+                 ::"r"(ds4_cluster_map(dst, rank)), "l"(__double_as_longlong(v)), "r"(ds4_cluster_map(bar, rank))
                  : "memory");
 }
 #endif
@@ -991,43 +995,28 @@ __device__ __forceinline__ void hc_site_row(const u8* proj, int row_bytes, int w
         const u32 k = (u32)(j / (NM + 1));
         const int o = j - (int)k * (NM + 1);
         if (o < NM) {
-            ds4_push_f32(&recv_f[rank][o], &bars[0], k, part_f[o]);
+            ds4_push(&recv_f[rank][o], &bars[0], k, part_f[o]);
         } else {
-            ds4_push_f64(&recv_d[0][rank], &bars[0], k, part_d[0]);
+            ds4_push(&recv_d[0][rank], &bars[0], k, part_d[0]);
         }
     }
     ds4_mbar_wait0(&bars[0]);
     if (tid < NM) {
-        float a = recv_f[0][tid];
-        for (int k = 1; k < HC_SITE_CLUSTER; k++) {
-            a += recv_f[k][tid];
-        }
-        tot_f[tid] = a;
-    } else if (tid == NM) {
-        double a = recv_d[0][0];
-        for (int k = 1; k < HC_SITE_CLUSTER; k++) {
-            a += recv_d[0][k];
-        }
-        tot_d[0] = a;
-    }
-#else
-    ds4_cluster_sync();
-    // (All of a thread's remote loads go out before the first add: each waits about as long
-    // as a global one.)
-    if (tid < NM) {
         float e[HC_SITE_CLUSTER];
 #pragma unroll
         for (int k = 0; k < HC_SITE_CLUSTER; k++) {
-            e[k] = ds4_cluster_ld_f32(&part_f[tid], k);
+            e[k] = recv_f[k][tid];
         }
-        float a = e[0];
-#pragma unroll
-        for (int k = 1; k < HC_SITE_CLUSTER; k++) {
-            a += e[k];
-        }
-        tot_f[tid] = a;
+        tot_f[tid] = ds4_rank_sum(e);
     } else if (tid == NM) {
-        tot_d[0] = ds4_cluster_sum_f64(&part_d[0]);
+        tot_d[0] = ds4_rank_sum(recv_d[0]);
+    }
+#else
+    ds4_cluster_sync();
+    if (tid < NM) {
+        tot_f[tid] = ds4_cluster_sum(&part_f[tid]);
+    } else if (tid == NM) {
+        tot_d[0] = ds4_cluster_sum(&part_d[0]);
     }
 #endif
     __syncthreads();
@@ -1067,20 +1056,16 @@ __device__ __forceinline__ void hc_site_row(const u8* proj, int row_bytes, int w
             ds4_mbar_expect(&bars[1], HC_SITE_CLUSTER * 8);
         }
         if (tid < HC_SITE_CLUSTER) {
-            ds4_push_f64(&recv_d[1][rank], &bars[1], (u32)tid, part_d[1]);
+            ds4_push(&recv_d[1][rank], &bars[1], (u32)tid, part_d[1]);
         }
         ds4_mbar_wait0(&bars[1]);
         if (tid == 0) {
-            double a = recv_d[1][0];
-            for (int k = 1; k < HC_SITE_CLUSTER; k++) {
-                a += recv_d[1][k];
-            }
-            tot_d[1] = a;
+            tot_d[1] = ds4_rank_sum(recv_d[1]);
         }
 #else
         ds4_cluster_sync();
         if (tid == 0) {
-            tot_d[1] = ds4_cluster_sum_f64(&part_d[1]);
+            tot_d[1] = ds4_cluster_sum(&part_d[1]);
         }
 #endif
         __syncthreads();
