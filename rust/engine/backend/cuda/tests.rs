@@ -103,12 +103,20 @@ fn sources_from_a_folder() {
     assert!(err.contains("DS4_CUDA_SOURCES") && err.contains("float.cu"), "{err}");
 }
 
+/// Whether NVRTC is here for the compile-only tests; without it they print why and skip, except
+/// where CI sets DS4_REQUIRE_NVRTC: there a missing NVRTC is a failure, not a skip.
+fn nvrtc_or_skip() -> bool {
+    if nvrtc_available() {
+        return true;
+    }
+    assert!(std::env::var_os("DS4_REQUIRE_NVRTC").is_none(), "DS4_REQUIRE_NVRTC is set but libnvrtc was not found");
+    eprintln!("skipped: libnvrtc not found (set DS4_CUDA_LIB to a CUDA or pip nvidia-cuda-nvrtc lib dir)");
+    false
+}
+
 #[test]
 fn kernels_compile_with_nvrtc() {
-    if !nvrtc_available() {
-        // CI sets DS4_REQUIRE_NVRTC: there a missing NVRTC is a failure, not a skip.
-        assert!(std::env::var_os("DS4_REQUIRE_NVRTC").is_none(), "DS4_REQUIRE_NVRTC is set but libnvrtc was not found");
-        eprintln!("skipped: libnvrtc not found (set DS4_CUDA_LIB to a CUDA or pip nvidia-cuda-nvrtc lib dir)");
+    if !nvrtc_or_skip() {
         return;
     }
     // compute_75: the Q8_0 kernel's path for devices without the integer mma of sm_80.
@@ -134,9 +142,7 @@ fn kernels_compile_with_nvrtc() {
 /// program has none of it.
 #[test]
 fn hc_site_async_variant_compiles() {
-    if !nvrtc_available() {
-        assert!(std::env::var_os("DS4_REQUIRE_NVRTC").is_none(), "DS4_REQUIRE_NVRTC is set but libnvrtc was not found");
-        eprintln!("skipped: libnvrtc not found");
+    if !nvrtc_or_skip() {
         return;
     }
     let ptx = context::compile_with("compute_90", &["HC_SITE_ASYNC=1"]).unwrap_or_else(|e| panic!("{e}"));
