@@ -792,7 +792,7 @@ __device__ __forceinline__ T ds4_cluster_sum(const T* p) {
     return ds4_rank_sum(e);
 }
 
-// HC_SITE_ASYNC (a DS4_CUDA_DEFINES variant, off by default; not yet timed): the cluster's
+// HC_SITE_ASYNC (a DS4_CUDA_DEFINES variant, off by default): the cluster's
 // exchanges without ds4_cluster_sync. A cluster barrier with release / acquire semantics is a
 // GPU-scope fence in SASS (MEMBAR.ALL.GPU before the barrier, an L1 invalidation after: three
 // of them a launch), which may be much of the kernel's time. With the variant each block
@@ -800,7 +800,11 @@ __device__ __forceinline__ T ds4_cluster_sum(const T* p) {
 // transaction count on the receiver's mbarrier, and waits on its own mbarrier; the one barrier
 // left that orders anything is the relaxed one after the mbarriers' initialization, arrived at
 // before the wait for the previous kernel. The receivers add the same values in the same rank
-// order, so the results are the default's bit for bit.
+// order, so the results are the default's bit for bit (the GPU tests pass with it). Measured
+// on an H200: 10.1 us a launch back to back in the lab against 10.6 to 10.9, but Flash steps at
+// 2100 tokens 8.42 ms against 8.39, verifies of 2 / 8 rows 10.82 / 23.05 against 10.81 / 22.96
+// (ab_steps.py, separate processes, two interleaved runs): no gain in the step, so not the
+// default.
 #ifdef HC_SITE_ASYNC
 __device__ __forceinline__ void ds4_mbar_init(u64* bar) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"((u32)__cvta_generic_to_shared(bar)) : "memory");

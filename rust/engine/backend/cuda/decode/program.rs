@@ -1288,6 +1288,15 @@ impl CudaDecoder {
             if fork {
                 ops.push(Op::Join);
             }
+            // (Tried and dropped, 2026-12-03: this combine and expansion folded into the next
+            // layer's attention-site ds4_hc_site, each block summing its columns' expert outputs
+            // before the collapse, no launch here but in the last layer and DSpark's captured
+            // ones. Bitwise the same x; in the H200 lab the site took 12.65 us a launch against
+            // 11.36 with the expansion alone, this kernel 5.27. But Flash steps at 2100 tokens
+            // took 8.68 ms against 8.61 without the fold, verifies of 2 / 4 / 8 rows 10.96 /
+            // 14.99 / 23.45 against 11.05 / 15.02 / 23.25 (three interleaved runs): the three
+            // dependent loads of the routing's tables land on the site's path after its wait,
+            // where here they overlap the launch.)
             launch(
                 &mut ops,
                 k.combine,
