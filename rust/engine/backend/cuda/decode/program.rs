@@ -1294,9 +1294,9 @@ impl CudaDecoder {
             // ones. Bitwise the same x; in the H200 lab the site took 12.65 us a launch against
             // 11.36 with the expansion alone, this kernel 5.27. But Flash steps at 2100 tokens
             // took 8.68 ms against 8.61 without the fold, verifies of 2 / 4 / 8 rows 10.96 /
-            // 14.99 / 23.45 against 11.05 / 15.02 / 23.25 (three interleaved runs): the three
-            // dependent loads of the routing's tables land on the site's path after its wait,
-            // where here they overlap the launch.)
+            // 14.99 / 23.45 against 11.05 / 15.02 / 23.25 (three interleaved runs), within
+            // the noise or worse. Perhaps the three dependent loads of the routing's tables, on
+            // the site's path after its wait, cost what the launch saved.)
             launch(
                 &mut ops,
                 k.combine,
