@@ -266,6 +266,15 @@ def test_device_decode_matches_host_forward(tmp_path: Path, monkeypatch: pytest.
     assert not np.array_equal(dev[:37].view(np.uint32), plain[:37].view(np.uint32))
     rel = np.abs(dev - plain).max(axis=1) / (np.abs(plain).max(axis=1) + 1e-6)
     assert float(np.median(rel)) < tol
+    # The Q8_0 products on the decode's tensor-core layout (q_b's class) run in a prompt's
+    # steps on ds4_gemm_q8_0_mq; with DS4_CUDA_GEMM_MQ=0 on the decode's kernel for them: the
+    # rows differ by rounding (an F32 model has no such products).
+    monkeypatch.setenv("DS4_CUDA_GEMM_MQ", "0")
+    mq = _chunked(m.session(512), prompt, cuts)
+    monkeypatch.delenv("DS4_CUDA_GEMM_MQ")
+    assert np.array_equal(dev[:37].view(np.uint32), mq[:37].view(np.uint32)) == (dtype == "f32")
+    rel = np.abs(dev - mq).max(axis=1) / (np.abs(mq).max(axis=1) + 1e-6)
+    assert float(np.median(rel)) < tol
     # Without the tensor-core attention alone (DS4_CUDA_ATTN_MMA=0), an F32 model's prompt rows
     # are the decode kernels' bits (it has no F16 or Q8_0 products); the others' still differ.
     # (With the hyper-connection sites in a mixing product and ds4_hc_pre each, as a prompt's

@@ -1,7 +1,8 @@
 // Products of a prompt's steps on the tensor cores (the prefill programs of the device decoder:
 // rust/engine/backend/cuda/decode/gemm.rs): y[r, o] = W[o] . x[r] for up to 64 batch rows, for
 // F16 matrices and for Q8_0 matrices stored in the float-x split layout (payloads, then scales:
-// rust/engine/quant/split), one launch a format. The decode's kernels (matvec_split in
+// rust/engine/quant/split) or in the decode's tensor-core layout of 16-row tiles
+// (ds4_gemm_q8_0_mq), one launch a kernel. The decode's kernels (matvec_split in
 // common.cuh) compute one dequantized weight times each batch row with a float FMA, which at 16
 // rows makes them issue-bound (Flash's 16-row steps spent 18.7 of 50 ms in those products).
 // Here mma.sync m16n8k16 (f16 inputs, f32 sums) takes 16 rows x 8 outputs x 16 inputs per
@@ -199,8 +200,10 @@ struct GemmX {
     float s[16 * GEMM_MTILES];
 };
 
-// Loads this thread's share of unit u of x: row 32 p + 8 warp + g, inputs [8t, 8t + 8), for
-// p = 0, 1 (zeros past n: xsrc null).
+// Loads this thread's share of unit u of x: row 32 p + 8 warp + g, inputs [8t, 8t + 8) (the
+// tiled layout, TILED: [4t, 4t + 4) and [16 + 4t, 20 + 4t), the inputs of the lane's weight
+// bytes there), for p = 0, 1 (zeros past n: xsrc null, else the row's x at input 8t, or 4t).
+template <bool TILED>
 __device__ __forceinline__ void gemm_fetch_x(int u, const float* const (&xsrc)[2], float4 (&xr)[2][2]) {
 #pragma unroll
     for (int p = 0; p < 2; p++) {
@@ -209,7 +212,7 @@ __device__ __forceinline__ void gemm_fetch_x(int u, const float* const (&xsrc)[2
         if (xsrc[p]) {
             const float4* v = (const float4*)(xsrc[p] + 32 * (long long)u);
             xr[p][0] = v[0];
-            xr[p][1] = v[1];
+            xr[p][1] = v[TILED ? 4 : 1];
         }
     }
 }
@@ -236,10 +239,31 @@ __device__ __forceinline__ void gemm_stage_x(const float4 (&xr)[2][2], GemmX& X,
     }
 }
 
-// Loads unit u of each tile's weights, and Q8_0's block scale of each tile's row g.
-template <bool Q8>
-__device__ __forceinline__ void gemm_load_w(int u, int t, const u8* const (&wrow)[GEMM_TILES], int units,
+// Loads unit u of each tile's weights, and Q8_0's block scale of each tile's row g. TILED: the
+// Q8_0 rows of the decode's tensor-core layout (q8_0.cu, rust/engine/quant/split/q8_0.rs),
+// wrow[2j] the warp's 16-row tile j (its n8 tiles 2j and 2j + 1), whose block u holds the
+// lane's 16 bytes at 512 u + 16 lane: row g's inputs 4t..4t+3, row g + 8's, row g's 16+4t..,
+// row g + 8's; and the rows' scales at 512 units + 32 u + 4 g (rows g, g + 8).
+template <bool Q8, bool TILED>
+__device__ __forceinline__ void gemm_load_w(int u, int lane, const u8* const (&wrow)[GEMM_TILES], int units,
                                             uint4 (&wv)[GEMM_TILES], float (&dw)[GEMM_TILES]) {
+    const int t = lane & 3;
+    if (TILED) {
+#pragma unroll
+        for (int j = 0; j < GEMM_TILES / 2; j++) {
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            u32 s = 0u;
+            if (wrow[2 * j]) {
+                v = *(const uint4*)(wrow[2 * j] + 512 * (long long)u + 16 * lane);
+                s = *(const u32*)(wrow[2 * j] + 512 * (long long)units + 32 * (long long)u + 4 * (lane >> 2));
+            }
+            wv[2 * j] = make_uint4(v.x, v.z, 0u, 0u);
+            wv[2 * j + 1] = make_uint4(v.y, v.w, 0u, 0u);
+            dw[2 * j] = f16_bits_to_f32(s & 0xffffu);
+            dw[2 * j + 1] = f16_bits_to_f32(s >> 16);
+        }
+        return;
+    }
 #pragma unroll
     for (int q = 0; q < GEMM_TILES; q++) {
         if (Q8) {
@@ -261,8 +285,9 @@ __device__ __forceinline__ void gemm_load_w(int u, int t, const u8* const (&wrow
 // The products of a launch's descriptors (MvDesc, as matvec's: warp_rows = 32, group = 1,
 // `slices` splitting the units between blocks; x the rows as floats, n <= 64). 128 threads: a
 // block's four warps take 128 output rows over the same units, so that each unit of x is
-// loaded and split once for all of them (in shared memory, GemmX).
-template <bool Q8>
+// loaded and split once for all of them (in shared memory, GemmX). TILED: Q8_0 in the
+// decode's tensor-core layout, whole 16-row tiles only (n_out a multiple of 16; gemm.rs).
+template <bool Q8, bool TILED>
 __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters) {
     const MvBlock B = mv_block(descs, count);
     const MvDesc& D = *B.D;
@@ -277,19 +302,21 @@ __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int 
     const int mtiles = (n + 15) >> 4;
     int u0, u1;
     mv_slice(units, D.slices, B.slice, u0, u1);
-    // Row g of each tile (null past n_out).
+    // Row g of each tile (null past n_out); TILED: each 16-row tile's run at 2j (null past
+    // n_out, and at 2j + 1).
     const u8* wrow[GEMM_TILES];
 #pragma unroll
     for (int q = 0; q < GEMM_TILES; q++) {
-        const int o = B.o0 + 8 * q + g;
-        wrow[q] = (B.nrows > 0 && o < n_out) ? D.w + (long long)o * D.row_bytes : nullptr;
+        const int o = TILED ? B.o0 + 8 * q : B.o0 + 8 * q + g;
+        const bool has = B.nrows > 0 && o < n_out && (!TILED || (q & 1) == 0);
+        wrow[q] = has ? D.w + (long long)o * D.row_bytes : nullptr;
     }
     // The rows of x this thread loads and splits (gemm_fetch_x).
     const float* xsrc[2];
 #pragma unroll
     for (int p = 0; p < 2; p++) {
         const int r = 32 * p + 8 * warp + g;
-        xsrc[p] = r < n ? D.x + (long long)r * D.n_in + 8 * t : nullptr;
+        xsrc[p] = r < n ? D.x + (long long)r * D.n_in + (TILED ? 4 : 8) * t : nullptr;
     }
     float acc[GEMM_MTILES][GEMM_TILES][4];
 #pragma unroll
@@ -305,7 +332,15 @@ __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int 
     // The weights are the model's: before waiting for the previous kernel (programmatic
     // dependent launch, common.cuh), each warp asks L2 for its 32 rows over the slice (a lane
     // a row) and loads its first unit's weights.
-    if (B.o0 + lane < n_out && B.nrows > 0) {
+    if (TILED) {
+        // Lanes 0 to 3: tile 0's quant bytes, its scales, tile 1's, its scales.
+        const u8* tb = lane < 2 ? wrow[0] : wrow[2];
+        if (lane < 4 && tb) {
+            const unsigned long long a = (unsigned long long)tb + ((lane & 1) ? 512ull * units : 0ull);
+            const unsigned long long ub = (lane & 1) ? 32 : 512;
+            ds4_prefetch_l2(a + ub * u0, a + ub * u1);
+        }
+    } else if (B.o0 + lane < n_out && B.nrows > 0) {
         const unsigned long long row = (unsigned long long)(D.w + (long long)(B.o0 + lane) * D.row_bytes);
         const int ub = Q8 ? 32 : 64;
         ds4_prefetch_l2(row + (unsigned long long)ub * u0, row + (unsigned long long)ub * u1);
@@ -321,7 +356,7 @@ __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int 
 #pragma unroll
     for (int k = 0; k < GEMM_STAGE; k++) {
         if (u0 + k < u1) {
-            gemm_load_w<Q8>(u0 + k, t, wrow, units, wv[k], dw[k]);
+            gemm_load_w<Q8, TILED>(u0 + k, lane, wrow, units, wv[k], dw[k]);
         }
     }
     ds4_grid_deps();
@@ -329,7 +364,7 @@ __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int 
     for (int k = 0; k < GEMM_STAGE; k++) {
         if (u0 + k < u1) {
             float4 xr[2][2];
-            gemm_fetch_x(u0 + k, xsrc, xr);
+            gemm_fetch_x<TILED>(u0 + k, xsrc, xr);
             gemm_stage_x(xr, xs[0][k], warp, lane, mtiles);
         }
     }
@@ -344,8 +379,8 @@ __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int 
 #pragma unroll
         for (int k = 0; k < GEMM_STAGE; k++) {
             if (nu + k < u1) {
-                gemm_load_w<Q8>(nu + k, t, wrow, units, nwv[k], ndw[k]);
-                gemm_fetch_x(nu + k, xsrc, nxr[k]);
+                gemm_load_w<Q8, TILED>(nu + k, lane, wrow, units, nwv[k], ndw[k]);
+                gemm_fetch_x<TILED>(nu + k, xsrc, nxr[k]);
             }
         }
         if (B.nrows > 0) {
@@ -409,10 +444,23 @@ __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int 
 
 extern "C" __global__ void __launch_bounds__(128, GEMM_MIN_BLOCKS) ds4_gemm_f16(const MvDesc* __restrict__ descs, int count,
                                                                int* __restrict__ counters) {
-    gemm_body<false>(descs, count, counters);
+    gemm_body<false, false>(descs, count, counters);
 }
 
 extern "C" __global__ void __launch_bounds__(128, GEMM_MIN_BLOCKS) ds4_gemm_q8_0(const MvDesc* __restrict__ descs, int count,
                                                                 int* __restrict__ counters) {
-    gemm_body<true>(descs, count, counters);
+    gemm_body<true, false>(descs, count, counters);
+}
+
+// Q8_0 in the decode's tensor-core layout (q_b, o_a, o_b and the head of Flash by default:
+// context.rs `tensor_cores`), which the decode's kernel there reads once per 16 rows of x. The
+// same loop as ds4_gemm_q8_0's, each lane's x taken at the inputs of its bytes in the tiles. On
+// an H200 (Flash, one process, interleaved, 2026-12-03): prompts of 2048 / 8192 tokens at 1470
+// / 1301 tok/s against 1334 / 1195 on the decode's kernel (DS4_CUDA_GEMM_MQ=0); a 512-row
+// step's products of this layout 572 us a launch against 837 (CUPTI trace). (The head's one
+// row of a prompt's last step is slower here, 540 us against 201, but a kernel chosen by the
+// row count would make a row's bits depend on its step.)
+extern "C" __global__ void __launch_bounds__(128, GEMM_MIN_BLOCKS)
+    ds4_gemm_q8_0_mq(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters) {
+    gemm_body<true, true>(descs, count, counters);
 }

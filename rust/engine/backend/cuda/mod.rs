@@ -623,8 +623,13 @@ impl CudaBackend {
         // One kernel for all of them.
         let f = if prefill {
             let sm80 = g.ctx.compute_capability.0 >= 8;
-            let name = decode::gemm::kernel_name(mats[0].ty).ok_or_else(cannot)?;
-            if mats.iter().any(|m| m.ty != mats[0].ty || !decode::gemm::takes(m, img.addr(m.start), x, n, sm80)) {
+            // (Tiled Q8_0 too: ds4_gemm_q8_0_mq.)
+            let kernel = |m: &Mat| decode::gemm::kernel_name(m, true);
+            let name = kernel(&mats[0]).ok_or_else(cannot)?;
+            if mats
+                .iter()
+                .any(|m| kernel(m) != Some(name) || !decode::gemm::takes(m, img.addr(m.start), x, n, sm80, true))
+            {
                 return Err(cannot());
             }
             (g.ctx.function(name)?, 0)

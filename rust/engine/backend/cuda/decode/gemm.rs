@@ -3,12 +3,14 @@
 //!
 //! A *prefill* step is one of a prompt's chunks (a session's batch longer than the decoder's
 //! rows: [`crate::backend::DeviceDecoder::set_prefill`]). Its F16 products and its Q8_0 products
-//! on the float-x layout run `ds4_gemm_f16` / `ds4_gemm_q8_0`. These kernels are row-invariant among themselves but do not give the decode
+//! on the float-x layout run `ds4_gemm_f16` / `ds4_gemm_q8_0`, those on the decode's tensor-core
+//! layout `ds4_gemm_q8_0_mq`. These kernels are row-invariant among themselves but do not give the decode
 //! kernels' bits, so decode steps and verifies never run them: a verify stays bitwise its rows'
 //! single decodes, and a prompt is evaluated the same way in plain and speculative decoding.
 
 use super::super::{tensor_cores, CudaBackend, Desc, MV_WARPS};
 use crate::model::weights::Mat;
+use crate::quant::split::q8_0::TILE_ROWS;
 use crate::quant::GgmlType;
 
 /// Output rows one warp of the kernels computes (`GEMM_TILES` n8 tiles in gemm.cu).
@@ -35,32 +37,44 @@ const TARGET_WARPS: usize = 256;
 /// weights loaded once for all of them); a prompt's step of more rows takes several.
 pub(in crate::backend::cuda) const GEMM_MAX_ROWS: usize = 64;
 
-/// The kernel of `ty`'s products (`shaders/cuda/gemm.cu`): F16 and Q8_0 have one.
-pub(in crate::backend::cuda) fn kernel_name(ty: GgmlType) -> Option<&'static str> {
-    match ty {
-        GgmlType::F16 => Some("ds4_gemm_f16"),
-        GgmlType::Q8_0 => Some("ds4_gemm_q8_0"),
+/// The kernels (`shaders/cuda/gemm.cu`), the names of the decoder's functions for them.
+pub(in crate::backend::cuda) const KERNELS: [&str; 3] = ["ds4_gemm_f16", "ds4_gemm_q8_0", "ds4_gemm_q8_0_mq"];
+
+/// The kernel of the products on `m` (the matrix whose shape picks the kernel, a plane's for
+/// its rows: `DeviceImage::kernel_mat`), one of [`KERNELS`]: F16; Q8_0 on the float-x layout;
+/// Q8_0 on the decode's tensor-core layout (`tensor_cores`) in whole 16-row tiles, with
+/// `tiled` (else those keep the decode's kernel, which reads their weights once per 16 rows:
+/// `DS4_CUDA_GEMM_MQ=0`). None: no kernel here takes them.
+pub(in crate::backend::cuda) fn kernel_name(m: &Mat, tiled: bool) -> Option<&'static str> {
+    match m.ty {
+        GgmlType::F16 => Some(KERNELS[0]),
+        GgmlType::Q8_0 if !tensor_cores(m.ty, m.n_in, m.n_out) => Some(KERNELS[1]),
+        GgmlType::Q8_0 if tiled && m.n_out.is_multiple_of(TILE_ROWS) => Some(KERNELS[2]),
         _ => None,
     }
 }
 
-/// Whether `m`'s shape and format suit the kernels: F16, or Q8_0 on the float-x layout (Q8_0
-/// on the tensor-core layout keeps its own kernel, already 16 rows a weight read), whole units.
-fn shape_fits(m: &Mat) -> bool {
-    let fmt = m.ty == GgmlType::F16 || (m.ty == GgmlType::Q8_0 && !tensor_cores(m.ty, m.n_in, m.n_out));
-    fmt && m.n_in > 0 && m.n_in.is_multiple_of(UNIT)
+/// Whether `m`'s shape and format suit a kernel ([`kernel_name`]), whole units.
+fn shape_fits(m: &Mat, tiled: bool) -> bool {
+    kernel_name(m, tiled).is_some() && m.n_in > 0 && m.n_in.is_multiple_of(UNIT)
 }
 
-/// Whether a prefill step runs the product of `m` (whose rows start at device address `at`) by
-/// the `rows` rows of floats at `x` on the tensor cores: a shape that [`shape_fits`], on a
-/// device of sm_80 or later (mma.sync m16n8k16), with rows aligned for the kernels' vector
-/// loads (16 bytes of F16, 8 of Q8_0 a lane, x in float4s).
-pub(in crate::backend::cuda) fn takes(m: &Mat, at: u64, x: u64, rows: usize, sm80: bool) -> bool {
-    let align = if m.ty == GgmlType::F16 { 16 } else { 8 };
-    sm80 && shape_fits(m)
+/// Whether a prefill step runs the product of `m` (the matrix that picks the kernel: see
+/// [`kernel_name`]; the product's rows start at device address `at`) by the `rows` rows of
+/// floats at `x` on the tensor cores: a shape that fits, on a device of sm_80 or later
+/// (mma.sync m16n8k16), with rows aligned for the kernels' vector loads (16 bytes of F16, 8 of
+/// float-x Q8_0 a lane; a tile's 16 bytes a lane, tiles 16 rows of whole blocks apart; x in
+/// float4s).
+pub(in crate::backend::cuda) fn takes(m: &Mat, at: u64, x: u64, rows: usize, sm80: bool, tiled: bool) -> bool {
+    let (row_align, at_align) = match kernel_name(m, tiled) {
+        Some(k) if k == KERNELS[1] => (8, 8),
+        Some(k) if k == KERNELS[2] => (1, 16),
+        _ => (16, 16),
+    };
+    sm80 && shape_fits(m, tiled)
         && rows >= 1
-        && m.row_bytes.is_multiple_of(align)
-        && at.is_multiple_of(align as u64)
+        && m.row_bytes.is_multiple_of(row_align)
+        && at.is_multiple_of(at_align)
         && x.is_multiple_of(16)
 }
 
@@ -112,9 +126,9 @@ pub(in crate::backend::cuda) fn desc(
 /// Partial-sum floats and counters the products of `mats` take at `n` rows (those whose shape
 /// the kernels take), at most: each split as if alone, with the most slices, in descriptors of
 /// at most [`GEMM_MAX_ROWS`] rows.
-pub(super) fn need(mats: &[Mat], n: usize) -> (usize, usize) {
+pub(super) fn need(mats: &[Mat], n: usize, tiled: bool) -> (usize, usize) {
     let (mut part, mut counters) = (0, 0);
-    for m in mats.iter().filter(|m| shape_fits(m)) {
+    for m in mats.iter().filter(|m| shape_fits(m, tiled)) {
         let s = slices(m, m.n_out);
         if s > 1 {
             part += s * n * m.n_out;
@@ -154,25 +168,37 @@ mod tests {
         }
     }
 
-    /// The kernels take F16 and float-x Q8_0 with whole units, aligned rows and x, any rows (in
-    /// descriptors of at most [`GEMM_MAX_ROWS`]), nothing else.
+    /// The kernels take F16, float-x Q8_0 and (when asked) tiled Q8_0 of whole tiles, with
+    /// whole units, aligned rows and x, any rows (in descriptors of at most
+    /// [`GEMM_MAX_ROWS`]), nothing else.
     #[test]
     fn which_products_take_the_tensor_cores() {
         let f16 = mat(GgmlType::F16, 64, 4096);
-        assert!(takes(&f16, 256, 512, 16, true));
-        assert!(!takes(&f16, 256, 512, 16, false));
-        assert!(takes(&f16, 256, 512, 128, true));
-        assert!(!takes(&f16, 256, 512, 0, true));
-        assert!(!takes(&f16, 264, 512, 1, true));
-        assert!(!takes(&f16, 256, 520, 1, true));
-        assert!(!takes(&mat(GgmlType::F16, 64, 48), 256, 512, 1, true));
+        assert!(takes(&f16, 256, 512, 16, true, true));
+        assert!(!takes(&f16, 256, 512, 16, false, true));
+        assert!(takes(&f16, 256, 512, 128, true, true));
+        assert!(!takes(&f16, 256, 512, 0, true, true));
+        assert!(!takes(&f16, 264, 512, 1, true, true));
+        assert!(!takes(&f16, 256, 520, 1, true, true));
+        assert!(!takes(&mat(GgmlType::F16, 64, 48), 256, 512, 1, true, true));
         let q8 = mat(GgmlType::Q8_0, 1024, 4096);
-        assert_eq!(takes(&q8, 264, 512, 1, true), !tensor_cores(GgmlType::Q8_0, 4096, 1024));
+        assert_eq!(takes(&q8, 264, 512, 1, true, false), !tensor_cores(GgmlType::Q8_0, 4096, 1024));
         // 34 bytes a block: an odd block count leaves rows 2-byte aligned.
-        assert!(!takes(&mat(GgmlType::Q8_0, 1024, 4096 + 32), 256, 512, 1, true));
-        assert!(!takes(&mat(GgmlType::Q2_K, 1024, 4096), 256, 512, 1, true));
-        assert!(!takes(&mat(GgmlType::F32, 1024, 4096), 256, 512, 1, true));
+        assert!(!takes(&mat(GgmlType::Q8_0, 1024, 4096 + 32), 256, 512, 1, true, false));
+        assert!(!takes(&mat(GgmlType::Q2_K, 1024, 4096), 256, 512, 1, true, true));
+        assert!(!takes(&mat(GgmlType::F32, 1024, 4096), 256, 512, 1, true, true));
+        // The tiled layout (rows of at most 1024 inputs by default: q_b's class): whole tiles
+        // at 16-byte addresses, and only when asked.
+        if tensor_cores(GgmlType::Q8_0, 1024, 4096) {
+            let qb = mat(GgmlType::Q8_0, 4096, 1024);
+            assert_eq!(kernel_name(&qb, true), Some(KERNELS[2]));
+            assert!(takes(&qb, 256, 512, 64, true, true));
+            assert!(!takes(&qb, 256, 512, 64, true, false));
+            assert!(!takes(&qb, 264, 512, 64, true, true));
+            assert!(!takes(&mat(GgmlType::Q8_0, 4096 + 8, 1024), 256, 512, 64, true, true));
+            assert!(takes(&mat(GgmlType::Q8_0, 32, 96), 256, 512, 64, true, true));
+        }
         // Shapes it never takes add nothing to the scratch it needs, whatever their size.
-        assert_eq!(need(&[mat(GgmlType::F32, 8, 16), mat(GgmlType::F16, 3, 16)], 16), (0, 0));
+        assert_eq!(need(&[mat(GgmlType::F32, 8, 16), mat(GgmlType::F16, 3, 16)], 16, true), (0, 0));
     }
 }

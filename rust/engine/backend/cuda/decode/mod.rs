@@ -574,6 +574,7 @@ struct Kernels {
     mean_streams: sys::CUfunction,
     gemm_f16: sys::CUfunction,
     gemm_q8_0: sys::CUfunction,
+    gemm_q8_0_mq: sys::CUfunction,
     moe_mma_iq2: sys::CUfunction,
     moe_mma_q2k: sys::CUfunction,
     /// Every handle above with its name (profiles).
@@ -624,6 +625,7 @@ impl Kernels {
             mean_streams: f("ds4_mean_streams")?,
             gemm_f16: f("ds4_gemm_f16")?,
             gemm_q8_0: f("ds4_gemm_q8_0")?,
+            gemm_q8_0_mq: f("ds4_gemm_q8_0_mq")?,
             moe_mma_iq2: f("ds4_moe_mma_iq2_xxs")?,
             moe_mma_q2k: f("ds4_moe_mma_q2_k")?,
             names: Vec::new(),
@@ -680,6 +682,9 @@ pub(crate) struct CudaDecoder {
     hc_fused: bool,
     /// Whether prefill steps run the tensor-core products (`gemm.rs`; `DS4_CUDA_GEMM=0`: no).
     gemm_on: bool,
+    /// Whether those take the Q8_0 products on the decode's tensor-core layout too
+    /// (`ds4_gemm_q8_0_mq`; `DS4_CUDA_GEMM_MQ=0`: the decode's kernel, 16 rows a weight read).
+    gemm_mq: bool,
     /// Whether the steps now are a prompt's ([`DeviceDecoder::set_prefill`]).
     prefill: bool,
     /// Most rows of a prompt's step ([`prefill_rows`]); the buffers hold this many rows.
@@ -965,6 +970,7 @@ impl CudaDecoder {
         let compress_split = setting("DS4_CUDA_COMPRESS_SPLIT")?;
         let side_proj = setting("DS4_CUDA_SIDE_PROJ")?;
         let hc_fused = setting("DS4_CUDA_HC_SITE")? && backend.compute_capability().0 >= 9;
+        let gemm_mq = setting("DS4_CUDA_GEMM_MQ")?;
         let attn_mma = setting("DS4_CUDA_ATTN_MMA")?;
         let bands = program::bands_setting(std::env::var("DS4_CUDA_BANDS").ok().as_deref())?;
         let g = backend.lock();
@@ -1067,7 +1073,7 @@ impl CudaDecoder {
             if gemm_on {
                 let (mut p, mut c) = (0, 0);
                 for m in mats.iter().map(std::slice::from_ref) {
-                    let ((p1, c1), (p2, c2)) = (gemm::need(m, n), split_need(m, n));
+                    let ((p1, c1), (p2, c2)) = (gemm::need(m, n, gemm_mq), split_need(m, n));
                     (p, c) = (p + p1.max(p2), c + c1.max(c2));
                 }
                 part_floats = part_floats.max(p);
@@ -1300,6 +1306,7 @@ impl CudaDecoder {
             side_proj,
             hc_fused,
             gemm_on,
+            gemm_mq,
             prefill: false,
             prefill_rows: rows,
             prefill_chunk,

@@ -272,7 +272,9 @@ pub(super) fn switch(name: &str, setting: Option<&str>) -> Result<bool> {
 const BAND_BLOCKS: usize = 512;
 
 /// `DS4_CUDA_BANDS`: unset or 1, bands of [`BAND_BLOCKS`]; 0, none (A/B); any other row
-/// count, bands of that many rows (rounded up to whole row blocks: for tests). On by default:
+/// count, bands of that many rows (rounded up to whole row blocks: for tests). (Only for the
+/// products that `ds4_gemm_q8_0_mq` does not take: all of that layout's whole tiles, unless
+/// `DS4_CUDA_GEMM_MQ=0`.) On by default:
 /// in a 256-row step of an 8192-token Flash prompt on an H200 (`DS4_DECODE_PROFILE`), o_b's
 /// product took 16.10 ms a step in bands against 17.52 without, q_b's 15.02 against 15.14.
 pub(super) fn bands_setting(setting: Option<&str>) -> Result<Option<usize>> {
@@ -435,15 +437,15 @@ impl CudaDecoder {
             // verifies of 2 / 4 / 8 rows 13.66 / 17.72 / 25.95 ms against 11.31 / 15.79 / 24.80;
             // those of at least 512 rows only, 10.36 ms and 13.01 / 17.43 / 25.95.)
             let on_tc = |pr: &(Mat, u64, u64, usize)| {
-                prefill && gemm::takes(&kmat(&pr.0), cur.get().addr(pr.0.start), pr.1, pr.3, sm80)
+                prefill && gemm::takes(&kmat(&pr.0), cur.get().addr(pr.0.start), pr.1, pr.3, sm80, self.gemm_mq)
             };
             let tc: Vec<(Mat, u64, u64, usize)> = prods.iter().copied().filter(on_tc).collect();
             let rest: Vec<(Mat, u64, u64, usize)> = prods.iter().copied().filter(|pr| !on_tc(pr)).collect();
             let prods = rest.as_slice();
             if !tc.is_empty() {
-                for (ty, f) in [(crate::quant::GgmlType::F16, k.gemm_f16), (crate::quant::GgmlType::Q8_0, k.gemm_q8_0)]
-                {
-                    let mine: Vec<&(Mat, u64, u64, usize)> = tc.iter().filter(|pr| pr.0.ty == ty).collect();
+                for (name, f) in gemm::KERNELS.into_iter().zip([k.gemm_f16, k.gemm_q8_0, k.gemm_q8_0_mq]) {
+                    let mine: Vec<&(Mat, u64, u64, usize)> =
+                        tc.iter().filter(|pr| gemm::kernel_name(&kmat(&pr.0), self.gemm_mq) == Some(name)).collect();
                     if mine.is_empty() {
                         continue;
                     }

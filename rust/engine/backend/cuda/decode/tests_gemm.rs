@@ -2,7 +2,7 @@
 //! float product of the dequantized weights, and their row invariance. Skipped without a GPU
 //! of sm_80 or later.
 
-use super::super::Desc;
+use super::super::{tensor_cores, Desc};
 use super::gemm;
 use super::testutil::{context, randn, split_image, Arg, DevBuf};
 use crate::model::weights::Mat;
@@ -43,7 +43,7 @@ fn run(ctx: &super::super::context::Context, w: &DevBuf, m: &Mat, x: &[f32], n: 
         gemm::desc(w.at(m.start), m, m.n_out, xb.at(0), y.at(0), m.n_out, part.at(0), n, 0);
     assert_eq!((d.group, d.slices as usize), (1, s));
     let table = DevBuf::from_slice(&[d]).unwrap();
-    let f = ctx.function(gemm::kernel_name(m.ty).unwrap()).unwrap();
+    let f = ctx.function(gemm::kernel_name(m, true).unwrap()).unwrap();
     let args = [Arg::Ptr(table.at(0)), Arg::I32(1), Arg::Ptr(counters.at(0))];
     ctx.launch_args(f, (blocks as u32, 1, 1), 128, 0, &args).unwrap();
     ctx.sync().unwrap();
@@ -70,15 +70,23 @@ fn prefill_products_match_the_float_product_and_are_row_invariant() {
         (GgmlType::Q8_0, 40, 2048),
         (GgmlType::Q8_0, 1024, 4096),
         (GgmlType::Q8_0, 77, 2560),
+        // The decode's tensor-core layout by default (context.rs `tensor_cores`): rows of at
+        // most 1024 inputs (q_b's class; a partial block of 128 rows; one warp's two tiles,
+        // three units) and of at least 8192 (o_b's), for ds4_gemm_q8_0_mq.
+        (GgmlType::Q8_0, 272, 1024),
+        (GgmlType::Q8_0, 32, 96),
+        (GgmlType::Q8_0, 48, 8192),
     ];
     const ROWS: usize = gemm::GEMM_MAX_ROWS;
     for (si, &(ty, n_out, n_in)) in shapes.iter().enumerate() {
         let (raw, m, deq) = matrix(ty, n_out, n_in, 11 + si as u64);
-        if !gemm::takes(&m, 256, 0, 1, true) {
-            // Q8_0 rows on the tensor-core layout in this process (DS4_CUDA_Q8=mma).
-            eprintln!("{ty} {n_out}x{n_in}: not a prefill tensor-core product here");
+        if ty == GgmlType::Q8_0 && tensor_cores(ty, n_in, n_out) && n_out % 16 != 0 {
+            // Rows that are not whole tiles on the tensor-core layout (DS4_CUDA_Q8=mma).
+            assert!(!gemm::takes(&m, 256, 0, 1, true, true));
+            eprintln!("{ty} {n_out}x{n_in}: not whole tiles of the tensor-core layout here");
             continue;
         }
+        assert!(gemm::takes(&m, 256, 0, 1, true, true), "{ty} {n_out}x{n_in}: not a prefill tensor-core product");
         let w = DevBuf::from_slice(&split_image(&raw, &[(m, m.n_out)])).unwrap();
         // Rows of different scales, one of them all zeros, one with a large value.
         let mut x = randn(ROWS * n_in, 100 + si as u64, 1.0);
@@ -108,7 +116,8 @@ fn prefill_products_match_the_float_product_and_are_row_invariant() {
                 }
             }
         }
-        eprintln!("{ty} {n_out}x{n_in}: ok ({} slices)", gemm::slices(&m, n_out));
+        let kernel = gemm::kernel_name(&m, true).unwrap();
+        eprintln!("{ty} {n_out}x{n_in}: ok ({kernel}, {} slices)", gemm::slices(&m, n_out));
     }
 }
 
