@@ -12,8 +12,8 @@
 //! - `call/Q8_0/<k>x(64x4096)/n=1`: one `matmul_many` call of k small products, the fixed
 //!   cost of a call (one input copy, one launch per kernel group, one output copy, one sync).
 //! - `prefill/<FMT>/<n_out>x<n_in>/n=<n>`: the products of a prompt's steps on the tensor cores
-//!   (`shaders/cuda/gemm.cu`; sm_80 and later), Flash's F16 and float-x Q8_0 shapes, timed as
-//!   `kernel/`.
+//!   (`shaders/cuda/gemm.cu`; sm_80 and later), Flash's F16 and Q8_0 shapes (float-x, and by
+//!   default q_b's and o_b's on the tiled layout: `ds4_gemm_q8_0_mq`), timed as `kernel/`.
 //!
 //! Run with `cargo bench --features cuda --bench cuda`; with `DS4_CUDA_Q8=mma` the Q8_0 rows
 //! time the tensor-core kernel and its tiled weight layout, with `DS4_CUDA_Q8=fma` the float-x
@@ -199,7 +199,8 @@ fn bench_small(c: &mut Criterion) {
 }
 
 /// The prefill products on the tensor cores at Flash's shapes: q_a's and an o_a group's
-/// (1024 x 4096), the shared expert's gate and down, the hyper-connection projection.
+/// (1024 x 4096), the shared expert's gate and down, q_b and o_b (the tiled layout by
+/// default), the hyper-connection projection.
 fn bench_prefill(c: &mut Criterion) {
     let backend = match CudaBackend::new(0) {
         Ok(b) if b.compute_capability().0 >= 8 => b,
@@ -210,6 +211,8 @@ fn bench_prefill(c: &mut Criterion) {
         (GgmlType::Q8_0, 1024, 4096),
         (GgmlType::Q8_0, 2048, 4096),
         (GgmlType::Q8_0, 4096, 2048),
+        (GgmlType::Q8_0, 32768, 1024),
+        (GgmlType::Q8_0, 4096, 8192),
         (GgmlType::F16, 1024, 4096),
         (GgmlType::F16, 24, 16384),
     ];

@@ -13,7 +13,8 @@
 // launch (mean of 200 back-to-back launches after 20 warm-up ones, CUDA events), GB/s. With
 // LAB_CHECK=REF.cubin each line also compares one launch's outputs with REF's same kernel.
 //
-// A prompt's tensor-core products (shaders/cuda/gemm.cu) with FORMAT gemm_q8_0 or gemm_f16:
+// A prompt's tensor-core products (shaders/cuda/gemm.cu) with FORMAT gemm_q8_0, gemm_q8_0_mq
+// or gemm_f16:
 // NB is then the rows of a descriptor (up to 64), EXPERTS the descriptors over one matrix (a
 // 256-row step: 4 of 64), GROUP and ROWS_PER_WARP are 1 and 32, and the slices follow gemm.rs.
 // Their lines also print the tensor-core rate (2 n_out n_in rows / time).
