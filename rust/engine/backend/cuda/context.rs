@@ -79,8 +79,8 @@ pub(crate) const Q8_MMA_MIN_IN: usize = 8192;
 /// float-x kernel), the 2100-token prompt 2.00 s against 1.93 (o_a leaves the prompt's
 /// `ds4_gemm_q8_0`, which reads the float-x layout, for this kernel, which reads the weights
 /// once per 16 rows; since 2026-12-03 a prompt's steps run this layout's products on
-/// `ds4_gemm_q8_0_mq`, 64 rows a descriptor, instead). With q_a and kv as well (`DS4_CUDA_Q8_MMA_SHAPES=4096x1024,4096x512`),
-/// verifies of 8 rows 24.51 ms but steps 8.91.
+/// `ds4_gemm_q8_0_mq`, 64 rows a descriptor, instead). With q_a and kv as well
+/// (`DS4_CUDA_Q8_MMA_SHAPES=4096x1024,4096x512`), verifies of 8 rows 24.51 ms but steps 8.91.
 pub(crate) const Q8_MMA_MIN_ROWS: usize = 8192;
 
 /// Whether this process multiplies `ty` matrices of `rows` rows (a plane: a 2-D tensor, one
