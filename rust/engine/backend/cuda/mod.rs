@@ -624,15 +624,15 @@ impl CudaBackend {
         let f = if prefill {
             let sm80 = g.ctx.compute_capability.0 >= 8;
             // (Tiled Q8_0 too: ds4_gemm_q8_0_mq.)
-            let kernel = |m: &Mat| decode::gemm::kernel_name(m, true);
-            let name = kernel(&mats[0]).ok_or_else(cannot)?;
+            let kernel = |m: &Mat| decode::gemm::kernel(m, true);
+            let kind = kernel(&mats[0]).ok_or_else(cannot)?;
             if mats
                 .iter()
-                .any(|m| kernel(m) != Some(name) || !decode::gemm::takes(m, img.addr(m.start), x, n, sm80, true))
+                .any(|m| kernel(m) != Some(kind) || !decode::gemm::takes(m, img.addr(m.start), x, n, sm80, true))
             {
                 return Err(cannot());
             }
-            (g.ctx.function(name)?, 0)
+            (g.ctx.function(kind.name())?, 0)
         } else {
             let stem0 = context::stem(mats[0].ty, mats[0].n_in, mats[0].n_out);
             if mats.iter().any(|m| context::stem(m.ty, m.n_in, m.n_out) != stem0) {

@@ -37,45 +37,59 @@ const TARGET_WARPS: usize = 256;
 /// weights loaded once for all of them); a prompt's step of more rows takes several.
 pub(in crate::backend::cuda) const GEMM_MAX_ROWS: usize = 64;
 
-/// The kernels (`shaders/cuda/gemm.cu`), the names of the decoder's functions for them.
-pub(in crate::backend::cuda) const KERNELS: [&str; 3] = ["ds4_gemm_f16", "ds4_gemm_q8_0", "ds4_gemm_q8_0_mq"];
+/// The kernels (`shaders/cuda/gemm.cu`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(in crate::backend::cuda) enum Kernel {
+    F16,
+    /// Q8_0 on the float-x layout.
+    Q8_0,
+    /// Q8_0 on the decode's tensor-core layout of 16-row tiles.
+    Q8_0Tiled,
+}
+
+impl Kernel {
+    pub(in crate::backend::cuda) const ALL: [Kernel; 3] = [Kernel::F16, Kernel::Q8_0, Kernel::Q8_0Tiled];
+
+    /// The kernel's function name.
+    pub(in crate::backend::cuda) fn name(self) -> &'static str {
+        match self {
+            Kernel::F16 => "ds4_gemm_f16",
+            Kernel::Q8_0 => "ds4_gemm_q8_0",
+            Kernel::Q8_0Tiled => "ds4_gemm_q8_0_mq",
+        }
+    }
+}
 
 /// The kernel of the products on `m` (the matrix whose shape picks the kernel, a plane's for
-/// its rows: `DeviceImage::kernel_mat`), one of [`KERNELS`]: F16; Q8_0 on the float-x layout;
-/// Q8_0 on the decode's tensor-core layout (`tensor_cores`) in whole 16-row tiles, with
-/// `tiled` (else those keep the decode's kernel, which reads their weights once per 16 rows:
-/// `DS4_CUDA_GEMM_MQ=0`). None: no kernel here takes them.
-pub(in crate::backend::cuda) fn kernel_name(m: &Mat, tiled: bool) -> Option<&'static str> {
+/// its rows: `DeviceImage::kernel_mat`): F16; Q8_0 on the float-x layout; Q8_0 on the decode's
+/// tensor-core layout (`tensor_cores`) in whole 16-row tiles, with `tiled` (else those keep the
+/// decode's kernel, which reads their weights once per 16 rows: `DS4_CUDA_GEMM_MQ=0`). None: no
+/// kernel here takes them (nor any whose rows are not whole units).
+pub(in crate::backend::cuda) fn kernel(m: &Mat, tiled: bool) -> Option<Kernel> {
+    if m.n_in == 0 || !m.n_in.is_multiple_of(UNIT) {
+        return None;
+    }
     match m.ty {
-        GgmlType::F16 => Some(KERNELS[0]),
-        GgmlType::Q8_0 if !tensor_cores(m.ty, m.n_in, m.n_out) => Some(KERNELS[1]),
-        GgmlType::Q8_0 if tiled && m.n_out.is_multiple_of(TILE_ROWS) => Some(KERNELS[2]),
+        GgmlType::F16 => Some(Kernel::F16),
+        GgmlType::Q8_0 if !tensor_cores(m.ty, m.n_in, m.n_out) => Some(Kernel::Q8_0),
+        GgmlType::Q8_0 if tiled && m.n_out.is_multiple_of(TILE_ROWS) => Some(Kernel::Q8_0Tiled),
         _ => None,
     }
 }
 
-/// Whether `m`'s shape and format suit a kernel ([`kernel_name`]), whole units.
-fn shape_fits(m: &Mat, tiled: bool) -> bool {
-    kernel_name(m, tiled).is_some() && m.n_in > 0 && m.n_in.is_multiple_of(UNIT)
-}
-
 /// Whether a prefill step runs the product of `m` (the matrix that picks the kernel: see
-/// [`kernel_name`]; the product's rows start at device address `at`) by the `rows` rows of
-/// floats at `x` on the tensor cores: a shape that fits, on a device of sm_80 or later
-/// (mma.sync m16n8k16), with rows aligned for the kernels' vector loads (16 bytes of F16, 8 of
-/// float-x Q8_0 a lane; a tile's 16 bytes a lane, tiles 16 rows of whole blocks apart; x in
-/// float4s).
+/// [`kernel`]; the product's rows start at device address `at`) by the `rows` rows of floats at
+/// `x` on the tensor cores: a shape a kernel takes, on a device of sm_80 or later (mma.sync
+/// m16n8k16), with rows aligned for the kernels' vector loads (16 bytes of F16, 8 of float-x
+/// Q8_0 a lane; a tile's 16 bytes a lane, tiles 16 rows of whole blocks apart; x in float4s).
 pub(in crate::backend::cuda) fn takes(m: &Mat, at: u64, x: u64, rows: usize, sm80: bool, tiled: bool) -> bool {
-    let (row_align, at_align) = match kernel_name(m, tiled) {
-        Some(k) if k == KERNELS[1] => (8, 8),
-        Some(k) if k == KERNELS[2] => (1, 16),
-        _ => (16, 16),
+    let Some(k) = kernel(m, tiled) else { return false };
+    let (row_align, at_align) = match k {
+        Kernel::F16 => (16, 16),
+        Kernel::Q8_0 => (8, 8),
+        Kernel::Q8_0Tiled => (1, 16),
     };
-    sm80 && shape_fits(m, tiled)
-        && rows >= 1
-        && m.row_bytes.is_multiple_of(row_align)
-        && at.is_multiple_of(at_align)
-        && x.is_multiple_of(16)
+    sm80 && rows >= 1 && m.row_bytes.is_multiple_of(row_align) && at.is_multiple_of(at_align) && x.is_multiple_of(16)
 }
 
 /// The warp group of every product: a block's four warps take 128 output rows over the same
@@ -128,7 +142,7 @@ pub(in crate::backend::cuda) fn desc(
 /// at most [`GEMM_MAX_ROWS`] rows.
 pub(super) fn need(mats: &[Mat], n: usize, tiled: bool) -> (usize, usize) {
     let (mut part, mut counters) = (0, 0);
-    for m in mats.iter().filter(|m| shape_fits(m, tiled)) {
+    for m in mats.iter().filter(|m| kernel(m, tiled).is_some()) {
         let s = slices(m, m.n_out);
         if s > 1 {
             part += s * n * m.n_out;
@@ -191,7 +205,7 @@ mod tests {
         // at 16-byte addresses, and only when asked.
         if tensor_cores(GgmlType::Q8_0, 1024, 4096) {
             let qb = mat(GgmlType::Q8_0, 4096, 1024);
-            assert_eq!(kernel_name(&qb, true), Some(KERNELS[2]));
+            assert_eq!(kernel(&qb, true), Some(Kernel::Q8_0Tiled));
             assert!(takes(&qb, 256, 512, 64, true, true));
             assert!(!takes(&qb, 256, 512, 64, true, false));
             assert!(!takes(&qb, 264, 512, 64, true, true));

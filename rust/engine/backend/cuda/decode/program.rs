@@ -443,9 +443,14 @@ impl CudaDecoder {
             let rest: Vec<(Mat, u64, u64, usize)> = prods.iter().copied().filter(|pr| !on_tc(pr)).collect();
             let prods = rest.as_slice();
             if !tc.is_empty() {
-                for (name, f) in gemm::KERNELS.into_iter().zip([k.gemm_f16, k.gemm_q8_0, k.gemm_q8_0_mq]) {
+                for kind in gemm::Kernel::ALL {
+                    let f = match kind {
+                        gemm::Kernel::F16 => k.gemm_f16,
+                        gemm::Kernel::Q8_0 => k.gemm_q8_0,
+                        gemm::Kernel::Q8_0Tiled => k.gemm_q8_0_mq,
+                    };
                     let mine: Vec<&(Mat, u64, u64, usize)> =
-                        tc.iter().filter(|pr| gemm::kernel_name(&kmat(&pr.0), self.gemm_mq) == Some(name)).collect();
+                        tc.iter().filter(|pr| gemm::kernel(&kmat(&pr.0), self.gemm_mq) == Some(kind)).collect();
                     if mine.is_empty() {
                         continue;
                     }

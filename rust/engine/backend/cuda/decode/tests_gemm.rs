@@ -43,7 +43,7 @@ fn run(ctx: &super::super::context::Context, w: &DevBuf, m: &Mat, x: &[f32], n: 
         gemm::desc(w.at(m.start), m, m.n_out, xb.at(0), y.at(0), m.n_out, part.at(0), n, 0);
     assert_eq!((d.group, d.slices as usize), (1, s));
     let table = DevBuf::from_slice(&[d]).unwrap();
-    let f = ctx.function(gemm::kernel_name(m, true).unwrap()).unwrap();
+    let f = ctx.function(gemm::kernel(m, true).unwrap().name()).unwrap();
     let args = [Arg::Ptr(table.at(0)), Arg::I32(1), Arg::Ptr(counters.at(0))];
     ctx.launch_args(f, (blocks as u32, 1, 1), 128, 0, &args).unwrap();
     ctx.sync().unwrap();
@@ -116,7 +116,7 @@ fn prefill_products_match_the_float_product_and_are_row_invariant() {
                 }
             }
         }
-        let kernel = gemm::kernel_name(&m, true).unwrap();
+        let kernel = gemm::kernel(&m, true).unwrap().name();
         eprintln!("{ty} {n_out}x{n_in}: ok ({kernel}, {} slices)", gemm::slices(&m, n_out));
     }
 }
