@@ -1351,12 +1351,24 @@ extern "C" __global__ void __launch_bounds__(DS4_ATTN_THREADS)
 //    no bank conflicts); the row's key pointers (section 5's order: the raw window, then the
 //    compressed rows) too.
 // 2. S = Q K^T / sqrt(head_dim): warp w takes key tiles of 8 keys w, w + 8, ..., each a chain
-//    of head_dim / 8 mma steps (two tiles' chains side by side); S to shared memory.
+//    of head_dim / 8 mma steps (two tiles' chains side by side); S to shared memory. The dims
+//    of each 16 are permuted alike in Q and K so that a lane reads a key's four dims with one
+//    16-byte load, four such chunks ahead of the products.
 // 3. The softmax with the sink per head as ds4_attention's statistics: M = max(sink, S),
 //    denom = e^{sink - M} + sum e^{S - M} (a double sum), P = e^{S - M} / denom in place.
-// 4. O = P V: warp w takes the output columns of its n8 tiles w, w + 8, ... (head_dim / 64 of
-//    them), a chain over the keys in steps of 8.
-// 5. The inverse rope of the rotary pairs (in a lane's own outputs) and the grouped store.
+// 4. O = P V: warp w takes head_dim / 8 consecutive output columns as head_dim / 64 n8 tiles
+//    whose columns interleave, so that a lane's columns of a key are consecutive (16-byte
+//    loads); a chain over the keys in steps of 8, the next step's values loaded ahead.
+// 5. O to shared memory, then the inverse rope of the rotary pairs and the grouped store.
+//
+// Why the loads are so arranged: this kernel first read each key's value for an mma operand
+// with 4-byte loads as it went, and waited on them. On an H200 (Flash, filled experts, one
+// 512-row step after a 2100-token prompt, CUPTI trace) a CSA layer took 2.51 ms of it, an HCA
+// layer 0.74; with 16-byte loads issued ahead, 1.36 and 0.46 ms (the step's attention 68.7 ->
+// 38.5 ms). 2048- / 8192-token prompts, interleaved in one process: 1568 / 1415 tok/s against
+// 1483 / 1319 (2026-12-03). Also timed there and not kept, for no gain (1566 to 1573 / 1414 to
+// 1419 tok/s): S's correction products in an accumulator of their own (two chains a tile), and
+// the values two steps ahead.
 //
 // Grid (ceil(n_heads / 16), n); block 256; dynamic shared memory of
 // ds4_attn_mma_smem(head_dim, lg_stride) bytes. head_dim a multiple of 64 up to
@@ -1408,6 +1420,62 @@ __device__ __forceinline__ void ds4_mma_3xtf32(float (&d)[4], const u32 (&ah)[4]
     ds4_mma_tf32(d, ah, bh0, bh1);
 }
 
+// A lane's keys of k16 chunks c0 .. c0 + DS4_ATTN_MMA_KQ - 1 of its two key rows (zeros for a
+// null row): dims 16 c + 4 t .. + 3, one 16-byte load each.
+#define DS4_ATTN_MMA_KQ 4
+__device__ __forceinline__ void ds4_attn_mma_keys(const float* const (&krow)[2], int c0, int t,
+                                                  float4 (&k)[2][DS4_ATTN_MMA_KQ]) {
+#pragma unroll
+    for (int u = 0; u < 2; u++) {
+#pragma unroll
+        for (int cc = 0; cc < DS4_ATTN_MMA_KQ; cc++) {
+            k[u][cc] = krow[u] ? __ldg((const float4*)(krow[u] + 16 * (c0 + cc) + 4 * t))
+                               : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+    }
+}
+
+// A lane's values of one key tile for O = P V: keys j0 and j0 + 4 (null: zeros), the nt
+// consecutive columns at `col` (the lane's column of each of its nt output tiles), in loads as
+// wide as nt allows (the branch is the launch's).
+__device__ __forceinline__ void ds4_attn_mma_values(const float* v0, const float* v1, int col, int nt,
+                                                    float (&v)[2][DS4_ATTN_MMA_MAX_DIM / 64]) {
+    constexpr int NT = DS4_ATTN_MMA_MAX_DIM / 64;
+    const float* rows[2] = {v0, v1};
+#pragma unroll
+    for (int u = 0; u < 2; u++) {
+        const float* p = rows[u] ? rows[u] + col : nullptr;
+        if ((nt & 3) == 0) {
+#pragma unroll
+            for (int i = 0; i < NT; i += 4) {
+                float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (p && i < nt) {
+                    x = __ldg((const float4*)(p + i));
+                }
+                v[u][i] = x.x;
+                v[u][i + 1] = x.y;
+                v[u][i + 2] = x.z;
+                v[u][i + 3] = x.w;
+            }
+        } else if ((nt & 1) == 0) {
+#pragma unroll
+            for (int i = 0; i < NT; i += 2) {
+                float2 x = make_float2(0.0f, 0.0f);
+                if (p && i < nt) {
+                    x = __ldg((const float2*)(p + i));
+                }
+                v[u][i] = x.x;
+                v[u][i + 1] = x.y;
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < NT; i++) {
+                v[u][i] = p && i < nt ? __ldg(p + i) : 0.0f;
+            }
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(256)
     ds4_attention_mma(const float* __restrict__ q, const float* __restrict__ ring, int slots, int window, int block,
                       const float* __restrict__ crows, int ratio, const int* __restrict__ sel,
@@ -1418,6 +1486,7 @@ extern "C" __global__ void __launch_bounds__(256)
     constexpr int H = DS4_ATTN_MMA_HEADS;
     constexpr int NW = 8;
     constexpr int NT = DS4_ATTN_MMA_MAX_DIM / 64;  // most output tiles of a warp
+    constexpr int KQ = DS4_ATTN_MMA_KQ;
     extern __shared__ __align__(16) u8 attn_sm[];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -1427,6 +1496,7 @@ extern "C" __global__ void __launch_bounds__(256)
     const int n = gridDim.y;
     const int h0 = blockIdx.x * H;
     const int steps = head_dim / 8;
+    const int chunks = head_dim / 16;
     const int sst = ds4_attn_mma_stride(lg_stride);
     const int kcap = ((lg_stride + 7) / 8) * 8;
     uint4* qs = (uint4*)attn_sm;                                  // [steps][hi, lo][32 lanes]
@@ -1439,21 +1509,23 @@ extern "C" __global__ void __launch_bounds__(256)
     const int nk = a.nk;
     const int tiles = (nk + 7) / 8;  // key tiles of 8 (keys past nk: null rows, zero weights)
 
-    // 1. Q's fragments (k step s, lane l: rows g and g + 8 of the heads, columns 8s + t and
-    //    8s + t + 4; the high parts, then the low ones) and the key pointers.
+    // 1. Q's fragments and the key pointers. The dims of a k16 chunk c are permuted so that
+    //    lane t's four are consecutive, 16 c + 4 t .. + 3 (one 16-byte load of a key in step
+    //    2): k step s = 2 c + m takes dims 16 c + 4 t + 2 m as k = t and the next as k = t + 4
+    //    (lane (g, t): rows g and g + 8 of the heads; the high parts, then the low ones).
     const float* qr = q + (long long)r * n_heads * head_dim;
     for (int i = threadIdx.x; i < steps * 32; i += blockDim.x) {
         const int s = i >> 5;
         const int l = i & 31;
         const int fg = l >> 2;
         const int ft = l & 3;
-        float v[4];
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int h = h0 + fg + 8 * (e & 1);
-            const int c = 8 * s + ft + 4 * (e >> 1);
-            v[e] = h < n_heads ? qr[(long long)h * head_dim + c] : 0.0f;
-        }
+        const int c = 16 * (s >> 1) + 4 * ft + 2 * (s & 1);
+        const int ha = h0 + fg;
+        const int hb = h0 + fg + 8;
+        const float2 za = make_float2(0.0f, 0.0f);
+        const float2 va = ha < n_heads ? *(const float2*)(qr + (long long)ha * head_dim + c) : za;
+        const float2 vb = hb < n_heads ? *(const float2*)(qr + (long long)hb * head_dim + c) : za;
+        const float v[4] = {va.x, vb.x, va.y, vb.y};
         u32 hi[4], lo[4];
 #pragma unroll
         for (int e = 0; e < 4; e++) {
@@ -1468,25 +1540,44 @@ extern "C" __global__ void __launch_bounds__(256)
     __syncthreads();
 
     // 2. S = Q K^T * scale (lane: key 8 tile + g as the n index), two key tiles at a time (tile
-    //    and tile + 8: two independent chains of mma, each tile's sums in its own order).
+    //    and tile + 8: two independent chains of mma, each tile's sums in its own order). The
+    //    keys of the next KQ chunks are loaded while this batch's products run.
     const float scale = 1.0f / sqrtf((float)head_dim);
     for (int tile = warp; tile < tiles; tile += 2 * NW) {
         const bool two = tile + NW < tiles;
         const float* krow[2] = {kp[8 * tile + g], two ? kp[8 * (tile + NW) + g] : nullptr};
         float c[2][4] = {};
-        for (int s = 0; s < steps; s++) {
-            const uint4 qh = qs[64 * s + lane];
-            const uint4 ql = qs[64 * s + 32 + lane];
-            const u32 ah[4] = {qh.x, qh.y, qh.z, qh.w};
-            const u32 al[4] = {ql.x, ql.y, ql.z, ql.w};
+        float4 kc[2][KQ];
+        ds4_attn_mma_keys(krow, 0, t, kc);
+        for (int cb = 0; cb < chunks; cb += KQ) {
+            float4 kn[2][KQ];
+            ds4_attn_mma_keys(krow, cb + KQ < chunks ? cb + KQ : cb, t, kn);
+#pragma unroll
+            for (int cc = 0; cc < KQ; cc++) {
+#pragma unroll
+                for (int m = 0; m < 2; m++) {
+                    const int s = 2 * (cb + cc) + m;
+                    const uint4 qh = qs[64 * s + lane];
+                    const uint4 ql = qs[64 * s + 32 + lane];
+                    const u32 ah[4] = {qh.x, qh.y, qh.z, qh.w};
+                    const u32 al[4] = {ql.x, ql.y, ql.z, ql.w};
+#pragma unroll
+                    for (int u = 0; u < 2; u++) {
+                        const float k0 = m ? kc[u][cc].z : kc[u][cc].x;
+                        const float k1 = m ? kc[u][cc].w : kc[u][cc].y;
+                        u32 bh0, bl0, bh1, bl1;
+                        ds4_tf32_split(k0, bh0, bl0);
+                        ds4_tf32_split(k1, bh1, bl1);
+                        ds4_mma_3xtf32(c[u], ah, al, bh0, bh1, bl0, bl1);
+                    }
+                }
+            }
 #pragma unroll
             for (int u = 0; u < 2; u++) {
-                const float k0 = krow[u] ? __ldg(krow[u] + 8 * s + t) : 0.0f;
-                const float k1 = krow[u] ? __ldg(krow[u] + 8 * s + t + 4) : 0.0f;
-                u32 bh0, bl0, bh1, bl1;
-                ds4_tf32_split(k0, bh0, bl0);
-                ds4_tf32_split(k1, bh1, bl1);
-                ds4_mma_3xtf32(c[u], ah, al, bh0, bh1, bl0, bl1);
+#pragma unroll
+                for (int cc = 0; cc < KQ; cc++) {
+                    kc[u][cc] = kn[u][cc];
+                }
             }
         }
 #pragma unroll
@@ -1536,8 +1627,12 @@ extern "C" __global__ void __launch_bounds__(256)
     }
     __syncthreads();
 
-    // 4. O = P V: this warp's output tiles jt = warp + 8 i (columns 8 jt + g as the n index).
+    // 4. O = P V: warp w takes the head_dim / 8 columns from w head_dim / 8, as nt = head_dim /
+    //    64 output tiles whose n index g is column nt g + i of the warp's (tile i), so that a
+    //    lane's nt columns of a key are consecutive (one or two 16-byte loads); a chain over the
+    //    keys in steps of 8, the next tile's values loaded while this one's products run.
     const int nt = head_dim / 64;
+    const int vcol = warp * (head_dim / NW) + nt * g;
     float acc[NT][4];
 #pragma unroll
     for (int i = 0; i < NT; i++) {
@@ -1546,56 +1641,75 @@ extern "C" __global__ void __launch_bounds__(256)
             acc[i][e] = 0.0f;
         }
     }
+    float vc[2][NT];
+    ds4_attn_mma_values(kp[t], kp[t + 4], vcol, nt, vc);
     for (int s = 0; s < tiles; s++) {
         const int j0 = 8 * s + t;
+        float vn[2][NT];
+        const int jn = s + 1 < tiles ? j0 + 8 : j0;
+        ds4_attn_mma_values(kp[jn], kp[jn + 4], vcol, nt, vn);
         u32 ah[4], al[4];
         ds4_tf32_split(S[g * sst + j0], ah[0], al[0]);
         ds4_tf32_split(S[(g + 8) * sst + j0], ah[1], al[1]);
         ds4_tf32_split(S[g * sst + j0 + 4], ah[2], al[2]);
         ds4_tf32_split(S[(g + 8) * sst + j0 + 4], ah[3], al[3]);
-        const float* v0 = kp[j0];
-        const float* v1 = kp[j0 + 4];
 #pragma unroll
         for (int i = 0; i < NT; i++) {
             if (i < nt) {
-                const int col = 8 * (warp + NW * i) + g;
-                const float x0 = v0 ? __ldg(v0 + col) : 0.0f;
-                const float x1 = v1 ? __ldg(v1 + col) : 0.0f;
                 u32 bh0, bl0, bh1, bl1;
-                ds4_tf32_split(x0, bh0, bl0);
-                ds4_tf32_split(x1, bh1, bl1);
+                ds4_tf32_split(vc[0][i], bh0, bl0);
+                ds4_tf32_split(vc[1][i], bh1, bl1);
                 ds4_mma_3xtf32(acc[i], ah, al, bh0, bh1, bl0, bl1);
             }
         }
+#pragma unroll
+        for (int i = 0; i < NT; i++) {
+            vc[0][i] = vn[0][i];
+            vc[1][i] = vn[1][i];
+        }
     }
 
-    // 5. The inverse rope (a lane's outputs are the pairs (2t, 2t + 1) of its tiles) and the
-    //    grouped store.
-    const int rope0 = head_dim - rope_dim;
-    const int hpg = n_heads / groups;
+    // 5. O to shared memory (over Q's fragments, which no warp reads after step 2; rows of
+    //    head_dim + 4 floats), then the inverse rope of the rotary pairs and the grouped store,
+    //    four columns a thread.
+    const int ost = head_dim + 4;
+    float* O = (float*)attn_sm;
 #pragma unroll
     for (int i = 0; i < NT; i++) {
-        if (i >= nt) {
+        if (i < nt) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int col = warp * (head_dim / NW) + nt * (2 * t + (e & 1)) + i;
+                O[(g + 8 * (e >> 1)) * ost + col] = acc[i][e];
+            }
+        }
+    }
+    __syncthreads();
+    const int rope0 = head_dim - rope_dim;
+    const int hpg = n_heads / groups;
+    const int quads = head_dim / 4;
+    for (int idx = threadIdx.x; idx < H * quads; idx += blockDim.x) {
+        const int hh = idx / quads;
+        const int col = 4 * (idx % quads);
+        const int h = h0 + hh;
+        if (h >= n_heads) {
             break;
         }
-        const int col = 8 * (warp + NW * i) + 2 * t;
+        float4 v = *(const float4*)&O[hh * ost + col];
+        float x[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-        for (int half = 0; half < 2; half++) {
-            float x0 = acc[i][2 * half];
-            float x1 = acc[i][2 * half + 1];
-            if (col >= rope0) {
+        for (int p = 0; p < 2; p++) {
+            const int pc = col + 2 * p;
+            if (pc >= rope0) {
                 float cs, sn;
-                ds4_rope_cs(inv_freq, (int)a.pos, (col - rope0) / 2, cs, sn);
-                const float y0 = x0 * cs + (-x1) * (-sn);
-                const float y1 = x1 * cs + x0 * (-sn);
-                x0 = y0;
-                x1 = y1;
-            }
-            const int h = h0 + g + 8 * half;
-            if (h < n_heads) {
-                float* dst = out + (((long long)(h / hpg) * n + r) * hpg + (h % hpg)) * head_dim + col;
-                *(float2*)dst = make_float2(x0, x1);
+                ds4_rope_cs(inv_freq, (int)a.pos, (pc - rope0) / 2, cs, sn);
+                const float x0 = x[2 * p];
+                const float x1 = x[2 * p + 1];
+                x[2 * p] = x0 * cs + (-x1) * (-sn);
+                x[2 * p + 1] = x1 * cs + x0 * (-sn);
             }
         }
+        float* dst = out + (((long long)(h / hpg) * n + r) * hpg + (h % hpg)) * head_dim + col;
+        *(float4*)dst = make_float4(x[0], x[1], x[2], x[3]);
     }
 }

@@ -923,4 +923,7 @@ fn attention_other_shapes_match_cpu() {
     check_attention_shaped(Shape { heads: 2, hd: 128, groups: 2 }, Keys::Csa { ratio: 4, topk: 8 }, 300, 5);
     check_attention_shaped(Shape { heads: 12, hd: 64, groups: 3 }, Keys::Hca { ratio: 8 }, 700, 4);
     check_attention_shaped(Shape { heads: 4, hd: 1024, groups: 2 }, Keys::Sliding, 200, 3);
+    // An odd number of the tensor-core kernel's output tiles a warp (192 / 64) and heads past
+    // its last group of 16.
+    check_attention_shaped(Shape { heads: 20, hd: 192, groups: 4 }, Keys::Csa { ratio: 4, topk: 16 }, 400, 6);
 }
