@@ -26,6 +26,19 @@
 // 16 rows a descriptor (host: GX_MAX_ROWS).
 #define GX_MT 2
 #define GX_NT 2
+// Blocks an SM of ds4_moe_mma_iq2_xxs and ds4_moe_mma_q2_k: their registers are capped to fit
+// that many (96 and 128, from 104 and 138 uncapped: 4 and 3 blocks). That spills a few words
+// (stored before the loop and loaded for the stores after it; Q2_K also loads one a
+// super-block) and changes no arithmetic: the same float operations on the same values (their
+// SASS has the same multiset of float instructions; the compiler does not reassociate them). On an H200 (Flash, filled experts,
+// separate processes back to back, 2026-12-03): 2048- / 8192-token prompts at 1669 / 1496 tok/s
+// against 1552 / 1415 uncapped. A/B with DS4_CUDA_DEFINES.
+#ifndef GX_MIN_BLOCKS_IQ2
+#define GX_MIN_BLOCKS_IQ2 5
+#endif
+#ifndef GX_MIN_BLOCKS_Q2K
+#define GX_MIN_BLOCKS_Q2K 4
+#endif
 
 // d += a * b, int8 inputs, int32 sums.
 __device__ __forceinline__ void gx_mma(int (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -133,8 +146,8 @@ __device__ __forceinline__ void gx_store(const MvDesc& D, int o0, int g, int t, 
 // (IQ2_XXS two groups ahead, 104 -> 136 registers; Q2_K a super-block, 138 -> 181): the same
 // bits, but a 256-row step of an 8192-token prompt took 1005 / 765 us a layer against 866 /
 // 601, and 870 / 586 with the registers capped back to four and three blocks an SM.)
-extern "C" __global__ void __launch_bounds__(128) ds4_moe_mma_iq2_xxs(const MvDesc* __restrict__ descs, int count,
-                                                                      int* __restrict__ counters) {
+extern "C" __global__ void __launch_bounds__(128, GX_MIN_BLOCKS_IQ2)
+    ds4_moe_mma_iq2_xxs(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters) {
     __shared__ u32 lut[256];
     FmtIQ2_XXS::init_lut((u8*)lut, threadIdx.x);
     // The tables are ds4_route's, written by the kernel before.
@@ -235,8 +248,8 @@ extern "C" __global__ void __launch_bounds__(128) ds4_moe_mma_iq2_xxs(const MvDe
 // tests_gemm checks), and as in ds4_moe_mma_iq2_xxs a row's sums do not depend on the other
 // rows. Block 128; n_in a multiple of 256; rows 4-byte aligned (84 bytes a super-block; with
 // 8-byte alignment the quants are read 8 bytes at a time).
-extern "C" __global__ void __launch_bounds__(128) ds4_moe_mma_q2_k(const MvDesc* __restrict__ descs, int count,
-                                                                  int* __restrict__ counters) {
+extern "C" __global__ void __launch_bounds__(128, GX_MIN_BLOCKS_Q2K)
+    ds4_moe_mma_q2_k(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters) {
     // The tables are ds4_route's and x is ds4_swiglu's, written by kernels before.
     ds4_grid_deps();
     const MvBlock B = mv_block(descs, count);
