@@ -10,7 +10,9 @@
 # filled (scripts/fill_experts.py: about 50 s on an H200 machine for both), unless a file from
 # an earlier call on this machine is there. Tests can run meanwhile; `flash_wait` waits for the
 # file and says how it went. Sourced, so that the venv and `flash_wait` stay in the caller's
-# shell.
+# shell. The file's writer is then a background job of that shell: a bare `wait` there (to
+# join builds started with `&`) waits for it too, and in bash 5.2 (checked) also for a
+# `exec > >(tee LOG)` process substitution, which never ends; wait for the builds' PIDs.
 kit=${1:?usage: . device_prep.sh KIT [GEN TOKENIZER]}
 if [ ! -e /tmp/ds4-gpu-venv/.ds4 ]; then
     python3 -m venv --system-site-packages /tmp/ds4-gpu-venv
