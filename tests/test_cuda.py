@@ -221,15 +221,16 @@ def test_device_decode_matches_host_forward(tmp_path: Path, monkeypatch: pytest.
     assert np.array_equal(dev.view(np.uint32), again.view(np.uint32))
     # Nor do the rows of a prompt's step (DS4_CUDA_PREFILL_ROWS, read when a session makes its
     # decoder; 512 by default: the 150-row call in one step, its products of more than 64 rows
-    # in several descriptors) or of its routed products (DS4_CUDA_EXPERT_CHUNK, 4), or the bands
-    # of output rows of its tensor-core Q8_0 products (DS4_CUDA_BANDS), over prompt calls of 150
-    # and 134 rows.
+    # in several descriptors) or of its routed products (DS4_CUDA_EXPERT_CHUNK, 4), the bands
+    # of output rows of its tensor-core Q8_0 products (DS4_CUDA_BANDS), or the grid of its
+    # routed tensor-core products (DS4_CUDA_GX_GRID=0: a block per table block, not the blocks
+    # the GPU holds walking them), over prompt calls of 150 and 134 rows.
     long_cuts = [150, 151, 166]
     steps = _chunked(m.session(512), prompt, long_cuts)
     for name, value in [("DS4_CUDA_PREFILL_ROWS", "16"), ("DS4_CUDA_PREFILL_ROWS", "64"),
                         ("DS4_CUDA_PREFILL_ROWS", "100"), ("DS4_CUDA_PREFILL_ROWS", "128"),
                         ("DS4_CUDA_EXPERT_CHUNK", "1"), ("DS4_CUDA_EXPERT_CHUNK", "16"),
-                        ("DS4_CUDA_BANDS", "0"), ("DS4_CUDA_BANDS", "16")]:
+                        ("DS4_CUDA_BANDS", "0"), ("DS4_CUDA_BANDS", "16"), ("DS4_CUDA_GX_GRID", "0")]:
         monkeypatch.setenv(name, value)
         other = _chunked(m.session(512), prompt, long_cuts)
         monkeypatch.delenv(name)

@@ -385,7 +385,7 @@ __device__ __forceinline__ void mv_add_slices(const MvDesc* D, int rb, int* __re
     }
 }
 
-// Where block blockIdx.x of a launch works: its product D (the one whose block_start is the
+// Where block b (mv_block: blockIdx.x) of a launch works: its product D (the one whose block_start is the
 // last one <= the block), its row block rb and input slice, its warp's first output row o0
 // and row count nrows (0 for a warp past n_out), and the warp's place p in its row group.
 struct MvBlock {
@@ -397,8 +397,7 @@ struct MvBlock {
     int p;
 };
 
-__device__ __forceinline__ MvBlock mv_block(const MvDesc* __restrict__ descs, int count) {
-    const int b = blockIdx.x;
+__device__ __forceinline__ MvBlock mv_block_at(const MvDesc* __restrict__ descs, int count, int b) {
     // Binary search (block starts never decrease; descs[0] starts at block 0): a routed
     // launch of 16 rows has up to 192 products, and a walk from the first is one dependent
     // load per product (a 16-row prefill ran at 158 tok/s with it, 187 with this).
@@ -425,6 +424,10 @@ __device__ __forceinline__ MvBlock mv_block(const MvDesc* __restrict__ descs, in
     B.nrows = n_out - B.o0 < 0 ? 0 : imin(B.D->warp_rows, n_out - B.o0);
     B.p = warp % G;
     return B;
+}
+
+__device__ __forceinline__ MvBlock mv_block(const MvDesc* __restrict__ descs, int count) {
+    return mv_block_at(descs, count, blockIdx.x);
 }
 
 // The units (tiles or chunks) [u0, u1) of slice `slice` of `units`, split in `slices`.

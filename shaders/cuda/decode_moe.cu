@@ -36,13 +36,67 @@
 #define MOE_SCORES 4096
 
 // The 4-byte words of ds4_route's dynamic shared memory for n rows of k experts of E: the
-// scores of a round of rows, then per (row, expert) pair its expert and weight, per row its
-// bitmap words and their prefix popcounts, and per descriptor slot (at most n k) its expert,
-// offset, rows and first descriptor (plus one).
+// scores of a round of rows, then per (row, pick) pair its expert and weight, per expert its
+// row bitmap (ceil(n / 32) words) and their prefix counts, its rows, and its offset and slot
+// (one word, one more past the last), and per slot (at most min(n k, E)) its expert, offset,
+// rows and first descriptor (plus one).
 __device__ __forceinline__ int route_smem_words(int n, int k, int E) {
-    const int W = (E + 31) >> 5;
+    const int R = (n + 31) >> 5;
+    const int S = min(n * k, E);
     const int per_round = max(1, MOE_SCORES / E);
-    return min(n, per_round) * E + 2 * n * k + n * W + n * (W + 1) + 4 * n * k + 1;
+    return min(n, per_round) * E + 2 * n * k + 2 * E * R + 2 * E + 1 + 4 * S + 1;
+}
+
+// Most descriptors a warp of ds4_route stages at a time on their way to the tables (in shared
+// memory that its earlier steps are done with).
+#ifndef ROUTE_STAGE
+#define ROUTE_STAGE 16
+#endif
+
+// Exclusive prefix sums over i < len of v(i) = ceil(a[i] / div), or with div = 0 of a[i] + ((a[i]
+// > 0) << 16) (an expert's rows and whether it is used, summed side by side: the rows of a
+// batch stay below 2^16), into out[0..len), and their total into out[len], by the whole block
+// of ds4_route (every thread calls it, after a barrier that follows the writes of a; it ends
+// with one). Each thread sums a run of consecutive entries; a warp scan and the warps' totals
+// (warp_tot, MOE_MAX_WARPS) give each run's start.
+__device__ __forceinline__ int route_scan_value(int a, int div) {
+    return div == 0 ? a + ((a > 0 ? 1 : 0) << 16) : (a + div - 1) / div;
+}
+
+__device__ __forceinline__ void route_scan(const int* a, int len, int div, int* out, int* warp_tot) {
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int per = (len + (int)blockDim.x - 1) / (int)blockDim.x;
+    const int i0 = min(tid * per, len);
+    const int i1 = min(i0 + per, len);
+    int local = 0;
+    for (int i = i0; i < i1; i++) {
+        local += route_scan_value(a[i], div);
+    }
+    int v = local;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) {
+            v += y;
+        }
+    }
+    if (lane == 31) {
+        warp_tot[warp] = v;
+    }
+    __syncthreads();
+    int run = v - local;
+    for (int p = 0; p < warp; p++) {
+        run += warp_tot[p];
+    }
+    for (int i = i0; i < i1; i++) {
+        out[i] = run;
+        run += route_scan_value(a[i], div);
+    }
+    if (tid == (int)blockDim.x - 1) {
+        out[len] = run;  // the last thread's run ends at len
+    }
+    __syncthreads();
 }
 
 // A float's key under Rust's f32::total_cmp: keys compare as signed ints in the total order
@@ -215,20 +269,34 @@ extern "C" __global__ void __launch_bounds__(256)
 //   counter). Expert e_i's rows are cut in chunks of at most `chunk` rows (gu) or `chunk_dn`
 //   rows (down), one slot each, in expert then row order: the slot of chunk t of e_i has
 //   w = templ.w + e_i * (one matrix), x = templ.x + (off_i + t * chunk) rows, y likewise,
-//   n = its rows; slots past the last chunk have n = 0. part = templ.part + q * slices * chunk
-//   * n_out floats for slot q, counter = templ.counter + q * row_blocks. block_start: gate
-//   q * bpd_gate, up max_descs * bpd_gate + q * bpd_up, down q * bpd_down (bpd = row_blocks *
-//   slices). With a chunk >= n every expert has one slot (the union of the batch).
+//   n = its rows; the `used` slots past the last chunk have n = 0 and the template's w, x and
+//   y. part = templ.part + q * slices * chunk * n_out floats for slot q, counter =
+//   templ.counter + q * row_blocks. block_start (bpd = row_blocks * slices of the template):
+//   the used slots' blocks first and without gaps, gate q * bpd_gate, up used * bpd_gate + q *
+//   bpd_up, down q * bpd_down; every unused slot starts where the used blocks end (gate: where
+//   up's begin), so a launch's live blocks are [0, the last slot's start) when that slot is
+//   unused, and the binary search of mv_block never lands a live block on an unused slot
+//   (gemm_experts.cu `gx_live`). With a chunk >= n every expert has one slot (the union of
+//   the batch).
 //
 // picks, pick_w: null, or each row's picks and weights [n, k] as ds4_route_pick wrote them,
 // which then stand for step 1 here (logits, bias, hash, norm and wscale unused).
 //
+// Work: every step is spread over the block's threads by (row, pick) pair or by expert, with
+// no thread walking all rows. Each expert's rows are a bitmap (expert-major, R = ceil(n / 32)
+// words) with its words' prefix counts, so a pair's place among its expert's rows is a lookup
+// and a popcount; the descriptor tables go out through a small staging area in shared memory
+// as whole 8-byte words, each warp's stores contiguous. (The first form walked all n rows per
+// expert and wrote each descriptor by one thread: in a traced 512-row step of Flash on an H200
+// it took 240 us a layer, this one's first form 66. A decode's single row costs this kernel a few
+// microseconds more than it cost the first form, which did less bookkeeping for one row:
+// steps at a 2100-token context 8.56 against 8.48 ms, interleaved, 2026-12-03.)
+//
 // Grid (1), block 128 or 256 threads (any multiple of 32 from 64 to 256), dynamic shared
-// memory of 4 * route_smem_words(n, k, E) bytes or more (a 256-row step of Flash's 6 of 256
-// experts: about 70 KB, a 512-row one 125 KB, past the default 48 KB: the host opts the kernel
-// in). Requires E <= 1024, k <= 16, n <= 512, chunks >= 1, max_descs >= the number of chunks
-// of either (n * k always is; min(n * k, E) is when both chunks >= n) and <= n * k, hash
-// entries < E.
+// memory of 4 * route_smem_words(n, k, E) bytes or more (a 512-row step of Flash's 6 of 256
+// experts: 78 KB, past the default 48 KB: the host opts the kernel in). Requires E <= 1024,
+// k <= 16, n <= 512, chunks >= 1, max_descs >= the number of chunks of either (n * k always
+// is; min(n * k, E) is when both chunks >= n) and <= n * k, hash entries < E.
 //
 // (Tried and dropped: the templates and the selection bias copied to shared memory before the
 // wait for the router product, and the top-k's rounds over 8 words of experts rather than
@@ -245,7 +313,7 @@ extern "C" __global__ void __launch_bounds__(256)
               int* __restrict__ comb_cnt, int chunk, int chunk_dn, const int* __restrict__ picks,
               const float* __restrict__ pick_w) {
     ds4_grid_deps();
-    const int W = (E + 31) >> 5;
+    const int R = (n + 31) >> 5;
     // Outside the limits, or with less shared memory than the batch needs, the arrays would
     // overflow: fail loudly (a host bug).
     u32 dyn_smem;
@@ -255,44 +323,55 @@ extern "C" __global__ void __launch_bounds__(256)
         dyn_smem < 4u * (u32)route_smem_words(n, k, E)) {
         __trap();
     }
-    extern __shared__ int route_sm[];
+    extern __shared__ __align__(16) int route_sm[];
     // The scores of up to MOE_SCORES / E rows at a time.
     float* sc = (float*)route_sm;
     // Each row's chosen experts (ascending, repeats kept) and their weights: row r's j-th at
     // CH(r, j).
     int* ch_ = route_sm + min(n, max(1, MOE_SCORES / E)) * E;
     float* wt_ = (float*)(ch_ + n * k);
-    // Each row's set of experts as a bitmap (word w of row r at BITS(r, w)), and the prefix
-    // popcounts of its words (PRE(r, w) = experts of row r below 32 * w; PRE(r, W) = distinct
-    // experts of row r).
-    u32* bits_ = (u32*)(wt_ + n * k);
-    int* pre_ = (int*)(bits_ + n * W);
-    // Per descriptor slot i < m: its expert, gathered-row offset, rows; then (step 4) each
-    // used expert's first descriptor.
-    int* s_exp = pre_ + n * (W + 1);
-    int* s_off = s_exp + n * k;
-    int* s_cnt = s_off + n * k;
-    int* s_dstart = s_cnt + n * k;
-    // The union of the rows' sets, and its prefix popcounts (upre[W] = m).
-    __shared__ u32 uni[MOE_WORDS];
-    __shared__ int upre[MOE_WORDS + 1];
-    // Each warp's sum in step 4's scan.
+    // Each expert's rows as a bitmap (word w of expert e at RBITS(e, w)) and the rows of the
+    // words before (RPRE(e, w)).
+    u32* rbits = (u32*)(wt_ + n * k);
+    int* rpre = (int*)(rbits + E * R);
+    // Per expert its rows, and (e_pk, E + 1 entries) its first gathered row in the low 16 bits
+    // and its slot among the used experts above them.
+    int* e_cnt = rpre + E * R;
+    int* e_pk = e_cnt + E;
+    // Per slot i < m: its expert, gathered-row offset, rows; then (step 4) each used expert's
+    // first descriptor (m + 1 entries).
+    const int S = min(n * k, E);
+    int* s_exp = e_pk + E + 1;
+    int* s_off = s_exp + S;
+    int* s_cnt = s_off + S;
+    int* s_dstart = s_cnt + S;
+    // Each warp's sum in the scans.
     __shared__ int warp_tot[MOE_MAX_WARPS];
+    // In step 4, each warp's staging of descriptors on their way out, stage_n of them, over the
+    // arrays of steps 1 to 3 (sc to rpre, 8-byte aligned: MvDesc is 80 bytes); none for tables
+    // of one warp's slots (a decode's: its stores are few) or when those arrays are too small
+    // for one a warp (each lane then stores its own).
+    constexpr int DW = (int)(sizeof(MvDesc) / 8);
+    const int dead_words = min(n, max(1, MOE_SCORES / E)) * E + 2 * n * k + 2 * E * R;
+    const int stage_n =
+        max_descs <= 32 ? 0 : min(ROUTE_STAGE, dead_words / (2 * DW * (int)(blockDim.x >> 5)));
 
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
-    const int nw = blockDim.x >> 5;
-#define BITS(r, w) bits_[(r) * W + (w)]
-#define PRE(r, w) pre_[(r) * (W + 1) + (w)]
+#define RBITS(e, w) rbits[(e) * R + (w)]
+#define RPRE(e, w) rpre[(e) * R + (w)]
+// Whether row r's pick j is its first of that expert (equal picks are adjacent).
+#define FIRST(r, j) ((j) == 0 || CH(r, (j) - 1) != CH(r, j))
 
-    for (int i = tid; i < n * W; i += blockDim.x) {
-        bits_[i] = 0u;
+    // rbits, rpre (all zeros when R = 1) and e_cnt, which follow each other.
+    for (int i = tid; i < 2 * E * R + E; i += blockDim.x) {
+        rbits[i] = 0u;
     }
     __syncthreads();
 
     // ---- 1. each row's experts and weights (moe::route): here a round of rows at a time, or
-    // ds4_route_pick's; then each row's bitmap.
+    // ds4_route_pick's; then each expert's rows.
     if (picks == nullptr) {
         const int per_round = MOE_SCORES / E;
         for (int r0 = 0; r0 < n; r0 += per_round) {
@@ -306,100 +385,67 @@ extern "C" __global__ void __launch_bounds__(256)
         __syncthreads();
     }
     for (int i = tid; i < n * k; i += blockDim.x) {
+        const int r = i / k;
         const int v = ch_[i];
-        atomicOr(&BITS(i / k, v >> 5), 1u << (v & 31));
-    }
-    __syncthreads();
-
-    // ---- 2. prefix popcounts: warp 0 the union, the other warps the rows (lane = word)
-    if (warp == 0) {
-        u32 u = 0u;
-        if (lane < W) {
-            for (int r = 0; r < n; r++) {
-                u |= BITS(r, lane);
-            }
-            uni[lane] = u;
-        }
-        int c = __popc(u);
-        for (int o = 1; o < 32; o <<= 1) {
-            const int v = __shfl_up_sync(0xffffffffu, c, o);
-            if (lane >= o) {
-                c += v;
-            }
-        }
-        if (lane < W) {
-            upre[lane + 1] = c;
-        }
-        if (lane == 0) {
-            upre[0] = 0;
-        }
-    } else {
-        for (int r = warp - 1; r < n; r += nw - 1) {
-            const u32 b = lane < W ? BITS(r, lane) : 0u;
-            int c = __popc(b);
-            for (int o = 1; o < 32; o <<= 1) {
-                const int v = __shfl_up_sync(0xffffffffu, c, o);
-                if (lane >= o) {
-                    c += v;
-                }
-            }
-            if (lane < W) {
-                PRE(r, lane + 1) = c;
-            }
-            if (lane == 0) {
-                PRE(r, 0) = 0;
-            }
+        if (FIRST(r, i - r * k)) {
+            atomicOr(&RBITS(v, r >> 5), 1u << (r & 31));
+            atomicAdd(&e_cnt[v], 1);
         }
     }
     __syncthreads();
 
-    // ---- 3. the used experts (slots, offsets, gather list) and the combine lists
-    for (int e = tid; e < E; e += blockDim.x) {
-        const int w = e >> 5;
-        const u32 bit = 1u << (e & 31);
-        if (uni[w] & bit) {
-            const int slot = upre[w] + __popc(uni[w] & (bit - 1u));
-            int off = 0;
-            for (int r = 0; r < n; r++) {
-                off += PRE(r, w) + __popc(BITS(r, w) & (bit - 1u));
-            }
+    // ---- 2. per expert the prefix counts of its rows' words (past 32 rows); then the experts'
+    // offsets and slots
+    if (R > 1) {
+        for (int e = tid; e < E; e += blockDim.x) {
             int c = 0;
-            for (int r = 0; r < n; r++) {
-                if (BITS(r, w) & bit) {
-                    gather_src[off + c] = r;
-                    // Row r's combine entry for e: at its count of distinct experts below e,
-                    // the gathered row of (e, r) (e's offset plus the rows before r that use
-                    // e) and the weights of the row's picks of e, added in pick order (equal
-                    // picks are adjacent: the row's experts are ascending).
-                    const int dj = PRE(r, w) + __popc(BITS(r, w) & (bit - 1u));
-                    int j = 0;
-                    while (CH(r, j) != e) {
-                        j++;
-                    }
-                    float ws = WT(r, j);
-                    for (int j2 = j + 1; j2 < k && CH(r, j2) == e; j2++) {
-                        ws += WT(r, j2);
-                    }
-                    comb_slot[r * k + dj] = off + c;
-                    comb_w[r * k + dj] = ws;
-                    c++;
-                }
+            for (int w = 0; w < R; w++) {
+                RPRE(e, w) = c;
+                c += __popc(RBITS(e, w));
             }
-            s_exp[slot] = e;
-            s_off[slot] = off;
-            s_cnt[slot] = c;
+        }
+        __syncthreads();
+    }
+    route_scan(e_cnt, E, 0, e_pk, warp_tot);
+    const int m = e_pk[E] >> 16;
+    const int total = e_pk[E] & 0xffff;
+
+    // ---- 3. the used experts' slots, the gather list and the combine lists
+    for (int e = tid; e < E; e += blockDim.x) {
+        if (e_cnt[e] > 0) {
+            const int s = e_pk[e] >> 16;
+            s_exp[s] = e;
+            s_off[s] = e_pk[e] & 0xffff;
+            s_cnt[s] = e_cnt[e];
         }
     }
-    int total = 0;
-    for (int r = 0; r < n; r++) {
-        total += PRE(r, W);
-    }
-    // The rest of the combine lists (entries past a row's distinct experts) and of the gather
-    // list (past its total rows).
     for (int idx = tid; idx < n * k; idx += blockDim.x) {
         const int r = idx / k;
         const int j = idx - r * k;
-        const int cnt = PRE(r, W);
+        // The row's distinct experts below pick j, and in all.
+        int dj = 0;
+        int cnt = 0;
+        for (int j2 = 0; j2 < k; j2++) {
+            const int f = FIRST(r, j2) ? 1 : 0;
+            dj += j2 < j ? f : 0;
+            cnt += f;
+        }
+        if (FIRST(r, j)) {
+            // The gathered row of (e, r): e's offset plus the rows before r that use e. Its
+            // combine entry: the weights of the row's picks of e, added in pick order.
+            const int e = CH(r, j);
+            const int w = r >> 5;
+            const int pos = (e_pk[e] & 0xffff) + RPRE(e, w) + __popc(RBITS(e, w) & ((1u << (r & 31)) - 1u));
+            float ws = WT(r, j);
+            for (int j2 = j + 1; j2 < k && CH(r, j2) == e; j2++) {
+                ws += WT(r, j2);
+            }
+            gather_src[pos] = r;
+            comb_slot[r * k + dj] = pos;
+            comb_w[r * k + dj] = ws;
+        }
+        // The rest of the combine lists (entries past a row's distinct experts) and of the
+        // gather list (past its total rows).
         if (j == 0) {
             comb_cnt[r] = cnt;
         }
@@ -419,53 +465,33 @@ extern "C" __global__ void __launch_bounds__(256)
     // with the product kernel for that many rows: a kernel for few rows is faster per row than
     // one for many, and experts of a batch mostly serve one or two rows (a prompt's step's
     // gate and up products on the tensor cores take more: gemm_experts.cu).
-    const int m = upre[W];
-    const int bpd_gate = mv_row_blocks(templ[0]) * templ[0].slices;
-    for (int pass = 0; pass < 2; pass++) {
+    // One pass per chunking: gate and up, then down; one pass for the three when the chunks
+    // are equal (a decode's and a verify's).
+    const int passes = chunk == chunk_dn ? 1 : 2;
+    for (int pass = 0; pass < passes; pass++) {
         const int ck = pass == 0 ? chunk : chunk_dn;
-        // s_dstart[i] = the descriptors of the used experts before i (i <= m): a block-wide
-        // exclusive scan, each thread over a run of `per` consecutive experts.
-        {
-            const int per = (m + (int)blockDim.x - 1) / (int)blockDim.x;
-            const int i0 = tid * per;
-            const int i1 = min(i0 + per, m);
-            int local = 0;
-            for (int i = i0; i < i1; i++) {
-                local += (s_cnt[i] + ck - 1) / ck;
-            }
-            int v = local;
-            for (int o = 1; o < 32; o <<= 1) {
-                const int y = __shfl_up_sync(0xffffffffu, v, o);
-                if (lane >= o) {
-                    v += y;
-                }
-            }
-            if (lane == 31) {
-                warp_tot[warp] = v;
-            }
-            __syncthreads();
-            int run = v - local;
-            for (int p = 0; p < warp; p++) {
-                run += warp_tot[p];
-            }
-            for (int i = i0; i < i1; i++) {
-                s_dstart[i] = run;
-                run += (s_cnt[i] + ck - 1) / ck;
-            }
-            if (i0 < m && i1 == m) {
-                s_dstart[m] = run;
-            }
-            if (m == 0 && tid == 0) {
-                s_dstart[0] = 0;
-            }
-        }
-        __syncthreads();
+        // s_dstart[i] = the descriptors of the used experts before i (i <= m).
+        route_scan(s_cnt, m, ck, s_dstart, warp_tot);
         const int used = s_dstart[m];
-        for (int q = tid; q < max_descs; q += blockDim.x) {
+        const int t0 = pass == 0 ? 0 : 2;
+        const int t1 = passes == 1 ? 3 : (pass == 0 ? 2 : 3);
+        const int bpd_first = mv_row_blocks(templ[t0]) * templ[t0].slices;
+        // Each warp writes runs of `per` consecutive slots of each of its tables: lane l < per
+        // builds slot q0 + l in its staging area, then the warp stores the run as 8-byte words,
+        // contiguous (one thread a descriptor, ten stores 80 bytes apart, took tens of
+        // microseconds for the thousands of slots of a prompt's step); without staging, lane l
+        // stores slot q0 + l itself.
+        const int per = stage_n > 0 ? stage_n : 32;
+        unsigned long long* stage = (unsigned long long*)route_sm + warp * stage_n * DW;
+        const int runs = (max_descs + per - 1) / per;
+        for (int run = warp; run < runs; run += blockDim.x >> 5) {
+            const int q0 = run * per;
+            const int nq = min(per, max_descs - q0);
+            const int q = q0 + lane;
             int e = 0;
             int off = 0;
             int c = 0;
-            if (q < used) {
+            if (lane < nq && q < used) {
                 // The expert whose descriptors hold q: the last i with s_dstart[i] <= q (every
                 // used expert has at least one).
                 int lo = 0;
@@ -483,26 +509,34 @@ extern "C" __global__ void __launch_bounds__(256)
                 off = s_off[lo] + t * ck;
                 c = min(ck, s_cnt[lo] - t * ck);
             }
-            for (int t = pass == 0 ? 0 : 2; t < (pass == 0 ? 2 : 3); t++) {
+            for (int t = t0; t < t1; t++) {
                 const MvDesc T = templ[t];
                 const int rb = mv_row_blocks(T);
                 const int bpd = rb * T.slices;
-                MvDesc D = T;
-                D.w = T.w + (long long)e * T.row_bytes * T.n_out;
-                D.x = T.x + (long long)off * T.n_in;
-                D.y = T.y + (long long)off * T.n_out;
-                D.part = T.part + (long long)q * T.slices * ck * T.n_out;
-                D.n = c;
-                D.counter = T.counter + q * rb;
-                if (t == 0) {
-                    D.block_start = q * bpd;
-                    gu[q] = D;
-                } else if (t == 1) {
-                    D.block_start = max_descs * bpd_gate + q * bpd;
-                    gu[max_descs + q] = D;
-                } else {
-                    D.block_start = q * bpd;
-                    down[q] = D;
+                // The blocks of the table's earlier matrix (gate before up).
+                const int base = t == 1 ? used * bpd_first : 0;
+                if (lane < nq) {
+                    MvDesc D = T;
+                    D.w = T.w + (long long)e * T.row_bytes * T.n_out;
+                    D.x = T.x + (long long)off * T.n_in;
+                    D.y = T.y + (long long)off * T.n_out;
+                    D.part = T.part + (long long)q * T.slices * ck * T.n_out;
+                    D.n = c;
+                    D.counter = T.counter + q * rb;
+                    D.block_start = base + min(q, used) * bpd;
+                    if (stage_n > 0) {
+                        *(MvDesc*)(stage + lane * DW) = D;
+                    } else {
+                        (t == 2 ? down : gu + (t == 1 ? max_descs : 0))[q] = D;
+                    }
+                }
+                if (stage_n > 0) {
+                    __syncwarp();
+                    MvDesc* dst = t == 2 ? down + q0 : (t == 1 ? gu + max_descs + q0 : gu + q0);
+                    for (int i = lane; i < nq * DW; i += 32) {
+                        ((unsigned long long*)dst)[i] = stage[i];
+                    }
+                    __syncwarp();
                 }
             }
         }
@@ -510,8 +544,9 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 #undef CH
 #undef WT
-#undef BITS
-#undef PRE
+#undef RBITS
+#undef RPRE
+#undef FIRST
 }
 
 // Row s (d floats) quantized to 8-bit activations (rust/engine/quant/act8.rs) into o, the row's

@@ -30,9 +30,11 @@
 // that many (96 and 128, from 104 and 138 uncapped: 4 and 3 blocks). That spills a few words
 // (stored before the loop and loaded for the stores after it; Q2_K also loads one a
 // super-block) and changes no arithmetic: the same float operations on the same values (their
-// SASS has the same multiset of float instructions; the compiler does not reassociate them). On an H200 (Flash, filled experts,
-// separate processes back to back, 2026-12-03): 2048- / 8192-token prompts at 1669 / 1496 tok/s
-// against 1552 / 1415 uncapped. A/B with DS4_CUDA_DEFINES.
+// SASS has the same multiset of float instructions; the compiler does not reassociate them).
+// On an H200 (Flash, filled experts, separate processes back to back, 2026-12-03): 2048- /
+// 8192-token prompts at 1669 / 1496 tok/s against 1552 / 1415 uncapped. Again once the
+// kernels walked only the live blocks (gx_live): 1822 / 1632 tok/s with 5 / 4, against 1785 /
+// 1597 with 6 / 5 and 1801 / 1608 with 4 / 3. A/B with DS4_CUDA_DEFINES.
 #ifndef GX_MIN_BLOCKS_IQ2
 #define GX_MIN_BLOCKS_IQ2 5
 #endif
@@ -134,6 +136,38 @@ __device__ __forceinline__ void gx_store(const MvDesc& D, int o0, int g, int t, 
     }
 }
 
+// A 4-byte field of a descriptor, loaded anew at each call (not hoisted out of a loop).
+__device__ __forceinline__ int gx_field(const int* p) {
+    int v;
+    asm volatile("ld.global.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
+// The live blocks of a launch over a table of ds4_route's (count descriptors): the used
+// slots' blocks come first, and an unused last slot (n = 0) starts where they end
+// (decode_moe.cu). The launch's grid may be smaller than the table's blocks (the host gives it
+// the blocks the GPU holds at once): each block walks b = blockIdx.x, + gridDim.x, ... below
+// the live count, so the unused slots' blocks (most of a prompt step's table: one slot per
+// (row, expert) pair, about one in eight used) cost nothing. A block's work is the same
+// whichever block does it, so the bits do not depend on the grid (DS4_CUDA_GX_GRID=0: a block
+// per table block). The bound is loaded again at each step: kept in a register across the
+// body, it and the loop counter pushed values of the IQ2_XXS kernel's inner loop into local
+// memory (14 spill loads there, 7 like this, none in one block's single pass).
+// Before, every block of a table searched for its slot, and the blocks of the unused slots,
+// about 85 000 of each launch in a 512-row step, then returned: on an H200 a traced 512-row
+// step of Flash took 2254 / 1503 us a filled layer in these kernels (IQ2_XXS / Q2_K), with
+// the walk 1289 / 620. Most of that is the unused blocks' search: with a block per table block, the
+// unused ones returning after reading the bound, prompts ran 1% slower than with the walk.
+__device__ __forceinline__ int gx_live(const MvDesc* __restrict__ descs, int count) {
+    const MvDesc* L = descs + count - 1;
+    const int bs = gx_field(&L->block_start);
+    if (gx_field(&L->n) == 0) {
+        return bs;
+    }
+    const int rows = MV_WARPS / gx_field(&L->group) * gx_field(&L->warp_rows);
+    return bs + (gx_field(&L->n_out) + rows - 1) / rows * gx_field(&L->slices);
+}
+
 // The gate and up products of a step's routed experts (MvDesc tables written by ds4_route:
 // warp_rows 32, group 1, slices 1; x the gathered rows as 8-bit activations, n <= 16). Block
 // 128 (four warps of 32 outputs each); n_in a multiple of 256. Rows of an odd number of
@@ -153,85 +187,87 @@ extern "C" __global__ void __launch_bounds__(128, GX_MIN_BLOCKS_IQ2)
     // The tables are ds4_route's, written by the kernel before.
     ds4_grid_deps();
     __syncthreads();
-    const MvBlock B = mv_block(descs, count);
-    const MvDesc& D = *B.D;
-    const int n = D.n;
-    if (n == 0 || B.nrows <= 0) {
-        return;  // an unused expert slot, or rows past n_out
-    }
-    const int lane = threadIdx.x & 31;
-    const int g = lane >> 2;
-    const int t = lane & 3;
-    const int nb = D.n_in >> 8;
-    const u32 grid = (u32)__cvta_generic_to_shared(lut);
-    const bool vec = (((unsigned long long)D.w | (unsigned long long)D.row_bytes) & 15ull) == 0;
-    const u8* wrow[GX_MT][2];
-    gx_wrows(D, B.o0, g, wrow);
-    const GxRows X = gx_rows(D, g, t);
-    const bool two = n > 8;
-    float acc[GX_MT][GX_NT][4] = {};
-    for (int sb = 0; sb < nb; sb++) {
-        float d[GX_MT][2];
-#pragma unroll
-        for (int mt = 0; mt < GX_MT; mt++) {
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                d[mt][h] = f16_bits_to_f32(*(const u16*)(wrow[mt][h] + 64ll * nb + 2 * sb));
-            }
+    for (int b = blockIdx.x; b < gx_live(descs, count); b += gridDim.x) {
+        const MvBlock B = mv_block_at(descs, count, b);
+        const MvDesc& D = *B.D;
+        const int n = D.n;
+        if (n == 0 || B.nrows <= 0) {
+            continue;  // an unused expert slot, or rows past n_out
         }
-        // Two groups a step: each row's 16 bytes at once.
-#pragma unroll 2
-        for (int jj = 0; jj < 8; jj += 2) {
-            uint4 wv[GX_MT][2];
+        const int lane = threadIdx.x & 31;
+        const int g = lane >> 2;
+        const int t = lane & 3;
+        const int nb = D.n_in >> 8;
+        const u32 grid = (u32)__cvta_generic_to_shared(lut);
+        const bool vec = (((unsigned long long)D.w | (unsigned long long)D.row_bytes) & 15ull) == 0;
+        const u8* wrow[GX_MT][2];
+        gx_wrows(D, B.o0, g, wrow);
+        const GxRows X = gx_rows(D, g, t);
+        const bool two = n > 8;
+        float acc[GX_MT][GX_NT][4] = {};
+        for (int sb = 0; sb < nb; sb++) {
+            float d[GX_MT][2];
 #pragma unroll
             for (int mt = 0; mt < GX_MT; mt++) {
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
-                    const u8* p = wrow[mt][h] + 64ll * sb + 8 * jj;
-                    if (vec) {
-                        wv[mt][h] = *(const uint4*)p;
-                    } else {
-                        const u16* q = (const u16*)p;
-                        wv[mt][h] = make_uint4((u32)q[0] | ((u32)q[1] << 16), (u32)q[2] | ((u32)q[3] << 16),
-                                               (u32)q[4] | ((u32)q[5] << 16), (u32)q[6] | ((u32)q[7] << 16));
-                    }
+                    d[mt][h] = f16_bits_to_f32(*(const u16*)(wrow[mt][h] + 64ll * nb + 2 * sb));
                 }
             }
-#pragma unroll
-            for (int s = 0; s < 2; s++) {
-                const int u = 8 * sb + jj + s;  // the group of 32 (the activation block)
-                uint2 xv[GX_NT];
-                float dx[GX_NT][2];
-                gx_x(X, u, t, xv, dx);
+            // Two groups a step: each row's 16 bytes at once.
+#pragma unroll 2
+            for (int jj = 0; jj < 8; jj += 2) {
+                uint4 wv[GX_MT][2];
 #pragma unroll
                 for (int mt = 0; mt < GX_MT; mt++) {
-                    u32 a[2][2];  // [h][lo/hi]
-                    float db[2];
 #pragma unroll
                     for (int h = 0; h < 2; h++) {
-                        const u32 aux0 = s ? wv[mt][h].z : wv[mt][h].x;
-                        const u32 aux1 = s ? wv[mt][h].w : wv[mt][h].y;
-                        gx_entry(grid, aux0, aux1, t, a[h][0], a[h][1]);
-                        db[h] = d[mt][h] * (0.5f + u8f(aux1 >> 28)) * 0.25f;
-                    }
-#pragma unroll
-                    for (int nt = 0; nt < GX_NT; nt++) {
-                        if (nt == 1 && !two) {
-                            continue;
+                        const u8* p = wrow[mt][h] + 64ll * sb + 8 * jj;
+                        if (vec) {
+                            wv[mt][h] = *(const uint4*)p;
+                        } else {
+                            const u16* q = (const u16*)p;
+                            wv[mt][h] = make_uint4((u32)q[0] | ((u32)q[1] << 16), (u32)q[2] | ((u32)q[3] << 16),
+                                                   (u32)q[4] | ((u32)q[5] << 16), (u32)q[6] | ((u32)q[7] << 16));
                         }
-                        int c[4] = {0, 0, 0, 0};
-                        gx_mma(c, a[0][0], a[1][0], a[0][1], a[1][1], xv[nt].x, xv[nt].y);
-                        acc[mt][nt][0] = fmaf(db[0] * dx[nt][0], (float)c[0], acc[mt][nt][0]);
-                        acc[mt][nt][1] = fmaf(db[0] * dx[nt][1], (float)c[1], acc[mt][nt][1]);
-                        acc[mt][nt][2] = fmaf(db[1] * dx[nt][0], (float)c[2], acc[mt][nt][2]);
-                        acc[mt][nt][3] = fmaf(db[1] * dx[nt][1], (float)c[3], acc[mt][nt][3]);
+                    }
+                }
+#pragma unroll
+                for (int s = 0; s < 2; s++) {
+                    const int u = 8 * sb + jj + s;  // the group of 32 (the activation block)
+                    uint2 xv[GX_NT];
+                    float dx[GX_NT][2];
+                    gx_x(X, u, t, xv, dx);
+#pragma unroll
+                    for (int mt = 0; mt < GX_MT; mt++) {
+                        u32 a[2][2];  // [h][lo/hi]
+                        float db[2];
+#pragma unroll
+                        for (int h = 0; h < 2; h++) {
+                            const u32 aux0 = s ? wv[mt][h].z : wv[mt][h].x;
+                            const u32 aux1 = s ? wv[mt][h].w : wv[mt][h].y;
+                            gx_entry(grid, aux0, aux1, t, a[h][0], a[h][1]);
+                            db[h] = d[mt][h] * (0.5f + u8f(aux1 >> 28)) * 0.25f;
+                        }
+#pragma unroll
+                        for (int nt = 0; nt < GX_NT; nt++) {
+                            if (nt == 1 && !two) {
+                                continue;
+                            }
+                            int c[4] = {0, 0, 0, 0};
+                            gx_mma(c, a[0][0], a[1][0], a[0][1], a[1][1], xv[nt].x, xv[nt].y);
+                            acc[mt][nt][0] = fmaf(db[0] * dx[nt][0], (float)c[0], acc[mt][nt][0]);
+                            acc[mt][nt][1] = fmaf(db[0] * dx[nt][1], (float)c[1], acc[mt][nt][1]);
+                            acc[mt][nt][2] = fmaf(db[1] * dx[nt][0], (float)c[2], acc[mt][nt][2]);
+                            acc[mt][nt][3] = fmaf(db[1] * dx[nt][1], (float)c[3], acc[mt][nt][3]);
+                        }
                     }
                 }
             }
         }
+        gx_store(D, B.o0, g, t, acc);
     }
     ds4_grid_launch();
-    gx_store(D, B.o0, g, t, acc);
 }
 
 // The down products of a step's routed experts, Q2_K (q2_k.cu's split rows: the quants qs of
@@ -252,83 +288,85 @@ extern "C" __global__ void __launch_bounds__(128, GX_MIN_BLOCKS_Q2K)
     ds4_moe_mma_q2_k(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters) {
     // The tables are ds4_route's and x is ds4_swiglu's, written by kernels before.
     ds4_grid_deps();
-    const MvBlock B = mv_block(descs, count);
-    const MvDesc& D = *B.D;
-    const int n = D.n;
-    if (n == 0 || B.nrows <= 0) {
-        return;  // an unused expert slot, or rows past n_out
-    }
-    const int lane = threadIdx.x & 31;
-    const int g = lane >> 2;
-    const int t = lane & 3;
-    const int nb = D.n_in >> 8;
-    const long long pay = 64ll * nb;
-    const bool vec = (((unsigned long long)D.w | (unsigned long long)D.row_bytes) & 7ull) == 0;
-    const u8* wrow[GX_MT][2];
-    gx_wrows(D, B.o0, g, wrow);
-    const GxRows X = gx_rows(D, g, t);
-    const bool two = n > 8;
-    float acc[GX_MT][GX_NT][4] = {};
-    for (int sb = 0; sb < nb; sb++) {
-        // Per output row ([mt][row g or g + 8]): the lane's 8 quant bytes of each half, the
-        // scale bytes of its sub-block in each half (shift s in byte s), d and dmin.
-        uint2 qv[GX_MT][2][2];
-        u32 scw[GX_MT][2][2];
-        float dd[GX_MT][2][2];
-#pragma unroll
-        for (int mt = 0; mt < GX_MT; mt++) {
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const u8* row = wrow[mt][h];
-                const u8* hd = row + pay + 20ll * sb;
-#pragma unroll
-                for (int half = 0; half < 2; half++) {
-                    const u8* q = row + 64ll * sb + 32 * half + 8 * t;
-                    qv[mt][h][half] = vec ? *(const uint2*)q : make_uint2(ld_u32_a4(q), ld_u32_a4(q + 4));
-                    scw[mt][h][half] = ld_u32_a4(hd + 8 * half + 4 * (t >> 1));
-                }
-                const u32 w = ld_u32_a4(hd + 16);
-                dd[mt][h][0] = f16_bits_to_f32(w & 0xffffu);
-                dd[mt][h][1] = f16_bits_to_f32(w >> 16);
-            }
+    for (int b = blockIdx.x; b < gx_live(descs, count); b += gridDim.x) {
+        const MvBlock B = mv_block_at(descs, count, b);
+        const MvDesc& D = *B.D;
+        const int n = D.n;
+        if (n == 0 || B.nrows <= 0) {
+            continue;  // an unused expert slot, or rows past n_out
         }
+        const int lane = threadIdx.x & 31;
+        const int g = lane >> 2;
+        const int t = lane & 3;
+        const int nb = D.n_in >> 8;
+        const long long pay = 64ll * nb;
+        const bool vec = (((unsigned long long)D.w | (unsigned long long)D.row_bytes) & 7ull) == 0;
+        const u8* wrow[GX_MT][2];
+        gx_wrows(D, B.o0, g, wrow);
+        const GxRows X = gx_rows(D, g, t);
+        const bool two = n > 8;
+        float acc[GX_MT][GX_NT][4] = {};
+        for (int sb = 0; sb < nb; sb++) {
+            // Per output row ([mt][row g or g + 8]): the lane's 8 quant bytes of each half, the
+            // scale bytes of its sub-block in each half (shift s in byte s), d and dmin.
+            uint2 qv[GX_MT][2][2];
+            u32 scw[GX_MT][2][2];
+            float dd[GX_MT][2][2];
 #pragma unroll
-        for (int half = 0; half < 2; half++) {
+            for (int mt = 0; mt < GX_MT; mt++) {
 #pragma unroll
-            for (int s = 0; s < 4; s++) {
-                uint2 xv[GX_NT];
-                float dx[GX_NT][2];
-                gx_x(X, 8 * sb + 4 * half + s, t, xv, dx);
+                for (int h = 0; h < 2; h++) {
+                    const u8* row = wrow[mt][h];
+                    const u8* hd = row + pay + 20ll * sb;
 #pragma unroll
-                for (int mt = 0; mt < GX_MT; mt++) {
-                    u32 lo[2], hi[2], mn[2];
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        const u32 b = (scw[mt][h][half] >> (8 * s)) & 0xffu;
-                        const u32 sc = b & 15u;
-                        lo[h] = ((qv[mt][h][half].x >> (2 * s)) & 0x03030303u) * sc;
-                        hi[h] = ((qv[mt][h][half].y >> (2 * s)) & 0x03030303u) * sc;
-                        mn[h] = (b >> 4) * 0x01010101u;
+                    for (int half = 0; half < 2; half++) {
+                        const u8* q = row + 64ll * sb + 32 * half + 8 * t;
+                        qv[mt][h][half] = vec ? *(const uint2*)q : make_uint2(ld_u32_a4(q), ld_u32_a4(q + 4));
+                        scw[mt][h][half] = ld_u32_a4(hd + 8 * half + 4 * (t >> 1));
                     }
-#pragma unroll
-                    for (int nt = 0; nt < GX_NT; nt++) {
-                        if (nt == 1 && !two) {
-                            continue;
-                        }
-                        int c[4] = {0, 0, 0, 0};
-                        int e[4] = {0, 0, 0, 0};
-                        gx_mma(c, lo[0], lo[1], hi[0], hi[1], xv[nt].x, xv[nt].y);
-                        gx_mma(e, mn[0], mn[1], mn[0], mn[1], xv[nt].x, xv[nt].y);
-#pragma unroll
-                        for (int i = 0; i < 4; i++) {
-                            const float v = dd[mt][i >> 1][0] * (float)c[i] - dd[mt][i >> 1][1] * (float)e[i];
-                            acc[mt][nt][i] = fmaf(dx[nt][i & 1], v, acc[mt][nt][i]);
-                        }
-                    }
+                    const u32 w = ld_u32_a4(hd + 16);
+                    dd[mt][h][0] = f16_bits_to_f32(w & 0xffffu);
+                    dd[mt][h][1] = f16_bits_to_f32(w >> 16);
                 }
             }
+#pragma unroll
+            for (int half = 0; half < 2; half++) {
+#pragma unroll
+                for (int s = 0; s < 4; s++) {
+                    uint2 xv[GX_NT];
+                    float dx[GX_NT][2];
+                    gx_x(X, 8 * sb + 4 * half + s, t, xv, dx);
+#pragma unroll
+                    for (int mt = 0; mt < GX_MT; mt++) {
+                        u32 lo[2], hi[2], mn[2];
+#pragma unroll
+                        for (int h = 0; h < 2; h++) {
+                            const u32 b = (scw[mt][h][half] >> (8 * s)) & 0xffu;
+                            const u32 sc = b & 15u;
+                            lo[h] = ((qv[mt][h][half].x >> (2 * s)) & 0x03030303u) * sc;
+                            hi[h] = ((qv[mt][h][half].y >> (2 * s)) & 0x03030303u) * sc;
+                            mn[h] = (b >> 4) * 0x01010101u;
+                        }
+#pragma unroll
+                        for (int nt = 0; nt < GX_NT; nt++) {
+                            if (nt == 1 && !two) {
+                                continue;
+                            }
+                            int c[4] = {0, 0, 0, 0};
+                            int e[4] = {0, 0, 0, 0};
+                            gx_mma(c, lo[0], lo[1], hi[0], hi[1], xv[nt].x, xv[nt].y);
+                            gx_mma(e, mn[0], mn[1], mn[0], mn[1], xv[nt].x, xv[nt].y);
+#pragma unroll
+                            for (int i = 0; i < 4; i++) {
+                                const float v = dd[mt][i >> 1][0] * (float)c[i] - dd[mt][i >> 1][1] * (float)e[i];
+                                acc[mt][nt][i] = fmaf(dx[nt][i & 1], v, acc[mt][nt][i]);
+                            }
+                        }
+                    }
+                }
+            }
         }
+        gx_store(D, B.o0, g, t, acc);
     }
     ds4_grid_launch();
-    gx_store(D, B.o0, g, t, acc);
 }

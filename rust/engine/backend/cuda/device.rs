@@ -126,6 +126,15 @@ pub(crate) fn static_smem(f: sys::CUfunction) -> Result<usize> {
     Ok(bytes.max(0) as usize)
 }
 
+/// Blocks of `threads` threads (no dynamic shared memory) of `f` that one SM holds at once,
+/// by its registers and static shared memory.
+pub(crate) fn blocks_per_sm(f: sys::CUfunction, threads: u32) -> Result<usize> {
+    // SAFETY: the caller's `f` is a function of a loaded module.
+    let blocks = unsafe { cu::occupancy::max_active_block_per_multiprocessor(f, threads as i32, 0) }
+        .map_err(driver_err("reading a kernel's occupancy"))?;
+    Ok(blocks.max(1) as usize)
+}
+
 impl Context {
     /// The kernel called `name` in the loaded module.
     pub(crate) fn function(&self, name: &str) -> Result<sys::CUfunction> {

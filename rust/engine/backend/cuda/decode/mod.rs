@@ -50,8 +50,8 @@ use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 
 use super::context::{driver_err, Context, MAX_BATCH};
-use super::device::{static_smem, Arg, DevBuf};
-use super::{chunk_rows, row_blocks, slices, CudaBackend};
+use super::device::{blocks_per_sm, static_smem, Arg, DevBuf};
+use super::{chunk_rows, row_blocks, slices, CudaBackend, MV_WARPS};
 use crate::backend::{DeviceDecoder, Greedy};
 use crate::model::config::AttentionKind;
 use crate::model::draft::{DSparkWeights, DraftKind, MtpInput, MtpPairing, MtpWeights};
@@ -84,7 +84,7 @@ const P_MAX: usize = 512;
 /// with 256 (H200, 2026-12-02, interleaved in one process; the MID model 9623 / 9055 against
 /// 9186 / 8639). The same bits: a 1300-token Flash prompt in steps of 512, 256 and 100 rows
 /// gave equal last-row logits, and equal logits for the token after it. The routing of 512
-/// rows takes 125 KB of shared memory (Flash's router).
+/// rows takes 78 KB of shared memory (Flash's router).
 const P_DEFAULT: usize = 512;
 
 /// The rows of a prompt's step: `setting` (`DS4_CUDA_PREFILL_ROWS`, 16..=512) or [`P_DEFAULT`],
@@ -695,6 +695,9 @@ pub(crate) struct CudaDecoder {
     expert_mma: bool,
     /// Whether a prompt's Q2_K down products do too (and `DS4_CUDA_EXPERT_MMA_DOWN`).
     expert_mma_down: bool,
+    /// The grids of those two kernels (IQ2_XXS, Q2_K): the blocks the GPU holds at once, or
+    /// None for a block per block of their tables (`DS4_CUDA_GX_GRID=0`).
+    gx_grid: Option<(usize, usize)>,
     /// Whether a prompt's step routes its rows over many blocks ([`program::split_over_blocks`],
     /// `DS4_CUDA_ROUTE_PICK`).
     route_pick: bool,
@@ -977,6 +980,16 @@ impl CudaDecoder {
         g.ctx.bind()?;
         let k = Kernels::load(&g.ctx)?;
         let smem_optin = g.ctx.smem_optin;
+        // The routed tensor-core kernels' grids: the blocks the GPU holds at once, each walking
+        // the table's live blocks (gemm_experts.cu), unless DS4_CUDA_GX_GRID=0 (A/B timing: a
+        // block per table block).
+        let gx_grid = if setting("DS4_CUDA_GX_GRID")? {
+            let sms = g.ctx.multiprocessors.max(1) as usize;
+            let per = |f| blocks_per_sm(f, (32 * MV_WARPS) as u32).map(|b| b * sms);
+            Some((per(k.moe_mma_iq2)?, per(k.moe_mma_q2k)?))
+        } else {
+            None
+        };
         drop(g);
         let cfg = &model.config;
         // The rows of a prompt's step, at least a verify's: those of the activation buffers.
@@ -1312,6 +1325,7 @@ impl CudaDecoder {
             prefill_chunk,
             expert_mma,
             expert_mma_down,
+            gx_grid,
             route_pick,
             compress_split,
             attn_mma,
@@ -2416,7 +2430,7 @@ mod prefill_rows_tests {
     use super::{prefill_rows, N_MAX, P_DEFAULT};
 
     /// The setting's range, ds4_route's shared memory (Flash's router, 6 of 256 experts: 256
-    /// rows take 70.7 KB) and a drafter's decode-sized steps.
+    /// rows take 50 KB) and a drafter's decode-sized steps.
     #[test]
     fn prefill_rows_follow_the_setting_and_the_router_limits() {
         const SMEM: usize = 227 * 1024;
@@ -2425,23 +2439,28 @@ mod prefill_rows_tests {
         assert_eq!(prefill_rows(Some(" 256 "), 6, 256, false, SMEM).unwrap(), 256);
         assert_eq!(prefill_rows(Some("512"), 6, 256, false, SMEM).unwrap(), 512);
         assert_eq!(prefill_rows(Some("128"), 6, 256, false, SMEM).unwrap(), 128);
-        // The default takes the most that fit: 154 rows in 48 KB.
-        assert_eq!(prefill_rows(None, 6, 256, false, 48 * 1024).unwrap(), 154);
+        // The default takes the most that fit: 224 rows in 48 KB.
+        assert_eq!(prefill_rows(None, 6, 256, false, 48 * 1024).unwrap(), 224);
         assert_eq!(prefill_rows(Some("16"), 6, 256, false, SMEM).unwrap(), 16);
         assert_eq!(prefill_rows(Some("40"), 6, 256, false, SMEM).unwrap(), 40);
         for bad in ["15", "513", "0", "x", "-64"] {
             assert!(prefill_rows(Some(bad), 6, 256, false, SMEM).is_err(), "{bad}");
         }
         // The words of 256 rows of 6 of 256 experts: 16 rows of scores, 12 ints a row for its
-        // pairs, 17 for its bitmap and prefix counts, 24 for the descriptor slots, one more.
-        assert_eq!(super::program::route_smem(256, 6, 256), 4 * (16 * 256 + 256 * (12 + 17 + 24) + 1));
-        // 512 rows: 124932 bytes, within an H200's 227 KB a block; one row fewer in 122 KB.
-        assert_eq!(super::program::route_smem(512, 6, 256), 4 * (16 * 256 + 512 * (12 + 17 + 24) + 1));
-        assert_eq!(prefill_rows(None, 6, 256, false, 122 * 1024).unwrap(), 511);
-        // The largest row count that fits 48 KB (no opt-in): 154 rows of Flash's router, 50 of
-        // 16 experts a row of 1024 (scores of 4 rows, then 2 x 16 + 32 + 33 + 4 x 16 words a row).
-        assert_eq!(prefill_rows(Some("256"), 6, 256, false, 48 * 1024).unwrap(), 154);
-        assert_eq!(prefill_rows(Some("256"), 16, 1024, false, 48 * 1024).unwrap(), 50);
+        // pairs, per expert 2 x 8 for its row bitmap and prefix counts and 2 more (one past the
+        // last), 4 per slot (256 slots), one more.
+        assert_eq!(
+            super::program::route_smem(256, 6, 256),
+            4 * (16 * 256 + 256 * 12 + 256 * (16 + 2) + 1 + 4 * 256 + 1)
+        );
+        // 512 rows: 79880 bytes, within an H200's 227 KB a block; one row fewer in 78 KB.
+        assert_eq!(super::program::route_smem(512, 6, 256), 79880);
+        assert_eq!(prefill_rows(None, 6, 256, false, 78 * 1024).unwrap(), 511);
+        // The largest row count that fits 48 KB (no opt-in): 224 rows of Flash's router, 32 of
+        // 16 experts a row of 1024 (scores of 4 rows, 32 words a row, then 2 x 1024 + 2 x 1024
+        // + 1 words, 4 per slot, one more).
+        assert_eq!(prefill_rows(Some("256"), 6, 256, false, 48 * 1024).unwrap(), 224);
+        assert_eq!(prefill_rows(Some("256"), 16, 1024, false, 48 * 1024).unwrap(), 32);
         // Never below a verify's rows.
         assert_eq!(prefill_rows(Some("256"), 16, 1024, false, 1024).unwrap(), N_MAX);
         // A drafter: a verify's rows.

@@ -54,12 +54,14 @@ fn gx_takes(m: &Mat, at: u64) -> bool {
 const MOE_SCORES: usize = 4096;
 
 /// Bytes of ds4_route's dynamic shared memory for `n` rows of `k` experts of `experts`
-/// (decode_moe.cu `route_smem_words`: a round of rows' scores, then per (row, expert) pair two
-/// words, per row its bitmap words and their prefix popcounts, per descriptor slot four words).
+/// (decode_moe.cu `route_smem_words`: a round of rows' scores, then per (row, pick) pair two
+/// words, per expert its row bitmap and prefix counts (ceil(n / 32) words each) and two words
+/// (one more past the last), per slot (at most min(n k, experts)) four words, one more).
 pub(super) fn route_smem(n: usize, k: usize, experts: usize) -> usize {
-    let w = experts.div_ceil(32);
+    let r = n.div_ceil(32);
+    let slots = (n * k).min(experts);
     let per_round = (MOE_SCORES / experts.max(1)).max(1);
-    4 * (n.min(per_round) * experts + 2 * n * k + n * w + n * (w + 1) + 4 * n * k + 1)
+    4 * (n.min(per_round) * experts + 2 * n * k + 2 * experts * r + 2 * experts + 1 + 4 * slots + 1)
 }
 
 /// Threads of a `ds4_route_pick` block: it routes as many rows as it has warps.
@@ -1248,26 +1250,30 @@ impl CudaDecoder {
             // descriptors a matrix of `mats`, which share one shape): the tensor-core kernel
             // `mma`, or the decode's product kernel for `chunk` rows (not early: ds4_route
             // writes the table).
-            let routed = |ops: &mut Vec<Op<PArg>>, mma: Option<sys::CUfunction>, mats: &[Mat], off: usize| {
-                let count = mats.len() * max_descs;
-                match mma {
-                    Some(f) => {
-                        let blocks: usize = mats.iter().map(|m| max_descs * bpd_gx(m)).sum();
-                        let args = vec![PArg::Table(off), i(count), p(b.counters.ptr)];
-                        launch(ops, f, (blocks as u32, 1, 1), (32 * MV_WARPS) as u32, 0, args);
+            // A launch of the tensor-core kernel takes at most `resident` blocks (the table's
+            // blocks when None), which walk the live ones.
+            let routed =
+                |ops: &mut Vec<Op<PArg>>, mma: Option<(sys::CUfunction, Option<usize>)>, mats: &[Mat], off: usize| {
+                    let count = mats.len() * max_descs;
+                    match mma {
+                        Some((f, resident)) => {
+                            let all: usize = mats.iter().map(|m| max_descs * bpd_gx(m)).sum();
+                            let blocks = resident.map_or(all, |r| r.min(all));
+                            let args = vec![PArg::Table(off), i(count), p(b.counters.ptr)];
+                            launch(ops, f, (blocks as u32, 1, 1), (32 * MV_WARPS) as u32, 0, args);
+                        }
+                        None => {
+                            let (f, smem) = ctx
+                                .kernel(mats[0].ty, mats[0].n_in, mats[0].n_out, chunk)
+                                .ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
+                            let blocks: usize = mats.iter().map(|m| max_descs * bpd(m)).sum();
+                            let args = vec![PArg::Table(off), i(count), p(b.counters.ptr), i(0)];
+                            launch(ops, f, (blocks as u32, 1, 1), THREADS, smem, args);
+                        }
                     }
-                    None => {
-                        let (f, smem) = ctx
-                            .kernel(mats[0].ty, mats[0].n_in, mats[0].n_out, chunk)
-                            .ok_or_else(|| Error::Backend("CUDA: no product kernel".into()))?;
-                        let blocks: usize = mats.iter().map(|m| max_descs * bpd(m)).sum();
-                        let args = vec![PArg::Table(off), i(count), p(b.counters.ptr), i(0)];
-                        launch(ops, f, (blocks as u32, 1, 1), THREADS, smem, args);
-                    }
-                }
-                Ok::<(), Error>(())
-            };
-            routed(&mut ops, gx_on.then_some(k.moe_mma_iq2), &[gm, um], gu_off)?;
+                    Ok::<(), Error>(())
+                };
+            routed(&mut ops, gx_on.then_some((k.moe_mma_iq2, self.gx_grid.map(|g| g.0))), &[gm, um], gu_off)?;
             if !shared_side {
                 shared_swiglu(&mut ops);
             }
@@ -1291,7 +1297,7 @@ impl CudaDecoder {
             if !shared_side {
                 products(&mut ops, &mut table, &down_sh)?;
             }
-            routed(&mut ops, dx_on.then_some(k.moe_mma_q2k), &[dm], down_off)?;
+            routed(&mut ops, dx_on.then_some((k.moe_mma_q2k, self.gx_grid.map(|g| g.1))), &[dm], down_off)?;
             if fork {
                 ops.push(Op::Join);
             }

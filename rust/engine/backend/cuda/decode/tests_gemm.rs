@@ -123,7 +123,8 @@ fn prefill_products_match_the_float_product_and_are_row_invariant() {
 
 /// `y = W x` of the `n` 8-bit activation rows at `xb` (slots of n_in floats) by the routed
 /// experts' tensor-core kernel `name` (`ds4_moe_mma_iq2_xxs` or `ds4_moe_mma_q2_k`: one
-/// descriptor, as ds4_route writes them for it).
+/// descriptor, as ds4_route writes them for it), on a grid of `grid` blocks (None: one block
+/// per block of the descriptor; fewer walk them).
 fn run_moe_mma(
     ctx: &super::super::context::Context,
     name: &str,
@@ -131,6 +132,7 @@ fn run_moe_mma(
     m: &Mat,
     xb: &DevBuf,
     n: usize,
+    grid: Option<u32>,
 ) -> Vec<f32> {
     use super::super::CudaBackend;
     let y = DevBuf::zeroed(4 * n.max(1) * m.n_out).unwrap();
@@ -140,7 +142,8 @@ fn run_moe_mma(
     let table = DevBuf::from_slice(&[d]).unwrap();
     let f = ctx.function(name).unwrap();
     let args = [Arg::Ptr(table.at(0)), Arg::I32(1), Arg::Ptr(counters.at(0))];
-    ctx.launch_args(f, (m.n_out.div_ceil(128) as u32, 1, 1), 128, 0, &args).unwrap();
+    let grid = grid.unwrap_or(m.n_out.div_ceil(128) as u32);
+    ctx.launch_args(f, (grid, 1, 1), 128, 0, &args).unwrap();
     ctx.sync().unwrap();
     y.read(0, n * m.n_out).unwrap()
 }
@@ -217,7 +220,7 @@ fn expert_products_on_the_tensor_cores_match_the_act8_dot() {
         };
         let all = slots(&qx);
         let dot = quant::RowDot::new(ty, n_in, quant::Kernel::Scalar).unwrap();
-        let y = run_moe_mma(&ctx, name, &w, &m, &all, ROWS);
+        let y = run_moe_mma(&ctx, name, &w, &m, &all, ROWS, None);
         for (r, q) in qx.iter().enumerate() {
             let xd: Vec<f32> = (0..n_in).map(|j| q[j] as i8 as f32 * quant::act8::scale(q, n_in, j / 32)).collect();
             for o in 0..n_out {
@@ -231,11 +234,16 @@ fn expert_products_on_the_tensor_cores_match_the_act8_dot() {
                 );
             }
         }
-        assert!(run_moe_mma(&ctx, name, &w, &m, &all, 0).is_empty());
+        assert!(run_moe_mma(&ctx, name, &w, &m, &all, 0, None).is_empty());
+        // Fewer blocks than the descriptor's, each walking several: the same bits.
+        for grid in [1, 3] {
+            let yg = run_moe_mma(&ctx, name, &w, &m, &all, ROWS, Some(grid));
+            assert!(yg.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()), "{ty} {n_out}x{n_in}: grid {grid}");
+        }
         for n in [1, 3, 8, 9, 13] {
             for first in [0, ROWS - n] {
                 let part = slots(&qx[first..first + n]);
-                let yn = run_moe_mma(&ctx, name, &w, &m, &part, n);
+                let yn = run_moe_mma(&ctx, name, &w, &m, &part, n, None);
                 for r in 0..n {
                     let (a, b) = (&yn[r * n_out..(r + 1) * n_out], &y[(first + r) * n_out..(first + r + 1) * n_out]);
                     assert!(

@@ -6,6 +6,7 @@
 
 use super::testutil::{assert_close, context, split_image, step, Arg, DevBuf};
 use crate::backend::cuda::context::{Context, THREADS};
+use crate::backend::cuda::device::static_smem;
 use crate::backend::cuda::{row_blocks, slices, CudaBackend, Desc};
 use crate::backend::{cpu, Cpu, Ops};
 use crate::model::config::{AttentionKind, LayerSpec, ModelConfig};
@@ -362,16 +363,19 @@ fn expected_routing(
         }
     };
     let (sg, sd) = (slots(chunks.0), slots(chunks.1));
+    // The used slots' blocks first, without gaps; an unused slot starts where they end (in the
+    // gate table, where up's begin).
+    let (ug, ud) = (sg.len(), sd.len());
     let mut gu = Vec::with_capacity(2 * max_descs);
     for q in 0..max_descs {
-        gu.push(Desc { block_start: q as i32 * bpd(&templ[0]), ..slot(&templ[0], q, chunks.0, &sg) });
+        gu.push(Desc { block_start: q.min(ug) as i32 * bpd(&templ[0]), ..slot(&templ[0], q, chunks.0, &sg) });
     }
     for q in 0..max_descs {
-        let start = max_descs as i32 * bpd(&templ[0]) + q as i32 * bpd(&templ[1]);
+        let start = ug as i32 * bpd(&templ[0]) + q.min(ug) as i32 * bpd(&templ[1]);
         gu.push(Desc { block_start: start, ..slot(&templ[1], q, chunks.0, &sg) });
     }
     let down = (0..max_descs)
-        .map(|q| Desc { block_start: q as i32 * bpd(&templ[2]), ..slot(&templ[2], q, chunks.1, &sd) })
+        .map(|q| Desc { block_start: q.min(ud) as i32 * bpd(&templ[2]), ..slot(&templ[2], q, chunks.1, &sd) })
         .collect();
     Routing { gather_src, comb_slot, comb_w, comb_cnt, gu, down }
 }
@@ -446,14 +450,13 @@ fn route_matches_cpu() {
         let templ = fake_templates(d, ff);
         let templ_buf = DevBuf::from_slice(&templ).expect("templates");
         // Up to the most rows the kernel takes (a prompt's step: P_MAX), as far as its shared
-        // memory fits on this device (E = 1024, k = 16: 181 KB at 256 rows).
-        let most = (16..=super::P_MAX)
-            .rev()
-            .find(|&r| super::program::route_smem(r, k, n_exp) <= ctx.smem_optin)
-            .unwrap_or(16);
+        // memory (with its static arrays, as the decoder's `prefill_rows` counts it) fits on
+        // this device (E = 1024, k = 16: 136 KB at 256 rows).
+        let room = ctx.smem_optin - static_smem(ctx.function("ds4_route").expect("ds4_route")).expect("static");
+        let most = (16..=super::P_MAX).rev().find(|&r| super::program::route_smem(r, k, n_exp) <= room).unwrap_or(16);
         // And the most rows whose dynamic shared memory fits the 48 KiB a launch gets without
-        // opting in: with the kernel's static arrays it may not (E = 256, k = 8: 126 rows,
-        // 49148 bytes), which the launch must opt in for (it once counted the dynamic part
+        // opting in: with the kernel's static arrays it may not (E = 256, k = 8: 192 rows,
+        // 47112 bytes), which the launch must opt in for (it once counted the dynamic part
         // only: Flash's router at 154 rows, a prompt's last step, would not have launched).
         let edge =
             (16..=super::P_MAX).rev().find(|&r| super::program::route_smem(r, k, n_exp) <= 48 * 1024).unwrap_or(16);
