@@ -385,9 +385,9 @@ __device__ __forceinline__ void mv_add_slices(const MvDesc* D, int rb, int* __re
     }
 }
 
-// Where block b (mv_block: blockIdx.x) of a launch works: its product D (the one whose block_start is the
-// last one <= the block), its row block rb and input slice, its warp's first output row o0
-// and row count nrows (0 for a warp past n_out), and the warp's place p in its row group.
+// Where block b (mv_block: blockIdx.x) of a launch works: its product D (the one whose
+// block_start is the last one <= b), its row block rb and input slice, its warp's first output
+// row o0 and row count nrows (0 for a warp past n_out), and the warp's place p in its row group.
 struct MvBlock {
     const MvDesc* D;
     int rb;

@@ -156,8 +156,9 @@ __device__ __forceinline__ int gx_field(const int* p) {
 // Before, every block of a table searched for its slot, and the blocks of the unused slots,
 // about 85 000 of each launch in a 512-row step, then returned: on an H200 a traced 512-row
 // step of Flash took 2254 / 1503 us a filled layer in these kernels (IQ2_XXS / Q2_K), with
-// the walk 1289 / 620. Most of that is the unused blocks' search: with a block per table block, the
-// unused ones returning after reading the bound, prompts ran 1% slower than with the walk.
+// the walk 1289 / 620. Most of that is the unused blocks' search: with a block per table
+// block, the unused ones returning after reading the bound, prompts ran 1% slower than with
+// the walk.
 __device__ __forceinline__ int gx_live(const MvDesc* __restrict__ descs, int count) {
     const MvDesc* L = descs + count - 1;
     const int bs = gx_field(&L->block_start);
