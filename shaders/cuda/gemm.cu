@@ -158,18 +158,19 @@ __device__ __forceinline__ void gemm_prep_w(const uint4 (&wv)[GEMM_TILES], const
 #endif
 
 // One unit's products of a warp's four tiles: x's rows g and g + 8 of an m16 tile, already
-// split (hr, lr: the hi and lo pairs of row g, then of row g + 8, as gemm_stage_x stores them;
-// s0, s1 their scales back), times the tiles' weights (b, d0, d1 from gemm_prep_w), into acc.
+// split (hr, lr: the A fragments of the hi and lo halves, k16 step 0 then 1, as GemmX holds
+// them; s0, s1 the rows' scales back), times the tiles' weights (b, d0, d1 from gemm_prep_w),
+// into acc.
 __device__ __forceinline__ void gemm_unit(float (&acc)[GEMM_TILES][4], const uint4 (&hr)[2], const uint4 (&lr)[2],
                                           float s0, float s1, const u32 (&b)[GEMM_TILES][2][2],
                                           const float (&d0)[GEMM_TILES], const float (&d1)[GEMM_TILES]) {
 #pragma unroll
     for (int q = 0; q < GEMM_TILES; q++) {
         float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        gemm_mma(c, hr[0].x, hr[1].x, hr[0].y, hr[1].y, b[q][0][0], b[q][0][1]);
-        gemm_mma(c, lr[0].x, lr[1].x, lr[0].y, lr[1].y, b[q][0][0], b[q][0][1]);
-        gemm_mma(c, hr[0].z, hr[1].z, hr[0].w, hr[1].w, b[q][1][0], b[q][1][1]);
-        gemm_mma(c, lr[0].z, lr[1].z, lr[0].w, lr[1].w, b[q][1][0], b[q][1][1]);
+        gemm_mma(c, hr[0].x, hr[0].y, hr[0].z, hr[0].w, b[q][0][0], b[q][0][1]);
+        gemm_mma(c, lr[0].x, lr[0].y, lr[0].z, lr[0].w, b[q][0][0], b[q][0][1]);
+        gemm_mma(c, hr[1].x, hr[1].y, hr[1].z, hr[1].w, b[q][1][0], b[q][1][1]);
+        gemm_mma(c, lr[1].x, lr[1].y, lr[1].z, lr[1].w, b[q][1][0], b[q][1][1]);
         acc[q][0] = fmaf(c[0], d0[q] * s0, acc[q][0]);
         acc[q][1] = fmaf(c[1], d1[q] * s0, acc[q][1]);
         acc[q][2] = fmaf(c[2], d0[q] * s1, acc[q][2]);
@@ -177,21 +178,23 @@ __device__ __forceinline__ void gemm_unit(float (&acc)[GEMM_TILES][4], const uin
     }
 }
 
-// One unit of the block's x, split once for the block's four warps: f[mt][h][0] the hi pairs,
-// f[mt][h][1] the lo pairs of row 16 mt + 8 h + g, lane 4 g + t's (its inputs [8t, 8t + 8) in
-// gemm_split_x's order), so that a warp reads a fragment as 32 consecutive uint4s; s the rows'
-// scales back. 8.25 KB.
-// (Tried and not kept: each warp staging its own m16 tile in the mma's A-fragment register
-// order, rows clamped instead of null-checked, so that each LDS.128 lands in HMMA operands
-// with no moves: a 2-unit loop iteration of 1071 sm_90 instructions against 1522 for Q8_0
-// (893 against 1255 for F16), 239 registers, the same sums. Prompts of 2048 tokens on an H200,
-// interleaved: 1215 tok/s against 1202 and 1212, and 8192 tokens 1100 against 1110 in another
-// session: the kernel waits on its loads at two blocks an SM, it is not bound by issue.
-// Nor its weights through a per-warp cp.async ring in dynamic shared memory, each lane copying
-// the bytes it later reads (2 or 1 unit a stage, 3 to 6 stages, 168 to 196 registers, three
-// blocks an SM): the same bits, and in the kernel lab 1024 x 4096 at four descriptors of 64
-// rows 92 to 108 us against 86, in a Flash prompt's step 16.3 ms of these products against
-// 15.2. Nsight Compute on that lab line: one warp a scheduler (242 registers, 12.5% occupancy),
+// One unit of the block's x, split once for the block's four warps: f[mt][hl][st][lane] the A
+// fragment of m16 tile mt's k16 step st for lane 4 g + t, hi (hl 0) or lo (1) halves: rows g
+// and g + 8, inputs 8t + 4st + {0, 1} then + {2, 3} (gemm_split_x's order), as the mma takes
+// its four registers, so that each is one LDS.128 a lane, with no moves (the rows of a pair
+// in separate uint4s cost about 230 register moves a unit and warp); s the rows' scales back.
+// 8.25 KB. In the kernel lab this layout alone took the float-x Q8_0 products at Flash's
+// shapes (eight descriptors of 64 rows) from 142 / 209 / 222 to 130 / 192 / 206 us, the same
+// bits; F16's did not move (117 us).
+// (Tried before, and not kept then: each warp staging its own m16 tile in this order, rows
+// clamped instead of null-checked, with the loads in registers at 239 of them: prompts of 2048
+// tokens 1215 tok/s against 1202 and 1212. With the loads through shared memory it pays:
+// GEMM_RING below.
+// Nor, then, its weights alone through a per-warp cp.async ring in dynamic shared memory, each
+// lane copying the bytes it later reads (2 or 1 unit a stage, 3 to 6 stages, 168 to 196
+// registers, three blocks an SM): the same bits, and in the kernel lab 1024 x 4096 at four
+// descriptors of 64 rows 92 to 108 us against 86, in a Flash prompt's step 16.3 ms of these
+// products against 15.2. Nsight Compute on that lab line: one warp a scheduler (242 registers, 12.5% occupancy),
 // an instruction issued every 6 cycles, 20% of issue slots and 23% of memory throughput used,
 // the stalls long scoreboard 1.5, wait 1.5 (dependent mma), short scoreboard 0.5 cycles an
 // instruction: latency, with too few warps to hide it.)
@@ -200,7 +203,26 @@ struct GemmX {
     float s[16 * GEMM_MTILES];
 };
 
-// Loads this thread's share of unit u of x: row 32 p + 8 warp + g, inputs [8t, 8t + 8) (the
+// One unit's products of a warp: its weights (wv, dw: gemm_load_w's) times x's m16 tiles in X,
+// into acc.
+template <bool Q8>
+__device__ __forceinline__ void gemm_unit_all(float (&acc)[GEMM_MTILES][GEMM_TILES][4], const uint4 (&wv)[GEMM_TILES],
+                                              const float (&dw)[GEMM_TILES], const GemmX& X, int t, int lane, int g,
+                                              int mtiles) {
+    u32 bw[GEMM_TILES][2][2];
+    float d0[GEMM_TILES], d1[GEMM_TILES];
+    gemm_prep_w<Q8>(wv, dw, t, bw, d0, d1);
+#pragma unroll
+    for (int mt = 0; mt < GEMM_MTILES; mt++) {
+        if (mt < mtiles) {
+            const uint4 hr[2] = {X.f[mt][0][0][lane], X.f[mt][0][1][lane]};
+            const uint4 lr[2] = {X.f[mt][1][0][lane], X.f[mt][1][1][lane]};
+            gemm_unit(acc[mt], hr, lr, X.s[16 * mt + g], X.s[16 * mt + 8 + g], bw, d0, d1);
+        }
+    }
+}
+
+// Loads this thread's share of unit u of x: row 16 warp + 8 p + g, inputs [8t, 8t + 8) (the
 // tiled layout, TILED: [4t, 4t + 4) and [16 + 4t, 20 + 4t), the inputs of the lane's weight
 // bytes there), for p = 0, 1 (zeros past n: xsrc null, else the row's x at input 8t, or 4t).
 template <bool TILED>
@@ -217,24 +239,26 @@ __device__ __forceinline__ void gemm_fetch_x(int u, const float* const (&xsrc)[2
     }
 }
 
-// Splits this thread's share (gemm_fetch_x) into X, for the m16 tiles the block has: a warp's
-// eight rows of a pass lie in one half of one tile (mt = 2p + warp / 2, h = warp % 2), so the
-// branch is the warp's, and gemm_split_x's quad shuffles see all 32 lanes.
+// Splits this thread's share (gemm_fetch_x: rows g and g + 8 of m16 tile `warp`) into X, if the
+// block has that tile (the branch is the warp's, so gemm_split_x's quad shuffles see all 32
+// lanes). Each uint4 is one A fragment of the mma, the two rows interleaved as its registers
+// take them.
 __device__ __forceinline__ void gemm_stage_x(const float4 (&xr)[2][2], GemmX& X, int warp, int lane, int mtiles) {
+    if (warp < mtiles) {
+        u32 hi[2][2][2], lo[2][2][2];
 #pragma unroll
-    for (int p = 0; p < 2; p++) {
-        const int mt = 2 * p + (warp >> 1);
-        const int h = warp & 1;
-        if (mt < mtiles) {
+        for (int p = 0; p < 2; p++) {
             const float v[8] = {xr[p][0].x, xr[p][0].y, xr[p][0].z, xr[p][0].w,
                                 xr[p][1].x, xr[p][1].y, xr[p][1].z, xr[p][1].w};
-            u32 hi[2][2], lo[2][2];
-            const float back = gemm_split_x(v, hi, lo);
-            X.f[mt][h][0][lane] = make_uint4(hi[0][0], hi[0][1], hi[1][0], hi[1][1]);
-            X.f[mt][h][1][lane] = make_uint4(lo[0][0], lo[0][1], lo[1][0], lo[1][1]);
+            const float back = gemm_split_x(v, hi[p], lo[p]);
             if ((lane & 3) == 0) {
-                X.s[16 * mt + 8 * h + (lane >> 2)] = back;
+                X.s[16 * warp + 8 * p + (lane >> 2)] = back;
             }
+        }
+#pragma unroll
+        for (int st = 0; st < 2; st++) {
+            X.f[warp][0][st][lane] = make_uint4(hi[0][st][0], hi[1][st][0], hi[0][st][1], hi[1][st][1]);
+            X.f[warp][1][st][lane] = make_uint4(lo[0][st][0], lo[1][st][0], lo[0][st][1], lo[1][st][1]);
         }
     }
 }
@@ -315,7 +339,7 @@ __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int 
     const float* xsrc[2];
 #pragma unroll
     for (int p = 0; p < 2; p++) {
-        const int r = 32 * p + 8 * warp + g;
+        const int r = 16 * warp + 8 * p + g;
         xsrc[p] = r < n ? D.x + (long long)r * D.n_in + (TILED ? 4 : 8) * t : nullptr;
     }
     float acc[GEMM_MTILES][GEMM_TILES][4];
@@ -387,18 +411,7 @@ __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int 
 #pragma unroll
             for (int k = 0; k < GEMM_STAGE; k++) {
                 if (u + k < u1) {
-                    u32 bw[GEMM_TILES][2][2];
-                    float d0[GEMM_TILES], d1[GEMM_TILES];
-                    gemm_prep_w<Q8>(wv[k], dw[k], t, bw, d0, d1);
-                    const GemmX& X = xs[i][k];
-#pragma unroll
-                    for (int mt = 0; mt < GEMM_MTILES; mt++) {
-                        if (mt < mtiles) {
-                            const uint4 hr[2] = {X.f[mt][0][0][lane], X.f[mt][1][0][lane]};
-                            const uint4 lr[2] = {X.f[mt][0][1][lane], X.f[mt][1][1][lane]};
-                            gemm_unit(acc[mt], hr, lr, X.s[16 * mt + g], X.s[16 * mt + 8 + g], bw, d0, d1);
-                        }
-                    }
+                    gemm_unit_all<Q8>(acc, wv[k], dw[k], xs[i][k], t, lane, g, mtiles);
                 }
             }
         }
@@ -441,6 +454,221 @@ __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int 
     mv_add_slices(B.D, B.rb, counters);
 }
 
+// The tiled layout's loads (ds4_gemm_q8_0_mq) go through a ring of GEMM_RING units in shared
+// memory, by cp.async, GEMM_RING - 1 units ahead, instead of through registers: each thread
+// copies the x it splits and each lane the weight bytes it multiplies, so no barrier guards the
+// ring, only the split x (GemmX, two in turn). The same sums in the same order, bit for bit.
+// The registers the loads held went from 228 to 148. In the kernel lab (H200, 2026-12-03, eight
+// descriptors of 64 rows, Flash's shapes: q_b 32768 x 1024, o_b 4096 x 8192, an o_a group's
+// 1024 x 4096), with the A-fragment layout of GemmX in both: 343 / 461 / 96 us a launch against
+// 468 / 509 / 120 through registers (the build before both changes: 507 / 542 / 128). A ring of
+// three units timed as two (one unit, no overlap: 384 / 518 / 100), and three blocks an SM
+// (148 registers fit) the same as two. GEMM_RING=0: the register path. (The float-x and F16
+// kernels keep the register path: their scales come in 2-byte pieces, which cp.async does not
+// copy, and F16's 64 weight bytes a lane and unit would take the ring past 48 KB.)
+#ifndef GEMM_RING
+#define GEMM_RING 2
+#endif
+
+// One unit of the ring: the thread's x (gemm_fetch_x's four float4s), the lane's 16 bytes of
+// each of its two 16-row tiles and their scale words (gemm_load_w's).
+struct GemmSlot {
+    float4 x[4][128];
+    uint4 w[2][128];
+    u32 s[2][128];
+};
+
+// Asynchronous copies of 16 and 4 bytes from global to shared memory (zeros when !has: then
+// src is not read), their groups and the wait for all but the N latest. Before sm_80, which
+// never runs these kernels (gemm.rs), plain loads and stores, so that the program compiles.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool has) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const u32 d = (u32)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(has ? 16 : 0) : "memory");
+#else
+    *(uint4*)dst = has ? *(const uint4*)src : make_uint4(0u, 0u, 0u, 0u);
+#endif
+}
+
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool has) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const u32 d = (u32)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(d), "l"(src), "r"(has ? 4 : 0) : "memory");
+#else
+    *(u32*)dst = has ? *(const u32*)src : 0u;
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
+#if GEMM_RING > 0
+// Static shared memory, within the 48 KB a launch gets without opting in: 43.5 KB at two units.
+static_assert(GEMM_RING * sizeof(GemmSlot) + 2 * sizeof(GemmX) <= 48 * 1024, "GEMM_RING too deep");
+
+// The weights of unit u into slot S (gemm_load_w's TILED bytes; zeros for a null tile).
+__device__ __forceinline__ void gemm_ring_w(GemmSlot& S, int u, int tid, int lane, const u8* const (&wrow)[GEMM_TILES],
+                                            int units, const u8* any) {
+#pragma unroll
+    for (int j = 0; j < GEMM_TILES / 2; j++) {
+        const u8* r = wrow[2 * j];
+        cp_async16(&S.w[j][tid], r ? r + 512 * (long long)u + 16 * lane : any, r != nullptr);
+        cp_async4(&S.s[j][tid], r ? r + 512 * (long long)units + 32 * (long long)u + 4 * (lane >> 2) : any,
+                  r != nullptr);
+    }
+}
+
+// The thread's x of unit u into slot S (gemm_fetch_x<true>'s floats; zeros past n).
+__device__ __forceinline__ void gemm_ring_x(GemmSlot& S, int u, int tid, const float* const (&xsrc)[2],
+                                            const u8* any) {
+#pragma unroll
+    for (int p = 0; p < 2; p++) {
+        const float* v = xsrc[p] ? xsrc[p] + 32 * (long long)u : nullptr;
+        cp_async16(&S.x[2 * p][tid], v ? (const void*)v : (const void*)any, v != nullptr);
+        cp_async16(&S.x[2 * p + 1][tid], v ? (const void*)(v + 16) : (const void*)any, v != nullptr);
+    }
+}
+
+__device__ __forceinline__ void gemm_body_ring(const MvDesc* __restrict__ descs, int count,
+                                               int* __restrict__ counters) {
+    __shared__ GemmSlot ring[GEMM_RING];
+    __shared__ GemmX xs[2];
+    const MvBlock B = mv_block(descs, count);
+    const MvDesc& D = *B.D;
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int units = D.n_in >> 5;
+    const int n_out = D.n_out;
+    const int n = D.n;
+    const int mtiles = (n + 15) >> 4;
+    int u0, u1;
+    mv_slice(units, D.slices, B.slice, u0, u1);
+    const u8* wrow[GEMM_TILES];
+#pragma unroll
+    for (int q = 0; q < GEMM_TILES; q++) {
+        const int o = B.o0 + 8 * q;
+        const bool has = B.nrows > 0 && o < n_out && (q & 1) == 0;
+        wrow[q] = has ? D.w + (long long)o * D.row_bytes : nullptr;
+    }
+    const float* xsrc[2];
+#pragma unroll
+    for (int p = 0; p < 2; p++) {
+        const int r = 16 * warp + 8 * p + g;
+        xsrc[p] = r < n ? D.x + (long long)r * D.n_in + 4 * t : nullptr;
+    }
+    float acc[GEMM_MTILES][GEMM_TILES][4];
+#pragma unroll
+    for (int mt = 0; mt < GEMM_MTILES; mt++) {
+#pragma unroll
+        for (int q = 0; q < GEMM_TILES; q++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                acc[mt][q][i] = 0.0f;
+            }
+        }
+    }
+    {
+        const u8* tb = lane < 2 ? wrow[0] : wrow[2];
+        if (lane < 4 && tb) {
+            const unsigned long long a = (unsigned long long)tb + ((lane & 1) ? 512ull * units : 0ull);
+            const unsigned long long ub = (lane & 1) ? 32 : 512;
+            ds4_prefetch_l2(a + ub * u0, a + ub * u1);
+        }
+    }
+    const u8* any = D.w;
+    // The first GEMM_RING - 1 units' weights (one group), then, after the previous kernel, their
+    // x (a group each): unit k's copies are done once at most GEMM_RING - 1 later groups are not.
+#pragma unroll
+    for (int k = 0; k < GEMM_RING - 1; k++) {
+        if (u0 + k < u1) {
+            gemm_ring_w(ring[k], u0 + k, tid, lane, wrow, units, any);
+        }
+    }
+    cp_async_commit();
+    ds4_grid_deps();
+#pragma unroll
+    for (int k = 0; k < GEMM_RING - 1; k++) {
+        if (u0 + k < u1) {
+            gemm_ring_x(ring[k], u0 + k, tid, xsrc, any);
+        }
+        cp_async_commit();
+    }
+    int slot = 0;
+    for (int u = u0, i = 0; u < u1; u++, i ^= 1) {
+        const int nu = u + GEMM_RING - 1;
+        if (nu < u1) {
+            GemmSlot& S = ring[slot == 0 ? GEMM_RING - 1 : slot - 1];
+            gemm_ring_w(S, nu, tid, lane, wrow, units, any);
+            gemm_ring_x(S, nu, tid, xsrc, any);
+        }
+        cp_async_commit();
+        cp_async_wait<GEMM_RING - 1>();
+        const GemmSlot& S = ring[slot];
+        {
+            float4 xr[2][2];
+#pragma unroll
+            for (int p = 0; p < 2; p++) {
+                xr[p][0] = S.x[2 * p][tid];
+                xr[p][1] = S.x[2 * p + 1][tid];
+            }
+            // xs[i] was last read before the previous barrier.
+            gemm_stage_x(xr, xs[i], warp, lane, mtiles);
+        }
+        __syncthreads();
+        if (B.nrows > 0) {
+            uint4 wv[GEMM_TILES];
+            float dw[GEMM_TILES];
+#pragma unroll
+            for (int j = 0; j < GEMM_TILES / 2; j++) {
+                const uint4 v = S.w[j][tid];
+                const u32 sc = S.s[j][tid];
+                wv[2 * j] = make_uint4(v.x, v.z, 0u, 0u);
+                wv[2 * j + 1] = make_uint4(v.y, v.w, 0u, 0u);
+                dw[2 * j] = f16_bits_to_f32(sc & 0xffffu);
+                dw[2 * j + 1] = f16_bits_to_f32(sc >> 16);
+            }
+            gemm_unit_all<true>(acc, wv, dw, xs[i], t, lane, g, mtiles);
+        }
+        slot = slot == GEMM_RING - 1 ? 0 : slot + 1;
+    }
+    ds4_grid_launch();
+    float* y = D.slices > 1 ? D.part + (long long)B.slice * n * n_out : D.y;
+    const int ys = D.slices > 1 ? n_out : D.y_stride;
+    if (B.nrows > 0) {
+#pragma unroll
+        for (int mt = 0; mt < GEMM_MTILES; mt++) {
+            if (mt < mtiles) {
+#pragma unroll
+                for (int q = 0; q < GEMM_TILES; q++) {
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        const int r = 16 * mt + g + 8 * (i >> 1);
+                        const int o = B.o0 + 8 * q + 2 * t + (i & 1);
+                        if (r < n && o < n_out) {
+                            y[(long long)r * ys + o] = acc[mt][q][i];
+                        }
+                    }
+                }
+            }
+        }
+    }
+    mv_add_slices(B.D, B.rb, counters);
+}
+#endif
+
 
 extern "C" __global__ void __launch_bounds__(128, GEMM_MIN_BLOCKS) ds4_gemm_f16(const MvDesc* __restrict__ descs, int count,
                                                                int* __restrict__ counters) {
@@ -454,13 +682,18 @@ extern "C" __global__ void __launch_bounds__(128, GEMM_MIN_BLOCKS) ds4_gemm_q8_0
 
 // Q8_0 in the decode's tensor-core layout (q_b, o_a, o_b and the head of Flash by default:
 // context.rs `tensor_cores`), which the decode's kernel there reads once per 16 rows of x. The
-// same loop as ds4_gemm_q8_0's, each lane's x taken at the inputs of its bytes in the tiles. On
-// an H200 (Flash, one process, interleaved, 2026-12-03): prompts of 2048 / 8192 tokens at 1470
-// / 1301 tok/s against 1334 / 1195 on the decode's kernel (DS4_CUDA_GEMM_MQ=0); a 512-row
-// step's products of this layout 572 us a launch against 837 (CUPTI trace). (The head's one
-// row of a prompt's last step is slower here, 540 us against 201, but a kernel chosen by the
-// row count would make a row's bits depend on its step.)
+// same split of x as ds4_gemm_q8_0's, each lane's x taken at the inputs of its bytes in the
+// tiles, the loads through the ring above (GEMM_RING). On an H200 (Flash, one process,
+// interleaved, 2026-12-03): prompts of 2048 / 8192 tokens at 1470 / 1301 tok/s against 1334 /
+// 1195 on the decode's kernel (DS4_CUDA_GEMM_MQ=0), before the ring; a 512-row step's
+// products of this layout 572 us a launch against 837 (CUPTI trace). (The head's one row of a
+// prompt's last step is slower here, 540 us against 201, but a kernel chosen by the row count
+// would make a row's bits depend on its step.)
 extern "C" __global__ void __launch_bounds__(128, GEMM_MIN_BLOCKS)
     ds4_gemm_q8_0_mq(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters) {
+#if GEMM_RING > 0
+    gemm_body_ring(descs, count, counters);
+#else
     gemm_body<true, true>(descs, count, counters);
+#endif
 }
