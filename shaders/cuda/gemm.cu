@@ -454,39 +454,57 @@ __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int 
     mv_add_slices(B.D, B.rb, counters);
 }
 
-// The tiled layout's loads (ds4_gemm_q8_0_mq) go through a ring of GEMM_RING units in shared
-// memory, by cp.async, GEMM_RING - 1 units ahead, instead of through registers: each thread
-// copies the x it splits and each lane the weight bytes it multiplies, so no barrier guards the
-// ring, only the split x (GemmX, two in turn). The same sums in the same order, bit for bit.
-// The registers the loads held went from 228 to 148. In the kernel lab (H200, 2026-12-03, eight
-// descriptors of 64 rows, Flash's shapes: q_b 32768 x 1024, o_b 4096 x 8192, an o_a group's
-// 1024 x 4096), with the A-fragment layout of GemmX in both: 343 / 461 / 96 us a launch against
-// 468 / 509 / 120 through registers (the build before both changes: 507 / 542 / 128). A ring of
-// three units timed as two (one unit, no overlap: 384 / 518 / 100), and three blocks an SM
-// (148 registers fit) the same as two. GEMM_RING=0: the register path. (The float-x and F16
-// kernels keep the register path: their scales come in 2-byte pieces, which cp.async does not
-// copy, and F16's 64 weight bytes a lane and unit would take the ring past 48 KB.)
+// The Q8_0 kernels' loads go through a ring of GEMM_RING units in shared memory, by cp.async,
+// GEMM_RING - 1 units ahead, instead of through registers: each thread copies the x it splits
+// and each lane the weight bytes it multiplies, so no barrier guards the ring, only the split x
+// (GemmX, two in turn). The same sums in the same order, bit for bit. The registers the loads
+// held went from 228 to 148 (tiled) and 231 to 156 (float-x). In the kernel lab (H200,
+// 2026-12-03, eight descriptors of 64 rows, Flash's shapes: q_b 32768 x 1024, o_b 4096 x 8192,
+// an o_a group's 1024 x 4096), with the A-fragment layout of GemmX in both: 343 / 461 / 96 us a
+// launch against 468 / 509 / 120 through registers (the build before both changes: 507 / 542 /
+// 128). A ring of three units timed as two (one unit, no overlap: 384 / 518 / 100), and three
+// blocks an SM (148 registers fit) the same as two. The float-x layout's (scales through
+// registers, a unit ahead): 116 / 177 / 190 us against 128 / 193 / 206 at 1024 x 4096, 2048 x
+// 4096, 4096 x 2048; Flash prompts of 2048 / 8192 tokens 1961 / 1728 tok/s against 1989 / 1742
+// without it (one run each), a gain below that noise. GEMM_RING=0: the register path. (F16 keeps
+// the register path: its 64 weight bytes a lane and unit would take the ring past the 48 KB of
+// static shared memory.)
 #ifndef GEMM_RING
 #define GEMM_RING 2
 #endif
 
-// One unit of the ring: the thread's x (gemm_fetch_x's four float4s), the lane's 16 bytes of
-// each of its two 16-row tiles and their scale words (gemm_load_w's).
+// One unit of the ring: the thread's x (gemm_fetch_x's four float4s) and the lane's weight
+// bytes (gemm_load_w's): TILED, 16 bytes of each of its two 16-row tiles and their scale words;
+// else 8 bytes of each of its four rows (their 2-byte scales, which cp.async cannot copy, come
+// through registers one unit ahead).
+template <bool TILED>
 struct GemmSlot {
     float4 x[4][128];
     uint4 w[2][128];
     u32 s[2][128];
 };
 
-// Asynchronous copies of 16 and 4 bytes from global to shared memory (zeros when !has: then
-// src is not read), their groups and the wait for all but the N latest. Before sm_80, which
-// never runs these kernels (gemm.rs), plain loads and stores, so that the program compiles.
+template <>
+struct GemmSlot<false> {
+    float4 x[4][128];
+    uint2 w[4][128];
+};
+
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool has) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     const u32 d = (u32)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(has ? 16 : 0) : "memory");
 #else
     *(uint4*)dst = has ? *(const uint4*)src : make_uint4(0u, 0u, 0u, 0u);
+#endif
+}
+
+__device__ __forceinline__ void cp_async8(void* dst, const void* src, bool has) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const u32 d = (u32)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(d), "l"(src), "r"(has ? 8 : 0) : "memory");
+#else
+    *(uint2*)dst = has ? *(const uint2*)src : make_uint2(0u, 0u);
 #endif
 }
 
@@ -513,12 +531,13 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 #if GEMM_RING > 0
-// Static shared memory, within the 48 KB a launch gets without opting in: 43.5 KB at two units.
-static_assert(GEMM_RING * sizeof(GemmSlot) + 2 * sizeof(GemmX) <= 48 * 1024, "GEMM_RING too deep");
+// Static shared memory, within the 48 KB a launch gets without opting in: 43.5 KB (tiled) and
+// 40.5 KB at two units.
+static_assert(GEMM_RING * sizeof(GemmSlot<true>) + 2 * sizeof(GemmX) <= 48 * 1024, "GEMM_RING too deep");
 
-// The weights of unit u into slot S (gemm_load_w's TILED bytes; zeros for a null tile).
-__device__ __forceinline__ void gemm_ring_w(GemmSlot& S, int u, int tid, int lane, const u8* const (&wrow)[GEMM_TILES],
-                                            int units, const u8* any) {
+// The weights of unit u into slot S (gemm_load_w's bytes; zeros for a null row or tile).
+__device__ __forceinline__ void gemm_ring_w(GemmSlot<true>& S, int u, int tid, int lane,
+                                            const u8* const (&wrow)[GEMM_TILES], int units, const u8* any) {
 #pragma unroll
     for (int j = 0; j < GEMM_TILES / 2; j++) {
         const u8* r = wrow[2 * j];
@@ -528,20 +547,63 @@ __device__ __forceinline__ void gemm_ring_w(GemmSlot& S, int u, int tid, int lan
     }
 }
 
-// The thread's x of unit u into slot S (gemm_fetch_x<true>'s floats; zeros past n).
-__device__ __forceinline__ void gemm_ring_x(GemmSlot& S, int u, int tid, const float* const (&xsrc)[2],
+__device__ __forceinline__ void gemm_ring_w(GemmSlot<false>& S, int u, int tid, int lane,
+                                            const u8* const (&wrow)[GEMM_TILES], int, const u8* any) {
+#pragma unroll
+    for (int q = 0; q < GEMM_TILES; q++) {
+        const u8* r = wrow[q];
+        cp_async8(&S.w[q][tid], r ? r + 32 * (long long)u + 8 * (lane & 3) : any, r != nullptr);
+    }
+}
+
+// The block scales of unit u of the float-x layout's rows (gemm_load_w's dw).
+__device__ __forceinline__ void gemm_q8_scales(int u, const u8* const (&wrow)[GEMM_TILES], int units,
+                                               float (&dw)[GEMM_TILES]) {
+#pragma unroll
+    for (int q = 0; q < GEMM_TILES; q++) {
+        dw[q] = wrow[q] ? f16_bits_to_f32(*(const u16*)(wrow[q] + 32 * (long long)units + 2 * u)) : 0.0f;
+    }
+}
+
+// The thread's x of unit u into slot S (gemm_fetch_x<TILED>'s floats; zeros past n).
+template <bool TILED>
+__device__ __forceinline__ void gemm_ring_x(GemmSlot<TILED>& S, int u, int tid, const float* const (&xsrc)[2],
                                             const u8* any) {
 #pragma unroll
     for (int p = 0; p < 2; p++) {
         const float* v = xsrc[p] ? xsrc[p] + 32 * (long long)u : nullptr;
         cp_async16(&S.x[2 * p][tid], v ? (const void*)v : (const void*)any, v != nullptr);
-        cp_async16(&S.x[2 * p + 1][tid], v ? (const void*)(v + 16) : (const void*)any, v != nullptr);
+        cp_async16(&S.x[2 * p + 1][tid], v ? (const void*)(v + (TILED ? 16 : 4)) : (const void*)any, v != nullptr);
     }
 }
 
+// A slot's weights as gemm_load_w gives them (TILED: the scales too; else dw is left as it is).
+__device__ __forceinline__ void gemm_slot_w(const GemmSlot<true>& S, int tid, uint4 (&wv)[GEMM_TILES],
+                                            float (&dw)[GEMM_TILES]) {
+#pragma unroll
+    for (int j = 0; j < GEMM_TILES / 2; j++) {
+        const uint4 v = S.w[j][tid];
+        const u32 sc = S.s[j][tid];
+        wv[2 * j] = make_uint4(v.x, v.z, 0u, 0u);
+        wv[2 * j + 1] = make_uint4(v.y, v.w, 0u, 0u);
+        dw[2 * j] = f16_bits_to_f32(sc & 0xffffu);
+        dw[2 * j + 1] = f16_bits_to_f32(sc >> 16);
+    }
+}
+
+__device__ __forceinline__ void gemm_slot_w(const GemmSlot<false>& S, int tid, uint4 (&wv)[GEMM_TILES],
+                                            float (&)[GEMM_TILES]) {
+#pragma unroll
+    for (int q = 0; q < GEMM_TILES; q++) {
+        const uint2 v = S.w[q][tid];
+        wv[q] = make_uint4(v.x, v.y, 0u, 0u);
+    }
+}
+
+template <bool TILED>
 __device__ __forceinline__ void gemm_body_ring(const MvDesc* __restrict__ descs, int count,
                                                int* __restrict__ counters) {
-    __shared__ GemmSlot ring[GEMM_RING];
+    __shared__ GemmSlot<TILED> ring[GEMM_RING];
     __shared__ GemmX xs[2];
     const MvBlock B = mv_block(descs, count);
     const MvDesc& D = *B.D;
@@ -559,15 +621,15 @@ __device__ __forceinline__ void gemm_body_ring(const MvDesc* __restrict__ descs,
     const u8* wrow[GEMM_TILES];
 #pragma unroll
     for (int q = 0; q < GEMM_TILES; q++) {
-        const int o = B.o0 + 8 * q;
-        const bool has = B.nrows > 0 && o < n_out && (q & 1) == 0;
+        const int o = TILED ? B.o0 + 8 * q : B.o0 + 8 * q + g;
+        const bool has = B.nrows > 0 && o < n_out && (!TILED || (q & 1) == 0);
         wrow[q] = has ? D.w + (long long)o * D.row_bytes : nullptr;
     }
     const float* xsrc[2];
 #pragma unroll
     for (int p = 0; p < 2; p++) {
         const int r = 16 * warp + 8 * p + g;
-        xsrc[p] = r < n ? D.x + (long long)r * D.n_in + 4 * t : nullptr;
+        xsrc[p] = r < n ? D.x + (long long)r * D.n_in + (TILED ? 4 : 8) * t : nullptr;
     }
     float acc[GEMM_MTILES][GEMM_TILES][4];
 #pragma unroll
@@ -580,13 +642,22 @@ __device__ __forceinline__ void gemm_body_ring(const MvDesc* __restrict__ descs,
             }
         }
     }
-    {
+    if (TILED) {
         const u8* tb = lane < 2 ? wrow[0] : wrow[2];
         if (lane < 4 && tb) {
             const unsigned long long a = (unsigned long long)tb + ((lane & 1) ? 512ull * units : 0ull);
             const unsigned long long ub = (lane & 1) ? 32 : 512;
             ds4_prefetch_l2(a + ub * u0, a + ub * u1);
         }
+    } else if (B.o0 + lane < n_out && B.nrows > 0) {
+        const unsigned long long row = (unsigned long long)(D.w + (long long)(B.o0 + lane) * D.row_bytes);
+        ds4_prefetch_l2(row + 32ull * u0, row + 32ull * u1);
+        ds4_prefetch_l2(row + 32ull * units + 2 * u0, row + 32ull * units + 2 * u1);
+    }
+    // The float-x layout's scales: unit u's in dw, the next unit's loaded a unit ahead.
+    float dw[GEMM_TILES], dwn[GEMM_TILES];
+    if (!TILED && u0 < u1) {
+        gemm_q8_scales(u0, wrow, units, dw);
     }
     const u8* any = D.w;
     // The first GEMM_RING - 1 units' weights (one group), then, after the previous kernel, their
@@ -609,14 +680,17 @@ __device__ __forceinline__ void gemm_body_ring(const MvDesc* __restrict__ descs,
     int slot = 0;
     for (int u = u0, i = 0; u < u1; u++, i ^= 1) {
         const int nu = u + GEMM_RING - 1;
+        if (!TILED && u + 1 < u1) {
+            gemm_q8_scales(u + 1, wrow, units, dwn);
+        }
         if (nu < u1) {
-            GemmSlot& S = ring[slot == 0 ? GEMM_RING - 1 : slot - 1];
+            GemmSlot<TILED>& S = ring[slot == 0 ? GEMM_RING - 1 : slot - 1];
             gemm_ring_w(S, nu, tid, lane, wrow, units, any);
             gemm_ring_x(S, nu, tid, xsrc, any);
         }
         cp_async_commit();
         cp_async_wait<GEMM_RING - 1>();
-        const GemmSlot& S = ring[slot];
+        const GemmSlot<TILED>& S = ring[slot];
         {
             float4 xr[2][2];
 #pragma unroll
@@ -630,17 +704,14 @@ __device__ __forceinline__ void gemm_body_ring(const MvDesc* __restrict__ descs,
         __syncthreads();
         if (B.nrows > 0) {
             uint4 wv[GEMM_TILES];
-            float dw[GEMM_TILES];
-#pragma unroll
-            for (int j = 0; j < GEMM_TILES / 2; j++) {
-                const uint4 v = S.w[j][tid];
-                const u32 sc = S.s[j][tid];
-                wv[2 * j] = make_uint4(v.x, v.z, 0u, 0u);
-                wv[2 * j + 1] = make_uint4(v.y, v.w, 0u, 0u);
-                dw[2 * j] = f16_bits_to_f32(sc & 0xffffu);
-                dw[2 * j + 1] = f16_bits_to_f32(sc >> 16);
-            }
+            gemm_slot_w(S, tid, wv, dw);
             gemm_unit_all<true>(acc, wv, dw, xs[i], t, lane, g, mtiles);
+        }
+        if (!TILED) {
+#pragma unroll
+            for (int q = 0; q < GEMM_TILES; q++) {
+                dw[q] = dwn[q];
+            }
         }
         slot = slot == GEMM_RING - 1 ? 0 : slot + 1;
     }
@@ -677,7 +748,11 @@ extern "C" __global__ void __launch_bounds__(128, GEMM_MIN_BLOCKS) ds4_gemm_f16(
 
 extern "C" __global__ void __launch_bounds__(128, GEMM_MIN_BLOCKS) ds4_gemm_q8_0(const MvDesc* __restrict__ descs, int count,
                                                                 int* __restrict__ counters) {
+#if GEMM_RING > 0
+    gemm_body_ring<false>(descs, count, counters);
+#else
     gemm_body<true, false>(descs, count, counters);
+#endif
 }
 
 // Q8_0 in the decode's tensor-core layout (q_b, o_a, o_b and the head of Flash by default:
@@ -692,7 +767,7 @@ extern "C" __global__ void __launch_bounds__(128, GEMM_MIN_BLOCKS) ds4_gemm_q8_0
 extern "C" __global__ void __launch_bounds__(128, GEMM_MIN_BLOCKS)
     ds4_gemm_q8_0_mq(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters) {
 #if GEMM_RING > 0
-    gemm_body_ring(descs, count, counters);
+    gemm_body_ring<true>(descs, count, counters);
 #else
     gemm_body<true, true>(descs, count, counters);
 #endif
