@@ -306,6 +306,78 @@ __device__ __forceinline__ void gemm_load_w(int u, int lane, const u8* const (&w
     }
 }
 
+// Row g of each of a warp's four n8 tiles (null past n_out; TILED: each 16-row tile's run at
+// 2j, null past n_out and at 2j + 1), and the rows of x this thread loads and splits
+// (gemm_fetch_x: rows 16 warp + 8 p + g, null past n).
+template <bool TILED>
+__device__ __forceinline__ void gemm_rows(const MvBlock& B, int warp, int g, int t, const u8* (&wrow)[GEMM_TILES],
+                                          const float* (&xsrc)[2]) {
+    const MvDesc& D = *B.D;
+#pragma unroll
+    for (int q = 0; q < GEMM_TILES; q++) {
+        const int o = TILED ? B.o0 + 8 * q : B.o0 + 8 * q + g;
+        const bool has = B.nrows > 0 && o < D.n_out && (!TILED || (q & 1) == 0);
+        wrow[q] = has ? D.w + (long long)o * D.row_bytes : nullptr;
+    }
+#pragma unroll
+    for (int p = 0; p < 2; p++) {
+        const int r = 16 * warp + 8 * p + g;
+        xsrc[p] = r < D.n ? D.x + (long long)r * D.n_in + (TILED ? 4 : 8) * t : nullptr;
+    }
+}
+
+// Asks L2 for the warp's rows over units [u0, u1): a lane a row (Q8_0 also its scales);
+// TILED, lanes 0 to 3: tile 0's quant bytes, its scales, tile 1's, its scales.
+template <bool Q8, bool TILED>
+__device__ __forceinline__ void gemm_prefetch(const MvBlock& B, int lane, const u8* const (&wrow)[GEMM_TILES],
+                                              int units, int u0, int u1) {
+    const MvDesc& D = *B.D;
+    if (TILED) {
+        const u8* tb = lane < 2 ? wrow[0] : wrow[2];
+        if (lane < 4 && tb) {
+            const unsigned long long a = (unsigned long long)tb + ((lane & 1) ? 512ull * units : 0ull);
+            const unsigned long long ub = (lane & 1) ? 32 : 512;
+            ds4_prefetch_l2(a + ub * u0, a + ub * u1);
+        }
+    } else if (B.o0 + lane < D.n_out && B.nrows > 0) {
+        const unsigned long long row = (unsigned long long)(D.w + (long long)(B.o0 + lane) * D.row_bytes);
+        const int ub = Q8 ? 32 : 64;
+        ds4_prefetch_l2(row + (unsigned long long)ub * u0, row + (unsigned long long)ub * u1);
+        if (Q8) {
+            ds4_prefetch_l2(row + 32ull * units + 2 * u0, row + 32ull * units + 2 * u1);
+        }
+    }
+}
+
+// The block's sums to y (or to its slice's partial sums), then the slices' addition.
+__device__ __forceinline__ void gemm_store(const MvBlock& B, const float (&acc)[GEMM_MTILES][GEMM_TILES][4], int g,
+                                           int t, int mtiles, int* __restrict__ counters) {
+    const MvDesc& D = *B.D;
+    const int n = D.n;
+    const int n_out = D.n_out;
+    float* y = D.slices > 1 ? D.part + (long long)B.slice * n * n_out : D.y;
+    const int ys = D.slices > 1 ? n_out : D.y_stride;
+    if (B.nrows > 0) {
+#pragma unroll
+        for (int mt = 0; mt < GEMM_MTILES; mt++) {
+            if (mt < mtiles) {
+#pragma unroll
+                for (int q = 0; q < GEMM_TILES; q++) {
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        const int r = 16 * mt + g + 8 * (i >> 1);
+                        const int o = B.o0 + 8 * q + 2 * t + (i & 1);
+                        if (r < n && o < n_out) {
+                            y[(long long)r * ys + o] = acc[mt][q][i];
+                        }
+                    }
+                }
+            }
+        }
+    }
+    mv_add_slices(B.D, B.rb, counters);
+}
+
 // The products of a launch's descriptors (MvDesc, as matvec's: warp_rows = 32, group = 1,
 // `slices` splitting the units between blocks; x the rows as floats, n <= 64). 128 threads: a
 // block's four warps take 128 output rows over the same units, so that each unit of x is
@@ -329,19 +401,8 @@ __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int 
     // Row g of each tile (null past n_out); TILED: each 16-row tile's run at 2j (null past
     // n_out, and at 2j + 1).
     const u8* wrow[GEMM_TILES];
-#pragma unroll
-    for (int q = 0; q < GEMM_TILES; q++) {
-        const int o = TILED ? B.o0 + 8 * q : B.o0 + 8 * q + g;
-        const bool has = B.nrows > 0 && o < n_out && (!TILED || (q & 1) == 0);
-        wrow[q] = has ? D.w + (long long)o * D.row_bytes : nullptr;
-    }
-    // The rows of x this thread loads and splits (gemm_fetch_x).
     const float* xsrc[2];
-#pragma unroll
-    for (int p = 0; p < 2; p++) {
-        const int r = 16 * warp + 8 * p + g;
-        xsrc[p] = r < n ? D.x + (long long)r * D.n_in + (TILED ? 4 : 8) * t : nullptr;
-    }
+    gemm_rows<TILED>(B, warp, g, t, wrow, xsrc);
     float acc[GEMM_MTILES][GEMM_TILES][4];
 #pragma unroll
     for (int mt = 0; mt < GEMM_MTILES; mt++) {
@@ -356,22 +417,7 @@ __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int 
     // The weights are the model's: before waiting for the previous kernel (programmatic
     // dependent launch, common.cuh), each warp asks L2 for its 32 rows over the slice (a lane
     // a row) and loads its first unit's weights.
-    if (TILED) {
-        // Lanes 0 to 3: tile 0's quant bytes, its scales, tile 1's, its scales.
-        const u8* tb = lane < 2 ? wrow[0] : wrow[2];
-        if (lane < 4 && tb) {
-            const unsigned long long a = (unsigned long long)tb + ((lane & 1) ? 512ull * units : 0ull);
-            const unsigned long long ub = (lane & 1) ? 32 : 512;
-            ds4_prefetch_l2(a + ub * u0, a + ub * u1);
-        }
-    } else if (B.o0 + lane < n_out && B.nrows > 0) {
-        const unsigned long long row = (unsigned long long)(D.w + (long long)(B.o0 + lane) * D.row_bytes);
-        const int ub = Q8 ? 32 : 64;
-        ds4_prefetch_l2(row + (unsigned long long)ub * u0, row + (unsigned long long)ub * u1);
-        if (Q8) {
-            ds4_prefetch_l2(row + 32ull * units + 2 * u0, row + 32ull * units + 2 * u1);
-        }
-    }
+    gemm_prefetch<Q8, TILED>(B, lane, wrow, units, u0, u1);
     // Stages of GEMM_STAGE units, two in turn: stage k's x in xs[k & 1], its weights in
     // registers; the next stage's loads are in flight while this one's products run.
     __shared__ GemmX xs[2][GEMM_STAGE];
@@ -431,27 +477,7 @@ __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int 
     }
     // Every weight is read: the next kernel may launch (its blocks wait for this grid).
     ds4_grid_launch();
-    float* y = D.slices > 1 ? D.part + (long long)B.slice * n * n_out : D.y;
-    const int ys = D.slices > 1 ? n_out : D.y_stride;
-    if (B.nrows > 0) {
-#pragma unroll
-        for (int mt = 0; mt < GEMM_MTILES; mt++) {
-            if (mt < mtiles) {
-#pragma unroll
-                for (int q = 0; q < GEMM_TILES; q++) {
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        const int r = 16 * mt + g + 8 * (i >> 1);
-                        const int o = B.o0 + 8 * q + 2 * t + (i & 1);
-                        if (r < n && o < n_out) {
-                            y[(long long)r * ys + o] = acc[mt][q][i];
-                        }
-                    }
-                }
-            }
-        }
-    }
-    mv_add_slices(B.D, B.rb, counters);
+    gemm_store(B, acc, g, t, mtiles, counters);
 }
 
 // The Q8_0 kernels' loads go through a ring of GEMM_RING units in shared memory, by cp.async,
@@ -619,18 +645,8 @@ __device__ __forceinline__ void gemm_body_ring(const MvDesc* __restrict__ descs,
     int u0, u1;
     mv_slice(units, D.slices, B.slice, u0, u1);
     const u8* wrow[GEMM_TILES];
-#pragma unroll
-    for (int q = 0; q < GEMM_TILES; q++) {
-        const int o = TILED ? B.o0 + 8 * q : B.o0 + 8 * q + g;
-        const bool has = B.nrows > 0 && o < n_out && (!TILED || (q & 1) == 0);
-        wrow[q] = has ? D.w + (long long)o * D.row_bytes : nullptr;
-    }
     const float* xsrc[2];
-#pragma unroll
-    for (int p = 0; p < 2; p++) {
-        const int r = 16 * warp + 8 * p + g;
-        xsrc[p] = r < n ? D.x + (long long)r * D.n_in + (TILED ? 4 : 8) * t : nullptr;
-    }
+    gemm_rows<TILED>(B, warp, g, t, wrow, xsrc);
     float acc[GEMM_MTILES][GEMM_TILES][4];
 #pragma unroll
     for (int mt = 0; mt < GEMM_MTILES; mt++) {
@@ -642,18 +658,7 @@ __device__ __forceinline__ void gemm_body_ring(const MvDesc* __restrict__ descs,
             }
         }
     }
-    if (TILED) {
-        const u8* tb = lane < 2 ? wrow[0] : wrow[2];
-        if (lane < 4 && tb) {
-            const unsigned long long a = (unsigned long long)tb + ((lane & 1) ? 512ull * units : 0ull);
-            const unsigned long long ub = (lane & 1) ? 32 : 512;
-            ds4_prefetch_l2(a + ub * u0, a + ub * u1);
-        }
-    } else if (B.o0 + lane < n_out && B.nrows > 0) {
-        const unsigned long long row = (unsigned long long)(D.w + (long long)(B.o0 + lane) * D.row_bytes);
-        ds4_prefetch_l2(row + 32ull * u0, row + 32ull * u1);
-        ds4_prefetch_l2(row + 32ull * units + 2 * u0, row + 32ull * units + 2 * u1);
-    }
+    gemm_prefetch<true, TILED>(B, lane, wrow, units, u0, u1);
     // The float-x layout's scales: unit u's in dw, the next unit's loaded a unit ahead.
     float dw[GEMM_TILES], dwn[GEMM_TILES];
     if (!TILED && u0 < u1) {
@@ -716,27 +721,7 @@ __device__ __forceinline__ void gemm_body_ring(const MvDesc* __restrict__ descs,
         slot = slot == GEMM_RING - 1 ? 0 : slot + 1;
     }
     ds4_grid_launch();
-    float* y = D.slices > 1 ? D.part + (long long)B.slice * n * n_out : D.y;
-    const int ys = D.slices > 1 ? n_out : D.y_stride;
-    if (B.nrows > 0) {
-#pragma unroll
-        for (int mt = 0; mt < GEMM_MTILES; mt++) {
-            if (mt < mtiles) {
-#pragma unroll
-                for (int q = 0; q < GEMM_TILES; q++) {
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        const int r = 16 * mt + g + 8 * (i >> 1);
-                        const int o = B.o0 + 8 * q + 2 * t + (i & 1);
-                        if (r < n && o < n_out) {
-                            y[(long long)r * ys + o] = acc[mt][q][i];
-                        }
-                    }
-                }
-            }
-        }
-    }
-    mv_add_slices(B.D, B.rb, counters);
+    gemm_store(B, acc, g, t, mtiles, counters);
 }
 #endif
 
