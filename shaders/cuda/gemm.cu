@@ -392,14 +392,10 @@ __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int 
     const int g = lane >> 2;
     const int t = lane & 3;
     const int units = D.n_in >> 5;
-    const int n_out = D.n_out;
-    const int n = D.n;
     // m16 tiles with rows (uniform in the block: one descriptor).
-    const int mtiles = (n + 15) >> 4;
+    const int mtiles = (D.n + 15) >> 4;
     int u0, u1;
     mv_slice(units, D.slices, B.slice, u0, u1);
-    // Row g of each tile (null past n_out); TILED: each 16-row tile's run at 2j (null past
-    // n_out, and at 2j + 1).
     const u8* wrow[GEMM_TILES];
     const float* xsrc[2];
     gemm_rows<TILED>(B, warp, g, t, wrow, xsrc);
@@ -639,9 +635,7 @@ __device__ __forceinline__ void gemm_body_ring(const MvDesc* __restrict__ descs,
     const int g = lane >> 2;
     const int t = lane & 3;
     const int units = D.n_in >> 5;
-    const int n_out = D.n_out;
-    const int n = D.n;
-    const int mtiles = (n + 15) >> 4;
+    const int mtiles = (D.n + 15) >> 4;
     int u0, u1;
     mv_slice(units, D.slices, B.slice, u0, u1);
     const u8* wrow[GEMM_TILES];
