@@ -45,7 +45,7 @@ extern "C" __global__ void ds4_finish_rows(float* q, int n_heads, int head_dim, 
                                            int rope_dim, const int* step, float* kv, const float* kv_norm,
                                            int round_mode, float* ring, int slots, float* iq, float* ig,
                                            int index_heads, int index_dim, float g_scale) {
-    ds4_grid_deps();
+    ds4_grid_deps_then_lead(gridDim.y == 1);
     __shared__ double red[32];
     const int x = blockIdx.x;
     const int r = blockIdx.y;
@@ -102,7 +102,7 @@ extern "C" __global__ void __launch_bounds__(256)
                  float* __restrict__ prev, float* __restrict__ backup, float* __restrict__ rows, int width, int ratio,
                  int overlap, const float* __restrict__ inv_freq, int rope_dim, int round_mode, int n,
                  const int* __restrict__ step) {
-    ds4_grid_deps();
+    ds4_grid_deps_then_lead(n == 1);
     __shared__ double red[32];
     __shared__ float row[DS4_COMP_MAX_WIDTH];
     constexpr int F = DS4_COMP_FEATS;
@@ -711,7 +711,7 @@ extern "C" __global__ void __launch_bounds__(256)
     ds4_index_scores(const float* __restrict__ iq, const float* __restrict__ g, const float* __restrict__ irows,
                      int heads, int head_dim, int ratio, int topk, float* __restrict__ scores, int score_stride,
                      const int* __restrict__ step) {
-    ds4_grid_deps();
+    ds4_grid_deps_then_lead(gridDim.y == 1);
     __shared__ __align__(16) float q_sh[DS4_INDEX_MAX_Q];
     __shared__ float g_sh[DS4_INDEX_MAX_HEADS];
     const int r = blockIdx.y;
@@ -812,7 +812,7 @@ __device__ __forceinline__ u32 ds4_block_scan_u32(u32 v, u32* ws, u32* total) {
 extern "C" __global__ void __launch_bounds__(1024)
     ds4_index_topk(const float* __restrict__ scores, int score_stride, int ratio, int topk, int* __restrict__ sel,
                    int* __restrict__ nsel, const int* __restrict__ step) {
-    ds4_grid_deps();
+    ds4_grid_deps_then_lead(gridDim.x == 1);
     __shared__ u32 hist[256];
     __shared__ u32 ws[33];
     __shared__ u32 s_digit;
@@ -1051,7 +1051,7 @@ extern "C" __global__ void __launch_bounds__(DS4_ATTN_THREADS)
                          int block, const float* __restrict__ crows, int ratio, const int* __restrict__ sel,
                          const int* __restrict__ nsel, int sel_stride, int n_heads, int head_dim,
                          float* __restrict__ lg, int lg_stride, const int* __restrict__ step) {
-    ds4_grid_deps();
+    ds4_grid_deps_then_lead(gridDim.y == 1);
     constexpr int NW = DS4_ATTN_THREADS / 32;
     constexpr int KPW = DS4_ATTN_KEYS / NW;  // keys per warp
     static_assert(DS4_ATTN_HEADS == 8 && DS4_ATTN_KEYS <= DS4_ATTN_THREADS && DS4_ATTN_KEYS % NW == 0,

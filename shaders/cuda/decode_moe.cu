@@ -127,7 +127,8 @@ __device__ __forceinline__ float ds4_softplus(float x) {
 // one warp per row, a lone row left the other warps idle), then one warp per row its k picks
 // in ascending expert order (repeats kept) into ch_ and their weights into wt_ ([*, k], shared
 // or global memory). Arguments as for ds4_route; rows * E <= MOE_SCORES.
-__device__ __forceinline__ void route_round(const float* __restrict__ logits, int E, int k,
+template <int WORDS>
+__device__ __forceinline__ void route_round_w(const float* __restrict__ logits, int E, int k,
                                             const float* __restrict__ bias, const unsigned* __restrict__ hash,
                                             int norm, float wscale, const int* __restrict__ step, int r0, int rows,
                                             float* sc, int* ch_, float* wt_) {
@@ -149,10 +150,10 @@ __device__ __forceinline__ void route_round(const float* __restrict__ logits, in
             // Top-k of scores + bias by descending total_cmp, ties to the lower index: k
             // rounds of an arg-max over the experts not yet taken. Each lane keeps the keys
             // of its experts lane, lane + 32, ... in registers, and which are still free.
-            int keys[MOE_WORDS];
+            int keys[WORDS];
             u32 free_ = 0u;
 #pragma unroll
-            for (int i = 0; i < MOE_WORDS; i++) {
+            for (int i = 0; i < WORDS; i++) {
                 const int e = lane + 32 * i;
                 keys[i] = 0;
                 if (e < E) {
@@ -165,7 +166,7 @@ __device__ __forceinline__ void route_round(const float* __restrict__ logits, in
                 int key = 0;
                 int idx = 0;
 #pragma unroll
-                for (int i = 0; i < MOE_WORDS; i++) {
+                for (int i = 0; i < WORDS; i++) {
                     // Increasing expert per lane: equal keys keep the lower index.
                     if (((free_ >> i) & 1u) && (!have || keys[i] > key)) {
                         have = true;
@@ -227,6 +228,20 @@ __device__ __forceinline__ void route_round(const float* __restrict__ logits, in
     __syncthreads();
 }
 
+// route_round_w with the fewest words of experts a lane holds for E: one round of the top-k is
+// an arg-max over WORDS registers, so Flash's 256 experts take 8 where MOE_WORDS is 32 (the same
+// picks: the words past E hold no expert).
+__device__ __forceinline__ void route_round(const float* __restrict__ logits, int E, int k,
+                                            const float* __restrict__ bias, const unsigned* __restrict__ hash,
+                                            int norm, float wscale, const int* __restrict__ step, int r0, int rows,
+                                            float* sc, int* ch_, float* wt_) {
+    if (E <= 256) {
+        route_round_w<8>(logits, E, k, bias, hash, norm, wscale, step, r0, rows, sc, ch_, wt_);
+    } else {
+        route_round_w<MOE_WORDS>(logits, E, k, bias, hash, norm, wscale, step, r0, rows, sc, ch_, wt_);
+    }
+}
+
 // Step 1 of ds4_route alone, its rows spread over blocks: for a prompt's step, where one block
 // scoring and choosing for hundreds of rows left the other SMs idle. Block b routes rows
 // b * per .. b * per + per - 1 (per = its warps, at most MOE_SCORES / E) with route_round, the
@@ -246,6 +261,81 @@ extern "C" __global__ void __launch_bounds__(256)
     const int r0 = blockIdx.x * per;
     if (r0 < n) {
         route_round(logits, E, k, bias, hash, norm, wscale, step, r0, min(per, n - r0), sc, picks, pick_w);
+    }
+}
+
+// Steps 2 to 4 of ds4_route for a batch of one row (every decode step), by one warp with no
+// block barriers: with one row each used expert has one gathered row and one descriptor, so
+// the slot of the row's j-th distinct expert (ascending) is j, its gathered row j, and the
+// outputs follow from the row's sorted picks ch_, wt_ ([k], shared) alone. The same values as
+// the batch path would write for n = 1 (tests_moe's route_matches_cpu checks one-row and batch
+// launches against the CPU's routing, and each batch row against the row alone, bit for bit). In a traced Flash step (H200, 2100-token context, filled experts) a
+// layer's routing ended 11.3 us after the router product this way (median over the layers),
+// against 13.8 through the batch path's barriers and scans over every expert, whose
+// one-block launch also took 27 to 29 us in 9 of the 43 layers, against none this way.
+// Together with the gather's early launch at one row (ds4_route), decode steps in a row took
+// 8.42 ms against 8.50 (ab_steps.py, separate processes, two interleaved runs each; verifies
+// of 4 / 8 rows unchanged). s_exp: shared scratch of k ints.
+__device__ __forceinline__ void route_one(int k, MvDesc* __restrict__ gu, MvDesc* __restrict__ down, int max_descs,
+                                          const MvDesc* templ, int* __restrict__ gather_src,
+                                          int* __restrict__ comb_slot, float* __restrict__ comb_w,
+                                          int* __restrict__ comb_cnt, int chunk, int chunk_dn, const int* ch_,
+                                          const float* wt_, int* s_exp) {
+    const unsigned full = 0xffffffffu;
+    const int lane = threadIdx.x & 31;
+    const int v = lane < k ? ch_[lane] : -1;
+    const float w = lane < k ? wt_[lane] : 0.0f;
+    const int before = __shfl_up_sync(full, v, 1);
+    const bool first = lane < k && (lane == 0 || before != v);  // FIRST(0, lane)
+    const u32 fm = __ballot_sync(full, first);
+    const int m = __popc(fm);                        // distinct experts: used slots, gathered rows
+    const int dj = __popc(fm & ((1u << lane) - 1u));  // distinct experts below pick `lane`
+    // The weights of the row's picks of one expert, added in pick order.
+    float ws = w;
+    bool run = true;
+    for (int d = 1; d < k; d++) {
+        const int vo = __shfl_sync(full, v, (lane + d) & 31);
+        const float wo = __shfl_sync(full, w, (lane + d) & 31);
+        run = run && lane + d < k && vo == v;
+        if (run) {
+            ws += wo;
+        }
+    }
+    if (first) {
+        gather_src[dj] = 0;
+        comb_slot[dj] = dj;
+        comb_w[dj] = ws;
+        s_exp[dj] = v;
+    }
+    if (lane < k && lane >= m) {
+        gather_src[lane] = -1;
+        comb_slot[lane] = 0;
+        comb_w[lane] = 0.0f;
+    }
+    if (lane == 0) {
+        comb_cnt[0] = m;
+    }
+    __syncwarp();
+    // The tables: slot q < m is expert s_exp[q]'s one row (off = q, n = 1); past m, n = 0.
+    const int bpd_gate = mv_row_blocks(templ[0]) * templ[0].slices;
+    for (int i = lane; i < 3 * max_descs; i += 32) {
+        const int t = i / max_descs;
+        const int q = i - t * max_descs;
+        const int ck = t == 2 ? chunk_dn : chunk;
+        const MvDesc& T = templ[t];
+        const int rb = mv_row_blocks(T);
+        const bool used = q < m;
+        const int e = used ? s_exp[q] : 0;
+        const int off = used ? q : 0;
+        MvDesc D = T;
+        D.w = T.w + (long long)e * T.row_bytes * T.n_out;
+        D.x = T.x + (long long)off * T.n_in;
+        D.y = T.y + (long long)off * T.n_out;
+        D.part = T.part + (long long)q * T.slices * ck * T.n_out;
+        D.n = used ? 1 : 0;
+        D.counter = T.counter + q * rb;
+        D.block_start = (t == 1 ? m * bpd_gate : 0) + min(q, m) * rb * T.slices;
+        (t == 2 ? down : gu + (t == 1 ? max_descs : 0))[q] = D;
     }
 }
 
@@ -288,9 +378,10 @@ extern "C" __global__ void __launch_bounds__(256)
 // and a popcount; the descriptor tables go out through a small staging area in shared memory
 // as whole 8-byte words, each warp's stores contiguous. (The first form walked all n rows per
 // expert and wrote each descriptor by one thread: in a traced 512-row step of Flash on an H200
-// it took 240 us a layer, this one's first form 66. A decode's single row costs this kernel a few
-// microseconds more than it cost the first form, which did less bookkeeping for one row:
-// steps at a 2100-token context 8.56 against 8.48 ms, interleaved, 2026-12-03.)
+// it took 240 us a layer, this one's first form 66. A decode's single row cost this kernel a
+// few microseconds more than it cost the first form, which did less bookkeeping for one row:
+// steps at a 2100-token context 8.56 against 8.48 ms, interleaved, 2026-12-03. One row now
+// takes route_one's path after step 1.)
 //
 // Grid (1), block 128 or 256 threads (any multiple of 32 from 64 to 256), dynamic shared
 // memory of 4 * route_smem_words(n, k, E) bytes or more (a 512-row step of Flash's 6 of 256
@@ -299,12 +390,13 @@ extern "C" __global__ void __launch_bounds__(256)
 // is; min(n * k, E) is when both chunks >= n) and <= n * k, hash entries < E.
 //
 // (Tried and dropped: the templates and the selection bias copied to shared memory before the
-// wait for the router product, and the top-k's rounds over 8 words of experts rather than
-// MOE_WORDS (153 instead of 397 SASS instructions a round), together with the rope's cos / sin
-// and the norms' weights loaded before the wait in ds4_finish_rows, ds4_attention and
-// ds4_rms_weight. The same values; on an H200, Flash at a 2048-token context, one process each
-// interleaved with main: decode steps 8.44 ms against 8.44 / 8.57, verifies of 4 / 8 rows 17.04
-// / 26.73 ms against 16.36 / 26.18 and 16.71 / 26.81. No gain, so not kept.)
+// wait for the router product for every batch, and the top-k's rounds over 8 words of
+// experts rather than MOE_WORDS (153 instead of 397 SASS instructions a round), together with
+// the rope's cos / sin and the norms' weights loaded before the wait in ds4_finish_rows,
+// ds4_attention and ds4_rms_weight. The same values; on an H200, Flash at a 2048-token context,
+// one process each interleaved with main: decode steps 8.44 ms against 8.44 / 8.57, verifies
+// of 4 / 8 rows 17.04 / 26.73 ms against 16.36 / 26.18 and 16.71 / 26.81. No gain alone; the
+// 8-word rounds (route_round) and the one-row templates came back with route_one.)
 extern "C" __global__ void __launch_bounds__(256)
     ds4_route(const float* __restrict__ logits, int E, int k, const float* __restrict__ bias,
               const unsigned* __restrict__ hash, int norm, float wscale, int n, const int* __restrict__ step,
@@ -312,6 +404,19 @@ extern "C" __global__ void __launch_bounds__(256)
               int* __restrict__ gather_src, int* __restrict__ comb_slot, float* __restrict__ comb_w,
               int* __restrict__ comb_cnt, int chunk, int chunk_dn, const int* __restrict__ picks,
               const float* __restrict__ pick_w) {
+    // One row (route_one): the templates, which the host wrote before any kernel of the
+    // program ran, come in before the wait.
+    __shared__ __align__(16) MvDesc one_templ[3];
+    if (n == 1 && threadIdx.x < 3 * sizeof(MvDesc) / 8) {
+        ((unsigned long long*)one_templ)[threadIdx.x] = ((const unsigned long long*)templ)[threadIdx.x];
+    }
+    // With one row the gather (6 x 16 blocks for Flash) may launch now, its blocks waiting for
+    // this grid to finish. (With more rows not: at a verify's 8 rows its 768 waiting blocks
+    // took the SM room of the side branch's shared expert, and verifies of 8 rows took 23.4
+    // ms against 22.7.)
+    if (n == 1) {
+        ds4_grid_launch();
+    }
     ds4_grid_deps();
     const int R = (n + 31) >> 5;
     // Outside the limits, or with less shared memory than the batch needs, the arrays would
@@ -363,6 +468,24 @@ extern "C" __global__ void __launch_bounds__(256)
 #define RPRE(e, w) rpre[(e) * R + (w)]
 // Whether row r's pick j is its first of that expert (equal picks are adjacent).
 #define FIRST(r, j) ((j) == 0 || CH(r, (j) - 1) != CH(r, j))
+
+    if (n == 1) {
+        // A decode step's row: step 1 by the block as below, the rest by warp 0 alone.
+        if (picks == nullptr) {
+            route_round(logits, E, k, bias, hash, norm, wscale, step, 0, 1, sc, ch_, wt_);
+        } else if (warp == 0) {
+            if (lane < k) {
+                ch_[lane] = picks[lane];
+                wt_[lane] = pick_w[lane];
+            }
+            __syncwarp();
+        }
+        if (warp == 0) {
+            route_one(k, gu, down, max_descs, one_templ, gather_src, comb_slot, comb_w, comb_cnt, chunk, chunk_dn,
+                      ch_, wt_, s_exp);
+        }
+        return;
+    }
 
     // rbits, rpre (all zeros when R = 1) and e_cnt, which follow each other.
     for (int i = tid; i < 2 * E * R + E; i += blockDim.x) {
