@@ -173,22 +173,27 @@ def timeline(trace: str, step: int = 0, layer: int | None = None) -> None:
 # The stages of a Flash decode layer (one row) in program.rs's order: (label, the kernel that
 # ends it, the first of that name after the previous stage's end; the compressors' and
 # indexer's F16 products only when they come before ds4_finish_rows).
+# (label, the kernel stems that end the stage, whether a run of them ends it together).
+# o_a runs on the tensor-core Q8_0 kernel like q_b and o_b (Q8_MMA_MIN_ROWS in context.rs),
+# or on the float-x one (DS4_CUDA_Q8=fma), and o_b follows it at once: each is one launch.
+# With the hyper-connection sites as single launches (DS4_CUDA_HC_SITE, the default) there is
+# no hc_post, and the FFN site's mixing is in the router's stage.
 STAGES = [
-    ("hc_pre, q_a and kv, q_a norm", "ds4_rms_weight"),
-    ("q_b", "ds4_mv_q8_0_mq"),
-    ("compressor and indexer products", "ds4_mv_f16"),
-    ("finish_rows", "ds4_finish_rows"),
-    ("compressors", "ds4_compress"),
-    ("indexer scores and top-k", "ds4_index_topk"),
-    ("attention", "ds4_attention"),
-    ("o_a", "ds4_mv_q8_0"),
-    ("o_b", "ds4_mv_q8_0_mq"),
-    ("hc_post", "ds4_hc_post"),
-    ("FFN mixing, hc_pre, router, route", "ds4_route"),
-    ("gather", "ds4_gather"),
-    ("routed gate and up", "ds4_mv_iq2_xxs"),
-    ("swiglu, routed down", "ds4_mv_q2_k"),
-    ("combine", "ds4_moe_combine"),
+    ("hc_pre, q_a and kv, q_a norm", ("ds4_rms_weight",), True),
+    ("q_b", ("ds4_mv_q8_0_mq",), False),
+    ("compressor and indexer products", ("ds4_mv_f16",), True),
+    ("finish_rows", ("ds4_finish_rows",), True),
+    ("compressors", ("ds4_compress",), True),
+    ("indexer scores and top-k", ("ds4_index_topk",), True),
+    ("attention", ("ds4_attention",), True),
+    ("o_a", ("ds4_mv_q8_0_mq", "ds4_mv_q8_0"), False),
+    ("o_b", ("ds4_mv_q8_0_mq",), False),
+    ("hc_post", ("ds4_hc_post",), True),
+    ("FFN mixing, hc_pre, router, route", ("ds4_route",), True),
+    ("gather", ("ds4_gather",), True),
+    ("routed gate and up", ("ds4_mv_iq2_xxs",), True),
+    ("swiglu, routed down", ("ds4_mv_q2_k",), True),
+    ("combine", ("ds4_moe_combine",), True),
 ]
 
 
@@ -211,15 +216,15 @@ def stages(trace: str, step: int = 0) -> None:
         busy = layer[0][0]
         adds = []
         pos = -1
-        for _, kernel in STAGES:
-            # The last of a run of this kernel (two compressors in a CSA layer), found after
-            # the previous stage's kernel; a stage missing here adds nothing.
-            hits = [i for i in range(pos + 1, len(layer)) if names[i] == kernel]
-            if not hits or (kernel == "ds4_mv_f16" and "ds4_finish_rows" in names[pos + 1 : hits[0]]):
+        for _, kernels, run in STAGES:
+            # The first of these kernels after the previous stage's, or with `run` the last of
+            # a run of them (two compressors in a CSA layer); a stage missing here adds nothing.
+            hits = [i for i in range(pos + 1, len(layer)) if names[i] in kernels]
+            if not hits or ("ds4_mv_f16" in kernels and "ds4_finish_rows" in names[pos + 1 : hits[0]]):
                 adds.append(0.0)
                 continue
             i = hits[0]
-            while i + 1 < len(layer) and names[i + 1] == kernel:
+            while run and i + 1 < len(layer) and names[i + 1] in kernels:
                 i += 1
             end = layer[i][0] + layer[i][1]
             adds.append(max(0, end - busy) / 1e3)

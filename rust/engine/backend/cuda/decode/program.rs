@@ -1117,7 +1117,12 @@ impl CudaDecoder {
             // layers took 25 to 27 us instead of 12 while the shared expert ran beside it. On an
             // H200 at a 2048-token context decode steps took 8.40 / 8.54 ms against 8.44 with the
             // fork here, verifies of 4 / 8 rows 16.86 / 27.38 and 16.94 / 27.27 against 17.04 /
-            // 26.73: no gain. Nor did DS4_CUDA_PRIORITY=1 change those figures.)
+            // 26.73: no gain. Nor did DS4_CUDA_PRIORITY=1 change those figures. Nor, 2026-12-03,
+            // the shared expert queued on the side branch before the Sinkhorn iterations, so
+            // that its products would read beside the router and ds4_route rather than beside
+            // the routed gate and up products: in a traced Flash step at 2100 tokens those took
+            // 23.7 us a layer against 27.3, but the router's stage 34 against 28, and steps in
+            // a row 8.48 ms against 8.37, three runs each in one process on an H200.)
             let shared_side = fork && !prefill && [lw.gate_sh, lw.up_sh, lw.down_sh].iter().all(|m| slices(m) == 1);
             let shared_swiglu = |ops: &mut Vec<_>| {
                 launch(
