@@ -264,18 +264,34 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
+// Descriptor q of a routed product table from its template T (ds4_route's step 4): expert e's
+// matrix, c rows (0 for an unused slot) from gathered row `off`, slot q's partial sums and
+// counters with chunks of ck rows, and its first block in the launch.
+__device__ __forceinline__ MvDesc route_desc(const MvDesc& T, int e, int off, int c, int q, int ck, int block_start) {
+    MvDesc D = T;
+    D.w = T.w + (long long)e * T.row_bytes * T.n_out;
+    D.x = T.x + (long long)off * T.n_in;
+    D.y = T.y + (long long)off * T.n_out;
+    D.part = T.part + (long long)q * T.slices * ck * T.n_out;
+    D.n = c;
+    D.counter = T.counter + q * mv_row_blocks(T);
+    D.block_start = block_start;
+    return D;
+}
+
 // Steps 2 to 4 of ds4_route for a batch of one row (every decode step), by one warp with no
 // block barriers: with one row each used expert has one gathered row and one descriptor, so
 // the slot of the row's j-th distinct expert (ascending) is j, its gathered row j, and the
 // outputs follow from the row's sorted picks ch_, wt_ ([k], shared) alone. The same values as
-// the batch path would write for n = 1 (tests_moe's route_matches_cpu checks one-row and batch
-// launches against the CPU's routing, and each batch row against the row alone, bit for bit). In a traced Flash step (H200, 2100-token context, filled experts) a
-// layer's routing ended 11.3 us after the router product this way (median over the layers),
-// against 13.8 through the batch path's barriers and scans over every expert, whose
-// one-block launch also took 27 to 29 us in 9 of the 43 layers, against none this way.
-// Together with the gather's early launch at one row (ds4_route), decode steps in a row took
-// 8.42 ms against 8.50 (ab_steps.py, separate processes, two interleaved runs each; verifies
-// of 4 / 8 rows unchanged). s_exp: shared scratch of k ints.
+// the batch path would write for n = 1 (tests_moe's route_matches_cpu checks one-row and
+// batch launches against the CPU's routing, and each batch row against the row alone, bit
+// for bit). In a traced Flash step (H200, 2100-token context, filled experts) a layer's
+// routing ended 11.3 us after the router product this way (median over the layers), against
+// 13.8 through the batch path's barriers and scans over every expert, whose one-block launch
+// also took 27 to 29 us in 9 of the 43 layers, against none this way. Together with the
+// gather's early launch at one row (ds4_route), decode steps in a row took 8.42 ms against
+// 8.50 (ab_steps.py, separate processes, two interleaved runs each; verifies of 4 / 8 rows
+// unchanged). s_exp: shared scratch of k ints.
 __device__ __forceinline__ void route_one(int k, MvDesc* __restrict__ gu, MvDesc* __restrict__ down, int max_descs,
                                           const MvDesc* templ, int* __restrict__ gather_src,
                                           int* __restrict__ comb_slot, float* __restrict__ comb_w,
@@ -321,21 +337,11 @@ __device__ __forceinline__ void route_one(int k, MvDesc* __restrict__ gu, MvDesc
     for (int i = lane; i < 3 * max_descs; i += 32) {
         const int t = i / max_descs;
         const int q = i - t * max_descs;
-        const int ck = t == 2 ? chunk_dn : chunk;
         const MvDesc& T = templ[t];
-        const int rb = mv_row_blocks(T);
         const bool used = q < m;
-        const int e = used ? s_exp[q] : 0;
-        const int off = used ? q : 0;
-        MvDesc D = T;
-        D.w = T.w + (long long)e * T.row_bytes * T.n_out;
-        D.x = T.x + (long long)off * T.n_in;
-        D.y = T.y + (long long)off * T.n_out;
-        D.part = T.part + (long long)q * T.slices * ck * T.n_out;
-        D.n = used ? 1 : 0;
-        D.counter = T.counter + q * rb;
-        D.block_start = (t == 1 ? m * bpd_gate : 0) + min(q, m) * rb * T.slices;
-        (t == 2 ? down : gu + (t == 1 ? max_descs : 0))[q] = D;
+        const int start = (t == 1 ? m * bpd_gate : 0) + min(q, m) * mv_row_blocks(T) * T.slices;
+        (t == 2 ? down : gu + (t == 1 ? max_descs : 0))[q] =
+            route_desc(T, used ? s_exp[q] : 0, used ? q : 0, used ? 1 : 0, q, t == 2 ? chunk_dn : chunk, start);
     }
 }
 
@@ -405,7 +411,9 @@ extern "C" __global__ void __launch_bounds__(256)
               int* __restrict__ comb_cnt, int chunk, int chunk_dn, const int* __restrict__ picks,
               const float* __restrict__ pick_w) {
     // One row (route_one): the templates, which the host wrote before any kernel of the
-    // program ran, come in before the wait.
+    // program ran, come in before the wait, by warp 0's lanes, which alone read them after a
+    // barrier (route_round's) or a __syncwarp (the picks' copy).
+    static_assert(3 * sizeof(MvDesc) / 8 <= 32, "warp 0 copies the three templates");
     __shared__ __align__(16) MvDesc one_templ[3];
     if (n == 1 && threadIdx.x < 3 * sizeof(MvDesc) / 8) {
         ((unsigned long long*)one_templ)[threadIdx.x] = ((const unsigned long long*)templ)[threadIdx.x];
@@ -639,14 +647,7 @@ extern "C" __global__ void __launch_bounds__(256)
                 // The blocks of the table's earlier matrix (gate before up).
                 const int base = t == 1 ? used * bpd_first : 0;
                 if (lane < nq) {
-                    MvDesc D = T;
-                    D.w = T.w + (long long)e * T.row_bytes * T.n_out;
-                    D.x = T.x + (long long)off * T.n_in;
-                    D.y = T.y + (long long)off * T.n_out;
-                    D.part = T.part + (long long)q * T.slices * ck * T.n_out;
-                    D.n = c;
-                    D.counter = T.counter + q * rb;
-                    D.block_start = base + min(q, used) * bpd;
+                    const MvDesc D = route_desc(T, e, off, c, q, ck, base + min(q, used) * bpd);
                     if (stage_n > 0) {
                         *(MvDesc*)(stage + lane * DW) = D;
                     } else {
