@@ -399,17 +399,7 @@ __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int 
     const u8* wrow[GEMM_TILES];
     const float* xsrc[2];
     gemm_rows<TILED>(B, warp, g, t, wrow, xsrc);
-    float acc[GEMM_MTILES][GEMM_TILES][4];
-#pragma unroll
-    for (int mt = 0; mt < GEMM_MTILES; mt++) {
-#pragma unroll
-        for (int q = 0; q < GEMM_TILES; q++) {
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                acc[mt][q][i] = 0.0f;
-            }
-        }
-    }
+    float acc[GEMM_MTILES][GEMM_TILES][4] = {};
     // The weights are the model's: before waiting for the previous kernel (programmatic
     // dependent launch, common.cuh), each warp asks L2 for its 32 rows over the slice (a lane
     // a row) and loads its first unit's weights.
@@ -641,17 +631,7 @@ __device__ __forceinline__ void gemm_body_ring(const MvDesc* __restrict__ descs,
     const u8* wrow[GEMM_TILES];
     const float* xsrc[2];
     gemm_rows<TILED>(B, warp, g, t, wrow, xsrc);
-    float acc[GEMM_MTILES][GEMM_TILES][4];
-#pragma unroll
-    for (int mt = 0; mt < GEMM_MTILES; mt++) {
-#pragma unroll
-        for (int q = 0; q < GEMM_TILES; q++) {
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                acc[mt][q][i] = 0.0f;
-            }
-        }
-    }
+    float acc[GEMM_MTILES][GEMM_TILES][4] = {};
     gemm_prefetch<true, TILED>(B, lane, wrow, units, u0, u1);
     // The float-x layout's scales: unit u's in dw, the next unit's loaded a unit ahead.
     float dw[GEMM_TILES], dwn[GEMM_TILES];
