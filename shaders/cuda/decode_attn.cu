@@ -763,6 +763,177 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
+// ds4_index_scores for a prompt's steps on the tensor cores (mma.sync m16n8k8, 3xTF32 as
+// ds4_attention_mma: section 6 below holds the helpers). The scores of a row are S = Q K^T over
+// its heads (M) and indexer rows (N), then score_s = sum_h (max(S_hs, 0) * scale) * g_h; the
+// float kernel forms each dot in float FMAs, one thread per (row, head), and a Flash CSA layer
+// of a 512-row step took about 1 ms that way at a 2100-token context (CUPTI trace, H200),
+// more as the context grows (the indexer's rows are a quarter of the positions). The sums
+// here run in the tensor cores' order, then the 64 heads' terms in a fixed order (a lane's
+// eight, then a butterfly over the lanes of a column), so a row's scores agree with the float
+// kernel's to rounding, not bit for bit (prompt steps only, as the other tensor-core kernels),
+// and depend only on the row's own query and the indexer rows (row invariance), not on the
+// grid.
+//
+// A block takes one batch row (blockIdx.y) and walks its indexer rows in tiles of
+// DS4_INDEX_MMA_KEYS (block x takes tiles x, x + gridDim.x, ...): warp w the 16 keys 16 w ..
+// as two n8 tiles, every head (heads / 16 m16 tiles) at once. Q's fragments, split into tf32
+// high and low parts, are built once a block in dynamic shared memory (the dims of each 16
+// permuted alike in Q and K, so that a lane reads a key's four dims with one 16-byte load, as
+// in section 6). Grid (bx, n) for any bx; block 256; dynamic shared memory
+// ds4_index_mma_smem(heads) bytes. head_dim 128; heads a multiple of 16 up to
+// DS4_INDEX_MMA_MAX_HEADS; irows 16-byte aligned. sm_80 or later (the host launches it only
+// there).
+#define DS4_INDEX_MMA_MAX_HEADS 64
+#define DS4_INDEX_MMA_KEYS 128
+
+__device__ __host__ __forceinline__ int ds4_index_mma_smem(int heads) {
+    return heads / 16 * 16 * 2 * 32 * 16;  // m16 tiles x k8 steps x (hi, lo) x lanes x uint4
+}
+
+// d += a * b: 16 x 8 tf32 (a, row major) times 8 x 8 (b, column major), f32 sums (as
+// ds4_mma_tf32 in section 6, which comes later in this file).
+__device__ __forceinline__ void ds4_index_mma_tf32(float (&d)[4], const uint4& a, u32 b0, u32 b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
+#endif
+}
+
+// x as a high tf32 part and the low part of the rest (cvt.rna), as ds4_tf32_split.
+__device__ __forceinline__ void ds4_index_split(float x, u32& hi, u32& lo) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
+    const float rest = x - __uint_as_float(hi);
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(rest));
+#else
+    hi = __float_as_uint(x);
+    lo = 0u;
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    ds4_index_scores_mma(const float* __restrict__ iq, const float* __restrict__ g, const float* __restrict__ irows,
+                         int heads, int head_dim, int ratio, int topk, float* __restrict__ scores,
+                         int score_stride, const int* __restrict__ step) {
+    ds4_grid_deps();
+    extern __shared__ __align__(16) uint4 qf[];  // [mt][ks][hi, lo][lane]
+    __shared__ float g_sh[DS4_INDEX_MMA_MAX_HEADS];
+    if (head_dim != 128 || heads % 16 != 0 || heads > DS4_INDEX_MMA_MAX_HEADS || (((unsigned long long)irows) & 15ull)) {
+        __trap();  // the host checks the shape (a host bug)
+    }
+    const int r = blockIdx.y;
+    const long long pos = (long long)step[0] + r;
+    const int n_vis = (int)((pos + 1) / ratio);
+    if (n_vis <= topk) {
+        return;
+    }
+    const int mts = heads / 16;
+    const float* qr = iq + (long long)r * heads * 128;
+    // 1. Q's A fragments: entry (mt, ks, lane (g, t)) holds rows 16 mt + g, + 8 at the dims
+    //    d0 = 16 (ks / 2) + 4 t + 2 (ks % 2) and d0 + 1 (a0 = (g, d0), a1 = (g + 8, d0),
+    //    a2 = (g, d0 + 1), a3 = (g + 8, d0 + 1)), its high parts, then its low parts.
+    for (int i = threadIdx.x; i < mts * 16 * 32; i += blockDim.x) {
+        const int lane = i & 31;
+        const int ks = (i >> 5) & 15;
+        const int mt = i >> 9;
+        const int gq = lane >> 2;
+        const int tq = lane & 3;
+        const int d0 = 16 * (ks >> 1) + 4 * tq + 2 * (ks & 1);
+        const float* r0 = qr + (long long)(16 * mt + gq) * 128;
+        const float* r1 = r0 + 8 * 128;
+        u32 h0, l0, h1, l1, h2, l2, h3, l3;
+        ds4_index_split(r0[d0], h0, l0);
+        ds4_index_split(r1[d0], h1, l1);
+        ds4_index_split(r0[d0 + 1], h2, l2);
+        ds4_index_split(r1[d0 + 1], h3, l3);
+        uint4* e = qf + ((mt * 16 + ks) * 2) * 32 + lane;
+        e[0] = make_uint4(h0, h1, h2, h3);
+        e[32] = make_uint4(l0, l1, l2, l3);
+    }
+    for (int h = threadIdx.x; h < heads; h += blockDim.x) {
+        g_sh[h] = g[(long long)r * heads + h];
+    }
+    __syncthreads();
+    const float scale = 1.0f / sqrtf(128.0f);
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int gl = lane >> 2;
+    const int tl = lane & 3;
+    float* out = scores + (long long)r * score_stride;
+    for (int s0 = blockIdx.x * DS4_INDEX_MMA_KEYS; s0 < n_vis; s0 += gridDim.x * DS4_INDEX_MMA_KEYS) {
+        // 2. This warp's two n8 tiles of keys: the lane's key g of each, all 128 dims, loaded
+        //    first (zeros past n_vis).
+        const int kb = s0 + 16 * warp;
+        float4 kv[2][8];
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++) {
+            const int s = kb + 8 * nt + gl;
+            const float* k = s < n_vis ? irows + (long long)s * 128 : nullptr;
+#pragma unroll
+            for (int c = 0; c < 8; c++) {
+                kv[nt][c] = k ? __ldg((const float4*)(k + 16 * c + 4 * tl)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+        }
+        if (kb >= n_vis) {
+            continue;  // the whole warp past the row's keys (no barrier below)
+        }
+        float acc[DS4_INDEX_MMA_MAX_HEADS / 16][2][4] = {};
+#pragma unroll
+        for (int c = 0; c < 8; c++) {
+#pragma unroll
+            for (int sub = 0; sub < 2; sub++) {
+                const int ks = 2 * c + sub;
+                u32 bh[2][2], bl[2][2];
+#pragma unroll
+                for (int nt = 0; nt < 2; nt++) {
+                    ds4_index_split(sub ? kv[nt][c].z : kv[nt][c].x, bh[nt][0], bl[nt][0]);
+                    ds4_index_split(sub ? kv[nt][c].w : kv[nt][c].y, bh[nt][1], bl[nt][1]);
+                }
+#pragma unroll
+                for (int mt = 0; mt < DS4_INDEX_MMA_MAX_HEADS / 16; mt++) {
+                    if (mt < mts) {
+                        const uint4 ah = qf[((mt * 16 + ks) * 2) * 32 + lane];
+                        const uint4 al = qf[((mt * 16 + ks) * 2 + 1) * 32 + lane];
+#pragma unroll
+                        for (int nt = 0; nt < 2; nt++) {
+                            // 3xTF32: the two low products first.
+                            ds4_index_mma_tf32(acc[mt][nt], al, bh[nt][0], bh[nt][1]);
+                            ds4_index_mma_tf32(acc[mt][nt], ah, bl[nt][0], bl[nt][1]);
+                            ds4_index_mma_tf32(acc[mt][nt], ah, bh[nt][0], bh[nt][1]);
+                        }
+                    }
+                }
+            }
+        }
+        // 3. Lane (g, t) holds heads 16 mt + g and + 8 of keys 2 t, 2 t + 1 of each tile: its
+        //    terms in head order, then the sum over g (a butterfly, the same for every key).
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++) {
+#pragma unroll
+            for (int cc = 0; cc < 2; cc++) {
+                float part = 0.0f;
+#pragma unroll
+                for (int mt = 0; mt < DS4_INDEX_MMA_MAX_HEADS / 16; mt++) {
+                    if (mt < mts) {
+                        part += (fmaxf(acc[mt][nt][cc], 0.0f) * scale) * g_sh[16 * mt + gl];
+                        part += (fmaxf(acc[mt][nt][2 + cc], 0.0f) * scale) * g_sh[16 * mt + gl + 8];
+                    }
+                }
+                part += __shfl_xor_sync(0xffffffffu, part, 4);
+                part += __shfl_xor_sync(0xffffffffu, part, 8);
+                part += __shfl_xor_sync(0xffffffffu, part, 16);
+                const int s = kb + 8 * nt + 2 * tl + cc;
+                if (gl == 0 && s < n_vis) {
+                    out[s] = part;
+                }
+            }
+        }
+    }
+}
+
 // A u32 key whose unsigned order is f32::total_cmp's order.
 __device__ __forceinline__ u32 ds4_score_key(float x) {
     const u32 b = __float_as_uint(x);

@@ -557,6 +557,7 @@ struct Kernels {
     compress_windows: sys::CUfunction,
     compress_state: sys::CUfunction,
     index_scores: sys::CUfunction,
+    index_scores_mma: sys::CUfunction,
     index_topk: sys::CUfunction,
     attention_logits: sys::CUfunction,
     attention: sys::CUfunction,
@@ -608,6 +609,7 @@ impl Kernels {
             compress_windows: f("ds4_compress_windows")?,
             compress_state: f("ds4_compress_state")?,
             index_scores: f("ds4_index_scores")?,
+            index_scores_mma: f("ds4_index_scores_mma")?,
             index_topk: f("ds4_index_topk")?,
             attention_logits: f("ds4_attention_logits")?,
             attention: f("ds4_attention")?,
@@ -707,6 +709,9 @@ pub(crate) struct CudaDecoder {
     /// Whether a prompt's step runs its attention on the tensor cores
     /// ([`program::attention_mma`], `DS4_CUDA_ATTN_MMA`).
     attn_mma: bool,
+    /// Whether a prompt's steps score the indexer's rows on the tensor cores
+    /// ([`program::index_mma`], `DS4_CUDA_INDEX_MMA`).
+    index_mma: bool,
     /// A prompt's tensor-core Q8_0 products in bands of output rows ([`program::band_rows`],
     /// `DS4_CUDA_BANDS`).
     bands: Option<usize>,
@@ -975,6 +980,7 @@ impl CudaDecoder {
         let hc_fused = setting("DS4_CUDA_HC_SITE")? && backend.compute_capability().0 >= 9;
         let gemm_mq = setting("DS4_CUDA_GEMM_MQ")?;
         let attn_mma = setting("DS4_CUDA_ATTN_MMA")?;
+        let index_mma = setting("DS4_CUDA_INDEX_MMA")?;
         let bands = program::bands_setting(std::env::var("DS4_CUDA_BANDS").ok().as_deref())?;
         let g = backend.lock();
         g.ctx.bind()?;
@@ -1329,6 +1335,7 @@ impl CudaDecoder {
             route_pick,
             compress_split,
             attn_mma,
+            index_mma,
             bands,
             defer,
             mtp,

@@ -572,6 +572,106 @@ fn index_scores_match_cpu() {
     check_index(IndexCase { heads: 4, head_dim: 128, ratio: 4, topk: 8, pos0: 900, n: 3 });
 }
 
+/// Launches `ds4_index_scores_mma` (a prompt's scores on the tensor cores) as [`run_scores`]
+/// does the float kernel, with `grid_x` blocks a row.
+#[allow(clippy::too_many_arguments)]
+fn run_scores_mma(
+    ctx: &Context,
+    c: &IndexCase,
+    pos0: usize,
+    iq: &[f32],
+    g: &[f32],
+    irows: &DevBuf,
+    stride: usize,
+    grid_x: usize,
+) -> Vec<f32> {
+    let n = g.len() / c.heads;
+    let (qb, gb) = (buf(iq), buf(g));
+    let out = buf(&vec![f32::NAN; n * stride]);
+    let st = step(ctx, pos0, &vec![0; n]);
+    let args = [
+        ptr(&qb),
+        ptr(&gb),
+        ptr(irows),
+        int(c.heads),
+        int(c.head_dim),
+        int(c.ratio),
+        int(c.topk),
+        ptr(&out),
+        int(stride),
+        ptr(&st),
+    ];
+    let smem = super::program::index_mma_smem(c.heads);
+    launch(ctx, "ds4_index_scores_mma", (grid_x, n), 256, smem, &args);
+    read(ctx, &out, n * stride)
+}
+
+#[test]
+fn index_scores_on_tensor_cores_match_cpu_and_are_row_invariant() {
+    let Some(ctx) = context() else { return };
+    if ctx.compute_capability.0 < 8 {
+        return;
+    }
+    // Flash's shape (64 heads of 128) past the top-k size, a context far above it, and 16 or
+    // 48 heads (other numbers of m16 tiles); rows of a prompt's step at each.
+    let cases = [
+        IndexCase { heads: 64, head_dim: 128, ratio: 4, topk: 512, pos0: 4 * 512 - 10, n: 24 },
+        IndexCase { heads: 64, head_dim: 128, ratio: 4, topk: 512, pos0: 4 * 3000, n: 20 },
+        IndexCase { heads: 16, head_dim: 128, ratio: 4, topk: 8, pos0: 700, n: 17 },
+        IndexCase { heads: 48, head_dim: 128, ratio: 2, topk: 8, pos0: 333, n: 18 },
+    ];
+    for c in cases {
+        assert!(super::program::index_mma(true, true, true, c.heads, c.head_dim, ctx.smem_optin), "{c:?}");
+        let what = format!("ds4_index_scores_mma {c:?}");
+        let (h, hd, n) = (c.heads, c.head_dim, c.n);
+        let seed = (c.pos0 + hd + 7) as u64;
+        let rows = visible_compressed(c.pos0 + n - 1, c.ratio);
+        let mut keys = RowStore::new(hd);
+        for row in randn(rows * hd, seed, 1.0).chunks(hd) {
+            keys.push(row);
+        }
+        let irows = buf(&keys.iter_values().collect::<Vec<_>>());
+        let iq = randn(n * h * hd, seed + 1, 1.0);
+        let g = randn(n * h, seed + 2, 0.2);
+        let stride = rows + 3;
+        let bx = super::program::index_mma_blocks(n) as usize;
+        let got = run_scores_mma(&ctx, &c, c.pos0, &iq, &g, &irows, stride, bx);
+        for r in 0..n {
+            let pos = c.pos0 + r;
+            let n_vis = visible_compressed(pos, c.ratio);
+            let row = &got[r * stride..(r + 1) * stride];
+            let at = format!("{what}: row {r} (position {pos}, {n_vis} visible)");
+            if n_vis <= c.topk {
+                assert!(row.iter().all(|v| v.is_nan()), "{at}: scores written though every row is selected");
+                continue;
+            }
+            let (q, w) = (&iq[r * h * hd..(r + 1) * h * hd], &g[r * h..(r + 1) * h]);
+            let want: Vec<f32> = (0..n_vis).map(|s| index_score(q, w, &keys, s)).collect();
+            // 3xTF32 keeps about 2^-21 of each product; the sums run in another order.
+            assert_close(&at, &row[..n_vis], &want, 1e-5);
+            assert!(row[n_vis..].iter().all(|v| v.is_nan()), "{at}: scores written past the visible rows");
+        }
+        // Row invariance: each row alone, and other grids, give the same bits.
+        for r in [0, n / 2, n - 1] {
+            let one = run_scores_mma(
+                &ctx,
+                &c,
+                c.pos0 + r,
+                &iq[r * h * hd..(r + 1) * h * hd],
+                &g[r * h..(r + 1) * h],
+                &irows,
+                stride,
+                bx,
+            );
+            assert_bits(&format!("{what}: row {r} alone vs in the batch"), &one, &got[r * stride..(r + 1) * stride]);
+        }
+        for other in [1, 3] {
+            let o = run_scores_mma(&ctx, &c, c.pos0, &iq, &g, &irows, stride, other);
+            assert_bits(&format!("{what}: {other} blocks a row vs {bx}"), &o, &got);
+        }
+    }
+}
+
 // ---- 4. top-k
 
 /// Scores whose `indexer::select` is known: with one-wide keys K_s, the queries (1, -1) and
