@@ -17,7 +17,8 @@ After a prompt of --ctx tokens (random ids), measures with the median of --runs:
 * prefill tokens/s for each --prefill length (from an empty session); with --ab NAME, for a
   session made with the switch NAME=1 and one with NAME=0 (a setting the device decoder reads
   when a session makes it, such as DS4_CUDA_GEMM), or with --ab NAME=V1,V2,.. one a value
-  (DS4_CUDA_PREFILL_ROWS=16,256,512), their runs interleaved. --prefill-only
+  (DS4_CUDA_PREFILL_ROWS=16,256,512), their runs interleaved; --ab given more than once, a
+  session for each combination of the settings' values. --prefill-only
   skips the prompt of --ctx tokens, the decode steps and the verifies.
 
 Every timed call but the steps in a row is preceded by a restore of the same snapshot,
@@ -81,9 +82,9 @@ def main() -> None:
     ap.add_argument("--host", action="store_true",
                     help="run the forward pass on the host even on CUDA (products on the GPU only)")
     ap.add_argument("--prefill-only", action="store_true", help="only the prefill timings")
-    ap.add_argument("--ab", metavar="NAME[=V,...]",
+    ap.add_argument("--ab", metavar="NAME[=V,...]", action="append", default=[],
                     help="prefill with the setting NAME=1 and NAME=0, or each V given (read when a session "
-                    "makes its decoder)")
+                    "makes its decoder); more than once: each combination")
     args = ap.parse_args()
     # Each figure as soon as it is measured, also into a pipe (a run cut short keeps them).
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
@@ -161,26 +162,29 @@ def steps(args: argparse.Namespace, m: ds4.Model, rng: np.random.Generator) -> N
 
 def prefill(args: argparse.Namespace, m: ds4.Model, rng: np.random.Generator) -> None:
     """Prompts of each --prefill length from an empty session (per --ab setting, interleaved)."""
-    name, _, values = (args.ab or "").partition("=")
-    modes = [""] if not name else values.split(",") if values else ["1", "0"]
+    # Each mode: the settings of one session, as (name, value) pairs.
+    modes: list[list[tuple[str, str]]] = [[]]
+    for ab in args.ab:
+        name, _, values = ab.partition("=")
+        modes = [m + [(name, v)] for m in modes for v in (values.split(",") if values else ["1", "0"])]
     runs = max(1, args.runs // 3)
     for n in (int(x) for x in args.prefill.split(",") if x):
         p = rng.integers(8, m.vocab_size, n).tolist()
         sessions: list[tuple[str, ds4.Session, ds4.Snapshot, list[float]]] = []
-        for v in modes:
-            before = os.environ.get(name) if name else None
-            if name:
-                os.environ[name] = v
+        for mode in modes:
+            before = {name: os.environ.get(name) for name, _ in mode}
+            os.environ.update(dict(mode))
             sess = m.session(n + 8)
             empty = sess.snapshot()
-            sess.eval(p[:1], logits="none")  # the decoder is made now, with this setting
+            sess.eval(p[:1], logits="none")  # the decoder is made now, with these settings
             sess.restore(empty)
-            if name:
-                if before is None:
+            for name, old in before.items():
+                if old is None:
                     del os.environ[name]
                 else:
-                    os.environ[name] = before
-            sessions.append((v, sess, empty, []))
+                    os.environ[name] = old
+            label = " ".join(f"{name}={v}" for name, v in mode)
+            sessions.append((label, sess, empty, []))
         # Each run restores its empty session, then times the prompt (the first round warms up).
         for r in range(runs + 1):
             for v, sess, empty, times in sessions:
@@ -191,7 +195,7 @@ def prefill(args: argparse.Namespace, m: ds4.Model, rng: np.random.Generator) ->
                     times.append(time.perf_counter() - t)
         for v, _, _, times in sessions:
             t = statistics.median(times)
-            label = f" ({name}={v})" if name else ""
+            label = f" ({v})" if v else ""
             print(f"  prefill {n} tokens{label} {t:.2f} s = {n / t:.0f} tok/s")
 
 

@@ -162,26 +162,29 @@ def _chunked(s: ds4.Session, prompt: list[int], cuts: list[int]) -> np.ndarray:
 
 
 @gpu
-def test_prompt_steps_of_512_rows_are_row_invariant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # A prompt's steps of up to 512 rows (the default of DS4_CUDA_PREFILL_ROWS, read when a
+def test_prompt_steps_of_1024_rows_are_row_invariant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A prompt's steps of up to 1024 rows (the default of DS4_CUDA_PREFILL_ROWS, read when a
     # session makes its decoder, at its first eval) give every row, and the next decode step,
-    # the bits of steps of 256 and of 100 rows: the routing of 512 rows in one block, experts
+    # the bits of steps of 512, 256 and 100 rows: the routing of 1024 rows in one block, experts
     # serving a hundred or more rows of a step (several tensor-core descriptors each), the step
     # parameters' tokens.
     cfg = TINY.replace(num_hidden_layers=4, compress_ratios=(0, 4, 128, 4))
     m = ds4.Model.load(random_model(tmp_path / "m.gguf", cfg, seed=5, dtype="q2"), backend="cuda")
     prompt = np.random.default_rng(4).integers(8, cfg.vocab_size, 1100).tolist()
 
-    def rows_of(step_rows: str) -> np.ndarray:
-        monkeypatch.setenv("DS4_CUDA_PREFILL_ROWS", step_rows)
+    def rows_of(step_rows: str | None) -> np.ndarray:
+        if step_rows is None:
+            monkeypatch.delenv("DS4_CUDA_PREFILL_ROWS", raising=False)
+        else:
+            monkeypatch.setenv("DS4_CUDA_PREFILL_ROWS", step_rows)
         s = m.session(1200)
         out = np.concatenate([s.eval(prompt), s.eval([5])])
-        monkeypatch.delenv("DS4_CUDA_PREFILL_ROWS")
+        monkeypatch.delenv("DS4_CUDA_PREFILL_ROWS", raising=False)
         return out
 
-    wide = rows_of("512")
+    wide = rows_of(None)
     assert wide.shape == (1101, cfg.vocab_size)
-    for other in ["256", "100"]:
+    for other in ["512", "256", "100"]:
         assert np.array_equal(wide.view(np.uint32), rows_of(other).view(np.uint32)), other
 
 

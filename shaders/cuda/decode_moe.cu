@@ -29,7 +29,7 @@
 // `route_smem` in decode/program.rs computes the same bytes).
 #define MOE_MAX_EXPERTS 1024
 #define MOE_MAX_K 16
-#define MOE_MAX_ROWS 512
+#define MOE_MAX_ROWS 1024
 #define MOE_MAX_WARPS 8
 #define MOE_WORDS (MOE_MAX_EXPERTS / 32)
 // Scores ds4_route holds at once (rows of E).

@@ -68,7 +68,7 @@ const N_MAX: usize = MAX_BATCH;
 
 /// Most rows of a prompt's step (`DS4_CUDA_PREFILL_ROWS`; ds4_route's MOE_MAX_ROWS in
 /// decode_moe.cu).
-const P_MAX: usize = 512;
+const P_MAX: usize = 1024;
 
 /// Rows of a prompt's step by default. A step reads each weight once for all its rows, so more
 /// rows read less a token (the routed experts: a 16-row step of Flash reads about 81 of a
@@ -84,10 +84,19 @@ const P_MAX: usize = 512;
 /// with 256 (H200, 2026-12-02, interleaved in one process; the MID model 9623 / 9055 against
 /// 9186 / 8639). The same bits: a 1300-token Flash prompt in steps of 512, 256 and 100 rows
 /// gave equal last-row logits, and equal logits for the token after it. The routing of 512
-/// rows takes 78 KB of shared memory (Flash's router).
-const P_DEFAULT: usize = 512;
+/// rows takes 78 KB of shared memory (Flash's router). With 1024-row steps (137 KB) 2048- and
+/// 8192-token prompts at 2090 / 1953 tok/s against 1948 / 1861 with 512 (H200, 2026-12-03, the
+/// four sessions of `verify_bench.py --ab` interleaved in one process): the dense products read
+/// their weights half as often a token, and the routed ones keep their speed a row. (Tried with
+/// them: routed tensor-core descriptors of up to 32 rows, one m16 tile of outputs by four n8
+/// tiles of rows a warp, so an expert's weights are decoded once for its 20 to 30 rows of a
+/// 1024-row step, the same bits as the 16-row kernels'. Slower: 1781 / 1890 tok/s with 1024-row
+/// steps; a traced 1024-row step spent 143.5 ms in the IQ2_XXS launches and 73.1 in the Q2_K
+/// ones, against 57.0 and 25.4 a 512-row step with 16-row descriptors. Those kernels are bound
+/// by the per-row work and the loads of x, not by decoding the weights.)
+const P_DEFAULT: usize = 1024;
 
-/// The rows of a prompt's step: `setting` (`DS4_CUDA_PREFILL_ROWS`, 16..=512) or [`P_DEFAULT`],
+/// The rows of a prompt's step: `setting` (`DS4_CUDA_PREFILL_ROWS`, 16..=1024) or [`P_DEFAULT`],
 /// cut to the most whose routing fits in `smem_max` bytes of shared memory a block (ds4_route
 /// for this router: `k` experts a row of `experts`, [`program::route_smem`]); [`N_MAX`] with a
 /// drafter (its device upkeep and the host's capture are sized for a decode's rows).
@@ -2442,7 +2451,7 @@ mod prefill_rows_tests {
     fn prefill_rows_follow_the_setting_and_the_router_limits() {
         const SMEM: usize = 227 * 1024;
         assert_eq!(prefill_rows(None, 6, 256, false, SMEM).unwrap(), P_DEFAULT);
-        assert_eq!(P_DEFAULT, 512);
+        assert_eq!(P_DEFAULT, 1024);
         assert_eq!(prefill_rows(Some(" 256 "), 6, 256, false, SMEM).unwrap(), 256);
         assert_eq!(prefill_rows(Some("512"), 6, 256, false, SMEM).unwrap(), 512);
         assert_eq!(prefill_rows(Some("128"), 6, 256, false, SMEM).unwrap(), 128);
@@ -2450,7 +2459,8 @@ mod prefill_rows_tests {
         assert_eq!(prefill_rows(None, 6, 256, false, 48 * 1024).unwrap(), 224);
         assert_eq!(prefill_rows(Some("16"), 6, 256, false, SMEM).unwrap(), 16);
         assert_eq!(prefill_rows(Some("40"), 6, 256, false, SMEM).unwrap(), 40);
-        for bad in ["15", "513", "0", "x", "-64"] {
+        assert_eq!(prefill_rows(Some("1024"), 6, 256, false, SMEM).unwrap(), 1024);
+        for bad in ["15", "1025", "0", "x", "-64"] {
             assert!(prefill_rows(Some(bad), 6, 256, false, SMEM).is_err(), "{bad}");
         }
         // The words of 256 rows of 6 of 256 experts: 16 rows of scores, 12 ints a row for its
@@ -2460,6 +2470,8 @@ mod prefill_rows_tests {
             super::program::route_smem(256, 6, 256),
             4 * (16 * 256 + 256 * 12 + 256 * (16 + 2) + 1 + 4 * 256 + 1)
         );
+        // 1024 rows (the most, P_MAX): 137224 bytes, within an H200's 227 KB a block.
+        assert_eq!(super::program::route_smem(1024, 6, 256), 137224);
         // 512 rows: 79880 bytes, within an H200's 227 KB a block; one row fewer in 78 KB.
         assert_eq!(super::program::route_smem(512, 6, 256), 79880);
         assert_eq!(prefill_rows(None, 6, 256, false, 78 * 1024).unwrap(), 511);
