@@ -802,8 +802,8 @@ __device__ __forceinline__ void ds4_index_mma_tf32(float (&d)[4], const uint4& a
 #endif
 }
 
-// x as a high tf32 part and the low part of the rest (cvt.rna), as ds4_tf32_split.
-__device__ __forceinline__ void ds4_index_split(float x, u32& hi, u32& lo) {
+// x as a high tf32 part and the low part of the rest (round to nearest, ties away: cvt.rna).
+__device__ __forceinline__ void ds4_tf32_split(float x, u32& hi, u32& lo) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
     const float rest = x - __uint_as_float(hi);
@@ -845,10 +845,10 @@ extern "C" __global__ void __launch_bounds__(256)
         const float* r0 = qr + (long long)(16 * mt + gq) * 128;
         const float* r1 = r0 + 8 * 128;
         u32 h0, l0, h1, l1, h2, l2, h3, l3;
-        ds4_index_split(r0[d0], h0, l0);
-        ds4_index_split(r1[d0], h1, l1);
-        ds4_index_split(r0[d0 + 1], h2, l2);
-        ds4_index_split(r1[d0 + 1], h3, l3);
+        ds4_tf32_split(r0[d0], h0, l0);
+        ds4_tf32_split(r1[d0], h1, l1);
+        ds4_tf32_split(r0[d0 + 1], h2, l2);
+        ds4_tf32_split(r1[d0 + 1], h3, l3);
         uint4* e = qf + ((mt * 16 + ks) * 2) * 32 + lane;
         e[0] = make_uint4(h0, h1, h2, h3);
         e[32] = make_uint4(l0, l1, l2, l3);
@@ -889,8 +889,8 @@ extern "C" __global__ void __launch_bounds__(256)
                 u32 bh[2][2], bl[2][2];
 #pragma unroll
                 for (int nt = 0; nt < 2; nt++) {
-                    ds4_index_split(sub ? kv[nt][c].z : kv[nt][c].x, bh[nt][0], bl[nt][0]);
-                    ds4_index_split(sub ? kv[nt][c].w : kv[nt][c].y, bh[nt][1], bl[nt][1]);
+                    ds4_tf32_split(sub ? kv[nt][c].z : kv[nt][c].x, bh[nt][0], bl[nt][0]);
+                    ds4_tf32_split(sub ? kv[nt][c].w : kv[nt][c].y, bh[nt][1], bl[nt][1]);
                 }
 #pragma unroll
                 for (int mt = 0; mt < DS4_INDEX_MMA_MAX_HEADS / 16; mt++) {
@@ -1561,17 +1561,6 @@ __device__ __host__ __forceinline__ int ds4_attn_mma_smem(int head_dim, int lg_s
     return head_dim * 128 + ((lg_stride + 7) / 8) * 8 * 8 + DS4_ATTN_MMA_HEADS * ds4_attn_mma_stride(lg_stride) * 4;
 }
 
-// x as a high tf32 part and the low part of the rest (round to nearest, ties away: cvt.rna).
-__device__ __forceinline__ void ds4_tf32_split(float x, u32& hi, u32& lo) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
-    const float rest = x - __uint_as_float(hi);
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(rest));
-#else
-    hi = __float_as_uint(x);
-    lo = 0u;
-#endif
-}
 
 // d += a * b: 16 x 8 tf32 (a, row major) times 8 x 8 (b, column major), f32 sums.
 __device__ __forceinline__ void ds4_mma_tf32(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {

@@ -423,6 +423,47 @@ fn run_scores(
     grid_x: usize,
     block: u32,
 ) -> Vec<f32> {
+    run_index_kernel(ctx, "ds4_index_scores", c, pos0, iq, g, irows, stride, (grid_x, block, 0))
+}
+
+/// Checks a scores buffer `got` ([n, stride]) of case `c` against the CPU's scores of each row
+/// (within 1e-5; NaN, unwritten, where every visible row is selected and past the visible
+/// rows); returns whether every score is bitwise the CPU's.
+fn check_scores(what: &str, c: &IndexCase, got: &[f32], stride: usize, iq: &[f32], g: &[f32], keys: &RowStore) -> bool {
+    let (h, hd) = (c.heads, c.head_dim);
+    let mut exact = true;
+    for r in 0..c.n {
+        let pos = c.pos0 + r;
+        let n_vis = visible_compressed(pos, c.ratio);
+        let row = &got[r * stride..(r + 1) * stride];
+        let at = format!("{what}: row {r} (position {pos}, {n_vis} visible)");
+        if n_vis <= c.topk {
+            assert!(row.iter().all(|v| v.is_nan()), "{at}: scores written though every row is selected");
+            continue;
+        }
+        let (q, w) = (&iq[r * h * hd..(r + 1) * h * hd], &g[r * h..(r + 1) * h]);
+        let want: Vec<f32> = (0..n_vis).map(|s| index_score(q, w, keys, s)).collect();
+        assert_close(&at, &row[..n_vis], &want, 1e-5);
+        assert!(row[n_vis..].iter().all(|v| v.is_nan()), "{at}: scores written past the visible rows");
+        exact &= row[..n_vis].iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+    }
+    exact
+}
+
+/// Launches the scores kernel `name` (`ds4_index_scores` or `ds4_index_scores_mma`), with
+/// `grid_x` blocks a row of `block` threads and `smem` bytes of dynamic shared memory.
+#[allow(clippy::too_many_arguments)]
+fn run_index_kernel(
+    ctx: &Context,
+    name: &str,
+    c: &IndexCase,
+    pos0: usize,
+    iq: &[f32],
+    g: &[f32],
+    irows: &DevBuf,
+    stride: usize,
+    (grid_x, block, smem): (usize, u32, usize),
+) -> Vec<f32> {
     let n = g.len() / c.heads;
     let (qb, gb) = (buf(iq), buf(g));
     let out = buf(&vec![f32::NAN; n * stride]);
@@ -439,7 +480,7 @@ fn run_scores(
         int(stride),
         ptr(&st),
     ];
-    launch(ctx, "ds4_index_scores", (grid_x, n), block, 0, &args);
+    launch(ctx, name, (grid_x, n), block, smem, &args);
     read(ctx, &out, n * stride)
 }
 
@@ -496,22 +537,7 @@ fn check_index(c: IndexCase) {
     let g = randn(n * h, seed + 2, 0.2);
     let stride = rows + 3;
     let got = run_scores(&ctx, &c, c.pos0, &iq, &g, &irows, stride, 132, 256);
-    let mut exact = true;
-    for r in 0..n {
-        let pos = c.pos0 + r;
-        let n_vis = visible_compressed(pos, c.ratio);
-        let row = &got[r * stride..(r + 1) * stride];
-        let at = format!("{what}: row {r} (position {pos}, {n_vis} visible)");
-        if n_vis <= c.topk {
-            assert!(row.iter().all(|v| v.is_nan()), "{at}: scores written though every row is selected");
-            continue;
-        }
-        let (q, w) = (&iq[r * h * hd..(r + 1) * h * hd], &g[r * h..(r + 1) * h]);
-        let want: Vec<f32> = (0..n_vis).map(|s| index_score(q, w, &keys, s)).collect();
-        assert_close(&at, &row[..n_vis], &want, 1e-5);
-        assert!(row[n_vis..].iter().all(|v| v.is_nan()), "{at}: scores written past the visible rows");
-        exact &= row[..n_vis].iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
-    }
+    let exact = check_scores(&what, &c, &got, stride, &iq, &g, &keys);
 
     // Row invariance: each row alone, and the batch with another grid and block size.
     for r in 0..n {
@@ -572,40 +598,6 @@ fn index_scores_match_cpu() {
     check_index(IndexCase { heads: 4, head_dim: 128, ratio: 4, topk: 8, pos0: 900, n: 3 });
 }
 
-/// Launches `ds4_index_scores_mma` (a prompt's scores on the tensor cores) as [`run_scores`]
-/// does the float kernel, with `grid_x` blocks a row.
-#[allow(clippy::too_many_arguments)]
-fn run_scores_mma(
-    ctx: &Context,
-    c: &IndexCase,
-    pos0: usize,
-    iq: &[f32],
-    g: &[f32],
-    irows: &DevBuf,
-    stride: usize,
-    grid_x: usize,
-) -> Vec<f32> {
-    let n = g.len() / c.heads;
-    let (qb, gb) = (buf(iq), buf(g));
-    let out = buf(&vec![f32::NAN; n * stride]);
-    let st = step(ctx, pos0, &vec![0; n]);
-    let args = [
-        ptr(&qb),
-        ptr(&gb),
-        ptr(irows),
-        int(c.heads),
-        int(c.head_dim),
-        int(c.ratio),
-        int(c.topk),
-        ptr(&out),
-        int(stride),
-        ptr(&st),
-    ];
-    let smem = super::program::index_mma_smem(c.heads);
-    launch(ctx, "ds4_index_scores_mma", (grid_x, n), 256, smem, &args);
-    read(ctx, &out, n * stride)
-}
-
 #[test]
 fn index_scores_on_tensor_cores_match_cpu_and_are_row_invariant() {
     let Some(ctx) = context() else { return };
@@ -635,38 +627,20 @@ fn index_scores_on_tensor_cores_match_cpu_and_are_row_invariant() {
         let g = randn(n * h, seed + 2, 0.2);
         let stride = rows + 3;
         let bx = super::program::index_mma_blocks(n) as usize;
-        let got = run_scores_mma(&ctx, &c, c.pos0, &iq, &g, &irows, stride, bx);
-        for r in 0..n {
-            let pos = c.pos0 + r;
-            let n_vis = visible_compressed(pos, c.ratio);
-            let row = &got[r * stride..(r + 1) * stride];
-            let at = format!("{what}: row {r} (position {pos}, {n_vis} visible)");
-            if n_vis <= c.topk {
-                assert!(row.iter().all(|v| v.is_nan()), "{at}: scores written though every row is selected");
-                continue;
-            }
-            let (q, w) = (&iq[r * h * hd..(r + 1) * h * hd], &g[r * h..(r + 1) * h]);
-            let want: Vec<f32> = (0..n_vis).map(|s| index_score(q, w, &keys, s)).collect();
-            // 3xTF32 keeps about 2^-21 of each product; the sums run in another order.
-            assert_close(&at, &row[..n_vis], &want, 1e-5);
-            assert!(row[n_vis..].iter().all(|v| v.is_nan()), "{at}: scores written past the visible rows");
-        }
+        let smem = super::program::index_mma_smem(c.heads);
+        let mma = |pos0: usize, iq: &[f32], g: &[f32], blocks: usize| {
+            run_index_kernel(&ctx, "ds4_index_scores_mma", &c, pos0, iq, g, &irows, stride, (blocks, 256, smem))
+        };
+        let got = mma(c.pos0, &iq, &g, bx);
+        // 3xTF32 keeps about 2^-21 of each product; the sums run in another order.
+        check_scores(&what, &c, &got, stride, &iq, &g, &keys);
         // Row invariance: each row alone, and other grids, give the same bits.
         for r in [0, n / 2, n - 1] {
-            let one = run_scores_mma(
-                &ctx,
-                &c,
-                c.pos0 + r,
-                &iq[r * h * hd..(r + 1) * h * hd],
-                &g[r * h..(r + 1) * h],
-                &irows,
-                stride,
-                bx,
-            );
+            let one = mma(c.pos0 + r, &iq[r * h * hd..(r + 1) * h * hd], &g[r * h..(r + 1) * h], bx);
             assert_bits(&format!("{what}: row {r} alone vs in the batch"), &one, &got[r * stride..(r + 1) * stride]);
         }
         for other in [1, 3] {
-            let o = run_scores_mma(&ctx, &c, c.pos0, &iq, &g, &irows, stride, other);
+            let o = mma(c.pos0, &iq, &g, other);
             assert_bits(&format!("{what}: {other} blocks a row vs {bx}"), &o, &got);
         }
     }
