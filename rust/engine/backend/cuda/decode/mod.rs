@@ -86,7 +86,9 @@ const P_MAX: usize = 1024;
 /// gave equal last-row logits, and equal logits for the token after it. The routing of 512
 /// rows takes 78 KB of shared memory (Flash's router). With 1024-row steps (137 KB) 2048- and
 /// 8192-token prompts at 2090 / 1953 tok/s against 1948 / 1861 with 512 (H200, 2026-12-03, the
-/// four sessions of `verify_bench.py --ab` interleaved in one process): the dense products read
+/// four sessions of `verify_bench.py --ab` interleaved in one process; again as the default,
+/// on another machine: 2060 / 1999 against 1940 / 1869; MID 13038 / 12782 against 12598 /
+/// 12618): the dense products read
 /// their weights half as often a token, and the routed ones keep their speed a row. (Tried with
 /// them: routed tensor-core descriptors of up to 32 rows, one m16 tile of outputs by four n8
 /// tiles of rows a warp, so an expert's weights are decoded once for its 20 to 30 rows of a
