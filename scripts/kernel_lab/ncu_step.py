@@ -170,10 +170,10 @@ def timeline(trace: str, step: int = 0, layer: int | None = None) -> None:
                   f"{idle / 1e3:8.2f} {adds / 1e3:8.2f}")
 
 
-# The stages of a Flash decode layer (one row) in program.rs's order: (label, the kernel that
-# ends it, the first of that name after the previous stage's end; the compressors' and
-# indexer's F16 products only when they come before ds4_finish_rows).
-# (label, the kernel stems that end the stage, whether a run of them ends it together).
+# The stages of a Flash decode layer (one row) in program.rs's order: (label, the kernel stems
+# that end it, whether a run of them ends it together). A stage ends at the first such kernel
+# after the previous stage's end (with the flag, the last of a run of them); the compressors'
+# and indexer's F16 products only when they come before ds4_finish_rows.
 # o_a runs on the tensor-core Q8_0 kernel like q_b and o_b (Q8_MMA_MIN_ROWS in context.rs),
 # or on the float-x one (DS4_CUDA_Q8=fma), and o_b follows it at once: each is one launch.
 # With the hyper-connection sites as single launches (DS4_CUDA_HC_SITE, the default) there is
