@@ -764,7 +764,7 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // ds4_index_scores for a prompt's steps on the tensor cores (mma.sync m16n8k8, 3xTF32 as
-// ds4_attention_mma: section 6 below holds the helpers). The scores of a row are S = Q K^T over
+// ds4_attention_mma in section 6, with the helpers here). The scores of a row are S = Q K^T over
 // its heads (M) and indexer rows (N), then score_s = sum_h (max(S_hs, 0) * scale) * g_h; the
 // float kernel forms each dot in float FMAs, one thread per (row, head), and a Flash CSA layer
 // of a 512-row step took about 1 ms that way at a 2100-token context (CUPTI trace, H200),
@@ -791,15 +791,22 @@ __device__ __host__ __forceinline__ int ds4_index_mma_smem(int heads) {
     return heads / 16 * 16 * 2 * 32 * 16;  // m16 tiles x k8 steps x (hi, lo) x lanes x uint4
 }
 
-// d += a * b: 16 x 8 tf32 (a, row major) times 8 x 8 (b, column major), f32 sums (as
-// ds4_mma_tf32 in section 6, which comes later in this file).
-__device__ __forceinline__ void ds4_index_mma_tf32(float (&d)[4], const uint4& a, u32 b0, u32 b1) {
+// d += a * b: 16 x 8 tf32 (a, row major) times 8 x 8 (b, column major), f32 sums.
+__device__ __forceinline__ void ds4_mma_tf32(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #endif
+}
+
+// d += a * b in 3xTF32 from the split parts: the two low products first.
+__device__ __forceinline__ void ds4_mma_3xtf32(float (&d)[4], const u32 (&ah)[4], const u32 (&al)[4], u32 bh0,
+                                               u32 bh1, u32 bl0, u32 bl1) {
+    ds4_mma_tf32(d, al, bh0, bh1);
+    ds4_mma_tf32(d, ah, bl0, bl1);
+    ds4_mma_tf32(d, ah, bh0, bh1);
 }
 
 // x as a high tf32 part and the low part of the rest (round to nearest, ties away: cvt.rna).
@@ -897,12 +904,11 @@ extern "C" __global__ void __launch_bounds__(256)
                     if (mt < mts) {
                         const uint4 ah = qf[((mt * 16 + ks) * 2) * 32 + lane];
                         const uint4 al = qf[((mt * 16 + ks) * 2 + 1) * 32 + lane];
+                        const u32 ahv[4] = {ah.x, ah.y, ah.z, ah.w};
+                        const u32 alv[4] = {al.x, al.y, al.z, al.w};
 #pragma unroll
                         for (int nt = 0; nt < 2; nt++) {
-                            // 3xTF32: the two low products first.
-                            ds4_index_mma_tf32(acc[mt][nt], al, bh[nt][0], bh[nt][1]);
-                            ds4_index_mma_tf32(acc[mt][nt], ah, bl[nt][0], bl[nt][1]);
-                            ds4_index_mma_tf32(acc[mt][nt], ah, bh[nt][0], bh[nt][1]);
+                            ds4_mma_3xtf32(acc[mt][nt], ahv, alv, bh[nt][0], bh[nt][1], bl[nt][0], bl[nt][1]);
                         }
                     }
                 }
@@ -1561,24 +1567,6 @@ __device__ __host__ __forceinline__ int ds4_attn_mma_smem(int head_dim, int lg_s
     return head_dim * 128 + ((lg_stride + 7) / 8) * 8 * 8 + DS4_ATTN_MMA_HEADS * ds4_attn_mma_stride(lg_stride) * 4;
 }
 
-
-// d += a * b: 16 x 8 tf32 (a, row major) times 8 x 8 (b, column major), f32 sums.
-__device__ __forceinline__ void ds4_mma_tf32(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-}
-
-// d += a * b in 3xTF32 from the split parts: the two low products first.
-__device__ __forceinline__ void ds4_mma_3xtf32(float (&d)[4], const u32 (&ah)[4], const u32 (&al)[4], u32 bh0,
-                                               u32 bh1, u32 bl0, u32 bl1) {
-    ds4_mma_tf32(d, al, bh0, bh1);
-    ds4_mma_tf32(d, ah, bl0, bl1);
-    ds4_mma_tf32(d, ah, bh0, bh1);
-}
 
 // A lane's keys of k16 chunks c0 .. c0 + DS4_ATTN_MMA_KQ - 1 of its two key rows (zeros for a
 // null row): dims 16 c + 4 t .. + 3, one 16-byte load each.

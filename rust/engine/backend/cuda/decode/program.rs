@@ -204,10 +204,10 @@ pub(super) fn index_mma(on: bool, prefill: bool, sm80: bool, heads: usize, head_
 }
 
 /// Blocks per batch row of `ds4_index_scores_mma` for a step of `n` rows: about four waves'
-/// worth of an H200's blocks in all (two a SM), each walking its share of the row's tiles of
-/// 128 indexer rows (which block scores a row never changes the score).
+/// worth of an H200's blocks in all (two a SM, [`INDEX_WAVE`] SMs), each walking its share of
+/// the row's tiles of 128 indexer rows (which block scores a row never changes the score).
 pub(super) fn index_mma_blocks(n: usize) -> u32 {
-    1056usize.div_ceil(n.max(1)) as u32
+    (4 * 2 * INDEX_WAVE).div_ceil(n.max(1)) as u32
 }
 
 /// Blocks of a `ds4_index_scores` launch in all, shared by its batch rows.
