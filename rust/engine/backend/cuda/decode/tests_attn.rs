@@ -602,6 +602,7 @@ fn index_scores_match_cpu() {
 fn index_scores_on_tensor_cores_match_cpu_and_are_row_invariant() {
     let Some(ctx) = context() else { return };
     if ctx.compute_capability.0 < 8 {
+        eprintln!("skipped: sm_{}{} has no mma.sync m16n8k8 tf32", ctx.compute_capability.0, ctx.compute_capability.1);
         return;
     }
     // Flash's shape (64 heads of 128) past the top-k size, a context far above it, and 16 or
