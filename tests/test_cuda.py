@@ -362,11 +362,12 @@ def _child_logits(model: Path, prompt: list[int], env: dict[str, str], out: Path
 
 
 @gpu
-@pytest.mark.parametrize("switch", ["DS4_CUDA_PREFETCH", "DS4_CUDA_SIDE_PROJ"])
+@pytest.mark.parametrize("switch", ["DS4_CUDA_PREFETCH", "DS4_CUDA_PREFETCH_BRANCH", "DS4_CUDA_SIDE_PROJ"])
 def test_side_branch_work_changes_no_bits(switch: str, tmp_path: Path) -> None:
-    # What the side branch runs beside the main stream moves no bits: the L2 prefetch of each
-    # layer's q_b is a hint, and the compressors' and indexer's projections (split products
-    # among them, with partial sums of their own) are the same launches on another stream.
+    # What the side branches run beside the main stream moves no bits: the L2 prefetch of each
+    # layer's q_b is a hint (on a branch of its own or first on the side branch), and the
+    # compressors' and indexer's projections (split products among them, with partial sums of
+    # their own) are the same launches on another stream.
     # Every logit is the same bits with each and without, across a prefill chunk and single
     # steps (a child process each: the settings are read when a session's decoder is made).
     cfg = TINY.replace(num_hidden_layers=3, compress_ratios=(0, 4, 128))

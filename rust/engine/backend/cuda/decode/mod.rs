@@ -228,6 +228,10 @@ enum Op<A = Arg> {
     /// A launch on the side branch: it depends on everything queued before it, and nothing
     /// queued after it waits for it until the next [`Op::Join`].
     Side(Launch<A>),
+    /// A launch on the prefetch branch (an L2 prefetch of weights, which writes nothing): it
+    /// depends on everything queued before it, and the step waits for it only at its end, so
+    /// that the side branch's launches never queue behind it.
+    Ahead(Launch<A>),
     /// What comes after waits for the side branch's launches.
     Join,
 }
@@ -242,12 +246,16 @@ enum Op<A = Arg> {
 /// `hc_pre_matches_cpu` and test_cuda.py check) and the rest in line. A Flash decode step at 2K
 /// on an H200, both ways in one run: 11.87 ms without the branch, 11.12 ms with it. (The
 /// compressors' updates on it too, with their projections, measured 11.32 ms against 10.99 in
-/// one run, before programmatic launch: not kept.) The decoder's drop destroys the branch
-/// while its context lives (a session may outlive its model).
+/// one run, before programmatic launch: not kept.) A second stream, the prefetch branch, runs
+/// the L2 prefetches of weights ([`Op::Ahead`]), which nothing waits for before the step's end.
+/// The decoder's drop destroys both while its context lives (a session may outlive its model).
 struct SideBranch {
     stream: sys::CUstream,
     fork: sys::CUevent,
     join: sys::CUevent,
+    /// The prefetch branch ([`Op::Ahead`]) and the event the step's end waits for.
+    ahead: sys::CUstream,
+    ahead_join: sys::CUevent,
 }
 
 impl SideBranch {
@@ -255,11 +263,19 @@ impl SideBranch {
     fn new() -> Result<Self> {
         let ev =
             || cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(driver_err("creating an event"));
-        let stream =
-            cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(driver_err("creating a stream"))?;
-        let mut side = SideBranch { stream, fork: std::ptr::null_mut(), join: std::ptr::null_mut() };
+        let new_stream =
+            || cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(driver_err("creating a stream"));
+        let mut side = SideBranch {
+            stream: new_stream()?,
+            fork: std::ptr::null_mut(),
+            join: std::ptr::null_mut(),
+            ahead: std::ptr::null_mut(),
+            ahead_join: std::ptr::null_mut(),
+        };
         side.fork = ev()?;
         side.join = ev()?;
+        side.ahead_join = ev()?;
+        side.ahead = new_stream()?;
         Ok(side)
     }
 }
@@ -269,13 +285,17 @@ impl Drop for SideBranch {
         // SAFETY: created by `new` on the context the decoder binds before dropping its parts;
         // each destroyed once (null when its creation failed).
         unsafe {
-            for e in [self.fork, self.join] {
+            for e in [self.fork, self.join, self.ahead_join] {
                 if !e.is_null() {
                     cu::event::destroy(e).ok();
                 }
             }
-            cu::stream::synchronize(self.stream).ok();
-            cu::stream::destroy(self.stream).ok();
+            for s in [self.stream, self.ahead] {
+                if !s.is_null() {
+                    cu::stream::synchronize(s).ok();
+                    cu::stream::destroy(s).ok();
+                }
+            }
         }
     }
 }
@@ -685,6 +705,10 @@ pub(crate) struct CudaDecoder {
     side: Option<SideBranch>,
     /// Whether each layer asks L2 for its q_b weights early ([`program::prefetch_q_b`]).
     prefetch_q_b: bool,
+    /// Whether that prefetch runs on a branch of its own ([`Op::Ahead`]) rather than first on
+    /// the side branch, where the compressor and indexer projections queued behind it
+    /// (`DS4_CUDA_PREFETCH_BRANCH`).
+    prefetch_branch: bool,
     /// Whether a decode's or verify's compressor and indexer projections run on the side
     /// branch beside the query path (`DS4_CUDA_SIDE_PROJ`; see the layer's attention site in
     /// program.rs).
@@ -977,6 +1001,7 @@ impl CudaDecoder {
         let prefetch_q_b = program::prefetch_q_b(std::env::var("DS4_CUDA_PREFETCH").ok().as_deref())?;
         let setting = |name: &str| program::switch(name, std::env::var(name).ok().as_deref());
         let defer = setting("DS4_CUDA_DEFER")?;
+        let prefetch_branch = setting("DS4_CUDA_PREFETCH_BRANCH")?;
         // A prompt's steps on the tensor-core products (gemm.rs), unless DS4_CUDA_GEMM=0 (A/B
         // timing) or the device predates mma.sync m16n8k16.
         let gemm_on = setting("DS4_CUDA_GEMM")? && backend.compute_capability().0 >= 8;
@@ -1333,6 +1358,7 @@ impl CudaDecoder {
             resync_after_cut: std::env::var("DS4_DECODE_RESYNC").is_ok_and(|v| v == "1"),
             side: if std::env::var("DS4_CUDA_FORK").is_ok_and(|v| v == "0") { None } else { Some(SideBranch::new()?) },
             prefetch_q_b,
+            prefetch_branch,
             side_proj,
             hc_fused,
             gemm_on,
@@ -1454,12 +1480,27 @@ impl CudaDecoder {
         out
     }
 
-    /// Queues `ops` on the context's stream, the side launches on `side` (on the context's
-    /// stream too, in order, without one).
+    /// Queues `ops` on the context's stream, the side launches on `side` and the prefetch
+    /// launches on its prefetch branch (both on the context's stream too, in order, without
+    /// one).
     fn queue_ops(ctx: &Context, ops: &[Op], side: Option<&SideBranch>) -> Result<()> {
+        let mut ahead = false;
         for op in ops {
             match op {
                 Op::Launch(l) => ctx.launch_args(l.f, l.grid, l.block, l.smem, &l.args)?,
+                Op::Ahead(l) => match side {
+                    Some(sb) => {
+                        // SAFETY: events and streams of this context.
+                        unsafe {
+                            cu::event::record(sb.fork, ctx.stream).map_err(driver_err("recording an event"))?;
+                            cu::stream::wait_event(sb.ahead, sb.fork, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+                                .map_err(driver_err("waiting for an event"))?;
+                        }
+                        ctx.launch_on(sb.ahead, false, l.f, l.grid, l.block, l.smem, &l.args)?;
+                        ahead = true;
+                    }
+                    None => ctx.launch_args(l.f, l.grid, l.block, l.smem, &l.args)?,
+                },
                 Op::Side(l) => match side {
                     Some(sb) => {
                         // SAFETY: events and streams of this context.
@@ -1488,6 +1529,15 @@ impl CudaDecoder {
                     cu::memcpy_dtod_async(*dst, *src, *bytes, ctx.stream)
                         .map_err(driver_err("copying on the device"))?
                 },
+            }
+        }
+        if let (true, Some(sb)) = (ahead, side) {
+            // The step ends when its prefetches have (a captured graph joins every branch).
+            // SAFETY: events and streams of this context.
+            unsafe {
+                cu::event::record(sb.ahead_join, sb.ahead).map_err(driver_err("recording an event"))?;
+                cu::stream::wait_event(ctx.stream, sb.ahead_join, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+                    .map_err(driver_err("waiting for an event"))?;
             }
         }
         Ok(())
@@ -1849,7 +1899,7 @@ impl CudaDecoder {
             let times = Self::profile_ops(ctx, &prog.ops)?;
             let k = &self.k;
             let names = prog.ops.iter().map(|op| match op {
-                Op::Launch(l) | Op::Side(l) => {
+                Op::Launch(l) | Op::Side(l) | Op::Ahead(l) => {
                     let name = k
                         .name_of(l.f)
                         .map(str::to_string)

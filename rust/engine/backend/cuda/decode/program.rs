@@ -283,6 +283,20 @@ const PREFETCH_THREADS: usize = 128;
 /// asking L2 for its share of its slot's down matrix (the down table follows the gate and up
 /// table slot for slot): steps 8.72 against 8.70 ms, verifies of 2 / 4 / 8 rows 11.38 / 16.37
 /// / 26.48 against 11.37 / 16.33 / 26.29 (three interleaved runs).
+///
+/// The prefetch runs on a branch of its own (`Op::Ahead`), not first on the side branch: the
+/// launch takes about 22 us (the bulk prefetches of 35.6 MB), and the compressor and indexer
+/// projections queued behind it started about 11 us after the attention site's mixing had
+/// made their input. In a traced Flash step at 2100 tokens (H200, 2026-12-03) a CSA layer's
+/// projections then added 3.2 us to its critical path against 17.7, the layer 200.7 us against
+/// 210.9; steps in a row 8.26 against 8.45 ms, verifies of 2 / 4 / 8 rows 10.83 / 14.69 /
+/// 22.87 against 10.97 / 14.90 / 23.01 (four interleaved runs; `DS4_CUDA_PREFETCH_BRANCH=0`
+/// for the old order). Also tried that day and dropped: the layer's attention state (its
+/// window ring, and the compressed rows and indexer keys its rows see, up to 4 MB each) asked
+/// for on the side branch after q_b, since 43 layers of weights pass through L2 between two
+/// reads of it. The attention and indexer kernels did not get faster (CSA attention 19.9 us
+/// against 20.6, indexer 16.1 against 17.2) and the projections queued behind those launches
+/// too: steps 8.81 against 8.39 ms.
 pub(super) fn prefetch_q_b(setting: Option<&str>) -> Result<bool> {
     switch("DS4_CUDA_PREFETCH", setting)
 }
@@ -630,21 +644,23 @@ impl CudaDecoder {
         let products = |ops: &mut Vec<_>, table: &mut Vec<u8>, prods: &[(Mat, u64, u64, usize)]| {
             products_on(ops, table, prods, None, false)
         };
-        // A side-branch launch that asks L2 for a matrix's weights (nothing without the
-        // branch: in line, the launch would only delay the main stream).
+        // A launch that asks L2 for a matrix's weights, on the prefetch branch (`Op::Ahead`;
+        // with `DS4_CUDA_PREFETCH_BRANCH=0` the side branch), nothing without the side branch
+        // (in line, the launch would only delay the main stream).
         let prefetch = |ops: &mut Vec<_>, m: &Mat| {
             if !fork {
                 return;
             }
             let (a, bytes) = (cur.get().addr(m.start), m.row_bytes * m.n_out);
-            ops.push(Op::Side(Launch {
+            let l = Launch {
                 f: k.prefetch,
                 grid: (bytes.div_ceil(PREFETCH_PIECE).div_ceil(PREFETCH_THREADS) as u32, 1, 1),
                 block: PREFETCH_THREADS as u32,
                 smem: 0,
                 args: vec![p(a), p(a + bytes as u64), i(PREFETCH_PIECE)],
                 label: String::new(),
-            }));
+            };
+            ops.push(if self.prefetch_branch { Op::Ahead(l) } else { Op::Side(l) });
         };
         let g1 = (nn, 1, 1);
         let rows_grid = |blocks_x: usize| (blocks_x as u32, nn, 1);
@@ -1568,7 +1584,7 @@ impl CudaDecoder {
         // one would fail only when the program's graph is instantiated, without saying which.
         let mut max_threads: std::collections::HashMap<usize, i32> = std::collections::HashMap::new();
         for op in &ops {
-            let (Op::Launch(l) | Op::Side(l)) = op else { continue };
+            let (Op::Launch(l) | Op::Side(l) | Op::Ahead(l)) = op else { continue };
             let max = match max_threads.get(&(l.f as usize)) {
                 Some(&m) => m,
                 None => {
@@ -1604,6 +1620,7 @@ impl CudaDecoder {
                 Op::Copy { dst, src, bytes } => Op::Copy { dst, src, bytes },
                 Op::Launch(l) => Op::Launch(l.map_args(resolve)),
                 Op::Side(l) => Op::Side(l.map_args(resolve)),
+                Op::Ahead(l) => Op::Ahead(l.map_args(resolve)),
                 Op::Join => Op::Join,
             })
             .collect();
