@@ -1109,6 +1109,20 @@ extern "C" __global__ void __launch_bounds__(1024)
 // Every sum runs in a fixed order that depends only on the row's own keys, head_dim and the
 // constants below (row invariance); it is not the CPU's order, so the results agree with the
 // CPU's to rounding, not bit for bit.
+//
+// (Tried and dropped, 2026-12-03: both launches as one, a cluster of 8 blocks per row and group
+// of 8 heads, the row's keys split over the cluster: each block the logits of its keys (this
+// section's lanes and sums) kept in shared memory, their softmax against its own largest
+// logit and its part of the output, then the cluster's parts added in rank order through
+// distributed shared memory, rescaled to the row's maximum with the sink. It passed the
+// attention tests (against the CPU, a row alone against the batch) and agreed with these
+// kernels to rounding, but on an H200 (Flash at 2100 tokens, interleaved) steps took 8.28 /
+// 8.40 / 8.36 ms against 8.40 / 8.36 / 8.36 across three calls, verifies of 8 rows 23.4 to 23.9
+// ms against 22.9 to 23.2: in a traced step the attention still added 21.6 us to a CSA layer
+// (20.6 here) and 13.4 to an HCA one (14.7). Each block walks its 80 keys (a CSA row at 2100
+// tokens) twice, for the logits and for the values, one or two keys ahead: chains of
+// dependent loads as long as these kernels' over fewer blocks. Loads two keys ahead in the
+// logits and eight in the values were no better.)
 
 #define DS4_ATTN_THREADS 256  // block size of both kernels (8 warps)
 #define DS4_ATTN_HEADS 8      // heads per block of both kernels (ds4_warp_sum8: 8)
