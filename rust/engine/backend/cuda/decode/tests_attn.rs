@@ -409,23 +409,6 @@ struct IndexCase {
     n: usize,
 }
 
-/// Launches `ds4_index_scores` over rows at `pos0..pos0 + n` (queries `iq`, weights `g`) and
-/// returns the scores buffer ([n, stride], NaN where nothing was written).
-#[allow(clippy::too_many_arguments)]
-fn run_scores(
-    ctx: &Context,
-    c: &IndexCase,
-    pos0: usize,
-    iq: &[f32],
-    g: &[f32],
-    irows: &DevBuf,
-    stride: usize,
-    grid_x: usize,
-    block: u32,
-) -> Vec<f32> {
-    run_index_kernel(ctx, "ds4_index_scores", c, pos0, iq, g, irows, stride, (grid_x, block, 0))
-}
-
 /// Checks a scores buffer `got` ([n, stride]) of case `c` against the CPU's scores of each row
 /// (within 1e-5; NaN, unwritten, where every visible row is selected and past the visible
 /// rows); returns whether every score is bitwise the CPU's.
@@ -536,33 +519,28 @@ fn check_index(c: IndexCase) {
     let iq = randn(n * h * hd, seed + 1, 1.0);
     let g = randn(n * h, seed + 2, 0.2);
     let stride = rows + 3;
-    let got = run_scores(&ctx, &c, c.pos0, &iq, &g, &irows, stride, 132, 256);
+    // ds4_index_scores over rows at pos0.. (queries iq, weights g) on grid_x blocks a row of
+    // `block` threads: the scores buffer ([n, stride], NaN where nothing was written).
+    let run_scores = |pos0: usize, iq: &[f32], g: &[f32], grid_x: usize, block: u32| {
+        run_index_kernel(&ctx, "ds4_index_scores", &c, pos0, iq, g, &irows, stride, (grid_x, block, 0))
+    };
+    let got = run_scores(c.pos0, &iq, &g, 132, 256);
     let exact = check_scores(&what, &c, &got, stride, &iq, &g, &keys);
 
     // Row invariance: each row alone, and the batch with another grid and block size.
     for r in 0..n {
-        let one = run_scores(
-            &ctx,
-            &c,
-            c.pos0 + r,
-            &iq[r * h * hd..(r + 1) * h * hd],
-            &g[r * h..(r + 1) * h],
-            &irows,
-            stride,
-            132,
-            256,
-        );
+        let one = run_scores(c.pos0 + r, &iq[r * h * hd..(r + 1) * h * hd], &g[r * h..(r + 1) * h], 132, 256);
         assert_bits(&format!("{what}: row {r} alone vs in the batch"), &one, &got[r * stride..(r + 1) * stride]);
     }
-    let other = run_scores(&ctx, &c, c.pos0, &iq, &g, &irows, stride, 5, 128);
+    let other = run_scores(c.pos0, &iq, &g, 5, 128);
     assert_bits(&format!("{what}: grid 5 x 128 threads vs 132 x 256"), &other, &got);
     // One block a row, as in a prompt's step of 132 rows or more (each block's batches of sweeps
     // as full as they get).
-    let one_block = run_scores(&ctx, &c, c.pos0, &iq, &g, &irows, stride, 1, 256);
+    let one_block = run_scores(c.pos0, &iq, &g, 1, 256);
     assert_bits(&format!("{what}: one block a row vs 132"), &one_block, &got);
     // The grid the decode's step of n rows uses (fewer blocks a row as rows are added).
     let bx = super::program::index_blocks(n) as usize;
-    let at_step = run_scores(&ctx, &c, c.pos0, &iq, &g, &irows, stride, bx, 256);
+    let at_step = run_scores(c.pos0, &iq, &g, bx, 256);
     assert_bits(&format!("{what}: the step's grid, {bx} blocks a row"), &at_step, &got);
 
     // The top-k of these scores is indexer::select's selection. The device's dot products
