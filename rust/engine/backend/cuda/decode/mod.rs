@@ -1488,30 +1488,24 @@ impl CudaDecoder {
         for op in ops {
             match op {
                 Op::Launch(l) => ctx.launch_args(l.f, l.grid, l.block, l.smem, &l.args)?,
-                Op::Ahead(l) => match side {
+                Op::Side(l) | Op::Ahead(l) => match side {
                     Some(sb) => {
+                        let on_side = matches!(op, Op::Side(_));
+                        let branch = if on_side { sb.stream } else { sb.ahead };
                         // SAFETY: events and streams of this context.
                         unsafe {
                             cu::event::record(sb.fork, ctx.stream).map_err(driver_err("recording an event"))?;
-                            cu::stream::wait_event(sb.ahead, sb.fork, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+                            cu::stream::wait_event(branch, sb.fork, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
                                 .map_err(driver_err("waiting for an event"))?;
                         }
-                        ctx.launch_on(sb.ahead, false, l.f, l.grid, l.block, l.smem, &l.args)?;
-                        ahead = true;
-                    }
-                    None => ctx.launch_args(l.f, l.grid, l.block, l.smem, &l.args)?,
-                },
-                Op::Side(l) => match side {
-                    Some(sb) => {
-                        // SAFETY: events and streams of this context.
-                        unsafe {
-                            cu::event::record(sb.fork, ctx.stream).map_err(driver_err("recording an event"))?;
-                            cu::stream::wait_event(sb.stream, sb.fork, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
-                                .map_err(driver_err("waiting for an event"))?;
+                        ctx.launch_on(branch, false, l.f, l.grid, l.block, l.smem, &l.args)?;
+                        if on_side {
+                            // SAFETY: as above.
+                            unsafe { cu::event::record(sb.join, sb.stream) }
+                                .map_err(driver_err("recording an event"))?;
+                        } else {
+                            ahead = true;
                         }
-                        ctx.launch_on(sb.stream, false, l.f, l.grid, l.block, l.smem, &l.args)?;
-                        // SAFETY: as above.
-                        unsafe { cu::event::record(sb.join, sb.stream) }.map_err(driver_err("recording an event"))?;
                     }
                     None => ctx.launch_args(l.f, l.grid, l.block, l.smem, &l.args)?,
                 },
