@@ -705,9 +705,10 @@ pub(crate) struct CudaDecoder {
     side: Option<SideBranch>,
     /// Whether each layer asks L2 for its q_b weights early ([`program::prefetch_q_b`]).
     prefetch_q_b: bool,
-    /// Whether that prefetch runs on a branch of its own ([`Op::Ahead`]) rather than first on
-    /// the side branch, where the compressor and indexer projections queued behind it
-    /// (`DS4_CUDA_PREFETCH_BRANCH`).
+    /// Whether a decode's and a verify's step run that prefetch on a branch of its own
+    /// ([`Op::Ahead`]) rather than first on the side branch, where the compressor and indexer
+    /// projections queued behind it (`DS4_CUDA_PREFETCH_BRANCH`; a prompt's steps keep the side
+    /// branch).
     prefetch_branch: bool,
     /// Whether a decode's or verify's compressor and indexer projections run on the side
     /// branch beside the query path (`DS4_CUDA_SIDE_PROJ`; see the layer's attention site in

@@ -291,7 +291,10 @@ const PREFETCH_THREADS: usize = 128;
 /// projections then added 3.2 us to its critical path against 17.7, the layer 200.7 us against
 /// 210.9; steps in a row 8.26 against 8.45 ms, verifies of 2 / 4 / 8 rows 10.83 / 14.69 /
 /// 22.87 against 10.97 / 14.90 / 23.01 (four interleaved runs; `DS4_CUDA_PREFETCH_BRANCH=0`
-/// for the old order). Also tried that day and dropped: the layer's attention state (its
+/// for the old order). A prompt's steps keep the old order: in the same runs, where they took
+/// the branch too, the 2100-token prompt took 1.80 / 1.71 / 1.79 s against 1.69 / 1.66 / 1.69
+/// (the runs after the first; its products read each weight once for hundreds of rows, so the
+/// prefetch has little to give them). Also tried that day and dropped: the layer's attention state (its
 /// window ring, and the compressed rows and indexer keys its rows see, up to 4 MB each) asked
 /// for on the side branch after q_b, since 43 layers of weights pass through L2 between two
 /// reads of it. The attention and indexer kernels did not get faster (CSA attention 19.9 us
@@ -644,8 +647,9 @@ impl CudaDecoder {
         let products = |ops: &mut Vec<_>, table: &mut Vec<u8>, prods: &[(Mat, u64, u64, usize)]| {
             products_on(ops, table, prods, None, false)
         };
-        // A launch that asks L2 for a matrix's weights, on the prefetch branch (`Op::Ahead`;
-        // with `DS4_CUDA_PREFETCH_BRANCH=0` the side branch), nothing without the side branch
+        // A launch that asks L2 for a matrix's weights, on the prefetch branch in a decode's or
+        // verify's step (`Op::Ahead`; first on the side branch in a prompt's step, or with
+        // `DS4_CUDA_PREFETCH_BRANCH=0`: see `prefetch_q_b`), nothing without the side branch
         // (in line, the launch would only delay the main stream).
         let prefetch = |ops: &mut Vec<_>, m: &Mat| {
             if !fork {
@@ -660,7 +664,7 @@ impl CudaDecoder {
                 args: vec![p(a), p(a + bytes as u64), i(PREFETCH_PIECE)],
                 label: String::new(),
             };
-            ops.push(if self.prefetch_branch { Op::Ahead(l) } else { Op::Side(l) });
+            ops.push(if self.prefetch_branch && !prefill { Op::Ahead(l) } else { Op::Side(l) });
         };
         let g1 = (nn, 1, 1);
         let rows_grid = |blocks_x: usize| (blocks_x as u32, nn, 1);
