@@ -284,22 +284,21 @@ const PREFETCH_THREADS: usize = 128;
 /// table slot for slot): steps 8.72 against 8.70 ms, verifies of 2 / 4 / 8 rows 11.38 / 16.37
 /// / 26.48 against 11.37 / 16.33 / 26.29 (three interleaved runs).
 ///
-/// The prefetch runs on a branch of its own (`Op::Ahead`), not first on the side branch: the
-/// launch takes about 22 us (the bulk prefetches of 35.6 MB), and the compressor and indexer
-/// projections queued behind it started about 11 us after the attention site's mixing had
-/// made their input. In a traced Flash step at 2100 tokens (H200, 2026-12-03) a CSA layer's
-/// projections then added 3.2 us to its critical path against 17.7, the layer 200.7 us against
-/// 210.9; steps in a row 8.26 against 8.45 ms, verifies of 2 / 4 / 8 rows 10.83 / 14.69 /
-/// 22.87 against 10.97 / 14.90 / 23.01 (four interleaved runs; `DS4_CUDA_PREFETCH_BRANCH=0`
-/// for the old order). A prompt's steps keep the old order: in the same runs, where they took
-/// the branch too, the 2100-token prompt took 1.80 / 1.71 / 1.79 s against 1.69 / 1.66 / 1.69
-/// (the runs after the first; its products read each weight once for hundreds of rows, so the
-/// prefetch has little to give them). Also tried that day and dropped: the layer's attention state (its
-/// window ring, and the compressed rows and indexer keys its rows see, up to 4 MB each) asked
-/// for on the side branch after q_b, since 43 layers of weights pass through L2 between two
-/// reads of it. The attention and indexer kernels did not get faster (CSA attention 19.9 us
-/// against 20.6, indexer 16.1 against 17.2) and the projections queued behind those launches
-/// too: steps 8.81 against 8.39 ms.
+/// The prefetch runs on a branch of its own (`Op::Ahead`), not first on the side branch: the launch
+/// takes about 22 us (the bulk prefetches of 35.6 MB), and the compressor and indexer projections
+/// queued behind it started about 11 us after the attention site's mixing had made their input. In
+/// a traced Flash step at 2100 tokens (H200, 2026-12-03) a CSA layer's projections then added 3.2
+/// us to its critical path against 17.7, the layer 200.7 us against 210.9; steps in a row 8.26
+/// against 8.45 ms, verifies of 2 / 4 / 8 rows 10.83 / 14.69 / 22.87 against 10.97 / 14.90 / 23.01
+/// (four interleaved runs; `DS4_CUDA_PREFETCH_BRANCH=0` for the old order). A prompt's steps keep
+/// the old order: in the same runs, where they took the branch too, the 2100-token prompt took 1.80
+/// / 1.71 / 1.79 s against 1.69 / 1.66 / 1.69 (the runs after the first; its products read each
+/// weight once for hundreds of rows, so the prefetch has little to give them). Also tried that day
+/// and dropped: the layer's attention state (its window ring, and the compressed rows and indexer
+/// keys its rows see, up to 4 MB each) asked for on the side branch after q_b, since 43 layers of
+/// weights pass through L2 between two reads of it. The attention and indexer kernels did not get
+/// faster (CSA attention 19.9 us against 20.6, indexer 16.1 against 17.2) and the projections
+/// queued behind those launches too: steps 8.81 against 8.39 ms.
 pub(super) fn prefetch_q_b(setting: Option<&str>) -> Result<bool> {
     switch("DS4_CUDA_PREFETCH", setting)
 }
