@@ -8,7 +8,7 @@
 use half::f16;
 
 use super::program::attention_blocks;
-use super::testutil::{assert_bits, assert_close, context, randn, read, step, Arg, DevBuf};
+use super::testutil::{assert_bits, assert_close, context, context_from, randn, read, step, Arg, DevBuf};
 use crate::backend::cpu::dot_f32;
 use crate::backend::cuda::context::Context;
 use crate::model::attention::{attend, raw_range, visible_compressed};
@@ -578,11 +578,7 @@ fn index_scores_match_cpu() {
 
 #[test]
 fn index_scores_on_tensor_cores_match_cpu_and_are_row_invariant() {
-    let Some(ctx) = context() else { return };
-    if ctx.compute_capability.0 < 8 {
-        eprintln!("skipped: sm_{}{} has no mma.sync m16n8k8 tf32", ctx.compute_capability.0, ctx.compute_capability.1);
-        return;
-    }
+    let Some(ctx) = context_from(8, "mma.sync m16n8k8 tf32") else { return };
     // Flash's shape (64 heads of 128) past the top-k size, a context far above it, and 16 or
     // 48 heads (other numbers of m16 tiles); rows of a prompt's step at each.
     let cases = [

@@ -4,7 +4,7 @@
 
 use super::super::{tensor_cores, Desc};
 use super::gemm;
-use super::testutil::{context, randn, split_image, Arg, DevBuf};
+use super::testutil::{context_from, randn, split_image, Arg, DevBuf};
 use crate::model::weights::Mat;
 use crate::quant::{self, GgmlType};
 
@@ -55,11 +55,7 @@ fn run(ctx: &super::super::context::Context, w: &DevBuf, m: &Mat, x: &[f32], n: 
 /// whatever the rows beside it (1..=64 rows: one to four m16 tiles a descriptor).
 #[test]
 fn prefill_products_match_the_float_product_and_are_row_invariant() {
-    let Some(ctx) = context() else { return };
-    if ctx.compute_capability.0 < 8 {
-        eprintln!("skipped: sm_{}{} has no mma.sync m16n8k16", ctx.compute_capability.0, ctx.compute_capability.1);
-        return;
-    }
+    let Some(ctx) = context_from(8, "mma.sync m16n8k16") else { return };
     let shapes = [
         // A partial tile, rows of one warp's units; the HC projection (few rows, many slices);
         // the compressor's and q_a's class; rows that are not a whole block of 128.
@@ -156,11 +152,7 @@ fn run_moe_mma(
 /// nothing, and a row gives the same bits with 1..=16 rows beside it.
 #[test]
 fn expert_products_on_the_tensor_cores_match_the_act8_dot() {
-    let Some(ctx) = context() else { return };
-    if ctx.compute_capability.0 < 8 {
-        eprintln!("skipped: sm_{}{} has no mma.sync m16n8k32", ctx.compute_capability.0, ctx.compute_capability.1);
-        return;
-    }
+    let Some(ctx) = context_from(8, "mma.sync m16n8k32") else { return };
     let mut rng = crate::quant::testutil::Rng(0x1e2_0fa1);
     // A partial last warp and block (80 of 128 outputs) with rows of 2 super-blocks (IQ2_XXS:
     // 132 bytes, 2-byte aligned, read in pieces; Q2_K: 168 bytes at offset 256 + 4 mod 8, read

@@ -5,7 +5,7 @@
 
 use half::f16;
 
-use super::testutil::{assert_bits, assert_close, context, randn, read, step, Arg, DevBuf};
+use super::testutil::{assert_bits, assert_close, context, context_from, randn, read, step, Arg, DevBuf};
 use crate::backend::cpu::{rms_norm, rms_norm_plain, rms_norm_rows, silu};
 use crate::backend::cuda::context::Context;
 use crate::backend::{Cpu, Ops};
@@ -403,11 +403,7 @@ fn run_hc_site(
 /// same mix; every row bitwise the row alone.
 #[test]
 fn hc_site_matches_cpu() {
-    let Some(ctx) = context() else { return };
-    if ctx.compute_capability.0 < 9 {
-        eprintln!("skipped: sm_{}{} has no thread block clusters", ctx.compute_capability.0, ctx.compute_capability.1);
-        return;
-    }
+    let Some(ctx) = context_from(9, "thread block clusters") else { return };
     let cases = [(HC, 4096usize, true), (HC, 4096, false), (HC, 1024, true), (HC, 1000, false), (HC, 64, true)];
     let cases = cases.into_iter().chain([(1, 256, true), (2, 512, false), (3, 136, true)]);
     for (k, (hc, d, half)) in cases.enumerate() {

@@ -18,6 +18,18 @@ pub(crate) fn context() -> Option<Context> {
     }
 }
 
+/// [`context`] on a device of compute capability `major` or later; on an older one the test
+/// prints "skipped: sm_XY has no {lacks}" and passes.
+pub(crate) fn context_from(major: i32, lacks: &str) -> Option<Context> {
+    let ctx = context()?;
+    let (ma, mi) = ctx.compute_capability;
+    if ma < major {
+        eprintln!("skipped: sm_{ma}{mi} has no {lacks}");
+        return None;
+    }
+    Some(ctx)
+}
+
 /// The step parameters buffer: position of row 0, row count, the rows' tokens.
 pub(crate) fn step(ctx: &Context, pos0: usize, tokens: &[u32]) -> DevBuf {
     let _ = ctx;
