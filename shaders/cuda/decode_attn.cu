@@ -1559,7 +1559,14 @@ extern "C" __global__ void __launch_bounds__(DS4_ATTN_THREADS)
 // 38.5 ms). 2048- / 8192-token prompts, interleaved in one process: 1568 / 1415 tok/s against
 // 1483 / 1319 (2026-12-03). Also timed there and not kept, for no gain (1566 to 1573 / 1414 to
 // 1419 tok/s): S's correction products in an accumulator of their own (two chains a tile), and
-// the values two steps ahead.
+// the values two steps ahead. Nor a block of 32 heads (two m16 tiles sharing each key's split
+// parts: each key read half as often a row, where a CSA layer's 1024 rows read about 10 GB of
+// keys from L2 at 16 heads a block; 142 registers, twice the shared memory, one block an SM for
+// head_dim 512): the same bits (checked against this kernel on the attention tests' shapes and
+// Flash's 64 heads), but a traced 1024-row step after a 2000-token prompt took 2.56 ms a CSA
+// layer against 2.68 and 1.07 an HCA one against 0.94, 77.2 ms in all against 76.6, and 2048- /
+// 8192-token prompts ran at 2030 / 1977 tok/s against 2048 / 1994 (H200, interleaved in one
+// process, 2026-12-03).
 //
 // Grid (ceil(n_heads / 16), n); block 256; dynamic shared memory of
 // ds4_attn_mma_smem(head_dim, lg_stride) bytes. head_dim a multiple of 64 up to
