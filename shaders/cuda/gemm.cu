@@ -542,6 +542,15 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+// The block scales of unit u of the float-x layout's rows (gemm_load_w's dw).
+__device__ __forceinline__ void gemm_q8_scales(int u, const u8* const (&wrow)[GEMM_TILES], int units,
+                                               float (&dw)[GEMM_TILES]) {
+#pragma unroll
+    for (int q = 0; q < GEMM_TILES; q++) {
+        dw[q] = wrow[q] ? f16_bits_to_f32(*(const u16*)(wrow[q] + 32 * (long long)units + 2 * u)) : 0.0f;
+    }
+}
+
 #if GEMM_RING > 0
 // Static shared memory, within the 48 KB a launch gets without opting in: 43.5 KB (tiled) and
 // 40.5 KB at two units.
@@ -565,15 +574,6 @@ __device__ __forceinline__ void gemm_ring_w(GemmSlot<false>& S, int u, int tid, 
     for (int q = 0; q < GEMM_TILES; q++) {
         const u8* r = wrow[q];
         cp_async8(&S.w[q][tid], r ? r + 32 * (long long)u + 8 * (lane & 3) : any, r != nullptr);
-    }
-}
-
-// The block scales of unit u of the float-x layout's rows (gemm_load_w's dw).
-__device__ __forceinline__ void gemm_q8_scales(int u, const u8* const (&wrow)[GEMM_TILES], int units,
-                                               float (&dw)[GEMM_TILES]) {
-#pragma unroll
-    for (int q = 0; q < GEMM_TILES; q++) {
-        dw[q] = wrow[q] ? f16_bits_to_f32(*(const u16*)(wrow[q] + 32 * (long long)units + 2 * u)) : 0.0f;
     }
 }
 
@@ -730,4 +730,302 @@ extern "C" __global__ void __launch_bounds__(128, GEMM_MIN_BLOCKS)
 #else
     gemm_body<true, true>(descs, count, counters);
 #endif
+}
+
+
+// ---- A prompt's products on x split once (ds4_gemm_split, then ds4_gemm_px_*)
+//
+// The kernels above split each unit of x (gemm_split_x) in every block that reads it, so a
+// product of n_out rows splits each unit n_out / 128 times (q_b: 256 times), and the split and
+// the staging of its halves were about a third of the loop (ds4_gemm_q8_0_mq: 588 SASS
+// instructions a unit for 64 HMMA). Here ds4_gemm_split writes each row's split once, already
+// as the mma's A fragments, and the products copy those into shared memory by cp.async as they
+// copy their weights: their loop is copies, fragment loads, the weights' conversion, the mma
+// and the scaling. The split is gemm_split_x's and the sums gemm_unit's, in the same order, so
+// the results are the kernels' above bit for bit (tests_gemm checks it).
+//
+// The split of rows in tiles of 16 (a tile of U = n_in / 32 units: px_tile_bytes(U) bytes):
+// unit u's 2048 bytes at 2048 u, the fragments f = 0..3 (hi step 0, hi step 1, lo step 0, lo
+// step 1) of lane l at 16 (32 f + l), each as gemm_stage_x lays out GemmX (rows g and g + 8
+// interleaved as the mma takes its registers); then the units' scales back, 16 floats a unit
+// (row order) at 2048 U + 64 u. A lane's eight inputs of a row are those of the weight layout
+// (TILED: [4t, 4t + 4) and [16 + 4t, 20 + 4t); else [8t, 8t + 8)). Rows past the last are
+// split as zeros, so a tile is whole.
+
+__device__ __forceinline__ long long px_tile_bytes(int units) {
+    return 2112ll * units;
+}
+
+// Splits rows [0, rows) of x (rows of n_in floats, 16-byte aligned) into out, a warp a (tile,
+// unit): block 256, grid (ceil(units / 8), ceil(rows / 16)).
+extern "C" __global__ void __launch_bounds__(256)
+    ds4_gemm_split(const float* __restrict__ x, int n_in, int rows, int tiled, u8* __restrict__ out) {
+    ds4_grid_deps();
+    const int units = n_in >> 5;
+    const int u = blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    if (u >= units) {
+        ds4_grid_launch();
+        return;  // the whole warp
+    }
+    float4 xv[2][2];
+#pragma unroll
+    for (int p = 0; p < 2; p++) {
+        const int r = 16 * blockIdx.y + 8 * p + g;
+        xv[p][0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        xv[p][1] = xv[p][0];
+        if (r < rows) {
+            const float4* xr = (const float4*)(x + (long long)r * n_in + 32 * u);
+            xv[p][0] = tiled ? xr[t] : xr[2 * t];
+            xv[p][1] = tiled ? xr[4 + t] : xr[2 * t + 1];
+        }
+    }
+    ds4_grid_launch();
+    u32 hi[2][2][2], lo[2][2][2];
+    float back[2];
+#pragma unroll
+    for (int p = 0; p < 2; p++) {
+        const float v[8] = {xv[p][0].x, xv[p][0].y, xv[p][0].z, xv[p][0].w,
+                            xv[p][1].x, xv[p][1].y, xv[p][1].z, xv[p][1].w};
+        back[p] = gemm_split_x(v, hi[p], lo[p]);
+    }
+    u8* tb = out + (long long)blockIdx.y * px_tile_bytes(units);
+    uint4* f = (uint4*)(tb + 2048ll * u);
+#pragma unroll
+    for (int st = 0; st < 2; st++) {
+        f[32 * st + lane] = make_uint4(hi[0][st][0], hi[1][st][0], hi[0][st][1], hi[1][st][1]);
+        f[32 * (2 + st) + lane] = make_uint4(lo[0][st][0], lo[1][st][0], lo[0][st][1], lo[1][st][1]);
+    }
+    if (t == 0) {
+        float* s = (float*)(tb + 2048ll * units + 64ll * u);
+        s[g] = back[0];
+        s[8 + g] = back[1];
+    }
+}
+
+// Units of split x and weights the ring holds (PX_RING - 1 ahead); F16's weights take twice
+// the bytes (two units). A/B with DS4_CUDA_DEFINES.
+#ifndef PX_RING
+#define PX_RING 3
+#endif
+#define PX_F16 0
+#define PX_Q8 1
+#define PX_TILED 2
+
+// One unit of the block in shared memory: the split x of its m16 tiles (fragments in the
+// split's order, so a lane's are four LDS.128 with no moves) and their scales, and each lane's
+// weight bytes (as GemmSlot's: a lane copies and reads only its own).
+template <int KIND>
+struct PxSlot {
+    uint4 x[GEMM_MTILES][128];
+    float xs[GEMM_MTILES][16];
+    uint4 w[4][128];  // F16: 16 bytes of each n8 tile's row g
+};
+
+template <>
+struct PxSlot<PX_Q8> {
+    uint4 x[GEMM_MTILES][128];
+    float xs[GEMM_MTILES][16];
+    uint2 w[4][128];  // 8 bytes of each n8 tile's row g (scales through registers)
+};
+
+template <>
+struct PxSlot<PX_TILED> {
+    uint4 x[GEMM_MTILES][128];
+    float xs[GEMM_MTILES][16];
+    uint4 w[2][128];  // 16 bytes of each 16-row tile
+    u32 s[2][128];    // the tile's scale word of rows g and g + 8
+};
+
+// This thread's copies of unit u: the split x of the block's m16 tiles (a 16-byte piece of each
+// tile; threads 4 mt .. 4 mt + 3 also tile mt's scales), from xt = the thread's piece of unit
+// 0 of tile 0 (xs: of the scales), tiles tb bytes apart.
+template <int KIND>
+__device__ __forceinline__ void px_copy_x(PxSlot<KIND>& S, const u8* xt, const u8* xs, long long tb, int u,
+                                          int mtiles, int tid) {
+#pragma unroll
+    for (int mt = 0; mt < GEMM_MTILES; mt++) {
+        if (mt < mtiles) {
+            cp_async16(&S.x[mt][tid], xt + mt * tb + 2048ll * u, true);
+        }
+    }
+    if (tid < 4 * mtiles) {
+        cp_async16(&S.xs[tid >> 2][4 * (tid & 3)], xs + (tid >> 2) * tb + 64ll * u, true);
+    }
+}
+
+// The lane's weight bytes of unit u into S (gemm_load_w's bytes; zeros for a null row or tile).
+__device__ __forceinline__ void px_copy_w(PxSlot<PX_TILED>& S, int u, int tid, int lane,
+                                          const u8* const (&wrow)[GEMM_TILES], int units, const u8* any) {
+#pragma unroll
+    for (int j = 0; j < GEMM_TILES / 2; j++) {
+        const u8* r = wrow[2 * j];
+        cp_async16(&S.w[j][tid], r ? r + 512 * (long long)u + 16 * lane : any, r != nullptr);
+        cp_async4(&S.s[j][tid], r ? r + 512 * (long long)units + 32 * (long long)u + 4 * (lane >> 2) : any,
+                  r != nullptr);
+    }
+}
+
+__device__ __forceinline__ void px_copy_w(PxSlot<PX_Q8>& S, int u, int tid, int lane,
+                                          const u8* const (&wrow)[GEMM_TILES], int, const u8* any) {
+#pragma unroll
+    for (int q = 0; q < GEMM_TILES; q++) {
+        const u8* r = wrow[q];
+        cp_async8(&S.w[q][tid], r ? r + 32 * (long long)u + 8 * (lane & 3) : any, r != nullptr);
+    }
+}
+
+__device__ __forceinline__ void px_copy_w(PxSlot<PX_F16>& S, int u, int tid, int lane,
+                                          const u8* const (&wrow)[GEMM_TILES], int, const u8* any) {
+#pragma unroll
+    for (int q = 0; q < GEMM_TILES; q++) {
+        const u8* r = wrow[q];
+        cp_async16(&S.w[q][tid], r ? r + 64 * (long long)u + 16 * (lane & 3) : any, r != nullptr);
+    }
+}
+
+// A slot's weights as gemm_load_w gives them (TILED: the scales too; Q8_0's float-x scales
+// stay as they are in dw; F16's are 1).
+__device__ __forceinline__ void px_slot_w(const PxSlot<PX_TILED>& S, int tid, uint4 (&wv)[GEMM_TILES],
+                                          float (&dw)[GEMM_TILES]) {
+#pragma unroll
+    for (int j = 0; j < GEMM_TILES / 2; j++) {
+        const uint4 v = S.w[j][tid];
+        const u32 sc = S.s[j][tid];
+        wv[2 * j] = make_uint4(v.x, v.z, 0u, 0u);
+        wv[2 * j + 1] = make_uint4(v.y, v.w, 0u, 0u);
+        dw[2 * j] = f16_bits_to_f32(sc & 0xffffu);
+        dw[2 * j + 1] = f16_bits_to_f32(sc >> 16);
+    }
+}
+
+__device__ __forceinline__ void px_slot_w(const PxSlot<PX_Q8>& S, int tid, uint4 (&wv)[GEMM_TILES],
+                                          float (&)[GEMM_TILES]) {
+#pragma unroll
+    for (int q = 0; q < GEMM_TILES; q++) {
+        const uint2 v = S.w[q][tid];
+        wv[q] = make_uint4(v.x, v.y, 0u, 0u);
+    }
+}
+
+__device__ __forceinline__ void px_slot_w(const PxSlot<PX_F16>& S, int tid, uint4 (&wv)[GEMM_TILES],
+                                          float (&dw)[GEMM_TILES]) {
+#pragma unroll
+    for (int q = 0; q < GEMM_TILES; q++) {
+        wv[q] = S.w[q][tid];
+        dw[q] = 1.0f;
+    }
+}
+
+// The products of a launch's descriptors as gemm_body's, x being ds4_gemm_split's tiles (a
+// descriptor's x: the split's tile of its row 0; its rows start on a tile, GEMM_MAX_ROWS
+// apart).
+template <int KIND>
+__device__ __forceinline__ void gemm_body_px(const MvDesc* __restrict__ descs, int count,
+                                             int* __restrict__ counters) {
+    constexpr bool Q8 = KIND != PX_F16;
+    constexpr bool TILED = KIND == PX_TILED;
+    constexpr int RING = KIND == PX_F16 ? 2 : PX_RING;
+    __shared__ PxSlot<KIND> ring[RING];
+    const MvBlock B = mv_block(descs, count);
+    const MvDesc& D = *B.D;
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int units = D.n_in >> 5;
+    const long long tb = px_tile_bytes(units);
+    const int mtiles = (D.n + 15) >> 4;
+    int u0, u1;
+    mv_slice(units, D.slices, B.slice, u0, u1);
+    const u8* wrow[GEMM_TILES];
+    const float* xsrc_unused[2];
+    gemm_rows<TILED>(B, warp, g, t, wrow, xsrc_unused);
+    const u8* xt = (const u8*)D.x + 16 * tid;
+    const u8* xs = (const u8*)D.x + 2048ll * units + 16 * (tid & 3);
+    float acc[GEMM_MTILES][GEMM_TILES][4] = {};
+    gemm_prefetch<Q8, TILED>(B, lane, wrow, units, u0, u1);
+    // The float-x layout's scales: unit u's in dw, the next unit's loaded a unit ahead.
+    float dw[GEMM_TILES], dwn[GEMM_TILES];
+    if (KIND == PX_Q8 && u0 < u1) {
+        gemm_q8_scales(u0, wrow, units, dw);
+    }
+    const u8* any = D.w;
+    // The first RING - 1 units' weights (one group), then, after the previous kernel, their x
+    // (a group each).
+#pragma unroll
+    for (int k = 0; k < RING - 1; k++) {
+        if (u0 + k < u1) {
+            px_copy_w(ring[k], u0 + k, tid, lane, wrow, units, any);
+        }
+    }
+    cp_async_commit();
+    ds4_grid_deps();
+#pragma unroll
+    for (int k = 0; k < RING - 1; k++) {
+        if (u0 + k < u1) {
+            px_copy_x(ring[k], xt, xs, tb, u0 + k, mtiles, tid);
+        }
+        cp_async_commit();
+    }
+    int slot = 0;
+    for (int u = u0; u < u1; u++) {
+        if (KIND == PX_Q8 && u + 1 < u1) {
+            gemm_q8_scales(u + 1, wrow, units, dwn);
+        }
+        // This thread's copies of unit u are done; after the barrier every thread's are, and
+        // every warp is past unit u - 1, whose slot the next copies fill.
+        cp_async_wait<RING - 2>();
+        __syncthreads();
+        const int nu = u + RING - 1;
+        if (nu < u1) {
+            PxSlot<KIND>& N = ring[slot == 0 ? RING - 1 : slot - 1];
+            px_copy_w(N, nu, tid, lane, wrow, units, any);
+            px_copy_x(N, xt, xs, tb, nu, mtiles, tid);
+        }
+        cp_async_commit();
+        const PxSlot<KIND>& S = ring[slot];
+        if (B.nrows > 0) {
+            uint4 wv[GEMM_TILES];
+            px_slot_w(S, tid, wv, dw);
+            u32 bw[GEMM_TILES][2][2];
+            float d0[GEMM_TILES], d1[GEMM_TILES];
+            gemm_prep_w<Q8>(wv, dw, t, bw, d0, d1);
+#pragma unroll
+            for (int mt = 0; mt < GEMM_MTILES; mt++) {
+                if (mt < mtiles) {
+                    const uint4 hr[2] = {S.x[mt][lane], S.x[mt][32 + lane]};
+                    const uint4 lr[2] = {S.x[mt][64 + lane], S.x[mt][96 + lane]};
+                    gemm_unit(acc[mt], hr, lr, S.xs[mt][g], S.xs[mt][8 + g], bw, d0, d1);
+                }
+            }
+        }
+        if (KIND == PX_Q8) {
+#pragma unroll
+            for (int q = 0; q < GEMM_TILES; q++) {
+                dw[q] = dwn[q];
+            }
+        }
+        slot = slot == RING - 1 ? 0 : slot + 1;
+    }
+    ds4_grid_launch();
+    gemm_store(B, acc, g, t, mtiles, counters);
+}
+
+extern "C" __global__ void __launch_bounds__(128, GEMM_MIN_BLOCKS)
+    ds4_gemm_px_f16(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters) {
+    gemm_body_px<PX_F16>(descs, count, counters);
+}
+
+extern "C" __global__ void __launch_bounds__(128, GEMM_MIN_BLOCKS)
+    ds4_gemm_px_q8_0(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters) {
+    gemm_body_px<PX_Q8>(descs, count, counters);
+}
+
+extern "C" __global__ void __launch_bounds__(128, GEMM_MIN_BLOCKS)
+    ds4_gemm_px_q8_0_mq(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters) {
+    gemm_body_px<PX_TILED>(descs, count, counters);
 }

@@ -58,6 +58,32 @@ impl Kernel {
             Kernel::Q8_0Tiled => "ds4_gemm_q8_0_mq",
         }
     }
+
+    /// The function name of its form on split x (`ds4_gemm_split`'s tiles).
+    pub(in crate::backend::cuda) fn px_name(self) -> &'static str {
+        match self {
+            Kernel::F16 => "ds4_gemm_px_f16",
+            Kernel::Q8_0 => "ds4_gemm_px_q8_0",
+            Kernel::Q8_0Tiled => "ds4_gemm_px_q8_0_mq",
+        }
+    }
+}
+
+/// Rows of a tile of `ds4_gemm_split`'s output (an m16 tile of the products).
+pub(in crate::backend::cuda) const PX_TILE_ROWS: usize = 16;
+
+// A descriptor's rows start on a tile of the split.
+const _: () = assert!(GEMM_MAX_ROWS.is_multiple_of(PX_TILE_ROWS));
+
+/// Bytes of one tile of `ds4_gemm_split`'s output for rows of `n_in` inputs (gemm.cu
+/// `px_tile_bytes`: per unit of 32 inputs 2048 bytes of A fragments and 64 of scales).
+pub(in crate::backend::cuda) fn px_tile_bytes(n_in: usize) -> usize {
+    2112 * (n_in / UNIT)
+}
+
+/// Bytes of `ds4_gemm_split`'s output for `rows` rows of `n_in` inputs (whole tiles).
+pub(in crate::backend::cuda) fn px_bytes(n_in: usize, rows: usize) -> usize {
+    rows.div_ceil(PX_TILE_ROWS) * px_tile_bytes(n_in)
 }
 
 /// The kernel of the products on `m` (the matrix whose shape picks the kernel, a plane's for

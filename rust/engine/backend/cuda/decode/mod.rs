@@ -507,6 +507,10 @@ struct Bufs {
     /// The argmax of each logits row (u32), for the programs that end with it.
     ids: DevBuf,
     part: DevBuf,
+    /// A prefill call's split x (`ds4_gemm_split`'s tiles, gemm.rs `px_bytes`), `px_bytes`
+    /// bytes: the most any call of a prompt's step splits.
+    px: DevBuf,
+    px_bytes: usize,
     /// Floats of `part` and counters of `counters` that the main stream's launches use (each
     /// call's from 0); the side branch's split products have those past them
     /// (`side_part_floats`, `side_counters_len`), as they may run beside any main launch.
@@ -607,6 +611,10 @@ struct Kernels {
     gemm_f16: sys::CUfunction,
     gemm_q8_0: sys::CUfunction,
     gemm_q8_0_mq: sys::CUfunction,
+    gemm_split: sys::CUfunction,
+    gemm_px_f16: sys::CUfunction,
+    gemm_px_q8_0: sys::CUfunction,
+    gemm_px_q8_0_mq: sys::CUfunction,
     moe_mma_iq2: sys::CUfunction,
     moe_mma_q2k: sys::CUfunction,
     /// Every handle above with its name (profiles).
@@ -659,6 +667,10 @@ impl Kernels {
             gemm_f16: f(gemm::Kernel::F16.name())?,
             gemm_q8_0: f(gemm::Kernel::Q8_0.name())?,
             gemm_q8_0_mq: f(gemm::Kernel::Q8_0Tiled.name())?,
+            gemm_split: f("ds4_gemm_split")?,
+            gemm_px_f16: f(gemm::Kernel::F16.px_name())?,
+            gemm_px_q8_0: f(gemm::Kernel::Q8_0.px_name())?,
+            gemm_px_q8_0_mq: f(gemm::Kernel::Q8_0Tiled.px_name())?,
             moe_mma_iq2: f("ds4_moe_mma_iq2_xxs")?,
             moe_mma_q2k: f("ds4_moe_mma_q2_k")?,
             names: Vec::new(),
@@ -723,6 +735,10 @@ pub(crate) struct CudaDecoder {
     /// Whether those take the Q8_0 products on the decode's tensor-core layout too
     /// (`ds4_gemm_q8_0_mq`; `DS4_CUDA_GEMM_MQ=0`: the decode's kernel, 16 rows a weight read).
     gemm_mq: bool,
+    /// Whether those products read x split once a call (`ds4_gemm_split`, then
+    /// `ds4_gemm_px_*`: the same bits) rather than each block splitting what it reads
+    /// (`DS4_CUDA_GEMM_PX=0`).
+    gemm_px: bool,
     /// Whether the steps now are a prompt's ([`DeviceDecoder::set_prefill`]).
     prefill: bool,
     /// Most rows of a prompt's step ([`prefill_rows`]); the buffers hold this many rows.
@@ -1016,6 +1032,7 @@ impl CudaDecoder {
         let side_proj = setting("DS4_CUDA_SIDE_PROJ")?;
         let hc_fused = setting("DS4_CUDA_HC_SITE")? && backend.compute_capability().0 >= 9;
         let gemm_mq = setting("DS4_CUDA_GEMM_MQ")?;
+        let gemm_px = gemm_on && setting("DS4_CUDA_GEMM_PX")?;
         let attn_mma = setting("DS4_CUDA_ATTN_MMA")?;
         let index_mma = setting("DS4_CUDA_INDEX_MMA")?;
         let bands = program::bands_setting(std::env::var("DS4_CUDA_BANDS").ok().as_deref())?;
@@ -1176,6 +1193,34 @@ impl CudaDecoder {
         }
         need(&[w.hc_head.proj], rows);
         need(&[w.output], rows);
+        // The split x of a prompt's step (gemm_px): per call the inputs of its tensor-core
+        // products, at most one split each (o_a's groups, each its own input: o_groups).
+        let mut px_bytes = 0usize;
+        if gemm_px {
+            let px = |mats: &[(Mat, usize)]| -> usize {
+                mats.iter()
+                    .filter(|(m, _)| gemm::kernel(m, gemm_mq).is_some())
+                    .map(|(m, k)| k * gemm::px_bytes(m.n_in, rows))
+                    .sum()
+            };
+            for l in &w.layers {
+                let mut g2 = vec![(l.q_b, 1)];
+                g2.extend(program::projections_of_h(l).into_iter().map(|(m, _)| (m, 1)));
+                g2.extend(l.indexer.as_ref().map(|i| (i.q_b, 1)));
+                let calls = [
+                    px(&[(l.hc_attn.proj, 1)]),
+                    px(&[(l.q_a, 1), (l.kv, 1)]),
+                    px(&g2),
+                    px(&[(l.o_a, cfg.o_groups)]),
+                    px(&[(l.o_b, 1)]),
+                    px(&[(l.hc_ffn.proj, 1)]),
+                    px(&[(l.router_proj, 1), (l.gate_sh, 1), (l.up_sh, 1)]),
+                    px(&[(l.down_sh, 1)]),
+                ];
+                px_bytes = px_bytes.max(calls.into_iter().max().unwrap_or(0));
+            }
+            px_bytes = px_bytes.max(px(&[(w.hc_head.proj, 1)])).max(px(&[(w.output, 1)]));
+        }
         if let Some(mw) = mtp_w {
             match &mw.input {
                 // The upkeep's N_MAX pairs: hc rows of streams each.
@@ -1329,6 +1374,8 @@ impl CudaDecoder {
             logits: f32_buf(rows * cfg.vocab)?,
             ids: DevBuf::zeroed(4 * rows)?,
             part: f32_buf(part_floats + side_need.0)?,
+            px: DevBuf::zeroed(px_bytes.max(16))?,
+            px_bytes,
             part_floats,
             counters: DevBuf::zeroed(4 * (counters_len + side_need.1).max(1))?,
             counters_len,
@@ -1364,6 +1411,7 @@ impl CudaDecoder {
             hc_fused,
             gemm_on,
             gemm_mq,
+            gemm_px,
             prefill: false,
             prefill_rows: rows,
             prefill_chunk,

@@ -491,11 +491,73 @@ impl CudaDecoder {
             let rest: Vec<(Mat, u64, u64, usize)> = prods.iter().copied().filter(|pr| !on_tc(pr)).collect();
             let prods = rest.as_slice();
             if !tc.is_empty() {
+                // With gemm_px each input of the call (its x, width and layout) is split once
+                // into b.px, inputs that follow one another in memory (o_a's groups) as one:
+                // (x, n_in, tiled, rows, offset in b.px). (Only the main stream's calls: a
+                // prompt's step queues no products on the side branch.)
+                let px = self.gemm_px && !side;
+                let tiled_of = |m: &Mat| gemm::kernel(&kmat(m), self.gemm_mq) == Some(gemm::Kernel::Q8_0Tiled);
+                let mut splits: Vec<(u64, usize, bool, usize, usize)> = Vec::new();
+                if px {
+                    let mut end = 0usize;
+                    for &(m, x, _, rows) in &tc {
+                        let (n_in, tiled) = (m.n_in, tiled_of(&m));
+                        if splits.iter().any(|s| (s.0, s.1, s.2) == (x, n_in, tiled) && s.3 >= rows) {
+                            continue;
+                        }
+                        if let Some(last) = splits.last_mut() {
+                            if (last.1, last.2) == (n_in, tiled)
+                                && last.3.is_multiple_of(gemm::PX_TILE_ROWS)
+                                && x == last.0 + 4 * (last.3 * n_in) as u64
+                            {
+                                last.3 += rows;
+                                end = last.4 + gemm::px_bytes(n_in, last.3);
+                                continue;
+                            }
+                        }
+                        splits.push((x, n_in, tiled, rows, end));
+                        end += gemm::px_bytes(n_in, rows);
+                    }
+                    if end > b.px_bytes {
+                        return Err(Error::Backend("CUDA decode: split-x buffer too small (internal)".into()));
+                    }
+                    for &(x, n_in, tiled, rows, off) in &splits {
+                        launch(
+                            ops,
+                            k.gemm_split,
+                            ((n_in / 32).div_ceil(8) as u32, rows.div_ceil(gemm::PX_TILE_ROWS) as u32, 1),
+                            256,
+                            0,
+                            vec![p(x), i(n_in), i(rows), i(tiled as usize), p(b.px.ptr + off as u64)],
+                        );
+                    }
+                }
+                // The split of row r0 (a multiple of the tile rows) of a product's x.
+                let split_x = |m: &Mat, x: u64, r0: usize| -> Result<u64> {
+                    let (n_in, tiled) = (m.n_in, tiled_of(m));
+                    let row_bytes = 4 * n_in as u64;
+                    splits
+                        .iter()
+                        .find(|s| {
+                            (s.1, s.2) == (n_in, tiled)
+                                && x >= s.0
+                                && (x - s.0).is_multiple_of(row_bytes)
+                                && (x - s.0) / row_bytes < s.3 as u64
+                        })
+                        .map(|s| {
+                            let r = ((x - s.0) / row_bytes) as usize + r0;
+                            b.px.ptr + (s.4 + r / gemm::PX_TILE_ROWS * gemm::px_tile_bytes(n_in)) as u64
+                        })
+                        .ok_or_else(|| Error::Backend("CUDA decode: an input without its split (internal)".into()))
+                };
                 for kind in gemm::Kernel::ALL {
-                    let f = match kind {
-                        gemm::Kernel::F16 => k.gemm_f16,
-                        gemm::Kernel::Q8_0 => k.gemm_q8_0,
-                        gemm::Kernel::Q8_0Tiled => k.gemm_q8_0_mq,
+                    let f = match (kind, px) {
+                        (gemm::Kernel::F16, false) => k.gemm_f16,
+                        (gemm::Kernel::Q8_0, false) => k.gemm_q8_0,
+                        (gemm::Kernel::Q8_0Tiled, false) => k.gemm_q8_0_mq,
+                        (gemm::Kernel::F16, true) => k.gemm_px_f16,
+                        (gemm::Kernel::Q8_0, true) => k.gemm_px_q8_0,
+                        (gemm::Kernel::Q8_0Tiled, true) => k.gemm_px_q8_0_mq,
                     };
                     let mine: Vec<&(Mat, u64, u64, usize)> =
                         tc.iter().filter(|pr| gemm::kernel(&kmat(&pr.0), self.gemm_mq) == Some(kind)).collect();
@@ -513,7 +575,8 @@ impl CudaDecoder {
                         while r0 < rows {
                             let c = (rows - r0).min(gemm::GEMM_MAX_ROWS);
                             let part = b.part.ptr + 4 * part_off as u64;
-                            let (xc, yc) = (x + 4 * (r0 * m.n_in) as u64, y + 4 * (r0 * ys) as u64);
+                            let xc = if px { split_x(&m, x, r0)? } else { x + 4 * (r0 * m.n_in) as u64 };
+                            let yc = y + 4 * (r0 * ys) as u64;
                             let (mut dsc, nblocks) =
                                 gemm::desc(cur.get().addr(m.start), &m, launch_rows, xc, yc, ys, part, c, counter);
                             dsc.block_start = blocks as i32;

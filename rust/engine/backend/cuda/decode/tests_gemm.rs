@@ -50,6 +50,54 @@ fn run(ctx: &super::super::context::Context, w: &DevBuf, m: &Mat, x: &[f32], n: 
     y.read(0, n * m.n_out).unwrap()
 }
 
+/// `y = W x` of the `n` rows of `x` by `ds4_gemm_split` and the split-x form of `m`'s prefill
+/// kernel (descriptors of at most [`gemm::GEMM_MAX_ROWS`] rows over the split's tiles).
+fn run_px(ctx: &super::super::context::Context, w: &DevBuf, m: &Mat, x: &[f32], n: usize) -> Vec<f32> {
+    let xb = DevBuf::from_slice(x).unwrap();
+    let kind = gemm::kernel(m, true).unwrap();
+    let tiled = kind == gemm::Kernel::Q8_0Tiled;
+    let xs = DevBuf::zeroed(gemm::px_bytes(m.n_in, n)).unwrap();
+    let split = ctx.function("ds4_gemm_split").unwrap();
+    let args =
+        [Arg::Ptr(xb.at(0)), Arg::I32(m.n_in as i32), Arg::I32(n as i32), Arg::I32(tiled as i32), Arg::Ptr(xs.at(0))];
+    let grid = ((m.n_in / 32).div_ceil(8) as u32, n.div_ceil(gemm::PX_TILE_ROWS) as u32, 1);
+    ctx.launch_args(split, grid, 256, 0, &args).unwrap();
+    let y = DevBuf::zeroed(4 * n * m.n_out).unwrap();
+    let s = gemm::slices(m, m.n_out);
+    let part = DevBuf::zeroed(4 * s * n * m.n_out).unwrap();
+    let counters = DevBuf::zeroed(4 * 4096).unwrap();
+    let (mut descs, mut blocks) = (Vec::new(), 0usize);
+    for (ci, r0) in (0..n).step_by(gemm::GEMM_MAX_ROWS).enumerate() {
+        let c = (n - r0).min(gemm::GEMM_MAX_ROWS);
+        let tile = r0 / gemm::PX_TILE_ROWS * gemm::px_tile_bytes(m.n_in);
+        let (mut d, nb): (Desc, usize) = gemm::desc(
+            w.at(m.start),
+            m,
+            m.n_out,
+            xs.at(tile),
+            y.at(4 * r0 * m.n_out),
+            m.n_out,
+            part.at(4 * r0 * s * m.n_out),
+            c,
+            ci * nb_rows(m),
+        );
+        d.block_start = blocks as i32;
+        blocks += nb;
+        descs.push(d);
+    }
+    let table = DevBuf::from_slice(&descs).unwrap();
+    let f = ctx.function(kind.px_name()).unwrap();
+    let args = [Arg::Ptr(table.at(0)), Arg::I32(descs.len() as i32), Arg::Ptr(counters.at(0))];
+    ctx.launch_args(f, (blocks as u32, 1, 1), 128, 0, &args).unwrap();
+    ctx.sync().unwrap();
+    y.read(0, n * m.n_out).unwrap()
+}
+
+/// Row blocks of a prefill product of `m` (a descriptor's counters).
+fn nb_rows(m: &Mat) -> usize {
+    m.n_out.div_ceil(128)
+}
+
 /// Each output within `2e-6 * sum |w x|` of the exact product of the dequantized weights (x
 /// is kept to 22 bits a unit of 32, whatever the rest of its row holds), and bitwise the same
 /// whatever the rows beside it (1..=64 rows: one to four m16 tiles a descriptor).
@@ -110,6 +158,25 @@ fn prefill_products_match_the_float_product_and_are_row_invariant() {
                         "{ty} {n_out}x{n_in} n={n}: row {r} out {o} differs from the row alone"
                     );
                 }
+            }
+            // The split-x kernels: the same bits.
+            let px = run_px(&ctx, &w, &m, &x[..n * n_in], n);
+            for (j, (a, b)) in px.iter().zip(&y).enumerate() {
+                assert_eq!(a.to_bits(), b.to_bits(), "{ty} {n_out}x{n_in} n={n}: split-x output {j}: {a} against {b}");
+            }
+        }
+        // Several descriptors over one split (a prompt's step of more rows than one takes).
+        let many = 3 * ROWS + 5;
+        let xm = randn(many * n_in, 300 + si as u64, 1.0);
+        let px = run_px(&ctx, &w, &m, &xm, many);
+        for r in [0, ROWS - 1, ROWS, 2 * ROWS + 17, many - 1] {
+            let one = run(&ctx, &w, &m, &xm[r * n_in..(r + 1) * n_in], 1);
+            for o in 0..n_out {
+                assert_eq!(
+                    px[r * n_out + o].to_bits(),
+                    one[o].to_bits(),
+                    "{ty} {n_out}x{n_in}: {many} rows, row {r} out {o}"
+                );
             }
         }
         let kernel = gemm::kernel(&m, true).unwrap().name();
