@@ -60,23 +60,21 @@ __device__ __forceinline__ void gemm_f16x2_to_f32(u32 h, float& a, float& b) {
 // A row's unit for lane t of its quad: v holds physical inputs [8t, 8t + 8). Returns the scale
 // back (a power of two) and writes the hi and lo pairs: p[s][0] = inputs 8t + 4s + {0, 1},
 // p[s][1] = 8t + 4s + {2, 3}.
-__device__ __forceinline__ float gemm_split_x(const float (&v)[8], u32 (&hi)[2][2], u32 (&lo)[2][2]) {
-    float m = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        m = fmaxf(m, fabsf(v[i]));
-    }
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-    // m = 1.f * 2^(E - 127): scale by 2^(14 - (E - 126)), so that the largest |x| lands in
-    // [2^13, 2^14): far from f16's overflow, and lo keeps its bits above f16's subnormals.
+// The power of two that puts a largest |x| of m in [2^13, 2^14) (1 for 0, an infinity or a
+// NaN): m = 1.f * 2^(E - 127) is scaled by 2^(14 - (E - 126)), far from f16's overflow, and lo
+// keeps its bits above f16's subnormals.
+__device__ __forceinline__ int gemm_split_shift(float m) {
     int sh = 0;
     if (m > 0.0f && m <= 3.402823466e38f) {
         const int e = (int)((__float_as_uint(m) >> 23) & 0xff) - 126;
         sh = 14 - e;
         sh = sh < -100 ? -100 : (sh > 100 ? 100 : sh);
     }
-    const float sc = __uint_as_float((u32)(127 + sh) << 23);
+    return sh;
+}
+
+// v times sc as hi and lo pairs (gemm_split_x's order).
+__device__ __forceinline__ void gemm_split_scaled(const float (&v)[8], float sc, u32 (&hi)[2][2], u32 (&lo)[2][2]) {
 #pragma unroll
     for (int st = 0; st < 2; st++) {
 #pragma unroll
@@ -90,6 +88,18 @@ __device__ __forceinline__ float gemm_split_x(const float (&v)[8], u32 (&hi)[2][
             lo[st][j] = gemm_f16x2(a - ha, b - hb);
         }
     }
+}
+
+__device__ __forceinline__ float gemm_split_x(const float (&v)[8], u32 (&hi)[2][2], u32 (&lo)[2][2]) {
+    float m = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        m = fmaxf(m, fabsf(v[i]));
+    }
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    const int sh = gemm_split_shift(m);
+    gemm_split_scaled(v, __uint_as_float((u32)(127 + sh) << 23), hi, lo);
     return __uint_as_float((u32)(127 - sh) << 23);
 }
 
@@ -733,75 +743,98 @@ extern "C" __global__ void __launch_bounds__(128, GEMM_MIN_BLOCKS)
 }
 
 
-// ---- A prompt's products on x split once (ds4_gemm_split, then ds4_gemm_px_*)
+// ---- A prompt's products on x split once a call (ds4_gemm_split, then ds4_gemm_px_*)
 //
-// The kernels above split each unit of x (gemm_split_x) in every block that reads it, so a
+// The kernels above split each unit of x (gemm_split_x) in every block that reads it: a
 // product of n_out rows splits each unit n_out / 128 times (q_b: 256 times), and the split and
 // the staging of its halves were about a third of the loop (ds4_gemm_q8_0_mq: 588 SASS
 // instructions a unit for 64 HMMA). Here ds4_gemm_split writes each row's split once, already
 // as the mma's A fragments, and the products copy those into shared memory by cp.async as they
-// copy their weights: their loop is copies, fragment loads, the weights' conversion, the mma
-// and the scaling. The split is gemm_split_x's and the sums gemm_unit's, in the same order, so
-// the results are the kernels' above bit for bit (tests_gemm checks it).
+// copy their weights, from sources set up once and advanced a unit at a time (the loop: 403
+// instructions a unit). The split is gemm_split_x's and the sums gemm_unit's, in the same
+// order, so the results are the kernels' above bit for bit (tests_gemm checks it). On an H200
+// (Flash, 2026-12-03, interleaved in one process, DS4_CUDA_GEMM_PX=0 for the kernels above):
+// prompts of 2048 / 8192 tokens at 2202 / 2126 tok/s against 2101 / 2018. In a traced 1024-row
+// step the products of the tiled layout took 72.9 ms, the float-x Q8_0 ones 39.5 and the F16
+// ones 16.7, against 94.8, 49.1 and 23.6 in the last trace without the split, and the splits
+// 13.4 ms (8.0 on the critical path; 408 launches, most of their bytes the hyper-connections'
+// inputs of 16384 floats). (Tried: products of fewer than 512 rows, those hyper-connection and
+// router products, on the kernels above, with no split: the splits then took 5.1 ms, but those
+// F16 products 13.2 ms on gemm_body against about 7 here, and prompts ran at 2136 / 2065 tok/s
+// against 2044 / 1966: no better. Also tried: one power of two a row instead of one a unit, so
+// that a unit's sums need no scaling of their own (F16's loop 189 instructions). Not kept: an
+// input 2^-17 below its row's largest then keeps fewer than 22 bits, and rows with one large
+// value fail tests_gemm's bound.)
 //
-// The split of rows in tiles of 16 (a tile of U = n_in / 32 units: px_tile_bytes(U) bytes):
-// unit u's 2048 bytes at 2048 u, the fragments f = 0..3 (hi step 0, hi step 1, lo step 0, lo
-// step 1) of lane l at 16 (32 f + l), each as gemm_stage_x lays out GemmX (rows g and g + 8
-// interleaved as the mma takes its registers); then the units' scales back, 16 floats a unit
-// (row order) at 2048 U + 64 u. A lane's eight inputs of a row are those of the weight layout
-// (TILED: [4t, 4t + 4) and [16 + 4t, 20 + 4t); else [8t, 8t + 8)). Rows past the last are
-// split as zeros, so a tile is whole.
+// The split of rows in tiles of 16 (px_tile_bytes(U) bytes a tile of U = n_in / 32 units):
+// unit u's 2048 bytes at 2048 u, fragment f = 0..3 (hi step 0, hi step 1, lo step 0, lo step 1)
+// of lane l at 16 (32 f + l), as gemm_stage_x lays out GemmX (rows g and g + 8 interleaved as
+// the mma takes its registers); then the units' scales back, 16 floats a unit (row order) at
+// 2048 U + 64 u. A lane's eight inputs of a row are those of the weight layout (TILED: [4t,
+// 4t + 4) and [16 + 4t, 20 + 4t); else [8t, 8t + 8)). Rows past the last are split as zeros.
 
 __device__ __forceinline__ long long px_tile_bytes(int units) {
     return 2112ll * units;
 }
 
-// Splits rows [0, rows) of x (rows of n_in floats, 16-byte aligned) into out, a warp a (tile,
-// unit): block 256, grid (ceil(units / 8), ceil(rows / 16)).
+// Units of a row a warp of ds4_gemm_split takes (their loads in flight together).
+#define PX_SPLIT_UNITS 4
+
+// Splits rows [0, rows) of x (rows of n_in floats, 16-byte aligned) into out. Block 256; grid
+// (ceil(units / (8 PX_SPLIT_UNITS)), ceil(rows / 16)): warp w of block x takes units
+// 8 PX_SPLIT_UNITS x + w + 8 k of tile y, k < PX_SPLIT_UNITS.
 extern "C" __global__ void __launch_bounds__(256)
     ds4_gemm_split(const float* __restrict__ x, int n_in, int rows, int tiled, u8* __restrict__ out) {
     ds4_grid_deps();
     const int units = n_in >> 5;
-    const int u = blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2;
     const int t = lane & 3;
-    if (u >= units) {
-        ds4_grid_launch();
-        return;  // the whole warp
-    }
-    float4 xv[2][2];
+    const int ub = 8 * PX_SPLIT_UNITS * blockIdx.x + warp;
+    float4 xv[PX_SPLIT_UNITS][2][2];
 #pragma unroll
-    for (int p = 0; p < 2; p++) {
-        const int r = 16 * blockIdx.y + 8 * p + g;
-        xv[p][0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        xv[p][1] = xv[p][0];
-        if (r < rows) {
-            const float4* xr = (const float4*)(x + (long long)r * n_in + 32 * u);
-            xv[p][0] = tiled ? xr[t] : xr[2 * t];
-            xv[p][1] = tiled ? xr[4 + t] : xr[2 * t + 1];
+    for (int k = 0; k < PX_SPLIT_UNITS; k++) {
+        const int u = ub + 8 * k;
+#pragma unroll
+        for (int p = 0; p < 2; p++) {
+            const int r = 16 * blockIdx.y + 8 * p + g;
+            xv[k][p][0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            xv[k][p][1] = xv[k][p][0];
+            if (u < units && r < rows) {
+                const float4* xr = (const float4*)(x + (long long)r * n_in + 32 * u);
+                xv[k][p][0] = tiled ? xr[t] : xr[2 * t];
+                xv[k][p][1] = tiled ? xr[4 + t] : xr[2 * t + 1];
+            }
         }
     }
     ds4_grid_launch();
-    u32 hi[2][2][2], lo[2][2][2];
-    float back[2];
-#pragma unroll
-    for (int p = 0; p < 2; p++) {
-        const float v[8] = {xv[p][0].x, xv[p][0].y, xv[p][0].z, xv[p][0].w,
-                            xv[p][1].x, xv[p][1].y, xv[p][1].z, xv[p][1].w};
-        back[p] = gemm_split_x(v, hi[p], lo[p]);
-    }
     u8* tb = out + (long long)blockIdx.y * px_tile_bytes(units);
-    uint4* f = (uint4*)(tb + 2048ll * u);
 #pragma unroll
-    for (int st = 0; st < 2; st++) {
-        f[32 * st + lane] = make_uint4(hi[0][st][0], hi[1][st][0], hi[0][st][1], hi[1][st][1]);
-        f[32 * (2 + st) + lane] = make_uint4(lo[0][st][0], lo[1][st][0], lo[0][st][1], lo[1][st][1]);
-    }
-    if (t == 0) {
-        float* s = (float*)(tb + 2048ll * units + 64ll * u);
-        s[g] = back[0];
-        s[8 + g] = back[1];
+    for (int k = 0; k < PX_SPLIT_UNITS; k++) {
+        const int u = ub + 8 * k;
+        if (u >= units) {
+            break;  // the whole warp
+        }
+        u32 hi[2][2][2], lo[2][2][2];
+        float back[2];
+#pragma unroll
+        for (int p = 0; p < 2; p++) {
+            const float v[8] = {xv[k][p][0].x, xv[k][p][0].y, xv[k][p][0].z, xv[k][p][0].w,
+                                xv[k][p][1].x, xv[k][p][1].y, xv[k][p][1].z, xv[k][p][1].w};
+            back[p] = gemm_split_x(v, hi[p], lo[p]);
+        }
+        uint4* f = (uint4*)(tb + 2048ll * u);
+#pragma unroll
+        for (int st = 0; st < 2; st++) {
+            f[32 * st + lane] = make_uint4(hi[0][st][0], hi[1][st][0], hi[0][st][1], hi[1][st][1]);
+            f[32 * (2 + st) + lane] = make_uint4(lo[0][st][0], lo[1][st][0], lo[0][st][1], lo[1][st][1]);
+        }
+        if (t == 0) {
+            float* sc = (float*)(tb + 2048ll * units + 64ll * u);
+            sc[g] = back[0];
+            sc[8 + g] = back[1];
+        }
     }
 }
 
@@ -839,51 +872,92 @@ struct PxSlot<PX_TILED> {
     u32 s[2][128];    // the tile's scale word of rows g and g + 8
 };
 
-// This thread's copies of unit u: the split x of the block's m16 tiles (a 16-byte piece of each
-// tile; threads 4 mt .. 4 mt + 3 also tile mt's scales), from xt = the thread's piece of unit
-// 0 of tile 0 (xs: of the scales), tiles tb bytes apart.
+// A thread's copy sources, each at the unit to copy next and advanced a unit at a time (by 0
+// for a row or tile the warp lacks, whose copies are zeros from a valid address): x its 16-byte
+// piece of tile 0 (tiles tb apart), xs (threads 4 mt + 0..3) its quarter of tile mt's scales; w
+// its weight bytes of each n8 tile (TILED: of each 16-row
+// tile, and ws their scale words).
+struct PxSrc {
+    const u8* x;
+    const u8* xs;
+    const u8* w[GEMM_TILES];
+    const u8* ws[GEMM_TILES / 2];
+    int wstep[GEMM_TILES];
+    int sstep[GEMM_TILES / 2];
+    bool has[GEMM_TILES];
+};
+
 template <int KIND>
-__device__ __forceinline__ void px_copy_x(PxSlot<KIND>& S, const u8* xt, const u8* xs, long long tb, int u,
-                                          int mtiles, int tid) {
+__device__ __forceinline__ PxSrc px_src(const MvDesc& D, const u8* const (&wrow)[GEMM_TILES], int units, int u0,
+                                        int tid, int lane) {
+    PxSrc P;
+    P.x = (const u8*)D.x + 16 * tid + 2048ll * u0;
+    P.xs = (const u8*)D.x + (tid >> 2) * px_tile_bytes(units) + 2048ll * units + 16 * (tid & 3) + 64ll * u0;
+#pragma unroll
+    for (int q = 0; q < GEMM_TILES; q++) {
+        const u8* r = wrow[q];
+        P.has[q] = r != nullptr;
+        if (KIND == PX_TILED) {
+            if (q < GEMM_TILES / 2) {
+                const u8* tr = wrow[2 * q];
+                P.has[q] = tr != nullptr;
+                P.w[q] = tr ? tr + 16 * lane + 512ll * u0 : D.w;
+                P.wstep[q] = tr ? 512 : 0;
+                P.ws[q] = tr ? tr + 512ll * units + 4 * (lane >> 2) + 32ll * u0 : D.w;
+                P.sstep[q] = tr ? 32 : 0;
+            }
+        } else {
+            const int ub = KIND == PX_Q8 ? 32 : 64;
+            P.w[q] = r ? r + (KIND == PX_Q8 ? 8 : 16) * (lane & 3) + (long long)ub * u0 : D.w;
+            P.wstep[q] = r ? ub : 0;
+        }
+    }
+    return P;
+}
+
+// The weights of the unit at P into S (gemm_load_w's bytes; zeros where the warp lacks the
+// row), then P's weight sources advanced a unit.
+__device__ __forceinline__ void px_copy_w(PxSlot<PX_TILED>& S, PxSrc& P, int tid) {
+#pragma unroll
+    for (int j = 0; j < GEMM_TILES / 2; j++) {
+        cp_async16(&S.w[j][tid], P.w[j], P.has[j]);
+        cp_async4(&S.s[j][tid], P.ws[j], P.has[j]);
+        P.w[j] += P.wstep[j];
+        P.ws[j] += P.sstep[j];
+    }
+}
+
+__device__ __forceinline__ void px_copy_w(PxSlot<PX_Q8>& S, PxSrc& P, int tid) {
+#pragma unroll
+    for (int q = 0; q < GEMM_TILES; q++) {
+        cp_async8(&S.w[q][tid], P.w[q], P.has[q]);
+        P.w[q] += P.wstep[q];
+    }
+}
+
+__device__ __forceinline__ void px_copy_w(PxSlot<PX_F16>& S, PxSrc& P, int tid) {
+#pragma unroll
+    for (int q = 0; q < GEMM_TILES; q++) {
+        cp_async16(&S.w[q][tid], P.w[q], P.has[q]);
+        P.w[q] += P.wstep[q];
+    }
+}
+
+// The split x of the unit at P into S (the block's m16 tiles, a 16-byte piece of each a
+// thread), then P's x advanced a unit.
+template <int KIND>
+__device__ __forceinline__ void px_copy_x(PxSlot<KIND>& S, PxSrc& P, long long tb, int mtiles, int tid) {
 #pragma unroll
     for (int mt = 0; mt < GEMM_MTILES; mt++) {
         if (mt < mtiles) {
-            cp_async16(&S.x[mt][tid], xt + mt * tb + 2048ll * u, true);
+            cp_async16(&S.x[mt][tid], P.x + mt * tb, true);
         }
     }
     if (tid < 4 * mtiles) {
-        cp_async16(&S.xs[tid >> 2][4 * (tid & 3)], xs + (tid >> 2) * tb + 64ll * u, true);
+        cp_async16(&S.xs[tid >> 2][4 * (tid & 3)], P.xs, true);
     }
-}
-
-// The lane's weight bytes of unit u into S (gemm_load_w's bytes; zeros for a null row or tile).
-__device__ __forceinline__ void px_copy_w(PxSlot<PX_TILED>& S, int u, int tid, int lane,
-                                          const u8* const (&wrow)[GEMM_TILES], int units, const u8* any) {
-#pragma unroll
-    for (int j = 0; j < GEMM_TILES / 2; j++) {
-        const u8* r = wrow[2 * j];
-        cp_async16(&S.w[j][tid], r ? r + 512 * (long long)u + 16 * lane : any, r != nullptr);
-        cp_async4(&S.s[j][tid], r ? r + 512 * (long long)units + 32 * (long long)u + 4 * (lane >> 2) : any,
-                  r != nullptr);
-    }
-}
-
-__device__ __forceinline__ void px_copy_w(PxSlot<PX_Q8>& S, int u, int tid, int lane,
-                                          const u8* const (&wrow)[GEMM_TILES], int, const u8* any) {
-#pragma unroll
-    for (int q = 0; q < GEMM_TILES; q++) {
-        const u8* r = wrow[q];
-        cp_async8(&S.w[q][tid], r ? r + 32 * (long long)u + 8 * (lane & 3) : any, r != nullptr);
-    }
-}
-
-__device__ __forceinline__ void px_copy_w(PxSlot<PX_F16>& S, int u, int tid, int lane,
-                                          const u8* const (&wrow)[GEMM_TILES], int, const u8* any) {
-#pragma unroll
-    for (int q = 0; q < GEMM_TILES; q++) {
-        const u8* r = wrow[q];
-        cp_async16(&S.w[q][tid], r ? r + 64 * (long long)u + 16 * (lane & 3) : any, r != nullptr);
-    }
+    P.x += 2048;
+    P.xs += 64;
 }
 
 // A slot's weights as gemm_load_w gives them (TILED: the scales too; Q8_0's float-x scales
@@ -944,8 +1018,7 @@ __device__ __forceinline__ void gemm_body_px(const MvDesc* __restrict__ descs, i
     const u8* wrow[GEMM_TILES];
     const float* xsrc_unused[2];
     gemm_rows<TILED>(B, warp, g, t, wrow, xsrc_unused);
-    const u8* xt = (const u8*)D.x + 16 * tid;
-    const u8* xs = (const u8*)D.x + 2048ll * units + 16 * (tid & 3);
+    PxSrc P = px_src<KIND>(D, wrow, units, u0, tid, lane);
     float acc[GEMM_MTILES][GEMM_TILES][4] = {};
     gemm_prefetch<Q8, TILED>(B, lane, wrow, units, u0, u1);
     // The float-x layout's scales: unit u's in dw, the next unit's loaded a unit ahead.
@@ -953,13 +1026,12 @@ __device__ __forceinline__ void gemm_body_px(const MvDesc* __restrict__ descs, i
     if (KIND == PX_Q8 && u0 < u1) {
         gemm_q8_scales(u0, wrow, units, dw);
     }
-    const u8* any = D.w;
     // The first RING - 1 units' weights (one group), then, after the previous kernel, their x
     // (a group each).
 #pragma unroll
     for (int k = 0; k < RING - 1; k++) {
         if (u0 + k < u1) {
-            px_copy_w(ring[k], u0 + k, tid, lane, wrow, units, any);
+            px_copy_w(ring[k], P, tid);
         }
     }
     cp_async_commit();
@@ -967,7 +1039,7 @@ __device__ __forceinline__ void gemm_body_px(const MvDesc* __restrict__ descs, i
 #pragma unroll
     for (int k = 0; k < RING - 1; k++) {
         if (u0 + k < u1) {
-            px_copy_x(ring[k], xt, xs, tb, u0 + k, mtiles, tid);
+            px_copy_x(ring[k], P, tb, mtiles, tid);
         }
         cp_async_commit();
     }
@@ -980,11 +1052,10 @@ __device__ __forceinline__ void gemm_body_px(const MvDesc* __restrict__ descs, i
         // every warp is past unit u - 1, whose slot the next copies fill.
         cp_async_wait<RING - 2>();
         __syncthreads();
-        const int nu = u + RING - 1;
-        if (nu < u1) {
+        if (u + RING - 1 < u1) {
             PxSlot<KIND>& N = ring[slot == 0 ? RING - 1 : slot - 1];
-            px_copy_w(N, nu, tid, lane, wrow, units, any);
-            px_copy_x(N, xt, xs, tb, nu, mtiles, tid);
+            px_copy_w(N, P, tid);
+            px_copy_x(N, P, tb, mtiles, tid);
         }
         cp_async_commit();
         const PxSlot<KIND>& S = ring[slot];
@@ -997,8 +1068,10 @@ __device__ __forceinline__ void gemm_body_px(const MvDesc* __restrict__ descs, i
 #pragma unroll
             for (int mt = 0; mt < GEMM_MTILES; mt++) {
                 if (mt < mtiles) {
-                    const uint4 hr[2] = {S.x[mt][lane], S.x[mt][32 + lane]};
-                    const uint4 lr[2] = {S.x[mt][64 + lane], S.x[mt][96 + lane]};
+                    const uint4 h0 = S.x[mt][lane], h1 = S.x[mt][32 + lane];
+                    const uint4 l0 = S.x[mt][64 + lane], l1 = S.x[mt][96 + lane];
+                    const uint4 hr[2] = {h0, h1};
+                    const uint4 lr[2] = {l0, l1};
                     gemm_unit(acc[mt], hr, lr, S.xs[mt][g], S.xs[mt][8 + g], bw, d0, d1);
                 }
             }

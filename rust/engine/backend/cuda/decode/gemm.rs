@@ -81,6 +81,12 @@ pub(in crate::backend::cuda) fn px_tile_bytes(n_in: usize) -> usize {
     2112 * (n_in / UNIT)
 }
 
+/// The grid of `ds4_gemm_split` for `rows` rows of `n_in` inputs: blocks of eight warps, each
+/// `PX_SPLIT_UNITS` (gemm.cu: 4) units of a tile.
+pub(in crate::backend::cuda) fn px_split_grid(n_in: usize, rows: usize) -> (u32, u32, u32) {
+    ((n_in / UNIT).div_ceil(8 * 4) as u32, rows.div_ceil(PX_TILE_ROWS) as u32, 1)
+}
+
 /// Bytes of `ds4_gemm_split`'s output for `rows` rows of `n_in` inputs (whole tiles).
 pub(in crate::backend::cuda) fn px_bytes(n_in: usize, rows: usize) -> usize {
     rows.div_ceil(PX_TILE_ROWS) * px_tile_bytes(n_in)

@@ -525,7 +525,7 @@ impl CudaDecoder {
                         launch(
                             ops,
                             k.gemm_split,
-                            ((n_in / 32).div_ceil(8) as u32, rows.div_ceil(gemm::PX_TILE_ROWS) as u32, 1),
+                            gemm::px_split_grid(n_in, rows),
                             256,
                             0,
                             vec![p(x), i(n_in), i(rows), i(tiled as usize), p(b.px.ptr + off as u64)],

@@ -60,7 +60,7 @@ fn run_px(ctx: &super::super::context::Context, w: &DevBuf, m: &Mat, x: &[f32], 
     let split = ctx.function("ds4_gemm_split").unwrap();
     let args =
         [Arg::Ptr(xb.at(0)), Arg::I32(m.n_in as i32), Arg::I32(n as i32), Arg::I32(tiled as i32), Arg::Ptr(xs.at(0))];
-    let grid = ((m.n_in / 32).div_ceil(8) as u32, n.div_ceil(gemm::PX_TILE_ROWS) as u32, 1);
+    let grid = gemm::px_split_grid(m.n_in, n);
     ctx.launch_args(split, grid, 256, 0, &args).unwrap();
     let y = DevBuf::zeroed(4 * n * m.n_out).unwrap();
     let s = gemm::slices(m, m.n_out);
