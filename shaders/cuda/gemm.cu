@@ -561,6 +561,30 @@ __device__ __forceinline__ void gemm_q8_scales(int u, const u8* const (&wrow)[GE
     }
 }
 
+// A ring slot's weights as gemm_load_w gives them: the tiled layout's 16 bytes of each 16-row
+// tile (two n8 tiles) and their scale words.
+__device__ __forceinline__ void gemm_slot_w_tiled(const uint4 (&w)[2][128], const u32 (&s)[2][128], int tid,
+                                                  uint4 (&wv)[GEMM_TILES], float (&dw)[GEMM_TILES]) {
+#pragma unroll
+    for (int j = 0; j < GEMM_TILES / 2; j++) {
+        const uint4 v = w[j][tid];
+        const u32 sc = s[j][tid];
+        wv[2 * j] = make_uint4(v.x, v.z, 0u, 0u);
+        wv[2 * j + 1] = make_uint4(v.y, v.w, 0u, 0u);
+        dw[2 * j] = f16_bits_to_f32(sc & 0xffffu);
+        dw[2 * j + 1] = f16_bits_to_f32(sc >> 16);
+    }
+}
+
+// The float-x layout's 8 bytes of each n8 tile's row g (its scales come through registers).
+__device__ __forceinline__ void gemm_slot_w_q8(const uint2 (&w)[4][128], int tid, uint4 (&wv)[GEMM_TILES]) {
+#pragma unroll
+    for (int q = 0; q < GEMM_TILES; q++) {
+        const uint2 v = w[q][tid];
+        wv[q] = make_uint4(v.x, v.y, 0u, 0u);
+    }
+}
+
 #if GEMM_RING > 0
 // Static shared memory, within the 48 KB a launch gets without opting in: 43.5 KB (tiled) and
 // 40.5 KB at two units.
@@ -602,24 +626,12 @@ __device__ __forceinline__ void gemm_ring_x(GemmSlot<TILED>& S, int u, int tid, 
 // A slot's weights as gemm_load_w gives them (TILED: the scales too; else dw is left as it is).
 __device__ __forceinline__ void gemm_slot_w(const GemmSlot<true>& S, int tid, uint4 (&wv)[GEMM_TILES],
                                             float (&dw)[GEMM_TILES]) {
-#pragma unroll
-    for (int j = 0; j < GEMM_TILES / 2; j++) {
-        const uint4 v = S.w[j][tid];
-        const u32 sc = S.s[j][tid];
-        wv[2 * j] = make_uint4(v.x, v.z, 0u, 0u);
-        wv[2 * j + 1] = make_uint4(v.y, v.w, 0u, 0u);
-        dw[2 * j] = f16_bits_to_f32(sc & 0xffffu);
-        dw[2 * j + 1] = f16_bits_to_f32(sc >> 16);
-    }
+    gemm_slot_w_tiled(S.w, S.s, tid, wv, dw);
 }
 
 __device__ __forceinline__ void gemm_slot_w(const GemmSlot<false>& S, int tid, uint4 (&wv)[GEMM_TILES],
                                             float (&)[GEMM_TILES]) {
-#pragma unroll
-    for (int q = 0; q < GEMM_TILES; q++) {
-        const uint2 v = S.w[q][tid];
-        wv[q] = make_uint4(v.x, v.y, 0u, 0u);
-    }
+    gemm_slot_w_q8(S.w, tid, wv);
 }
 
 template <bool TILED>
@@ -964,24 +976,12 @@ __device__ __forceinline__ void px_copy_x(PxSlot<KIND>& S, PxSrc& P, long long t
 // stay as they are in dw; F16's are 1).
 __device__ __forceinline__ void px_slot_w(const PxSlot<PX_TILED>& S, int tid, uint4 (&wv)[GEMM_TILES],
                                           float (&dw)[GEMM_TILES]) {
-#pragma unroll
-    for (int j = 0; j < GEMM_TILES / 2; j++) {
-        const uint4 v = S.w[j][tid];
-        const u32 sc = S.s[j][tid];
-        wv[2 * j] = make_uint4(v.x, v.z, 0u, 0u);
-        wv[2 * j + 1] = make_uint4(v.y, v.w, 0u, 0u);
-        dw[2 * j] = f16_bits_to_f32(sc & 0xffffu);
-        dw[2 * j + 1] = f16_bits_to_f32(sc >> 16);
-    }
+    gemm_slot_w_tiled(S.w, S.s, tid, wv, dw);
 }
 
 __device__ __forceinline__ void px_slot_w(const PxSlot<PX_Q8>& S, int tid, uint4 (&wv)[GEMM_TILES],
                                           float (&)[GEMM_TILES]) {
-#pragma unroll
-    for (int q = 0; q < GEMM_TILES; q++) {
-        const uint2 v = S.w[q][tid];
-        wv[q] = make_uint4(v.x, v.y, 0u, 0u);
-    }
+    gemm_slot_w_q8(S.w, tid, wv);
 }
 
 __device__ __forceinline__ void px_slot_w(const PxSlot<PX_F16>& S, int tid, uint4 (&wv)[GEMM_TILES],
