@@ -498,11 +498,21 @@ impl CudaDecoder {
                 let px = self.gemm_px && !side;
                 let tiled_of = |m: &Mat| gemm::kernel(&kmat(m), self.gemm_mq) == Some(gemm::Kernel::Q8_0Tiled);
                 let mut splits: Vec<(u64, usize, bool, usize, usize)> = Vec::new();
+                // Whether split `s` holds the `rows` rows at x of a product of `n_in` inputs in
+                // that layout (whole tiles before them).
+                let holds = |s: &(u64, usize, bool, usize, usize), x: u64, n_in: usize, tiled: bool, rows: usize| {
+                    let row_bytes = 4 * n_in as u64;
+                    (s.1, s.2) == (n_in, tiled)
+                        && x >= s.0
+                        && (x - s.0).is_multiple_of(row_bytes)
+                        && ((x - s.0) / row_bytes).is_multiple_of(gemm::PX_TILE_ROWS as u64)
+                        && (x - s.0) / row_bytes + rows as u64 <= s.3 as u64
+                };
                 if px {
                     let mut end = 0usize;
                     for &(m, x, _, rows) in &tc {
                         let (n_in, tiled) = (m.n_in, tiled_of(&m));
-                        if splits.iter().any(|s| (s.0, s.1, s.2) == (x, n_in, tiled) && s.3 >= rows) {
+                        if splits.iter().any(|s| holds(s, x, n_in, tiled, rows)) {
                             continue;
                         }
                         if let Some(last) = splits.last_mut() {
@@ -532,18 +542,14 @@ impl CudaDecoder {
                         );
                     }
                 }
-                // The split of row r0 (a multiple of the tile rows) of a product's x.
-                let split_x = |m: &Mat, x: u64, r0: usize| -> Result<u64> {
+                // The split of row r0 (a multiple of the tile rows) of a product's x of `rows`
+                // rows: the split that holds all of them.
+                let split_x = |m: &Mat, x: u64, rows: usize, r0: usize| -> Result<u64> {
                     let (n_in, tiled) = (m.n_in, tiled_of(m));
                     let row_bytes = 4 * n_in as u64;
                     splits
                         .iter()
-                        .find(|s| {
-                            (s.1, s.2) == (n_in, tiled)
-                                && x >= s.0
-                                && (x - s.0).is_multiple_of(row_bytes)
-                                && (x - s.0) / row_bytes < s.3 as u64
-                        })
+                        .find(|s| holds(s, x, n_in, tiled, rows))
                         .map(|s| {
                             let r = ((x - s.0) / row_bytes) as usize + r0;
                             b.px.ptr + (s.4 + r / gemm::PX_TILE_ROWS * gemm::px_tile_bytes(n_in)) as u64
@@ -575,7 +581,7 @@ impl CudaDecoder {
                         while r0 < rows {
                             let c = (rows - r0).min(gemm::GEMM_MAX_ROWS);
                             let part = b.part.ptr + 4 * part_off as u64;
-                            let xc = if px { split_x(&m, x, r0)? } else { x + 4 * (r0 * m.n_in) as u64 };
+                            let xc = if px { split_x(&m, x, rows, r0)? } else { x + 4 * (r0 * m.n_in) as u64 };
                             let yc = y + 4 * (r0 * ys) as u64;
                             let (mut dsc, nblocks) =
                                 gemm::desc(cur.get().addr(m.start), &m, launch_rows, xc, yc, ys, part, c, counter);
