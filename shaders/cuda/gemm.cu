@@ -60,21 +60,23 @@ __device__ __forceinline__ void gemm_f16x2_to_f32(u32 h, float& a, float& b) {
 // A row's unit for lane t of its quad: v holds physical inputs [8t, 8t + 8). Returns the scale
 // back (a power of two) and writes the hi and lo pairs: p[s][0] = inputs 8t + 4s + {0, 1},
 // p[s][1] = 8t + 4s + {2, 3}.
-// The power of two that puts a largest |x| of m in [2^13, 2^14) (1 for 0, an infinity or a
-// NaN): m = 1.f * 2^(E - 127) is scaled by 2^(14 - (E - 126)), far from f16's overflow, and lo
-// keeps its bits above f16's subnormals.
-__device__ __forceinline__ int gemm_split_shift(float m) {
+__device__ __forceinline__ float gemm_split_x(const float (&v)[8], u32 (&hi)[2][2], u32 (&lo)[2][2]) {
+    float m = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        m = fmaxf(m, fabsf(v[i]));
+    }
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    // m = 1.f * 2^(E - 127): scale by 2^(14 - (E - 126)), so that the largest |x| lands in
+    // [2^13, 2^14): far from f16's overflow, and lo keeps its bits above f16's subnormals.
     int sh = 0;
     if (m > 0.0f && m <= 3.402823466e38f) {
         const int e = (int)((__float_as_uint(m) >> 23) & 0xff) - 126;
         sh = 14 - e;
         sh = sh < -100 ? -100 : (sh > 100 ? 100 : sh);
     }
-    return sh;
-}
-
-// v times sc as hi and lo pairs (gemm_split_x's order).
-__device__ __forceinline__ void gemm_split_scaled(const float (&v)[8], float sc, u32 (&hi)[2][2], u32 (&lo)[2][2]) {
+    const float sc = __uint_as_float((u32)(127 + sh) << 23);
 #pragma unroll
     for (int st = 0; st < 2; st++) {
 #pragma unroll
@@ -88,18 +90,6 @@ __device__ __forceinline__ void gemm_split_scaled(const float (&v)[8], float sc,
             lo[st][j] = gemm_f16x2(a - ha, b - hb);
         }
     }
-}
-
-__device__ __forceinline__ float gemm_split_x(const float (&v)[8], u32 (&hi)[2][2], u32 (&lo)[2][2]) {
-    float m = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        m = fmaxf(m, fabsf(v[i]));
-    }
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-    const int sh = gemm_split_shift(m);
-    gemm_split_scaled(v, __uint_as_float((u32)(127 + sh) << 23), hi, lo);
     return __uint_as_float((u32)(127 - sh) << 23);
 }
 
@@ -887,8 +877,7 @@ struct PxSlot<PX_TILED> {
 // A thread's copy sources, each at the unit to copy next and advanced a unit at a time (by 0
 // for a row or tile the warp lacks, whose copies are zeros from a valid address): x its 16-byte
 // piece of tile 0 (tiles tb apart), xs (threads 4 mt + 0..3) its quarter of tile mt's scales; w
-// its weight bytes of each n8 tile (TILED: of each 16-row
-// tile, and ws their scale words).
+// its weight bytes of each n8 tile (TILED: of each 16-row tile, and ws their scale words).
 struct PxSrc {
     const u8* x;
     const u8* xs;
@@ -907,8 +896,6 @@ __device__ __forceinline__ PxSrc px_src(const MvDesc& D, const u8* const (&wrow)
     P.xs = (const u8*)D.x + (tid >> 2) * px_tile_bytes(units) + 2048ll * units + 16 * (tid & 3) + 64ll * u0;
 #pragma unroll
     for (int q = 0; q < GEMM_TILES; q++) {
-        const u8* r = wrow[q];
-        P.has[q] = r != nullptr;
         if (KIND == PX_TILED) {
             if (q < GEMM_TILES / 2) {
                 const u8* tr = wrow[2 * q];
@@ -919,7 +906,9 @@ __device__ __forceinline__ PxSrc px_src(const MvDesc& D, const u8* const (&wrow)
                 P.sstep[q] = tr ? 32 : 0;
             }
         } else {
+            const u8* r = wrow[q];
             const int ub = KIND == PX_Q8 ? 32 : 64;
+            P.has[q] = r != nullptr;
             P.w[q] = r ? r + (KIND == PX_Q8 ? 8 : 16) * (lane & 3) + (long long)ub * u0 : D.w;
             P.wstep[q] = r ? ub : 0;
         }
@@ -1068,10 +1057,8 @@ __device__ __forceinline__ void gemm_body_px(const MvDesc* __restrict__ descs, i
 #pragma unroll
             for (int mt = 0; mt < GEMM_MTILES; mt++) {
                 if (mt < mtiles) {
-                    const uint4 h0 = S.x[mt][lane], h1 = S.x[mt][32 + lane];
-                    const uint4 l0 = S.x[mt][64 + lane], l1 = S.x[mt][96 + lane];
-                    const uint4 hr[2] = {h0, h1};
-                    const uint4 lr[2] = {l0, l1};
+                    const uint4 hr[2] = {S.x[mt][lane], S.x[mt][32 + lane]};
+                    const uint4 lr[2] = {S.x[mt][64 + lane], S.x[mt][96 + lane]};
                     gemm_unit(acc[mt], hr, lr, S.xs[mt][g], S.xs[mt][8 + g], bw, d0, d1);
                 }
             }
