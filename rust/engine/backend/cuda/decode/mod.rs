@@ -1163,21 +1163,40 @@ impl CudaDecoder {
             let (p2, c2) = l.indexer.as_ref().map_or((0, 0), |i| split_need(&[i.q_b], N_MAX));
             side_need = (side_need.0.max(p1).max(p2), side_need.1.max(c1).max(c2));
         }
+        // The split x of a prompt's call (gemm_px): one split per input of its tensor-core
+        // products, `inputs` of each matrix.
+        let px_of = |mats: &[Mat], inputs: usize| -> usize {
+            if !gemm_px {
+                return 0;
+            }
+            mats.iter()
+                .filter(|m| gemm::kernel(m, gemm_mq).is_some())
+                .map(|m| inputs * gemm::px_bytes(m.n_in, rows))
+                .sum()
+        };
+        let mut px_bytes = 0usize;
         let mut routed_need = (0usize, 0usize);
         for l in w.layers.iter().chain(mtp_w.map(|m| &m.block)).chain(dspark_stages) {
-            need(&[l.hc_attn.proj], rows);
-            need(&[l.q_a, l.kv], rows);
             // q_b with the compressors' and indexer's products (as `build` groups them).
             let mut g2 = vec![l.q_b];
             g2.extend(program::projections_of_h(l).into_iter().map(|(m, _)| m));
             g2.extend(l.indexer.as_ref().map(|i| i.q_b));
-            need(&g2, rows);
-            // o_a's groups: one launch split as their whole plane (program.rs `split_in_launch`).
-            need(&[l.o_a], rows);
-            need(&[l.o_b], rows);
-            need(&[l.hc_ffn.proj], rows);
-            need(&[l.router_proj, l.gate_sh, l.up_sh], rows);
-            need(&[l.down_sh], rows);
+            // The calls of a layer, and their inputs a matrix: o_a's groups are one launch split
+            // as their whole plane (program.rs `split_in_launch`), each group its own input.
+            let calls = [
+                (vec![l.hc_attn.proj], 1),
+                (vec![l.q_a, l.kv], 1),
+                (g2, 1),
+                (vec![l.o_a], cfg.o_groups),
+                (vec![l.o_b], 1),
+                (vec![l.hc_ffn.proj], 1),
+                (vec![l.router_proj, l.gate_sh, l.up_sh], 1),
+                (vec![l.down_sh], 1),
+            ];
+            for (mats, inputs) in &calls {
+                need(mats, rows);
+                px_bytes = px_bytes.max(px_of(mats, *inputs));
+            }
             // The routed products, as program.rs lays them out: a descriptor slot's chunk of rows
             // per input slice, and its row blocks' counters (the up products' after the gate's).
             let routed = |m: &Mat| {
@@ -1191,35 +1210,9 @@ impl CudaDecoder {
                 (routed(&l.gate_exps.first), routed(&l.up_exps.first), routed(&l.down_exps.first));
             routed_need = (routed_need.0.max(pg + pu).max(pd), routed_need.1.max(cg + cu).max(cd));
         }
-        need(&[w.hc_head.proj], rows);
-        need(&[w.output], rows);
-        // The split x of a prompt's step (gemm_px): per call the inputs of its tensor-core
-        // products, at most one split each (o_a's groups, each its own input: o_groups).
-        let mut px_bytes = 0usize;
-        if gemm_px {
-            let px = |mats: &[(Mat, usize)]| -> usize {
-                mats.iter()
-                    .filter(|(m, _)| gemm::kernel(m, gemm_mq).is_some())
-                    .map(|(m, k)| k * gemm::px_bytes(m.n_in, rows))
-                    .sum()
-            };
-            for l in &w.layers {
-                let mut g2 = vec![(l.q_b, 1)];
-                g2.extend(program::projections_of_h(l).into_iter().map(|(m, _)| (m, 1)));
-                g2.extend(l.indexer.as_ref().map(|i| (i.q_b, 1)));
-                let calls = [
-                    px(&[(l.hc_attn.proj, 1)]),
-                    px(&[(l.q_a, 1), (l.kv, 1)]),
-                    px(&g2),
-                    px(&[(l.o_a, cfg.o_groups)]),
-                    px(&[(l.o_b, 1)]),
-                    px(&[(l.hc_ffn.proj, 1)]),
-                    px(&[(l.router_proj, 1), (l.gate_sh, 1), (l.up_sh, 1)]),
-                    px(&[(l.down_sh, 1)]),
-                ];
-                px_bytes = px_bytes.max(calls.into_iter().max().unwrap_or(0));
-            }
-            px_bytes = px_bytes.max(px(&[(w.hc_head.proj, 1)])).max(px(&[(w.output, 1)]));
+        for head in [w.hc_head.proj, w.output] {
+            need(&[head], rows);
+            px_bytes = px_bytes.max(px_of(&[head], 1));
         }
         if let Some(mw) = mtp_w {
             match &mw.input {
