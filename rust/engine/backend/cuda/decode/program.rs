@@ -299,6 +299,15 @@ const PREFETCH_THREADS: usize = 128;
 /// weights pass through L2 between two reads of it. The attention and indexer kernels did not get
 /// faster (CSA attention 19.9 us against 20.6, indexer 16.1 against 17.2) and the projections
 /// queued behind those launches too: steps 8.81 against 8.39 ms.
+/// Tried 2026-12-04 (H200, Flash at 2100 tokens, `ab_steps.py`, three interleaved runs): on
+/// the prefetch branch, o_b once the attention has run, the next layer's q_a and kv once the
+/// routed gate and up have run, and the next layer's q_b there instead of at its layer's start.
+/// With this launch's shape (a few SMs issuing 32 KB prefetches: 6.7 MB took 18.8 us, and it
+/// held the next q_b prefetch on that stream back) steps took 8.76 / 8.71 ms against 8.11; in
+/// 8 KB pieces from 32-thread blocks (136 for o_b) 8.31 (o_b), 8.20 (q_a and kv), 8.33 (q_b
+/// early) against 8.17. In the trace q_a still ended 5.2 us after the site's mixing with its
+/// weights in L2, and o_b 14.6 us after o_a: those products wait on their own latency, not on
+/// DRAM.
 pub(super) fn prefetch_q_b(setting: Option<&str>) -> Result<bool> {
     switch("DS4_CUDA_PREFETCH", setting)
 }
