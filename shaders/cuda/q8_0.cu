@@ -408,7 +408,17 @@ struct MqRows {
     bool vec_row;   // rows 16-byte aligned
 };
 
-// ALL: every tile of the warp is stored whole (the fast path: no row-by-row code at all).
+// ALL: every tile of the warp is stored whole and 16-byte aligned (the fast path: no row-by-row
+// code and no 2-byte loads at all). (With the 2-byte loads of unaligned tiles in the fast
+// path too, behind a run-time test, the one-row loops issued them predicated off: 73 of the
+// staged loop's 229 SASS instructions a chunk, 74 of the spread one's 270; now 158 and 203,
+// and 116 registers instead of 124. The same loads, so the same bits. On an H200, Flash at a
+// 2100-token context, separate processes interleaved: steps 8.04 ms against 8.22 (medians of
+// two runs' medians), 2026-12-04. MQ_FAST_VEC=0, a DS4_CUDA_DEFINES variant, gives the old code
+// back for A/B timing; the kernels of more rows had the test hoisted out of their loops already.)
+#ifndef MQ_FAST_VEC
+#define MQ_FAST_VEC 1
+#endif
 template <bool ALL, int XM>
 __device__ __forceinline__ void mq_load(const MqRows& R, long long pay, int nb, int c, int lane,
                                         const float* __restrict__ x, int n_in, int n, MqChunk<XM>& k) {
@@ -423,8 +433,9 @@ __device__ __forceinline__ void mq_load(const MqRows& R, long long pay, int nb, 
                 if (kk == 0 || two) {
                     const u8* q = tb + 512ll * (2 * c + kk) + 16 * lane;
                     const u8* sp = tb + 512ll * nb + 32 * (2 * c + kk) + 4 * (lane >> 2);
-                    k.v[mt][kk] = R.vec_tile ? __ldg((const uint4*)q) : ld16_a2(q);
-                    k.s[mt][kk] = R.vec_tile ? __ldg((const u32*)sp) : ld_u32_a2(sp);
+                    const bool vec = (ALL && MQ_FAST_VEC) || R.vec_tile;
+                    k.v[mt][kk] = vec ? __ldg((const uint4*)q) : ld16_a2(q);
+                    k.s[mt][kk] = vec ? __ldg((const u32*)sp) : ld_u32_a2(sp);
                 }
             }
         } else {
@@ -709,7 +720,8 @@ __device__ __forceinline__ void matmul_q8_0(const MvDesc* __restrict__ descs, in
     R.vec_row = (((unsigned long long)w | (unsigned long long)row_bytes) & 15ull) == 0;
     float acc[MQ_TILES][NG][4] = {};
     const int first = c0 + B.p;
-    const bool fast = B.nrows > 0 && first < c1 && B.o0 + MQ_WARP_ROWS <= whole_rows;
+    const bool fast =
+        B.nrows > 0 && first < c1 && B.o0 + MQ_WARP_ROWS <= whole_rows && (R.vec_tile || !MQ_FAST_VEC);
     // One batch row, x staged (mq_stage_x): the same for the whole block.
     const bool staged =
         NB == 1 && MQ_X_STAGED && c1 - c0 <= MQ_XS_CHUNKS && c1 - c0 >= MQ_XS_MIN_CHUNKS * D->group;
