@@ -77,3 +77,34 @@ def test_ncu_report_sums_per_kernel(tmp_path: Path) -> None:
     assert out[0] == "2 launches and 0.011 ms of kernels per step"
     assert out[1].split() == ["ds4_route", "10.0", "us/step", "1.0", "launches", "10.00", "us", "each"]
     assert out[2].split()[:2] == ["ds4_pack", "1.0"]
+
+
+# A made-up `cuobjdump -sass` listing: one kernel with an outer loop (0x0010-0x0070) around an
+# inner one (0x0020-0x0050), and a forward branch that is no loop.
+SASS = """
+        Function : ds4_lab
+        .headerflags    @"EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
+        /*0000*/                   MOV R1, c[0x0][0x28] ;                      /* 0x00000a0000017a02 */
+        /*0010*/                   LDG.E R2, desc[UR4][R4.64] ;                /* 0x0000000404027981 */
+        /*0020*/               @P0 LD.E.U16 R3, desc[UR4][R6.64] ;            /* 0x0000000406030980 */
+        /*0030*/                   HMMA.16816.F32 R8, R12, R14, R8 ;            /* 0x0000000e0c08723c */
+        /*0040*/              @!P1 SHFL.BFLY PT, R5, R4, 0x1, 0x1f ;          /* 0x0c201f0004057f89 */
+        /*0050*/               @P2 BRA 0x20 ;                                  /* 0xfffffffc00008947 */
+        /*0060*/               @P3 BRA 0x80 ;                                  /* 0x0000000000008947 */
+        /*0070*/               @P4 BRA 0x10 ;                                  /* 0xfffffff800008947 */
+        /*0080*/                   EXIT ;                                      /* 0x000000000000794d */
+"""
+
+
+def test_sass_loops_finds_each_backward_branch_and_counts_its_body() -> None:
+    sys.path.insert(0, str(SCRIPT.parent))
+    import sass_loops
+
+    code = sass_loops.parse(SASS)
+    assert list(code) == ["ds4_lab"] and len(code["ds4_lab"]) == 9
+    found = sass_loops.loops(code["ds4_lab"])
+    assert [(start, len(body)) for start, body in found] == [(0x10, 7), (0x20, 4)]
+    outer = sass_loops.counts(found[0][1])
+    assert outer == {"instructions": 7, "predicated": 5, "mma": 1, "memory": 2, "shuffles": 1}
+    inner = sass_loops.counts(found[1][1])
+    assert inner == {"instructions": 4, "predicated": 3, "mma": 1, "memory": 1, "shuffles": 1}
