@@ -98,9 +98,10 @@ SASS = """
 
 def test_sass_loops_finds_each_backward_branch_and_counts_its_body() -> None:
     sys.path.insert(0, str(SCRIPT.parent))
+    import sass_diff
     import sass_loops
 
-    code = sass_loops.parse(SASS)
+    code = sass_diff.listing(SASS)
     assert list(code) == ["ds4_lab"] and len(code["ds4_lab"]) == 9
     found = sass_loops.loops(code["ds4_lab"])
     assert [(start, len(body)) for start, body in found] == [(0x10, 7), (0x20, 4)]

@@ -63,6 +63,11 @@ def checkout(rev: str | None, into: Path) -> Path:
 
 def sass(root: Path, defines: list[str], work: Path) -> dict[str, list[str]]:
     """Each kernel's instructions, in order, of the program at `root`."""
+    return {name: [ins for _, ins in code] for name, code in listing(sass_text(root, defines, work)).items()}
+
+
+def sass_text(root: Path, defines: list[str], work: Path) -> str:
+    """`cuobjdump -sass` of the sm_90 cubin of the program at `root`."""
     build_ptx.ROOT = root
     ptx = work / "k.ptx"
     ptx.write_bytes(build_ptx.compile_ptx(build_ptx.program({}), ["DS4_PDL_EARLY", *defines]))
@@ -70,17 +75,21 @@ def sass(root: Path, defines: list[str], work: Path) -> dict[str, list[str]]:
     subprocess.run([tool("PTXAS", "ptxas"), "-arch=sm_90", str(ptx), "-o", str(cubin)], check=True)
     cuobjdump = tool("CUOBJDUMP", "cuobjdump")
     env = dict(os.environ, PATH=str(Path(cuobjdump).parent) + os.pathsep + os.environ.get("PATH", ""))
-    text = subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, text=True, env=env).stdout
-    kernels: dict[str, list[str]] = {}
-    current: list[str] | None = None
+    return subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, text=True, env=env).stdout
+
+
+def listing(text: str) -> dict[str, list[tuple[int, str]]]:
+    """Each kernel's instructions with their addresses, from `cuobjdump -sass` output."""
+    kernels: dict[str, list[tuple[int, str]]] = {}
+    current: list[tuple[int, str]] | None = None
     for line in text.splitlines():
         m = re.search(r"Function : (\S+)", line)
         if m:
             current = kernels.setdefault(m.group(1), [])
             continue
-        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
         if m and current is not None:
-            current.append(m.group(1).strip())
+            current.append((int(m.group(1), 16), m.group(2).strip()))
     return kernels
 
 

@@ -21,47 +21,15 @@ all are waste (a row test of a batch kernel is real work of the rows present).
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import build_ptx  # noqa: E402
 import sass_diff  # noqa: E402
 
-INSTR = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")
 BRANCH = re.compile(r"\bBRA\b[^;]*?(0x[0-9a-f]+)\s*$")
-
-
-def kernels_sass(root: Path, defines: list[str], work: Path) -> dict[str, list[tuple[int, str]]]:
-    """Each kernel's instructions with their addresses, of the program at `root` (its sm_90 cubin)."""
-    build_ptx.ROOT = root
-    ptx = work / "k.ptx"
-    ptx.write_bytes(build_ptx.compile_ptx(build_ptx.program({}), ["DS4_PDL_EARLY", *defines]))
-    cubin = work / "k.cubin"
-    subprocess.run([sass_diff.tool("PTXAS", "ptxas"), "-arch=sm_90", str(ptx), "-o", str(cubin)], check=True)
-    cuobjdump = sass_diff.tool("CUOBJDUMP", "cuobjdump")
-    env = dict(os.environ, PATH=str(Path(cuobjdump).parent) + os.pathsep + os.environ.get("PATH", ""))
-    text = subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, text=True, env=env).stdout
-    return parse(text)
-
-
-def parse(text: str) -> dict[str, list[tuple[int, str]]]:
-    """Each kernel's instructions with their addresses, from `cuobjdump -sass` output."""
-    out: dict[str, list[tuple[int, str]]] = {}
-    current: list[tuple[int, str]] | None = None
-    for line in text.splitlines():
-        m = re.search(r"Function : (\S+)", line)
-        if m:
-            current = out.setdefault(m.group(1), [])
-            continue
-        m = INSTR.match(line)
-        if m and current is not None:
-            current.append((int(m.group(1), 16), m.group(2).strip()))
-    return out
 
 
 def loops(code: list[tuple[int, str]]) -> list[tuple[int, list[str]]]:
@@ -77,17 +45,13 @@ def loops(code: list[tuple[int, str]]) -> list[tuple[int, list[str]]]:
 
 def counts(body: list[str]) -> dict[str, int]:
     """What a pass of a loop issues: its instructions, the predicated ones, mma, memory, shuffles."""
-    def op(ins: str) -> str:
-        words = ins.split()
-        return words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
-
-    ops = [op(i) for i in body]
+    ops = [sass_diff.opcode(i) for i in body]
     return {
         "instructions": len(body),
         "predicated": sum(1 for i in body if re.match(r"@!?U?P[0-6]\b", i)),
-        "mma": sum(1 for o in ops if o.startswith(("HMMA", "IMMA"))),
-        "memory": sum(1 for o in ops if o.startswith(("LDG", "LD.", "LDS", "STG", "ST.", "STS", "LDSM"))),
-        "shuffles": sum(1 for o in ops if o.startswith("SHFL")),
+        "mma": sum(1 for o in ops if o in ("HMMA", "IMMA")),
+        "memory": sum(1 for o in ops if o.startswith(("LDG", "LDS", "STG", "STS")) or o in ("LD", "ST")),
+        "shuffles": sum(1 for o in ops if o == "SHFL"),
     }
 
 
@@ -100,7 +64,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = sass_diff.checkout(args.rev, Path(tmp) / "src") if args.rev else sass_diff.REPO
-        code = kernels_sass(root, args.defines, Path(tmp))
+        code = sass_diff.listing(sass_diff.sass_text(root, args.defines, Path(tmp)))
     for name in sorted(code):
         if args.kernel not in name:
             continue
