@@ -227,13 +227,15 @@ def test_device_decode_matches_host_forward(tmp_path: Path, monkeypatch: pytest.
     # in several descriptors) or of its routed products (DS4_CUDA_EXPERT_CHUNK, 4), the bands
     # of output rows of its tensor-core Q8_0 products (DS4_CUDA_BANDS), or the grid of its
     # routed tensor-core products (DS4_CUDA_GX_GRID=0: a block per table block, not the blocks
-    # the GPU holds walking them), over prompt calls of 150 and 134 rows.
+    # the GPU holds walking them) or their warp tile (DS4_CUDA_GX_TILE=2x2: 16 rows a
+    # descriptor, not 32), over prompt calls of 150 and 134 rows.
     long_cuts = [150, 151, 166]
     steps = _chunked(m.session(512), prompt, long_cuts)
     for name, value in [("DS4_CUDA_PREFILL_ROWS", "16"), ("DS4_CUDA_PREFILL_ROWS", "64"),
                         ("DS4_CUDA_PREFILL_ROWS", "100"), ("DS4_CUDA_PREFILL_ROWS", "128"),
                         ("DS4_CUDA_EXPERT_CHUNK", "1"), ("DS4_CUDA_EXPERT_CHUNK", "16"),
-                        ("DS4_CUDA_BANDS", "0"), ("DS4_CUDA_BANDS", "16"), ("DS4_CUDA_GX_GRID", "0")]:
+                        ("DS4_CUDA_BANDS", "0"), ("DS4_CUDA_BANDS", "16"), ("DS4_CUDA_GX_GRID", "0"),
+                        ("DS4_CUDA_GX_TILE", "2x2")]:
         monkeypatch.setenv(name, value)
         other = _chunked(m.session(512), prompt, long_cuts)
         monkeypatch.delenv(name)

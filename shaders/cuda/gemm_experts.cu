@@ -22,24 +22,35 @@
 // byte of aux0, seven sign bits of aux1). A is the weights (outputs are rows), B the rows of x
 // (each lane one row's 8 bytes, one load), so a lane decodes two outputs' 8 weights a group.
 
-// Output rows of a warp: two m16 tiles (host: GX_WARP_ROWS); rows of x: two n8 tiles, at most
-// 16 rows a descriptor (host: GX_MAX_ROWS).
-#define GX_MT 2
-#define GX_NT 2
+// A warp's tile: MT m16 tiles of outputs (the host's warp_rows = 16 MT) by NT n8 tiles of rows
+// (the host's most rows of a descriptor, 8 NT). Each weight a warp decodes feeds NT mma, and
+// each row of x it loads feeds MT. Two shapes are built (`GX_TILES` in program.rs): 2 x 4 (32
+// outputs, 32 rows; the kernels without a suffix) and 2 x 2 (16 rows, `_2x2`, for A/B). Both
+// give the same bits for the same output and row: a C element is an exact integer sum, and its
+// scaled terms are added in group order in both. In a 1024-row step an expert serves about 24
+// rows, so with 2 x 4 it decodes its weights once instead of twice: on an H200 (Flash, filled
+// experts, `verify_bench.py --ab DS4_CUDA_GX_TILE`, 2026-12-04) 2048- / 8192-token prompts ran
+// at 2403 / 2330 tok/s against 2209 / 2141 with 2 x 2. (1 x 4, 16 outputs a warp: 2162 / 2108.)
 // Blocks an SM of ds4_moe_mma_iq2_xxs and ds4_moe_mma_q2_k: their registers are capped to fit
-// that many (96 and 128, from 104 and 138 uncapped: 4 and 3 blocks). That spills a few words
-// (stored before the loop and loaded for the stores after it; Q2_K also loads one a
-// super-block) and changes no arithmetic: the same float operations on the same values (their
-// SASS has the same multiset of float instructions; the compiler does not reassociate them).
-// On an H200 (Flash, filled experts, separate processes back to back, 2026-12-03): 2048- /
-// 8192-token prompts at 1669 / 1496 tok/s against 1552 / 1415 uncapped. Again once the
-// kernels walked only the live blocks (gx_live): 1822 / 1632 tok/s with 5 / 4, against 1785 /
-// 1597 with 6 / 5 and 1801 / 1608 with 4 / 3. A/B with DS4_CUDA_DEFINES.
+// that many (2 x 4: 128 and 168; 2 x 2: 96 and 128, from 104 and 138 uncapped). That spills a
+// few words (stored before the loop and loaded for the stores after it) and changes no
+// arithmetic: the same float operations on the same values (their SASS has the same multiset
+// of float instructions; the compiler does not reassociate them). On an H200 (2 x 2, Flash,
+// filled experts, separate processes back to back, 2026-12-03): 2048- / 8192-token prompts at
+// 1669 / 1496 tok/s against 1552 / 1415 uncapped. Again once the kernels walked only the live
+// blocks (gx_live): 1822 / 1632 tok/s with 5 / 4, against 1785 / 1597 with 6 / 5 and 1801 /
+// 1608 with 4 / 3. A/B with DS4_CUDA_DEFINES.
 #ifndef GX_MIN_BLOCKS_IQ2
-#define GX_MIN_BLOCKS_IQ2 5
+#define GX_MIN_BLOCKS_IQ2 4
 #endif
 #ifndef GX_MIN_BLOCKS_Q2K
-#define GX_MIN_BLOCKS_Q2K 4
+#define GX_MIN_BLOCKS_Q2K 3
+#endif
+#ifndef GX_MIN_BLOCKS_IQ2_22
+#define GX_MIN_BLOCKS_IQ2_22 5
+#endif
+#ifndef GX_MIN_BLOCKS_Q2K_22
+#define GX_MIN_BLOCKS_Q2K_22 4
 #endif
 
 // d += a * b, int8 inputs, int32 sums.
@@ -67,9 +78,10 @@ __device__ __forceinline__ void gx_entry(u32 grid, u32 aux0, u32 aux1, int t, u3
 
 // Lane (g, t)'s weight rows of the warp's outputs o0..: rows g and g + 8 of each m16 tile (A
 // fragments), clamped to the last row past n_out (loaded, never stored).
-__device__ __forceinline__ void gx_wrows(const MvDesc& D, int o0, int g, const u8* (&wrow)[GX_MT][2]) {
+template <int MT>
+__device__ __forceinline__ void gx_wrows(const MvDesc& D, int o0, int g, const u8* (&wrow)[MT][2]) {
 #pragma unroll
-    for (int mt = 0; mt < GX_MT; mt++) {
+    for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int o = min(o0 + 16 * mt + 8 * h + g, D.n_out - 1);
@@ -79,51 +91,57 @@ __device__ __forceinline__ void gx_wrows(const MvDesc& D, int o0, int g, const u
 }
 
 // Lane (g, t)'s view of a descriptor's rows of x (8-bit activations, each in a slot of n_in
-// floats): row g of each n8 tile, whose 8 bytes a group it loads as B (null past n), and the
-// scales of rows 2t and 2t + 1, the columns of its C (null past n).
+// floats), as float offsets from D.x: row g of each n8 tile, whose 8 bytes a group it loads as
+// B, and the scales of rows 2t and 2t + 1, the columns of its C. Rows past n are clamped to the
+// last one: an mma's column of C depends only on the same column of B, so those columns'
+// sums (never stored) cannot reach the others.
+template <int NT>
 struct GxRows {
-    const char* xb[GX_NT];
-    const float* dx[GX_NT][2];
+    u32 xb[NT];
+    u32 dx[NT][2];
 };
 
-__device__ __forceinline__ GxRows gx_rows(const MvDesc& D, int g, int t) {
-    GxRows X;
+template <int NT>
+__device__ __forceinline__ GxRows<NT> gx_rows(const MvDesc& D, int g, int t) {
+    GxRows<NT> X;
+    const u32 slot = (u32)D.n_in;
 #pragma unroll
-    for (int nt = 0; nt < GX_NT; nt++) {
-        const int r = 8 * nt + g;
-        X.xb[nt] = r < D.n ? (const char*)(D.x + (long long)r * D.n_in) : nullptr;
+    for (int nt = 0; nt < NT; nt++) {
+        X.xb[nt] = (u32)min(8 * nt + g, D.n - 1) * slot;
 #pragma unroll
         for (int c = 0; c < 2; c++) {
-            const int rc = 8 * nt + 2 * t + c;
-            X.dx[nt][c] = rc < D.n ? (const float*)((const char*)(D.x + (long long)rc * D.n_in) + D.n_in) : nullptr;
+            // The scales follow the row's n_in bytes: n_in / 4 floats on.
+            X.dx[nt][c] = (u32)min(8 * nt + 2 * t + c, D.n - 1) * slot + (slot >> 2);
         }
     }
     return X;
 }
 
-// Activation block u (inputs 32 u..32 u + 31): each n8 tile's B fragment (inputs 32 u + 8 t ..
-// + 7 of row g; zeros past n) and its columns' scales dx (0 past n).
-__device__ __forceinline__ void gx_x(const GxRows& X, int u, int t, uint2 (&xv)[GX_NT], float (&dx)[GX_NT][2]) {
+// Activation block u (inputs 32 u..32 u + 31) of the first `live` n8 tiles: each tile's B
+// fragment (inputs 32 u + 8 t .. + 7 of row g) and its columns' scales dx.
+template <int NT>
+__device__ __forceinline__ void gx_x(const float* x, const GxRows<NT>& X, int live, int u, int t, uint2 (&xv)[NT],
+                                     float (&dx)[NT][2]) {
 #pragma unroll
-    for (int nt = 0; nt < GX_NT; nt++) {
-        xv[nt] = make_uint2(0u, 0u);
-        if (X.xb[nt]) {
-            xv[nt] = *(const uint2*)(X.xb[nt] + 32 * u + 8 * t);
-        }
+    for (int nt = 0; nt < NT; nt++) {
+        if (nt < live) {
+            xv[nt] = *(const uint2*)((const char*)(x + X.xb[nt]) + 32 * u + 8 * t);
 #pragma unroll
-        for (int c = 0; c < 2; c++) {
-            dx[nt][c] = X.dx[nt][c] ? X.dx[nt][c][u] : 0.0f;
+            for (int c = 0; c < 2; c++) {
+                dx[nt][c] = x[X.dx[nt][c] + u];
+            }
         }
     }
 }
 
-// The warp's outputs o0.. (two m16 tiles) of the descriptor's rows (two n8 tiles) from C
+// The warp's outputs o0.. (MT m16 tiles) of the descriptor's rows (NT n8 tiles) from C
 // fragments: lane (g, t) holds outputs g and g + 8 of a tile at rows 2t and 2t + 1.
-__device__ __forceinline__ void gx_store(const MvDesc& D, int o0, int g, int t, const float (&acc)[GX_MT][GX_NT][4]) {
+template <int MT, int NT>
+__device__ __forceinline__ void gx_store(const MvDesc& D, int o0, int g, int t, const float (&acc)[MT][NT][4]) {
 #pragma unroll
-    for (int mt = 0; mt < GX_MT; mt++) {
+    for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
-        for (int nt = 0; nt < GX_NT; nt++) {
+        for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 const int o = o0 + 16 * mt + g + 8 * (i >> 1);
@@ -181,8 +199,8 @@ __device__ __forceinline__ int gx_live(const MvDesc* __restrict__ descs, int cou
 // (IQ2_XXS two groups ahead, 104 -> 136 registers; Q2_K a super-block, 138 -> 181): the same
 // bits, but a 256-row step of an 8192-token prompt took 1005 / 765 us a layer against 866 /
 // 601, and 870 / 586 with the registers capped back to four and three blocks an SM.)
-extern "C" __global__ void __launch_bounds__(128, GX_MIN_BLOCKS_IQ2)
-    ds4_moe_mma_iq2_xxs(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters) {
+template <int MT, int NT>
+__device__ __forceinline__ void gx_iq2_xxs(const MvDesc* __restrict__ descs, int count) {
     __shared__ u32 lut[256];
     FmtIQ2_XXS::init_lut((u8*)lut, threadIdx.x);
     // The tables are ds4_route's, written by the kernel before.
@@ -201,15 +219,15 @@ extern "C" __global__ void __launch_bounds__(128, GX_MIN_BLOCKS_IQ2)
         const int nb = D.n_in >> 8;
         const u32 grid = (u32)__cvta_generic_to_shared(lut);
         const bool vec = (((unsigned long long)D.w | (unsigned long long)D.row_bytes) & 15ull) == 0;
-        const u8* wrow[GX_MT][2];
-        gx_wrows(D, B.o0, g, wrow);
-        const GxRows X = gx_rows(D, g, t);
-        const bool two = n > 8;
-        float acc[GX_MT][GX_NT][4] = {};
+        const u8* wrow[MT][2];
+        gx_wrows<MT>(D, B.o0, g, wrow);
+        const GxRows<NT> X = gx_rows<NT>(D, g, t);
+        const int live = (n + 7) >> 3;  // n8 tiles with rows
+        float acc[MT][NT][4] = {};
         for (int sb = 0; sb < nb; sb++) {
-            float d[GX_MT][2];
+            float d[MT][2];
 #pragma unroll
-            for (int mt = 0; mt < GX_MT; mt++) {
+            for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     d[mt][h] = f16_bits_to_f32(*(const u16*)(wrow[mt][h] + 64ll * nb + 2 * sb));
@@ -218,9 +236,9 @@ extern "C" __global__ void __launch_bounds__(128, GX_MIN_BLOCKS_IQ2)
             // Two groups a step: each row's 16 bytes at once.
 #pragma unroll 2
             for (int jj = 0; jj < 8; jj += 2) {
-                uint4 wv[GX_MT][2];
+                uint4 wv[MT][2];
 #pragma unroll
-                for (int mt = 0; mt < GX_MT; mt++) {
+                for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
                     for (int h = 0; h < 2; h++) {
                         const u8* p = wrow[mt][h] + 64ll * sb + 8 * jj;
@@ -236,11 +254,11 @@ extern "C" __global__ void __launch_bounds__(128, GX_MIN_BLOCKS_IQ2)
 #pragma unroll
                 for (int s = 0; s < 2; s++) {
                     const int u = 8 * sb + jj + s;  // the group of 32 (the activation block)
-                    uint2 xv[GX_NT];
-                    float dx[GX_NT][2];
-                    gx_x(X, u, t, xv, dx);
+                    uint2 xv[NT];
+                    float dx[NT][2];
+                    gx_x<NT>(D.x, X, live, u, t, xv, dx);
 #pragma unroll
-                    for (int mt = 0; mt < GX_MT; mt++) {
+                    for (int mt = 0; mt < MT; mt++) {
                         u32 a[2][2];  // [h][lo/hi]
                         float db[2];
 #pragma unroll
@@ -251,8 +269,8 @@ extern "C" __global__ void __launch_bounds__(128, GX_MIN_BLOCKS_IQ2)
                             db[h] = d[mt][h] * (0.5f + u8f(aux1 >> 28)) * 0.25f;
                         }
 #pragma unroll
-                        for (int nt = 0; nt < GX_NT; nt++) {
-                            if (nt == 1 && !two) {
+                        for (int nt = 0; nt < NT; nt++) {
+                            if (nt >= live) {
                                 continue;
                             }
                             int c[4] = {0, 0, 0, 0};
@@ -266,9 +284,19 @@ extern "C" __global__ void __launch_bounds__(128, GX_MIN_BLOCKS_IQ2)
                 }
             }
         }
-        gx_store(D, B.o0, g, t, acc);
+        gx_store<MT, NT>(D, B.o0, g, t, acc);
     }
     ds4_grid_launch();
+}
+
+extern "C" __global__ void __launch_bounds__(128, GX_MIN_BLOCKS_IQ2)
+    ds4_moe_mma_iq2_xxs(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters) {
+    gx_iq2_xxs<2, 4>(descs, count);
+}
+
+extern "C" __global__ void __launch_bounds__(128, GX_MIN_BLOCKS_IQ2_22)
+    ds4_moe_mma_iq2_xxs_2x2(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters) {
+    gx_iq2_xxs<2, 2>(descs, count);
 }
 
 // The down products of a step's routed experts, Q2_K (q2_k.cu's split rows: the quants qs of
@@ -285,8 +313,8 @@ extern "C" __global__ void __launch_bounds__(128, GX_MIN_BLOCKS_IQ2)
 // tests_gemm checks), and as in ds4_moe_mma_iq2_xxs a row's sums do not depend on the other
 // rows. Block 128; n_in a multiple of 256; rows 4-byte aligned (84 bytes a super-block; with
 // 8-byte alignment the quants are read 8 bytes at a time).
-extern "C" __global__ void __launch_bounds__(128, GX_MIN_BLOCKS_Q2K)
-    ds4_moe_mma_q2_k(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters) {
+template <int MT, int NT>
+__device__ __forceinline__ void gx_q2_k(const MvDesc* __restrict__ descs, int count) {
     // The tables are ds4_route's and x is ds4_swiglu's, written by kernels before.
     ds4_grid_deps();
     for (int b = blockIdx.x; b < gx_live(descs, count); b += gridDim.x) {
@@ -302,19 +330,19 @@ extern "C" __global__ void __launch_bounds__(128, GX_MIN_BLOCKS_Q2K)
         const int nb = D.n_in >> 8;
         const long long pay = 64ll * nb;
         const bool vec = (((unsigned long long)D.w | (unsigned long long)D.row_bytes) & 7ull) == 0;
-        const u8* wrow[GX_MT][2];
-        gx_wrows(D, B.o0, g, wrow);
-        const GxRows X = gx_rows(D, g, t);
-        const bool two = n > 8;
-        float acc[GX_MT][GX_NT][4] = {};
+        const u8* wrow[MT][2];
+        gx_wrows<MT>(D, B.o0, g, wrow);
+        const GxRows<NT> X = gx_rows<NT>(D, g, t);
+        const int live = (n + 7) >> 3;  // n8 tiles with rows
+        float acc[MT][NT][4] = {};
         for (int sb = 0; sb < nb; sb++) {
             // Per output row ([mt][row g or g + 8]): the lane's 8 quant bytes of each half, the
             // scale bytes of its sub-block in each half (shift s in byte s), d and dmin.
-            uint2 qv[GX_MT][2][2];
-            u32 scw[GX_MT][2][2];
-            float dd[GX_MT][2][2];
+            uint2 qv[MT][2][2];
+            u32 scw[MT][2][2];
+            float dd[MT][2][2];
 #pragma unroll
-            for (int mt = 0; mt < GX_MT; mt++) {
+            for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     const u8* row = wrow[mt][h];
@@ -334,11 +362,11 @@ extern "C" __global__ void __launch_bounds__(128, GX_MIN_BLOCKS_Q2K)
             for (int half = 0; half < 2; half++) {
 #pragma unroll
                 for (int s = 0; s < 4; s++) {
-                    uint2 xv[GX_NT];
-                    float dx[GX_NT][2];
-                    gx_x(X, 8 * sb + 4 * half + s, t, xv, dx);
+                    uint2 xv[NT];
+                    float dx[NT][2];
+                    gx_x<NT>(D.x, X, live, 8 * sb + 4 * half + s, t, xv, dx);
 #pragma unroll
-                    for (int mt = 0; mt < GX_MT; mt++) {
+                    for (int mt = 0; mt < MT; mt++) {
                         u32 lo[2], hi[2], mn[2];
 #pragma unroll
                         for (int h = 0; h < 2; h++) {
@@ -349,8 +377,8 @@ extern "C" __global__ void __launch_bounds__(128, GX_MIN_BLOCKS_Q2K)
                             mn[h] = (b >> 4) * 0x01010101u;
                         }
 #pragma unroll
-                        for (int nt = 0; nt < GX_NT; nt++) {
-                            if (nt == 1 && !two) {
+                        for (int nt = 0; nt < NT; nt++) {
+                            if (nt >= live) {
                                 continue;
                             }
                             int c[4] = {0, 0, 0, 0};
@@ -367,7 +395,17 @@ extern "C" __global__ void __launch_bounds__(128, GX_MIN_BLOCKS_Q2K)
                 }
             }
         }
-        gx_store(D, B.o0, g, t, acc);
+        gx_store<MT, NT>(D, B.o0, g, t, acc);
     }
     ds4_grid_launch();
+}
+
+extern "C" __global__ void __launch_bounds__(128, GX_MIN_BLOCKS_Q2K)
+    ds4_moe_mma_q2_k(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters) {
+    gx_q2_k<2, 4>(descs, count);
+}
+
+extern "C" __global__ void __launch_bounds__(128, GX_MIN_BLOCKS_Q2K_22)
+    ds4_moe_mma_q2_k_2x2(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters) {
+    gx_q2_k<2, 2>(descs, count);
 }

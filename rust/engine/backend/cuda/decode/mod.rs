@@ -90,12 +90,11 @@ const P_MAX: usize = 1024;
 /// on another machine: 2060 / 1999 against 1940 / 1869; MID 13038 / 12782 against 12598 /
 /// 12618): the dense products read
 /// their weights half as often a token, and the routed ones keep their speed a row. (Tried with
-/// them: routed tensor-core descriptors of up to 32 rows, one m16 tile of outputs by four n8
-/// tiles of rows a warp, so an expert's weights are decoded once for its 20 to 30 rows of a
-/// 1024-row step, the same bits as the 16-row kernels'. Slower: 1781 / 1890 tok/s with 1024-row
-/// steps; a traced 1024-row step spent 143.5 ms in the IQ2_XXS launches and 73.1 in the Q2_K
-/// ones, against 57.0 and 25.4 a 512-row step with 16-row descriptors. Those kernels are bound
-/// by the per-row work and the loads of x, not by decoding the weights.)
+/// them then: routed tensor-core descriptors of up to 32 rows, one m16 tile of outputs by four
+/// n8 tiles of rows a warp, so an expert's weights are decoded once for its 20 to 30 rows of a
+/// 1024-row step. Slower: 1781 / 1890 tok/s with 1024-row steps. Since 2026-12-04 those
+/// kernels take 32 rows in warps of two m16 by four n8 tiles, each row of x loaded once for 32
+/// outputs, with the row offsets clamped instead of tested: faster, `GxTile` in program.rs.)
 const P_DEFAULT: usize = 1024;
 
 /// The rows of a prompt's step: `setting` (`DS4_CUDA_PREFILL_ROWS`, 16..=1024) or [`P_DEFAULT`],
@@ -615,8 +614,9 @@ struct Kernels {
     gemm_px_f16: sys::CUfunction,
     gemm_px_q8_0: sys::CUfunction,
     gemm_px_q8_0_mq: sys::CUfunction,
-    moe_mma_iq2: sys::CUfunction,
-    moe_mma_q2k: sys::CUfunction,
+    /// The routed experts' tensor-core kernels (IQ2_XXS, Q2_K) of each of
+    /// [`program::GX_TILES`].
+    moe_mma: [(sys::CUfunction, sys::CUfunction); 2],
     /// Every handle above with its name (profiles).
     names: Vec<(sys::CUfunction, &'static str)>,
 }
@@ -671,8 +671,10 @@ impl Kernels {
             gemm_px_f16: f(gemm::Kernel::F16.px_name())?,
             gemm_px_q8_0: f(gemm::Kernel::Q8_0.px_name())?,
             gemm_px_q8_0_mq: f(gemm::Kernel::Q8_0Tiled.px_name())?,
-            moe_mma_iq2: f("ds4_moe_mma_iq2_xxs")?,
-            moe_mma_q2k: f("ds4_moe_mma_q2_k")?,
+            moe_mma: [
+                (f("ds4_moe_mma_iq2_xxs")?, f("ds4_moe_mma_q2_k")?),
+                (f("ds4_moe_mma_iq2_xxs_2x2")?, f("ds4_moe_mma_q2_k_2x2")?),
+            ],
             names: Vec::new(),
         };
         Ok(Kernels { names, ..k })
@@ -752,6 +754,8 @@ pub(crate) struct CudaDecoder {
     /// The grids of those two kernels (IQ2_XXS, Q2_K): the blocks the GPU holds at once, or
     /// None for a block per block of their tables (`DS4_CUDA_GX_GRID=0`).
     gx_grid: Option<(usize, usize)>,
+    /// Their warp tile (`DS4_CUDA_GX_TILE`).
+    gx_tile: program::GxTile,
     /// Whether a prompt's step routes its rows over many blocks ([`program::split_over_blocks`],
     /// `DS4_CUDA_ROUTE_PICK`).
     route_pick: bool,
@@ -1036,6 +1040,8 @@ impl CudaDecoder {
         let attn_mma = setting("DS4_CUDA_ATTN_MMA")?;
         let index_mma = setting("DS4_CUDA_INDEX_MMA")?;
         let bands = program::bands_setting(std::env::var("DS4_CUDA_BANDS").ok().as_deref())?;
+        // The routed tensor-core kernels' warp tile (gemm_experts.cu; A/B timing).
+        let gx_tile = program::gx_tile(std::env::var("DS4_CUDA_GX_TILE").ok().as_deref())?;
         let g = backend.lock();
         g.ctx.bind()?;
         let k = Kernels::load(&g.ctx)?;
@@ -1046,7 +1052,8 @@ impl CudaDecoder {
         let gx_grid = if setting("DS4_CUDA_GX_GRID")? {
             let sms = g.ctx.multiprocessors.max(1) as usize;
             let per = |f| blocks_per_sm(f, (32 * MV_WARPS) as u32).map(|b| b * sms);
-            Some((per(k.moe_mma_iq2)?, per(k.moe_mma_q2k)?))
+            let (iq2, q2k) = k.moe_mma[gx_tile.index()];
+            Some((per(iq2)?, per(q2k)?))
         } else {
             None
         };
@@ -1411,6 +1418,7 @@ impl CudaDecoder {
             expert_mma,
             expert_mma_down,
             gx_grid,
+            gx_tile,
             route_pick,
             compress_split,
             attn_mma,
@@ -2584,6 +2592,25 @@ mod prefill_rows_tests {
         }
         for bad in ["0", "3", "32", "four"] {
             assert!(expert_chunk(Some(bad)).is_err(), "{bad}");
+        }
+    }
+
+    /// The routed tensor-core kernels' warp tiles: the first unless another built one is named;
+    /// each tile's rows of outputs and of x are its m16 and n8 tiles'.
+    #[test]
+    fn gx_tiles_are_the_built_ones() {
+        use super::program::{gx_tile, GxTile, GX_TILES};
+        assert_eq!(gx_tile(None).unwrap(), GX_TILES[0]);
+        assert_eq!(gx_tile(Some("")).unwrap(), GX_TILES[0]);
+        for (i, t) in GX_TILES.iter().enumerate() {
+            assert_eq!(gx_tile(Some(&format!(" {}x{} ", t.m, t.n))).unwrap(), *t);
+            assert_eq!(t.index(), i);
+        }
+        assert_eq!((GX_TILES[0].warp_rows(), GX_TILES[0].max_rows()), (32, 32));
+        assert_eq!((GX_TILES[1].warp_rows(), GX_TILES[1].max_rows()), (32, 16));
+        assert_eq!(GxTile { m: 1, n: 4 }.warp_rows(), 16);
+        for bad in ["1x4", "4x4", "2", "2x", "x2", "big"] {
+            assert!(gx_tile(Some(bad)).is_err(), "{bad}");
         }
     }
 

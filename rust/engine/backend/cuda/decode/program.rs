@@ -36,12 +36,47 @@ const HC_SITE_MAX: usize = 4;
 /// of 8 rows the gate and up launch took 158 us against 121, the down 74 against 93.)
 pub(super) const EXPERT_CHUNK: usize = 2;
 
-/// Output rows of a warp of the routed experts' tensor-core kernels (`ds4_moe_mma_iq2_xxs`,
-/// `ds4_moe_mma_q2_k` in gemm_experts.cu: two m16 tiles).
-const GX_WARP_ROWS: usize = 32;
+/// A warp's tile in the routed experts' tensor-core kernels (`ds4_moe_mma_iq2_xxs`,
+/// `ds4_moe_mma_q2_k` and their `_2x2` builds in gemm_experts.cu): m16 tiles of outputs by n8
+/// tiles of rows. Every tile gives the same bits (gemm_experts.cu says why and what each
+/// measured).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct GxTile {
+    pub(super) m: usize,
+    pub(super) n: usize,
+}
 
-/// Most rows of one descriptor of those kernels (two n8 tiles).
-const GX_MAX_ROWS: usize = 16;
+/// The tiles built, in the order of [`Kernels`](super::Kernels)' `moe_mma`.
+pub(super) const GX_TILES: [GxTile; 2] = [GxTile { m: 2, n: 4 }, GxTile { m: 2, n: 2 }];
+
+impl GxTile {
+    /// Output rows of a warp.
+    pub(super) fn warp_rows(self) -> usize {
+        16 * self.m
+    }
+
+    /// Most rows of one descriptor.
+    pub(super) fn max_rows(self) -> usize {
+        8 * self.n
+    }
+
+    /// Its place in [`GX_TILES`].
+    pub(super) fn index(self) -> usize {
+        GX_TILES.iter().position(|&t| t == self).unwrap_or(0)
+    }
+}
+
+/// `DS4_CUDA_GX_TILE`: `MxN` of [`GX_TILES`] (unset: the first).
+pub(super) fn gx_tile(setting: Option<&str>) -> Result<GxTile> {
+    match setting.map(str::trim) {
+        None | Some("") => Ok(GX_TILES[0]),
+        Some(v) => GX_TILES
+            .iter()
+            .copied()
+            .find(|t| format!("{}x{}", t.m, t.n) == v)
+            .ok_or_else(|| Error::invalid(format!("DS4_CUDA_GX_TILE takes 2x4 or 2x2, not {v:?}"))),
+    }
+}
 
 /// Whether `ds4_moe_mma_iq2_xxs` takes an expert stack's matrix `m` (expert 0's rows at device
 /// address `at`, 2-byte aligned as every IQ2_XXS row): IQ2_XXS of whole super-blocks.
@@ -105,7 +140,7 @@ fn gq_takes(m: &Mat, at: u64) -> bool {
 }
 
 /// Most rows of one routed-expert product of the decode's kernels in a prompt's step by default
-/// ([`expert_chunk`]; the tensor-core kernels of gemm_experts.cu take up to [`GX_MAX_ROWS`]
+/// ([`expert_chunk`]; the tensor-core kernels of gemm_experts.cu take up to [`GxTile::max_rows`]
 /// whatever it is): its experts serve more rows (128 rows of Flash: about 3 an expert),
 /// and each product of a chunk reads the expert's weights again. On an H200 (Flash, 2048-token
 /// prompts in 128-row steps, interleaved): 550 / 587 / 531 tok/s with chunks of 2 / 4 / 8 (in
@@ -841,10 +876,10 @@ impl CudaDecoder {
         // ds4_route), at most one descriptor per (row, expert) pair.
         let chunk = n.min(if prefill { self.prefill_chunk } else { EXPERT_CHUNK });
         // A prompt's IQ2_XXS gate and up products and Q2_K down products on the tensor cores
-        // (gemm_experts.cu): an expert's rows in chunks of up to 16 (the layers whose weights
+        // (gemm_experts.cu): an expert's rows in chunks of up to 32 (the layers whose weights
         // they take, `gx_takes` and `gq_takes`).
         let gx = prefill && self.expert_mma && sm80;
-        let chunk_gx = n.min(GX_MAX_ROWS);
+        let chunk_gx = n.min(self.gx_tile.max_rows());
         let max_descs = if chunk >= n && (!gx || chunk_gx >= n) { (n * kk).min(cfg.n_experts) } else { n * kk };
 
         // The Sinkhorn iterations of a site's mix on the side branch (queued by the caller).
@@ -1304,10 +1339,10 @@ impl CudaDecoder {
                     "CUDA decode: partial-sum buffer too small for the experts (internal)".into(),
                 ));
             }
-            // The tensor-core kernel's template: warps of GX_WARP_ROWS outputs, no split.
+            // The tensor-core kernel's template: warps of the tile's outputs, no split.
             let templ_gx = |m: Mat, x: u64, y: u64| {
                 let (mut t, _) = CudaBackend::desc_split(cur.get().addr(m.start), &m, &m, x, y, 0, 0, 0, (1, 1));
-                t.warp_rows = GX_WARP_ROWS as i32;
+                t.warp_rows = self.gx_tile.warp_rows() as i32;
                 t
             };
             let t_off = table.len();
@@ -1381,7 +1416,7 @@ impl CudaDecoder {
                 vec![p(b.h.ptr), p(b.xg.ptr), p(b.gather_src.ptr), i(d), i(act8 as usize)],
             );
             let bpd = |m: &Mat| row_blocks(m) * slices(m);
-            let bpd_gx = |m: &Mat| m.n_out.div_ceil(MV_WARPS * GX_WARP_ROWS);
+            let bpd_gx = |m: &Mat| m.n_out.div_ceil(MV_WARPS * self.gx_tile.warp_rows());
             if um.ty != gm.ty || um.n_out != gm.n_out || um.n_in != gm.n_in {
                 return Err(Error::Backend("CUDA decode: expert gate and up differ in shape (unsupported)".into()));
             }
@@ -1412,7 +1447,8 @@ impl CudaDecoder {
                     }
                     Ok::<(), Error>(())
                 };
-            routed(&mut ops, gx_on.then_some((k.moe_mma_iq2, self.gx_grid.map(|g| g.0))), &[gm, um], gu_off)?;
+            let (mma_iq2, mma_q2k) = k.moe_mma[self.gx_tile.index()];
+            routed(&mut ops, gx_on.then_some((mma_iq2, self.gx_grid.map(|g| g.0))), &[gm, um], gu_off)?;
             if !shared_side {
                 shared_swiglu(&mut ops);
             }
@@ -1436,7 +1472,7 @@ impl CudaDecoder {
             if !shared_side {
                 products(&mut ops, &mut table, &down_sh)?;
             }
-            routed(&mut ops, dx_on.then_some((k.moe_mma_q2k, self.gx_grid.map(|g| g.1))), &[dm], down_off)?;
+            routed(&mut ops, dx_on.then_some((mma_q2k, self.gx_grid.map(|g| g.1))), &[dm], down_off)?;
             if fork {
                 ops.push(Op::Join);
             }

@@ -4,6 +4,7 @@
 
 use super::super::{tensor_cores, Desc};
 use super::gemm;
+use super::program::{GxTile, GX_TILES};
 use super::testutil::{context_from, randn, split_image, Arg, DevBuf};
 use crate::model::weights::Mat;
 use crate::quant::{self, GgmlType};
@@ -185,12 +186,13 @@ fn prefill_products_match_the_float_product_and_are_row_invariant() {
 }
 
 /// `y = W x` of the `n` 8-bit activation rows at `xb` (slots of n_in floats) by the routed
-/// experts' tensor-core kernel `name` (`ds4_moe_mma_iq2_xxs` or `ds4_moe_mma_q2_k`: one
-/// descriptor, as ds4_route writes them for it), on a grid of `grid` blocks (None: one block
-/// per block of the descriptor; fewer walk them).
+/// experts' tensor-core kernel `name` (`ds4_moe_mma_iq2_xxs` or `ds4_moe_mma_q2_k`) built for
+/// the warp tile `tile` (a suffix to the name for all but the first), with one descriptor as
+/// ds4_route writes them for it, on a grid of `grid` blocks (None: one block per block of the
+/// descriptor; fewer walk them).
 fn run_moe_mma(
     ctx: &super::super::context::Context,
-    name: &str,
+    (name, tile): (&str, GxTile),
     w: &DevBuf,
     m: &Mat,
     xb: &DevBuf,
@@ -198,14 +200,16 @@ fn run_moe_mma(
     grid: Option<u32>,
 ) -> Vec<f32> {
     use super::super::CudaBackend;
+    assert!(n <= tile.max_rows());
     let y = DevBuf::zeroed(4 * n.max(1) * m.n_out).unwrap();
     let counters = DevBuf::zeroed(64).unwrap();
     let (mut d, _) = CudaBackend::desc_split(w.at(m.start), m, m, xb.at(0), y.at(0), 0, n, 0, (1, 1));
-    d.warp_rows = 32;
+    d.warp_rows = tile.warp_rows() as i32;
     let table = DevBuf::from_slice(&[d]).unwrap();
-    let f = ctx.function(name).unwrap();
+    let name = if tile == GX_TILES[0] { name.to_string() } else { format!("{name}_{}x{}", tile.m, tile.n) };
+    let f = ctx.function(&name).unwrap();
     let args = [Arg::Ptr(table.at(0)), Arg::I32(1), Arg::Ptr(counters.at(0))];
-    let grid = grid.unwrap_or(m.n_out.div_ceil(128) as u32);
+    let grid = grid.unwrap_or(m.n_out.div_ceil(4 * tile.warp_rows()) as u32);
     ctx.launch_args(f, (grid, 1, 1), 128, 0, &args).unwrap();
     ctx.sync().unwrap();
     y.read(0, n * m.n_out).unwrap()
@@ -216,7 +220,8 @@ fn run_moe_mma(
 /// activations (per group of 32 exact integer sums times the scales; only the f32 roundings
 /// and the order of the additions differ; for Q2_K, whose kernel sums a weight's scaled quant
 /// and its min apart, `sum |w x|` counts both parts), an unused descriptor (0 rows) writes
-/// nothing, and a row gives the same bits with 1..=16 rows beside it.
+/// nothing, and a row gives the same bits with 1..=32 rows beside it, on every warp tile and
+/// grid.
 #[test]
 fn expert_products_on_the_tensor_cores_match_the_act8_dot() {
     let Some(ctx) = context_from(8, "mma.sync m16n8k32") else { return };
@@ -262,7 +267,7 @@ fn expert_products_on_the_tensor_cores_match_the_act8_dot() {
             quant::dequantize(ty, &data, &mut parts).unwrap();
         }
         // Rows of different scales, one all zeros.
-        const ROWS: usize = 16;
+        const ROWS: usize = 32;
         let mut x = randn(ROWS * n_in, 7 + n_out as u64, 1.0);
         for (r, row) in x.chunks_mut(n_in).enumerate() {
             let s = [1.0f32, 1e-3, 300.0, 0.0][r % 4];
@@ -279,7 +284,9 @@ fn expert_products_on_the_tensor_cores_match_the_act8_dot() {
         };
         let all = slots(&qx);
         let dot = quant::RowDot::new(ty, n_in, quant::Kernel::Scalar).unwrap();
-        let y = run_moe_mma(&ctx, name, &w, &m, &all, ROWS, None);
+        // All 32 rows on a tile of 4 n8 tiles; each tile's results must then be these bits.
+        let wide = GX_TILES[0];
+        let y = run_moe_mma(&ctx, (name, wide), &w, &m, &all, ROWS, None);
         for (r, q) in qx.iter().enumerate() {
             let xd: Vec<f32> = (0..n_in).map(|j| q[j] as i8 as f32 * quant::act8::scale(q, n_in, j / 32)).collect();
             for o in 0..n_out {
@@ -293,23 +300,30 @@ fn expert_products_on_the_tensor_cores_match_the_act8_dot() {
                 );
             }
         }
-        assert!(run_moe_mma(&ctx, name, &w, &m, &all, 0, None).is_empty());
-        // Fewer blocks than the descriptor's, each walking several: the same bits.
-        for grid in [1, 3] {
-            let yg = run_moe_mma(&ctx, name, &w, &m, &all, ROWS, Some(grid));
-            assert!(yg.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()), "{ty} {n_out}x{n_in}: grid {grid}");
-        }
-        for n in [1, 3, 8, 9, 13] {
-            for first in [0, ROWS - n] {
-                let part = slots(&qx[first..first + n]);
-                let yn = run_moe_mma(&ctx, name, &w, &m, &part, n, None);
-                for r in 0..n {
-                    let (a, b) = (&yn[r * n_out..(r + 1) * n_out], &y[(first + r) * n_out..(first + r + 1) * n_out]);
-                    assert!(
-                        a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits()),
-                        "{ty} {n_out}x{n_in}: row {} differs among {n} rows from {first}",
-                        first + r
-                    );
+        for tile in GX_TILES {
+            assert!(run_moe_mma(&ctx, (name, tile), &w, &m, &all, 0, None).is_empty());
+            let most = tile.max_rows();
+            // Fewer blocks than the descriptor's, each walking several: the same bits.
+            for grid in [1, 3] {
+                let yg = run_moe_mma(&ctx, (name, tile), &w, &m, &all, most, Some(grid));
+                assert!(
+                    yg.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()),
+                    "{ty} {n_out}x{n_in} {tile:?}: grid {grid}"
+                );
+            }
+            for n in [1, 3, 8, 9, 13, 16, 17, 24, 31, 32].into_iter().filter(|&n| n <= most) {
+                for first in [0, ROWS - n, (ROWS - n) / 2] {
+                    let part = slots(&qx[first..first + n]);
+                    let yn = run_moe_mma(&ctx, (name, tile), &w, &m, &part, n, None);
+                    for r in 0..n {
+                        let (a, b) =
+                            (&yn[r * n_out..(r + 1) * n_out], &y[(first + r) * n_out..(first + r + 1) * n_out]);
+                        assert!(
+                            a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits()),
+                            "{ty} {n_out}x{n_in} {tile:?}: row {} differs among {n} rows from {first}",
+                            first + r
+                        );
+                    }
                 }
             }
         }
