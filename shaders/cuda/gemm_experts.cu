@@ -117,19 +117,17 @@ __device__ __forceinline__ GxRows<NT> gx_rows(const MvDesc& D, int g, int t) {
     return X;
 }
 
-// Activation block u (inputs 32 u..32 u + 31) of the first `live` n8 tiles: each tile's B
+// Activation block u (inputs 32 u..32 u + 31) of the first LIVE n8 tiles: each tile's B
 // fragment (inputs 32 u + 8 t .. + 7 of row g) and its columns' scales dx.
-template <int NT>
-__device__ __forceinline__ void gx_x(const float* x, const GxRows<NT>& X, int live, int u, int t, uint2 (&xv)[NT],
+template <int NT, int LIVE>
+__device__ __forceinline__ void gx_x(const float* x, const GxRows<NT>& X, int u, int t, uint2 (&xv)[NT],
                                      float (&dx)[NT][2]) {
 #pragma unroll
-    for (int nt = 0; nt < NT; nt++) {
-        if (nt < live) {
-            xv[nt] = *(const uint2*)((const char*)(x + X.xb[nt]) + 32 * u + 8 * t);
+    for (int nt = 0; nt < LIVE; nt++) {
+        xv[nt] = *(const uint2*)((const char*)(x + X.xb[nt]) + 32 * u + 8 * t);
 #pragma unroll
-            for (int c = 0; c < 2; c++) {
-                dx[nt][c] = x[X.dx[nt][c] + u];
-            }
+        for (int c = 0; c < 2; c++) {
+            dx[nt][c] = x[X.dx[nt][c] + u];
         }
     }
 }
@@ -199,13 +197,90 @@ __device__ __forceinline__ int gx_live(const MvDesc* __restrict__ descs, int cou
 // (IQ2_XXS two groups ahead, 104 -> 136 registers; Q2_K a super-block, 138 -> 181): the same
 // bits, but a 256-row step of an 8192-token prompt took 1005 / 765 us a layer against 866 /
 // 601, and 870 / 586 with the registers capped back to four and three blocks an SM.)
+// One block's work of ds4_moe_mma_iq2_xxs: the warp's outputs o0.. of descriptor D over its
+// first LIVE n8 tiles of rows (the others hold no rows), its weight rows 16-byte aligned (VEC)
+// or only 2-byte aligned (read in 2-byte pieces). LIVE and VEC as template arguments keep the
+// loop free of run-time tests: a test there costs every pass its untaken side's instructions
+// (predicated loads) or a branch and a warp barrier before each mma.sync (sass_loops.py).
+template <int MT, int NT, int LIVE, bool VEC>
+__device__ __forceinline__ void gx_iq2_tile(const MvDesc& D, int o0, u32 grid) {
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int nb = D.n_in >> 8;
+    const u8* wrow[MT][2];
+    gx_wrows<MT>(D, o0, g, wrow);
+    const GxRows<NT> X = gx_rows<NT>(D, g, t);
+    float acc[MT][NT][4] = {};
+    for (int sb = 0; sb < nb; sb++) {
+        float d[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                d[mt][h] = f16_bits_to_f32(*(const u16*)(wrow[mt][h] + 64ll * nb + 2 * sb));
+            }
+        }
+        // Two groups a step: each row's 16 bytes at once.
+#pragma unroll 2
+        for (int jj = 0; jj < 8; jj += 2) {
+            uint4 wv[MT][2];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const u8* p = wrow[mt][h] + 64ll * sb + 8 * jj;
+                    if (VEC) {
+                        wv[mt][h] = *(const uint4*)p;
+                    } else {
+                        const u16* q = (const u16*)p;
+                        wv[mt][h] = make_uint4((u32)q[0] | ((u32)q[1] << 16), (u32)q[2] | ((u32)q[3] << 16),
+                                               (u32)q[4] | ((u32)q[5] << 16), (u32)q[6] | ((u32)q[7] << 16));
+                    }
+                }
+            }
+#pragma unroll
+            for (int s = 0; s < 2; s++) {
+                const int u = 8 * sb + jj + s;  // the group of 32 (the activation block)
+                uint2 xv[NT];
+                float dx[NT][2];
+                gx_x<NT, LIVE>(D.x, X, u, t, xv, dx);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    u32 a[2][2];  // [h][lo/hi]
+                    float db[2];
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const u32 aux0 = s ? wv[mt][h].z : wv[mt][h].x;
+                        const u32 aux1 = s ? wv[mt][h].w : wv[mt][h].y;
+                        gx_entry(grid, aux0, aux1, t, a[h][0], a[h][1]);
+                        db[h] = d[mt][h] * (0.5f + u8f(aux1 >> 28)) * 0.25f;
+                    }
+#pragma unroll
+                    for (int nt = 0; nt < LIVE; nt++) {
+                        int c[4] = {0, 0, 0, 0};
+                        gx_mma(c, a[0][0], a[1][0], a[0][1], a[1][1], xv[nt].x, xv[nt].y);
+                        acc[mt][nt][0] = fmaf(db[0] * dx[nt][0], (float)c[0], acc[mt][nt][0]);
+                        acc[mt][nt][1] = fmaf(db[0] * dx[nt][1], (float)c[1], acc[mt][nt][1]);
+                        acc[mt][nt][2] = fmaf(db[1] * dx[nt][0], (float)c[2], acc[mt][nt][2]);
+                        acc[mt][nt][3] = fmaf(db[1] * dx[nt][1], (float)c[3], acc[mt][nt][3]);
+                    }
+                }
+            }
+        }
+    }
+    gx_store<MT, NT>(D, o0, g, t, acc);
+}
+
 template <int MT, int NT>
 __device__ __forceinline__ void gx_iq2_xxs(const MvDesc* __restrict__ descs, int count) {
+    static_assert(NT >= 1 && NT <= 4, "gx_iq2_xxs: 1 to 4 n8 tiles");
     __shared__ u32 lut[256];
     FmtIQ2_XXS::init_lut((u8*)lut, threadIdx.x);
     // The tables are ds4_route's, written by the kernel before.
     ds4_grid_deps();
     __syncthreads();
+    const u32 grid = (u32)__cvta_generic_to_shared(lut);
     for (int b = blockIdx.x; b < gx_live(descs, count); b += gridDim.x) {
         const MvBlock B = mv_block_at(descs, count, b);
         const MvDesc& D = *B.D;
@@ -213,78 +288,18 @@ __device__ __forceinline__ void gx_iq2_xxs(const MvDesc* __restrict__ descs, int
         if (n == 0 || B.nrows <= 0) {
             continue;  // an unused expert slot, or rows past n_out
         }
-        const int lane = threadIdx.x & 31;
-        const int g = lane >> 2;
-        const int t = lane & 3;
-        const int nb = D.n_in >> 8;
-        const u32 grid = (u32)__cvta_generic_to_shared(lut);
-        const bool vec = (((unsigned long long)D.w | (unsigned long long)D.row_bytes) & 15ull) == 0;
-        const u8* wrow[MT][2];
-        gx_wrows<MT>(D, B.o0, g, wrow);
-        const GxRows<NT> X = gx_rows<NT>(D, g, t);
-        const int live = (n + 7) >> 3;  // n8 tiles with rows
-        float acc[MT][NT][4] = {};
-        for (int sb = 0; sb < nb; sb++) {
-            float d[MT][2];
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    d[mt][h] = f16_bits_to_f32(*(const u16*)(wrow[mt][h] + 64ll * nb + 2 * sb));
-                }
-            }
-            // Two groups a step: each row's 16 bytes at once.
-#pragma unroll 2
-            for (int jj = 0; jj < 8; jj += 2) {
-                uint4 wv[MT][2];
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++) {
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        const u8* p = wrow[mt][h] + 64ll * sb + 8 * jj;
-                        if (vec) {
-                            wv[mt][h] = *(const uint4*)p;
-                        } else {
-                            const u16* q = (const u16*)p;
-                            wv[mt][h] = make_uint4((u32)q[0] | ((u32)q[1] << 16), (u32)q[2] | ((u32)q[3] << 16),
-                                                   (u32)q[4] | ((u32)q[5] << 16), (u32)q[6] | ((u32)q[7] << 16));
-                        }
-                    }
-                }
-#pragma unroll
-                for (int s = 0; s < 2; s++) {
-                    const int u = 8 * sb + jj + s;  // the group of 32 (the activation block)
-                    uint2 xv[NT];
-                    float dx[NT][2];
-                    gx_x<NT>(D.x, X, live, u, t, xv, dx);
-#pragma unroll
-                    for (int mt = 0; mt < MT; mt++) {
-                        u32 a[2][2];  // [h][lo/hi]
-                        float db[2];
-#pragma unroll
-                        for (int h = 0; h < 2; h++) {
-                            const u32 aux0 = s ? wv[mt][h].z : wv[mt][h].x;
-                            const u32 aux1 = s ? wv[mt][h].w : wv[mt][h].y;
-                            gx_entry(grid, aux0, aux1, t, a[h][0], a[h][1]);
-                            db[h] = d[mt][h] * (0.5f + u8f(aux1 >> 28)) * 0.25f;
-                        }
-#pragma unroll
-                        for (int nt = 0; nt < NT; nt++) {
-                            if (nt >= live) {
-                                continue;
-                            }
-                            int c[4] = {0, 0, 0, 0};
-                            gx_mma(c, a[0][0], a[1][0], a[0][1], a[1][1], xv[nt].x, xv[nt].y);
-                            acc[mt][nt][0] = fmaf(db[0] * dx[nt][0], (float)c[0], acc[mt][nt][0]);
-                            acc[mt][nt][1] = fmaf(db[0] * dx[nt][1], (float)c[1], acc[mt][nt][1]);
-                            acc[mt][nt][2] = fmaf(db[1] * dx[nt][0], (float)c[2], acc[mt][nt][2]);
-                            acc[mt][nt][3] = fmaf(db[1] * dx[nt][1], (float)c[3], acc[mt][nt][3]);
-                        }
-                    }
-                }
-            }
+        const int live = (n + 7) >> 3;  // n8 tiles with rows (uniform over the block)
+        if ((((unsigned long long)D.w | (unsigned long long)D.row_bytes) & 15ull) != 0) {
+            gx_iq2_tile<MT, NT, NT, false>(D, B.o0, grid);  // all tiles: rows past n are clamped
+        } else if (live >= NT) {
+            gx_iq2_tile<MT, NT, NT, true>(D, B.o0, grid);
+        } else if (live == 1) {
+            gx_iq2_tile<MT, NT, 1, true>(D, B.o0, grid);
+        } else if (live == 2 || NT <= 2) {
+            gx_iq2_tile<MT, NT, (NT > 2 ? 2 : NT), true>(D, B.o0, grid);
+        } else {
+            gx_iq2_tile<MT, NT, (NT > 3 ? 3 : NT), true>(D, B.o0, grid);
         }
-        gx_store<MT, NT>(D, B.o0, g, t, acc);
     }
     ds4_grid_launch();
 }
@@ -308,13 +323,88 @@ extern "C" __global__ void __launch_bounds__(128, GX_MIN_BLOCKS_IQ2_22)
 // of qs a half). Per block and row, two exact int32 sums: S = sum of q * sc * x8 (the 4-bit
 // scale sc folded into the weight bytes: q * sc <= 45, so a 32-bit multiply scales four bytes
 // without carries) and M = sum of m * x8 (the 4-bit min m, a second mma on the same B), then
-// acc += dx * (d * S - dmin * M) in f32. The decode's kernel adds dx * (d sc sq - dmin m sx)
+// acc += dx * (d * S - dmin * M) in f32 (d * S fused with the subtraction: one rounding fewer,
+// one instruction fewer an output). The decode's kernel adds dx * (d sc sq - dmin m sx)
 // per sub-block: the same sums, other float roundings (within about 1e-6 of the exact dot, as
 // tests_gemm checks), and as in ds4_moe_mma_iq2_xxs a row's sums do not depend on the other
 // rows. Block 128; n_in a multiple of 256; rows 4-byte aligned (84 bytes a super-block; with
 // 8-byte alignment the quants are read 8 bytes at a time).
+//
+// gx_q2_k_tile is one block's work, as gx_iq2_tile's (VEC: rows 8-byte aligned, else 4).
+template <int MT, int NT, int LIVE, bool VEC>
+__device__ __forceinline__ void gx_q2_k_tile(const MvDesc& D, int o0) {
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int nb = D.n_in >> 8;
+    const long long pay = 64ll * nb;
+    const u8* wrow[MT][2];
+    gx_wrows<MT>(D, o0, g, wrow);
+    const GxRows<NT> X = gx_rows<NT>(D, g, t);
+    float acc[MT][NT][4] = {};
+    for (int sb = 0; sb < nb; sb++) {
+        // Per output row ([mt][row g or g + 8]): the lane's 8 quant bytes of each half, the
+        // scale bytes of its sub-block in each half (shift s in byte s), d and dmin.
+        uint2 qv[MT][2][2];
+        u32 scw[MT][2][2];
+        float dd[MT][2][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const u8* row = wrow[mt][h];
+                const u8* hd = row + pay + 20ll * sb;
+#pragma unroll
+                for (int half = 0; half < 2; half++) {
+                    const u8* q = row + 64ll * sb + 32 * half + 8 * t;
+                    qv[mt][h][half] = VEC ? *(const uint2*)q : make_uint2(ld_u32_a4(q), ld_u32_a4(q + 4));
+                    scw[mt][h][half] = ld_u32_a4(hd + 8 * half + 4 * (t >> 1));
+                }
+                const u32 w = ld_u32_a4(hd + 16);
+                dd[mt][h][0] = f16_bits_to_f32(w & 0xffffu);
+                dd[mt][h][1] = f16_bits_to_f32(w >> 16);
+            }
+        }
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+#pragma unroll
+            for (int s = 0; s < 4; s++) {
+                uint2 xv[NT];
+                float dx[NT][2];
+                gx_x<NT, LIVE>(D.x, X, 8 * sb + 4 * half + s, t, xv, dx);
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) {
+                    u32 lo[2], hi[2], mn[2];
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const u32 b = (scw[mt][h][half] >> (8 * s)) & 0xffu;
+                        const u32 sc = b & 15u;
+                        lo[h] = ((qv[mt][h][half].x >> (2 * s)) & 0x03030303u) * sc;
+                        hi[h] = ((qv[mt][h][half].y >> (2 * s)) & 0x03030303u) * sc;
+                        mn[h] = (b >> 4) * 0x01010101u;
+                    }
+#pragma unroll
+                    for (int nt = 0; nt < LIVE; nt++) {
+                        int c[4] = {0, 0, 0, 0};
+                        int e[4] = {0, 0, 0, 0};
+                        gx_mma(c, lo[0], lo[1], hi[0], hi[1], xv[nt].x, xv[nt].y);
+                        gx_mma(e, mn[0], mn[1], mn[0], mn[1], xv[nt].x, xv[nt].y);
+#pragma unroll
+                        for (int i = 0; i < 4; i++) {
+                            const float v = fmaf(dd[mt][i >> 1][0], (float)c[i], -(dd[mt][i >> 1][1] * (float)e[i]));
+                            acc[mt][nt][i] = fmaf(dx[nt][i & 1], v, acc[mt][nt][i]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    gx_store<MT, NT>(D, o0, g, t, acc);
+}
+
 template <int MT, int NT>
 __device__ __forceinline__ void gx_q2_k(const MvDesc* __restrict__ descs, int count) {
+    static_assert(NT >= 1 && NT <= 4, "gx_q2_k: 1 to 4 n8 tiles");
     // The tables are ds4_route's and x is ds4_swiglu's, written by kernels before.
     ds4_grid_deps();
     for (int b = blockIdx.x; b < gx_live(descs, count); b += gridDim.x) {
@@ -324,78 +414,18 @@ __device__ __forceinline__ void gx_q2_k(const MvDesc* __restrict__ descs, int co
         if (n == 0 || B.nrows <= 0) {
             continue;  // an unused expert slot, or rows past n_out
         }
-        const int lane = threadIdx.x & 31;
-        const int g = lane >> 2;
-        const int t = lane & 3;
-        const int nb = D.n_in >> 8;
-        const long long pay = 64ll * nb;
-        const bool vec = (((unsigned long long)D.w | (unsigned long long)D.row_bytes) & 7ull) == 0;
-        const u8* wrow[MT][2];
-        gx_wrows<MT>(D, B.o0, g, wrow);
-        const GxRows<NT> X = gx_rows<NT>(D, g, t);
-        const int live = (n + 7) >> 3;  // n8 tiles with rows
-        float acc[MT][NT][4] = {};
-        for (int sb = 0; sb < nb; sb++) {
-            // Per output row ([mt][row g or g + 8]): the lane's 8 quant bytes of each half, the
-            // scale bytes of its sub-block in each half (shift s in byte s), d and dmin.
-            uint2 qv[MT][2][2];
-            u32 scw[MT][2][2];
-            float dd[MT][2][2];
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const u8* row = wrow[mt][h];
-                    const u8* hd = row + pay + 20ll * sb;
-#pragma unroll
-                    for (int half = 0; half < 2; half++) {
-                        const u8* q = row + 64ll * sb + 32 * half + 8 * t;
-                        qv[mt][h][half] = vec ? *(const uint2*)q : make_uint2(ld_u32_a4(q), ld_u32_a4(q + 4));
-                        scw[mt][h][half] = ld_u32_a4(hd + 8 * half + 4 * (t >> 1));
-                    }
-                    const u32 w = ld_u32_a4(hd + 16);
-                    dd[mt][h][0] = f16_bits_to_f32(w & 0xffffu);
-                    dd[mt][h][1] = f16_bits_to_f32(w >> 16);
-                }
-            }
-#pragma unroll
-            for (int half = 0; half < 2; half++) {
-#pragma unroll
-                for (int s = 0; s < 4; s++) {
-                    uint2 xv[NT];
-                    float dx[NT][2];
-                    gx_x<NT>(D.x, X, live, 8 * sb + 4 * half + s, t, xv, dx);
-#pragma unroll
-                    for (int mt = 0; mt < MT; mt++) {
-                        u32 lo[2], hi[2], mn[2];
-#pragma unroll
-                        for (int h = 0; h < 2; h++) {
-                            const u32 b = (scw[mt][h][half] >> (8 * s)) & 0xffu;
-                            const u32 sc = b & 15u;
-                            lo[h] = ((qv[mt][h][half].x >> (2 * s)) & 0x03030303u) * sc;
-                            hi[h] = ((qv[mt][h][half].y >> (2 * s)) & 0x03030303u) * sc;
-                            mn[h] = (b >> 4) * 0x01010101u;
-                        }
-#pragma unroll
-                        for (int nt = 0; nt < NT; nt++) {
-                            if (nt >= live) {
-                                continue;
-                            }
-                            int c[4] = {0, 0, 0, 0};
-                            int e[4] = {0, 0, 0, 0};
-                            gx_mma(c, lo[0], lo[1], hi[0], hi[1], xv[nt].x, xv[nt].y);
-                            gx_mma(e, mn[0], mn[1], mn[0], mn[1], xv[nt].x, xv[nt].y);
-#pragma unroll
-                            for (int i = 0; i < 4; i++) {
-                                const float v = dd[mt][i >> 1][0] * (float)c[i] - dd[mt][i >> 1][1] * (float)e[i];
-                                acc[mt][nt][i] = fmaf(dx[nt][i & 1], v, acc[mt][nt][i]);
-                            }
-                        }
-                    }
-                }
-            }
+        const int live = (n + 7) >> 3;  // n8 tiles with rows (uniform over the block)
+        if ((((unsigned long long)D.w | (unsigned long long)D.row_bytes) & 7ull) != 0) {
+            gx_q2_k_tile<MT, NT, NT, false>(D, B.o0);  // all tiles: rows past n are clamped
+        } else if (live >= NT) {
+            gx_q2_k_tile<MT, NT, NT, true>(D, B.o0);
+        } else if (live == 1) {
+            gx_q2_k_tile<MT, NT, 1, true>(D, B.o0);
+        } else if (live == 2 || NT <= 2) {
+            gx_q2_k_tile<MT, NT, (NT > 2 ? 2 : NT), true>(D, B.o0);
+        } else {
+            gx_q2_k_tile<MT, NT, (NT > 3 ? 3 : NT), true>(D, B.o0);
         }
-        gx_store<MT, NT>(D, B.o0, g, t, acc);
     }
     ds4_grid_launch();
 }
