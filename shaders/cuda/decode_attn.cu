@@ -810,9 +810,14 @@ __device__ __forceinline__ void ds4_mma_3xtf32(float (&d)[4], const u32 (&ah)[4]
 }
 
 // x as a high tf32 part and the low part of the rest (round to nearest, ties away: cvt.rna).
+// The high part is cvt.rna's integer form, half a tf32 unit added to the magnitude's bits and
+// the 13 low bits cleared: what the SASS of cvt.rna does for a finite x, without its test and
+// select for Inf and NaN (two of its four instructions; these splits are most of the integer
+// work of the prompt attention's loops). An infinite x gives the same parts; a NaN x may give
+// another high part, but its rest, and so the low part and the products, are NaN as before.
 __device__ __forceinline__ void ds4_tf32_split(float x, u32& hi, u32& lo) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
+    hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
     const float rest = x - __uint_as_float(hi);
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(rest));
 #else
@@ -1568,6 +1573,13 @@ extern "C" __global__ void __launch_bounds__(DS4_ATTN_THREADS)
 // 8192-token prompts ran at 2030 / 1977 tok/s against 2048 / 1994 (H200, interleaved in one
 // process, 2026-12-03).
 //
+// The tf32 splits without cvt.rna's Inf/NaN select (ds4_tf32_split) and step 4 built for
+// Flash's width (ds4_attn_mma_pv<8>: no test of nt, the values in 16-byte loads only) took the
+// QK^T loop from 501 to 441 SASS instructions a pass (48 mma) and the P V loop from 361 to
+// 173 (24 mma), the same bits for finite inputs: 2048- / 8192-token prompts at 2558 / 2455 and
+// 2588 / 2483 tok/s against 2494 / 2412 (H200, separate processes, the old shaders through
+// DS4_CUDA_SOURCES, 2026-12-04).
+//
 // Grid (ceil(n_heads / 16), n); block 256; dynamic shared memory of
 // ds4_attn_mma_smem(head_dim, lg_stride) bytes. head_dim a multiple of 64 up to
 // DS4_ATTN_MMA_MAX_DIM; lg_stride >= every row's key count (as ds4_attention_logits'); rope_dim
@@ -1641,6 +1653,44 @@ __device__ __forceinline__ void ds4_attn_mma_values(const float* v0, const float
             for (int i = 0; i < NT; i++) {
                 v[u][i] = p && i < nt ? __ldg(p + i) : 0.0f;
             }
+        }
+    }
+}
+
+// Step 4 of ds4_attention_mma (O += P V over the key tiles): a lane's nt output tiles; NTC = nt
+// known at compile time (the widest head, nt = DS4_ATTN_MMA_MAX_DIM / 64: no test of nt in the
+// loop, the values' loads at their widest), or 0 for nt read at run time.
+template <int NTC>
+__device__ __forceinline__ void ds4_attn_mma_pv(float (&acc)[DS4_ATTN_MMA_MAX_DIM / 64][4], const float* const* kp,
+                                                const float* S, int sst, int tiles, int vcol, int nt_run, int g,
+                                                int t) {
+    constexpr int NT = DS4_ATTN_MMA_MAX_DIM / 64;
+    const int nt = NTC > 0 ? NTC : nt_run;
+    float vc[2][NT];
+    ds4_attn_mma_values(kp[t], kp[t + 4], vcol, nt, vc);
+    for (int s = 0; s < tiles; s++) {
+        const int j0 = 8 * s + t;
+        float vn[2][NT];
+        const int jn = s + 1 < tiles ? j0 + 8 : j0;
+        ds4_attn_mma_values(kp[jn], kp[jn + 4], vcol, nt, vn);
+        u32 ah[4], al[4];
+        ds4_tf32_split(S[g * sst + j0], ah[0], al[0]);
+        ds4_tf32_split(S[(g + 8) * sst + j0], ah[1], al[1]);
+        ds4_tf32_split(S[g * sst + j0 + 4], ah[2], al[2]);
+        ds4_tf32_split(S[(g + 8) * sst + j0 + 4], ah[3], al[3]);
+#pragma unroll
+        for (int i = 0; i < NT; i++) {
+            if (i < nt) {
+                u32 bh0, bl0, bh1, bl1;
+                ds4_tf32_split(vc[0][i], bh0, bl0);
+                ds4_tf32_split(vc[1][i], bh1, bl1);
+                ds4_mma_3xtf32(acc[i], ah, al, bh0, bh1, bl0, bl1);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < NT; i++) {
+            vc[0][i] = vn[0][i];
+            vc[1][i] = vn[1][i];
         }
     }
 }
@@ -1810,32 +1860,10 @@ extern "C" __global__ void __launch_bounds__(256)
             acc[i][e] = 0.0f;
         }
     }
-    float vc[2][NT];
-    ds4_attn_mma_values(kp[t], kp[t + 4], vcol, nt, vc);
-    for (int s = 0; s < tiles; s++) {
-        const int j0 = 8 * s + t;
-        float vn[2][NT];
-        const int jn = s + 1 < tiles ? j0 + 8 : j0;
-        ds4_attn_mma_values(kp[jn], kp[jn + 4], vcol, nt, vn);
-        u32 ah[4], al[4];
-        ds4_tf32_split(S[g * sst + j0], ah[0], al[0]);
-        ds4_tf32_split(S[(g + 8) * sst + j0], ah[1], al[1]);
-        ds4_tf32_split(S[g * sst + j0 + 4], ah[2], al[2]);
-        ds4_tf32_split(S[(g + 8) * sst + j0 + 4], ah[3], al[3]);
-#pragma unroll
-        for (int i = 0; i < NT; i++) {
-            if (i < nt) {
-                u32 bh0, bl0, bh1, bl1;
-                ds4_tf32_split(vc[0][i], bh0, bl0);
-                ds4_tf32_split(vc[1][i], bh1, bl1);
-                ds4_mma_3xtf32(acc[i], ah, al, bh0, bh1, bl0, bl1);
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < NT; i++) {
-            vc[0][i] = vn[0][i];
-            vc[1][i] = vn[1][i];
-        }
+    if (nt == NT) {
+        ds4_attn_mma_pv<NT>(acc, kp, S, sst, tiles, vcol, nt, g, t);  // Flash's head_dim 512
+    } else {
+        ds4_attn_mma_pv<0>(acc, kp, S, sst, tiles, vcol, nt, g, t);
     }
 
     // 5. O to shared memory (over Q's fragments, which no warp reads after step 2; rows of
