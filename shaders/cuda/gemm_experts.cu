@@ -152,6 +152,13 @@ __device__ __forceinline__ void gx_store(const MvDesc& D, int o0, int g, int t, 
     }
 }
 
+// The compile-time shape of one block's work: LIVE n8 tiles with rows, rows VEC-aligned.
+template <int LIVE, bool VEC>
+struct GxShape {
+    static constexpr int live = LIVE;
+    static constexpr bool vec = VEC;
+};
+
 // A 4-byte field of a descriptor, loaded anew at each call (not hoisted out of a loop).
 __device__ __forceinline__ int gx_field(const int* p) {
     int v;
@@ -183,6 +190,42 @@ __device__ __forceinline__ int gx_live(const MvDesc* __restrict__ descs, int cou
     }
     const int rows = MV_WARPS / gx_field(&L->group) * gx_field(&L->warp_rows);
     return bs + (gx_field(&L->n_out) + rows - 1) / rows * gx_field(&L->slices);
+}
+
+// Walks a launch's live blocks (gx_live) and does each one's work: w(D, o0, GxShape<LIVE,
+// VEC>()) for the warp's outputs o0.. of descriptor D, on a kernel of NT n8 tiles. VEC when D's
+// weight rows are aligned to `align` bytes, and then LIVE its tiles with rows (n is uniform
+// over the block); else every tile (rows past n are clamped, so their tiles are only wasted
+// work).
+template <int NT, class W>
+__device__ __forceinline__ void gx_walk(const MvDesc* __restrict__ descs, int count, unsigned long long align,
+                                        const W& w) {
+    static_assert(NT >= 1 && NT <= 4, "gx_walk: 1 to 4 n8 tiles");
+    for (int b = blockIdx.x; b < gx_live(descs, count); b += gridDim.x) {
+        const MvBlock B = mv_block_at(descs, count, b);
+        const MvDesc& D = *B.D;
+        if (D.n == 0 || B.nrows <= 0) {
+            continue;  // an unused expert slot, or rows past n_out
+        }
+        const int live = (D.n + 7) >> 3;
+        if ((((unsigned long long)D.w | (unsigned long long)D.row_bytes) & (align - 1)) != 0) {
+            w(D, B.o0, GxShape<NT, false>());
+        } else if (live >= NT) {
+            w(D, B.o0, GxShape<NT, true>());
+        } else if constexpr (NT >= 2) {
+            if (live == 1) {
+                w(D, B.o0, GxShape<1, true>());
+            } else if constexpr (NT == 3) {
+                w(D, B.o0, GxShape<2, true>());
+            } else if constexpr (NT == 4) {
+                if (live == 2) {
+                    w(D, B.o0, GxShape<2, true>());
+                } else {
+                    w(D, B.o0, GxShape<3, true>());
+                }
+            }
+        }
+    }
 }
 
 // The gate and up products of a step's routed experts (MvDesc tables written by ds4_route:
@@ -272,35 +315,24 @@ __device__ __forceinline__ void gx_iq2_tile(const MvDesc& D, int o0, u32 grid) {
     gx_store<MT, NT>(D, o0, g, t, acc);
 }
 
+// gx_iq2_tile as gx_walk's work (NVRTC takes no device lambdas).
+template <int MT, int NT>
+struct GxIq2Work {
+    u32 grid;
+    template <class S>
+    __device__ __forceinline__ void operator()(const MvDesc& D, int o0, S) const {
+        gx_iq2_tile<MT, NT, S::live, S::vec>(D, o0, grid);
+    }
+};
+
 template <int MT, int NT>
 __device__ __forceinline__ void gx_iq2_xxs(const MvDesc* __restrict__ descs, int count) {
-    static_assert(NT >= 1 && NT <= 4, "gx_iq2_xxs: 1 to 4 n8 tiles");
     __shared__ u32 lut[256];
     FmtIQ2_XXS::init_lut((u8*)lut, threadIdx.x);
     // The tables are ds4_route's, written by the kernel before.
     ds4_grid_deps();
     __syncthreads();
-    const u32 grid = (u32)__cvta_generic_to_shared(lut);
-    for (int b = blockIdx.x; b < gx_live(descs, count); b += gridDim.x) {
-        const MvBlock B = mv_block_at(descs, count, b);
-        const MvDesc& D = *B.D;
-        const int n = D.n;
-        if (n == 0 || B.nrows <= 0) {
-            continue;  // an unused expert slot, or rows past n_out
-        }
-        const int live = (n + 7) >> 3;  // n8 tiles with rows (uniform over the block)
-        if ((((unsigned long long)D.w | (unsigned long long)D.row_bytes) & 15ull) != 0) {
-            gx_iq2_tile<MT, NT, NT, false>(D, B.o0, grid);  // all tiles: rows past n are clamped
-        } else if (live >= NT) {
-            gx_iq2_tile<MT, NT, NT, true>(D, B.o0, grid);
-        } else if (live == 1) {
-            gx_iq2_tile<MT, NT, 1, true>(D, B.o0, grid);
-        } else if (live == 2 || NT <= 2) {
-            gx_iq2_tile<MT, NT, (NT > 2 ? 2 : NT), true>(D, B.o0, grid);
-        } else {
-            gx_iq2_tile<MT, NT, (NT > 3 ? 3 : NT), true>(D, B.o0, grid);
-        }
-    }
+    gx_walk<NT>(descs, count, 16, GxIq2Work<MT, NT>{(u32)__cvta_generic_to_shared(lut)});
     ds4_grid_launch();
 }
 
@@ -402,31 +434,20 @@ __device__ __forceinline__ void gx_q2_k_tile(const MvDesc& D, int o0) {
     gx_store<MT, NT>(D, o0, g, t, acc);
 }
 
+// gx_q2_k_tile as gx_walk's work.
+template <int MT, int NT>
+struct GxQ2kWork {
+    template <class S>
+    __device__ __forceinline__ void operator()(const MvDesc& D, int o0, S) const {
+        gx_q2_k_tile<MT, NT, S::live, S::vec>(D, o0);
+    }
+};
+
 template <int MT, int NT>
 __device__ __forceinline__ void gx_q2_k(const MvDesc* __restrict__ descs, int count) {
-    static_assert(NT >= 1 && NT <= 4, "gx_q2_k: 1 to 4 n8 tiles");
     // The tables are ds4_route's and x is ds4_swiglu's, written by kernels before.
     ds4_grid_deps();
-    for (int b = blockIdx.x; b < gx_live(descs, count); b += gridDim.x) {
-        const MvBlock B = mv_block_at(descs, count, b);
-        const MvDesc& D = *B.D;
-        const int n = D.n;
-        if (n == 0 || B.nrows <= 0) {
-            continue;  // an unused expert slot, or rows past n_out
-        }
-        const int live = (n + 7) >> 3;  // n8 tiles with rows (uniform over the block)
-        if ((((unsigned long long)D.w | (unsigned long long)D.row_bytes) & 7ull) != 0) {
-            gx_q2_k_tile<MT, NT, NT, false>(D, B.o0);  // all tiles: rows past n are clamped
-        } else if (live >= NT) {
-            gx_q2_k_tile<MT, NT, NT, true>(D, B.o0);
-        } else if (live == 1) {
-            gx_q2_k_tile<MT, NT, 1, true>(D, B.o0);
-        } else if (live == 2 || NT <= 2) {
-            gx_q2_k_tile<MT, NT, (NT > 2 ? 2 : NT), true>(D, B.o0);
-        } else {
-            gx_q2_k_tile<MT, NT, (NT > 3 ? 3 : NT), true>(D, B.o0);
-        }
-    }
+    gx_walk<NT>(descs, count, 8, GxQ2kWork<MT, NT>{});
     ds4_grid_launch();
 }
 
