@@ -53,6 +53,24 @@
 #define GX_MIN_BLOCKS_Q2K_22 4
 #endif
 
+// An mma's int32 sum as a float. Every sum these kernels convert is below 2^22 in magnitude (32
+// products of int8 activations, |x| <= 128, with IQ2_XXS lattice bytes <= 43 or Q2_K's q sc
+// <= 45 and mins <= 15: at most 184 320), so with GX_I2F_MAGIC the conversion is an integer
+// add into the mantissa of 1.5 * 2^23 and a float subtraction, exact, the same value as I2F:
+// two full-rate instructions instead of a conversion, which the CUDA guide lists at 16 results
+// a clock an SM (a quarter of the integer adds') and of which the kernels issue one an output
+// and group (Q2_K: two). An experiment (untimed): GX_I2F_MAGIC=1 through DS4_CUDA_DEFINES.
+#ifndef GX_I2F_MAGIC
+#define GX_I2F_MAGIC 0
+#endif
+__device__ __forceinline__ float gx_i2f(int c) {
+#if GX_I2F_MAGIC
+    return __int_as_float(c + 0x4b400000) - 12582912.0f;
+#else
+    return (float)c;
+#endif
+}
+
 // d += a * b, int8 inputs, int32 sums.
 __device__ __forceinline__ void gx_mma(int (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -303,10 +321,10 @@ __device__ __forceinline__ void gx_iq2_tile(const MvDesc& D, int o0, u32 grid) {
                     for (int nt = 0; nt < LIVE; nt++) {
                         int c[4] = {0, 0, 0, 0};
                         gx_mma(c, a[0][0], a[1][0], a[0][1], a[1][1], xv[nt].x, xv[nt].y);
-                        acc[mt][nt][0] = fmaf(db[0] * dx[nt][0], (float)c[0], acc[mt][nt][0]);
-                        acc[mt][nt][1] = fmaf(db[0] * dx[nt][1], (float)c[1], acc[mt][nt][1]);
-                        acc[mt][nt][2] = fmaf(db[1] * dx[nt][0], (float)c[2], acc[mt][nt][2]);
-                        acc[mt][nt][3] = fmaf(db[1] * dx[nt][1], (float)c[3], acc[mt][nt][3]);
+                        acc[mt][nt][0] = fmaf(db[0] * dx[nt][0], gx_i2f(c[0]), acc[mt][nt][0]);
+                        acc[mt][nt][1] = fmaf(db[0] * dx[nt][1], gx_i2f(c[1]), acc[mt][nt][1]);
+                        acc[mt][nt][2] = fmaf(db[1] * dx[nt][0], gx_i2f(c[2]), acc[mt][nt][2]);
+                        acc[mt][nt][3] = fmaf(db[1] * dx[nt][1], gx_i2f(c[3]), acc[mt][nt][3]);
                     }
                 }
             }
@@ -423,7 +441,7 @@ __device__ __forceinline__ void gx_q2_k_tile(const MvDesc& D, int o0) {
                         gx_mma(e, mn[0], mn[1], mn[0], mn[1], xv[nt].x, xv[nt].y);
 #pragma unroll
                         for (int i = 0; i < 4; i++) {
-                            const float v = fmaf(dd[mt][i >> 1][0], (float)c[i], -(dd[mt][i >> 1][1] * (float)e[i]));
+                            const float v = fmaf(dd[mt][i >> 1][0], gx_i2f(c[i]), -(dd[mt][i >> 1][1] * gx_i2f(e[i])));
                             acc[mt][nt][i] = fmaf(dx[nt][i & 1], v, acc[mt][nt][i]);
                         }
                     }
