@@ -152,6 +152,29 @@ fn hc_site_async_variant_compiles() {
     assert!(!plain.contains("st.async"), "the default program pushes with st.async");
 }
 
+/// The routed tensor-core kernels' int32-to-float conversions as an add into 1.5 * 2^23 and a
+/// subtraction (`DS4_CUDA_DEFINES=GX_I2F_MAGIC=1`, gemm_experts.cu): the variant compiles and
+/// converts no sum with cvt in those kernels; the default program converts them all with cvt.
+#[test]
+fn gx_i2f_magic_variant_compiles() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    // The PTX of one kernel: from its `.entry` to the next.
+    fn entry<'p>(ptx: &'p str, name: &str) -> &'p str {
+        let at = ptx.find(&format!(".entry {name}(")).unwrap_or_else(|| panic!("no {name} in the PTX"));
+        let rest = &ptx[at + 1..];
+        &ptx[at..at + 1 + rest.find(".entry ").unwrap_or(rest.len())]
+    }
+    let magic = context::compile_with("compute_90", &["GX_I2F_MAGIC=1"]).unwrap_or_else(|e| panic!("{e}"));
+    let plain = context::compile_with("compute_90", &[]).unwrap_or_else(|e| panic!("{e}"));
+    for name in ["ds4_moe_mma_iq2_xxs", "ds4_moe_mma_q2_k"] {
+        let (m, p) = (entry(&magic, name), entry(&plain, name));
+        assert!(m.contains("1262485504") && !m.contains("cvt.rn.f32.s32"), "{name}: the variant still converts");
+        assert!(p.contains("cvt.rn.f32.s32") && !p.contains("1262485504"), "{name}: the default adds the magic");
+    }
+}
+
 #[test]
 fn no_device_is_an_error_not_a_panic() {
     // On a machine without a GPU this must be BackendUnavailable; with one, a backend.
