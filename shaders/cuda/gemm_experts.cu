@@ -218,7 +218,7 @@ __device__ __forceinline__ int gx_live(const MvDesc* __restrict__ descs, int cou
 template <int NT, class W>
 __device__ __forceinline__ void gx_walk(const MvDesc* __restrict__ descs, int count, unsigned long long align,
                                         const W& w) {
-    static_assert(NT >= 1 && NT <= 4, "gx_walk: 1 to 4 n8 tiles");
+    static_assert(NT == 2 || NT == 4, "gx_walk: the built tiles' 2 or 4 n8 tiles");
     for (int b = blockIdx.x; b < gx_live(descs, count); b += gridDim.x) {
         const MvBlock B = mv_block_at(descs, count, b);
         const MvDesc& D = *B.D;
@@ -230,26 +230,23 @@ __device__ __forceinline__ void gx_walk(const MvDesc* __restrict__ descs, int co
             w(D, B.o0, GxShape<NT, false>());
         } else if (live >= NT) {
             w(D, B.o0, GxShape<NT, true>());
-        } else if constexpr (NT >= 2) {
-            if (live == 1) {
-                w(D, B.o0, GxShape<1, true>());
-            } else if constexpr (NT == 3) {
+        } else if (live == 1) {
+            w(D, B.o0, GxShape<1, true>());
+        } else if constexpr (NT == 4) {
+            if (live == 2) {
                 w(D, B.o0, GxShape<2, true>());
-            } else if constexpr (NT == 4) {
-                if (live == 2) {
-                    w(D, B.o0, GxShape<2, true>());
-                } else {
-                    w(D, B.o0, GxShape<3, true>());
-                }
+            } else {
+                w(D, B.o0, GxShape<3, true>());
             }
         }
     }
 }
 
 // The gate and up products of a step's routed experts (MvDesc tables written by ds4_route:
-// warp_rows 32, group 1, slices 1; x the gathered rows as 8-bit activations, n <= 16). Block
-// 128 (four warps of 32 outputs each); n_in a multiple of 256. Rows of an odd number of
-// super-blocks (66 bytes each) are only 2-byte aligned: their groups are read in 2-byte pieces.
+// warp_rows 16 MT, group 1, slices 1; x the gathered rows as 8-bit activations, n <= 8 NT).
+// Block 128 (four warps of 16 MT outputs each); n_in a multiple of 256. Rows of an odd number
+// of super-blocks (66 bytes each) are only 2-byte aligned: their groups are read in 2-byte
+// pieces.
 // (Tried and dropped: this kernel's and ds4_moe_mma_q2_k's start (descriptor, lane place, weight
 // rows, rows of x) as one shared function, 999 -> 891 SASS instructions in this loop, with the
 // compressors' row emit shared by ds4_compress and ds4_compress_windows. The same results, but a
