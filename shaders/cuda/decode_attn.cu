@@ -815,6 +815,10 @@ __device__ __forceinline__ void ds4_mma_3xtf32(float (&d)[4], const u32 (&ah)[4]
 // select for Inf and NaN (two of its four instructions; these splits are most of the integer
 // work of the prompt attention's loops). An infinite x gives the same parts; a NaN x may give
 // another high part, but its rest, and so the low part and the products, are NaN as before.
+// (Tried, 2026-12-04: the low part as the rest's float bits, unrounded, since an mma reads only
+// a tf32 operand's top 19 bits: the QK^T loop 441 -> 377 instructions a pass, P V 173 -> 135,
+// but prompts ran the same, 2539 / 2490 tok/s against 2593 / 2490 (H200, Flash, separate
+// processes), at twice the low part's error. This kernel waits on memory latency, not issue.)
 __device__ __forceinline__ void ds4_tf32_split(float x, u32& hi, u32& lo) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
@@ -1601,8 +1605,13 @@ __device__ __host__ __forceinline__ int ds4_attn_mma_smem(int head_dim, int lg_s
 }
 
 
-// A lane's keys of k16 chunks c0 .. c0 + DS4_ATTN_MMA_KQ - 1 of its two key rows (zeros for a
-// null row): dims 16 c + 4 t .. + 3, one 16-byte load each.
+// The key row of the key slots past a row's count (and of a warp's missing second tile): zeros,
+// so that every key and value load of the loops is unconditional. (They were null rows, each
+// load then a test and a select of zeros: 32 CS2R of the QK^T loop's pass were those zeros.)
+__device__ const float ds4_attn_zero_row[DS4_ATTN_MMA_MAX_DIM] = {};
+
+// A lane's keys of k16 chunks c0 .. c0 + DS4_ATTN_MMA_KQ - 1 of its two key rows: dims 16 c +
+// 4 t .. + 3, one 16-byte load each.
 #define DS4_ATTN_MMA_KQ 4
 __device__ __forceinline__ void ds4_attn_mma_keys(const float* const (&krow)[2], int c0, int t,
                                                   float4 (&k)[2][DS4_ATTN_MMA_KQ]) {
@@ -1610,13 +1619,12 @@ __device__ __forceinline__ void ds4_attn_mma_keys(const float* const (&krow)[2],
     for (int u = 0; u < 2; u++) {
 #pragma unroll
         for (int cc = 0; cc < DS4_ATTN_MMA_KQ; cc++) {
-            k[u][cc] = krow[u] ? __ldg((const float4*)(krow[u] + 16 * (c0 + cc) + 4 * t))
-                               : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            k[u][cc] = __ldg((const float4*)(krow[u] + 16 * (c0 + cc) + 4 * t));
         }
     }
 }
 
-// A lane's values of one key tile for O = P V: keys j0 and j0 + 4 (null: zeros), the nt
+// A lane's values of one key tile for O = P V: keys j0 and j0 + 4, the nt
 // consecutive columns at `col` (the lane's column of each of its nt output tiles), in loads as
 // wide as nt allows (the branch is the launch's).
 __device__ __forceinline__ void ds4_attn_mma_values(const float* v0, const float* v1, int col, int nt,
@@ -1625,12 +1633,12 @@ __device__ __forceinline__ void ds4_attn_mma_values(const float* v0, const float
     const float* rows[2] = {v0, v1};
 #pragma unroll
     for (int u = 0; u < 2; u++) {
-        const float* p = rows[u] ? rows[u] + col : nullptr;
+        const float* p = rows[u] + col;
         if ((nt & 3) == 0) {
 #pragma unroll
             for (int i = 0; i < NT; i += 4) {
                 float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                if (p && i < nt) {
+                if (i < nt) {
                     x = __ldg((const float4*)(p + i));
                 }
                 v[u][i] = x.x;
@@ -1642,7 +1650,7 @@ __device__ __forceinline__ void ds4_attn_mma_values(const float* v0, const float
 #pragma unroll
             for (int i = 0; i < NT; i += 2) {
                 float2 x = make_float2(0.0f, 0.0f);
-                if (p && i < nt) {
+                if (i < nt) {
                     x = __ldg((const float2*)(p + i));
                 }
                 v[u][i] = x.x;
@@ -1651,7 +1659,7 @@ __device__ __forceinline__ void ds4_attn_mma_values(const float* v0, const float
         } else {
 #pragma unroll
             for (int i = 0; i < NT; i++) {
-                v[u][i] = p && i < nt ? __ldg(p + i) : 0.0f;
+                v[u][i] = i < nt ? __ldg(p + i) : 0.0f;
             }
         }
     }
@@ -1726,7 +1734,7 @@ extern "C" __global__ void __launch_bounds__(256)
         __trap();  // outside the kernel's shapes: a host bug
     }
     const int nk = a.nk;
-    const int tiles = (nk + 7) / 8;  // key tiles of 8 (keys past nk: null rows, zero weights)
+    const int tiles = (nk + 7) / 8;  // key tiles of 8 (keys past nk: the zero row, zero weights)
 
     // 1. Q's fragments and the key pointers. The dims of a k16 chunk c are permuted so that
     //    lane t's four are consecutive, 16 c + 4 t .. + 3 (one 16-byte load of a key in step
@@ -1754,7 +1762,7 @@ extern "C" __global__ void __launch_bounds__(256)
         qs[64 * s + 32 + l] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
     }
     for (int j = threadIdx.x; j < kcap; j += blockDim.x) {
-        kp[j] = j < nk ? ds4_attn_key(a, j, ring, slots, crows, head_dim) : nullptr;
+        kp[j] = j < nk ? ds4_attn_key(a, j, ring, slots, crows, head_dim) : ds4_attn_zero_row;
     }
     __syncthreads();
 
@@ -1764,7 +1772,7 @@ extern "C" __global__ void __launch_bounds__(256)
     const float scale = 1.0f / sqrtf((float)head_dim);
     for (int tile = warp; tile < tiles; tile += 2 * NW) {
         const bool two = tile + NW < tiles;
-        const float* krow[2] = {kp[8 * tile + g], two ? kp[8 * (tile + NW) + g] : nullptr};
+        const float* krow[2] = {kp[8 * tile + g], two ? kp[8 * (tile + NW) + g] : ds4_attn_zero_row};
         float c[2][4] = {};
         float4 kc[2][KQ];
         ds4_attn_mma_keys(krow, 0, t, kc);
