@@ -55,17 +55,31 @@
 
 // An mma's int32 sum as a float. Every sum these kernels convert is below 2^22 in magnitude (32
 // products of int8 activations, |x| <= 128, with IQ2_XXS lattice bytes <= 43 or Q2_K's q sc
-// <= 45 and mins <= 15: at most 184 320), so with GX_I2F_MAGIC the conversion is an integer
-// add into the mantissa of 1.5 * 2^23 and a float subtraction, exact, the same value as I2F:
-// two full-rate instructions instead of a conversion, which the CUDA guide lists at 16 results
-// a clock an SM (a quarter of the integer adds') and of which the kernels issue one an output
-// and group (Q2_K: two). An experiment (untimed): GX_I2F_MAGIC=1 through DS4_CUDA_DEFINES.
+// <= 45 and mins <= 15: at most 184 320), so 1.5 * 2^23 plus the sum, as an integer, is the
+// float 1.5 * 2^23 + sum exactly, and a float subtraction gives the sum: the same value as
+// I2F, which the CUDA guide lists at 16 results a clock an SM (a quarter of the integer adds')
+// and of which the kernels issue one an output and group (Q2_K: two). GX_I2F_MAGIC (an
+// experiment through DS4_CUDA_DEFINES): 0 converts with I2F; 1 adds the constant to the sum
+// and subtracts (two full-rate instructions for one conversion); 2 starts the mma's int32
+// accumulator at the constant (GX_C0), so that the sum comes out with it added and only the
+// subtraction is left (one full-rate instruction for one conversion). Timed, 2 against 0: the
+// same prompts (2048 / 8192 tokens at 2577 / 2468 tok/s against 2539 / 2490; H200, Flash,
+// separate processes, 2026-12-04): the kernels are bound by the issue of all their
+// instructions, not by the conversions' pipe.
 #ifndef GX_I2F_MAGIC
 #define GX_I2F_MAGIC 0
 #endif
+#define GX_MAGIC 0x4b400000
+#if GX_I2F_MAGIC == 2
+#define GX_C0 GX_MAGIC
+#else
+#define GX_C0 0
+#endif
 __device__ __forceinline__ float gx_i2f(int c) {
-#if GX_I2F_MAGIC
-    return __int_as_float(c + 0x4b400000) - 12582912.0f;
+#if GX_I2F_MAGIC == 1
+    return __int_as_float(c + GX_MAGIC) - 12582912.0f;
+#elif GX_I2F_MAGIC == 2
+    return __int_as_float(c) - 12582912.0f;
 #else
     return (float)c;
 #endif
@@ -316,7 +330,7 @@ __device__ __forceinline__ void gx_iq2_tile(const MvDesc& D, int o0, u32 grid) {
                     }
 #pragma unroll
                     for (int nt = 0; nt < LIVE; nt++) {
-                        int c[4] = {0, 0, 0, 0};
+                        int c[4] = {GX_C0, GX_C0, GX_C0, GX_C0};
                         gx_mma(c, a[0][0], a[1][0], a[0][1], a[1][1], xv[nt].x, xv[nt].y);
                         acc[mt][nt][0] = fmaf(db[0] * dx[nt][0], gx_i2f(c[0]), acc[mt][nt][0]);
                         acc[mt][nt][1] = fmaf(db[0] * dx[nt][1], gx_i2f(c[1]), acc[mt][nt][1]);
@@ -432,8 +446,8 @@ __device__ __forceinline__ void gx_q2_k_tile(const MvDesc& D, int o0) {
                     }
 #pragma unroll
                     for (int nt = 0; nt < LIVE; nt++) {
-                        int c[4] = {0, 0, 0, 0};
-                        int e[4] = {0, 0, 0, 0};
+                        int c[4] = {GX_C0, GX_C0, GX_C0, GX_C0};
+                        int e[4] = {GX_C0, GX_C0, GX_C0, GX_C0};
                         gx_mma(c, lo[0], lo[1], hi[0], hi[1], xv[nt].x, xv[nt].y);
                         gx_mma(e, mn[0], mn[1], mn[0], mn[1], xv[nt].x, xv[nt].y);
 #pragma unroll
