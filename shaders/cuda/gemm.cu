@@ -985,6 +985,14 @@ __device__ __forceinline__ void px_slot_w(const PxSlot<PX_F16>& S, int tid, uint
 // The products of a launch's descriptors as gemm_body's, x being ds4_gemm_split's tiles (a
 // descriptor's x: the split's tile of its row 0; its rows start on a tile, GEMM_MAX_ROWS
 // apart).
+// (Tried, 2026-12-04, and not kept: the loop built for a descriptor of all GEMM_MTILES m16 tiles
+// (every one of a 1024-row step but its last) with no test of mt, so that a unit's 64 mma are
+// one block of sixteen independent chains where the test around each tile's leaves four short
+// chains in a row. Nsight Compute had q_b's launch of a 1024-row Flash step (H200) issue 0.45
+// instructions a cycle a scheduler, a warp every 6.5 cycles, 2.9 warps a scheduler, L2 38% and
+// L1 55% busy: latency. The same bits; 208 registers (two blocks an SM, from three at 153), or
+// 168 with three blocks and a few spilled words. Prompts of 2048 / 8192 tokens at 2525 / 2474
+// and 2543 / 2448 tok/s against about 2540 / 2490: no gain either way.)
 template <int KIND>
 __device__ __forceinline__ void gemm_body_px(const MvDesc* __restrict__ descs, int count,
                                              int* __restrict__ counters) {
