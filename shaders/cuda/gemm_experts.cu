@@ -58,27 +58,25 @@
 // <= 45 and mins <= 15: at most 184 320), so 1.5 * 2^23 plus the sum, as an integer, is the
 // float 1.5 * 2^23 + sum exactly, and a float subtraction gives the sum: the same value as
 // I2F, which the CUDA guide lists at 16 results a clock an SM (a quarter of the integer adds')
-// and of which the kernels issue one an output and group (Q2_K: two). GX_I2F_MAGIC (an
-// experiment through DS4_CUDA_DEFINES): 0 converts with I2F; 1 adds the constant to the sum
-// and subtracts (two full-rate instructions for one conversion); 2 starts the mma's int32
-// accumulator at the constant (GX_C0), so that the sum comes out with it added and only the
-// subtraction is left (one full-rate instruction for one conversion). Timed, 2 against 0: the
-// same prompts (2048 / 8192 tokens at 2577 / 2468 tok/s against 2539 / 2490; H200, Flash,
-// separate processes, 2026-12-04): the kernels are bound by the issue of all their
-// instructions, not by the conversions' pipe.
+// and of which the kernels issue one an output and group (Q2_K: two). With GX_I2F_MAGIC=1 (an
+// experiment through DS4_CUDA_DEFINES) the mma's int32 accumulator starts at that constant
+// (GX_C0), so the sum comes out with it added and one full-rate subtraction converts it. The
+// same bits and loops of the same length (IQ2_XXS 1122 SASS instructions a pass, Q2_K 2213).
+// Timed against I2F: the same prompts (2048 / 8192 tokens at 2577 / 2468 tok/s against 2539 /
+// 2490; H200, Flash, separate processes, 2026-12-04): the conversions' pipe does not bound
+// these kernels (Nsight Compute: the IQ2_XXS kernel issues 0.6 instructions a cycle a
+// scheduler, its L1 and shared memory pipe 75% busy; scripts/kernel_lab/README.md). (Adding
+// the constant to each sum instead, then subtracting, made the loops 1214 and 2746 long.)
 #ifndef GX_I2F_MAGIC
 #define GX_I2F_MAGIC 0
 #endif
-#define GX_MAGIC 0x4b400000
-#if GX_I2F_MAGIC == 2
-#define GX_C0 GX_MAGIC
+#if GX_I2F_MAGIC
+#define GX_C0 0x4b400000
 #else
 #define GX_C0 0
 #endif
 __device__ __forceinline__ float gx_i2f(int c) {
-#if GX_I2F_MAGIC == 1
-    return __int_as_float(c + GX_MAGIC) - 12582912.0f;
-#elif GX_I2F_MAGIC == 2
+#if GX_I2F_MAGIC
     return __int_as_float(c) - 12582912.0f;
 #else
     return (float)c;
