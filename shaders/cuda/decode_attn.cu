@@ -818,7 +818,8 @@ __device__ __forceinline__ void ds4_mma_3xtf32(float (&d)[4], const u32 (&ah)[4]
 // (Tried, 2026-12-04: the low part as the rest's float bits, unrounded, since an mma reads only
 // a tf32 operand's top 19 bits: the QK^T loop 441 -> 377 instructions a pass, P V 173 -> 135,
 // but prompts ran the same, 2539 / 2490 tok/s against 2593 / 2490 (H200, Flash, separate
-// processes), at twice the low part's error. This kernel waits on memory latency, not issue.)
+// processes), at twice the low part's error: ds4_attention_mma waits on memory latency, not
+// on issue.)
 __device__ __forceinline__ void ds4_tf32_split(float x, u32& hi, u32& lo) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
