@@ -14,7 +14,8 @@ After a prompt of --ctx tokens (random ids), measures with the median of --runs:
   expected union of k rows' choices, n(1 - (1 - used/n)^k) of n experts under independent
   uniform routing; then greedy verifies of 2, 4 and 8 rows (``Session.verify(greedy=True)``:
   one token id a row, as a temperature-0 speculative step) as a ratio to a greedy step of one;
-* prefill tokens/s for each --prefill length (from an empty session); with --ab NAME, for a
+* prefill tokens/s for each --prefill length (from an empty session; with --draft, the
+  drafter's window rows kept too, as a speculative session's prompt); with --ab NAME, for a
   session made with the switch NAME=1 and one with NAME=0 (a setting the device decoder reads
   when a session makes it, such as DS4_CUDA_GEMM), or with --ab NAME=V1,V2,.. one a value
   (DS4_CUDA_PREFILL_ROWS=16,256,512), their runs interleaved; --ab given more than once, a
@@ -82,6 +83,8 @@ def main() -> None:
     ap.add_argument("--host", action="store_true",
                     help="run the forward pass on the host even on CUDA (products on the GPU only)")
     ap.add_argument("--prefill-only", action="store_true", help="only the prefill timings")
+    ap.add_argument("--draft", metavar="FILE", help="load this drafter with the model (a prompt then also "
+                    "keeps the drafter's window rows)")
     ap.add_argument("--ab", metavar="NAME[=V,...]", action="append", default=[],
                     help="prefill with the setting NAME=1 and NAME=0, or each V given (read when a session "
                     "makes its decoder); more than once: each combination")
@@ -92,7 +95,7 @@ def main() -> None:
         os.environ["DS4_DEVICE_DECODE"] = "0"
     if args.profile:
         os.environ["DS4_PROFILE"] = "1"  # read at the first forward pass
-    m = ds4.Model.load(args.model, backend=args.backend, draft=False)
+    m = ds4.Model.load(args.model, backend=args.backend, draft=args.draft or False)
     rng = np.random.default_rng(0)
     if not args.prefill_only:
         steps(args, m, rng)

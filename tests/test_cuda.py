@@ -395,6 +395,61 @@ def test_fused_hyper_connection_sites_agree(tmp_path: Path) -> None:
     assert np.array_equal(on.argmax(axis=1), off.argmax(axis=1))
 
 
+# A prompt of 420 tokens with a drafter (argv: target, drafter, output file): every row's
+# logits, the state's digest (the drafter's rings and MTP's pending streams in it), the device
+# steps the prompt took (DS4_PROFILE), a proposal after it, a decode step and a proposal after
+# that.
+_PROMPT_CHILD = r"""
+import sys
+import numpy as np
+import ds4
+from ds4 import _ds4
+target, draft, out = sys.argv[1:4]
+m = ds4.Model.load(target, draft=draft, backend="cuda")
+prompt = np.random.default_rng(7).integers(8, m.vocab_size, 420).tolist()
+s = m.session(1024)
+_ds4.profile(True)
+logits = s.eval(prompt)
+steps = {name: n for name, n, _ in _ds4.profile(True)}["device_step"]
+digest = s.digest()
+p = s.propose(k=3)
+step = s.eval([int(logits[-1].argmax())])
+q = s.propose(k=3)
+np.savez(out, logits=logits, step=step, steps=steps, digest=np.array([digest, s.digest()], dtype=np.uint64),
+         p=np.array(p.tokens), p_logits=p.logits, q=np.array(q.tokens), q_logits=q.logits)
+print("ok")
+"""
+
+
+@gpu
+@pytest.mark.parametrize("method", ["mtp", "dspark"])
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_prompt_steps_with_a_drafter(files: dict[str, Path], tmp_path: Path, method: str, where: str) -> None:
+    # With a drafter, a prompt's rows before its last ring slots (+ 1 for MTP's lag) go in full
+    # prompt steps that leave the drafter out, the rest in 16-row steps that keep it. Every
+    # row's logits, the whole state (the drafter's rings and pending streams too), the proposals
+    # and a decode step after it are the bits of 16-row steps throughout
+    # (DS4_CUDA_PREFILL_ROWS=16, how every prompt with a drafter ran before), in far fewer
+    # steps: 420 tokens with tiny-l's window of 128 (145 ring slots) take one step of 274 (MTP)
+    # or 275 rows, then ten of at most 16, against 27. With the drafter's rows on the device
+    # (its upkeep) and on the host (DS4_CUDA_DRAFT=0).
+    def run(env: dict[str, str]) -> dict[str, np.ndarray]:
+        out = tmp_path / f"{len(env)}.npz"
+        args = [sys.executable, "-c", _PROMPT_CHILD, str(files["tiny-l"]), str(files[method]), str(out)]
+        env = {"DS4_PROFILE": "1", "DS4_CUDA_DRAFT": "1" if where == "device" else "0", **env}
+        r = subprocess.run(args, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (env, r.returncode, r.stderr[-2000:])
+        return dict(np.load(out))
+
+    full, small = run({}), run({"DS4_CUDA_PREFILL_ROWS": "16"})
+    assert (int(full["steps"]), int(small["steps"])) == (11, 27)
+    assert full["logits"].shape == (420, ds4.Model.load(files["tiny-l"]).vocab_size)
+    for key in ["logits", "step", "digest", "p", "p_logits", "q", "q_logits"]:
+        assert full[key].dtype == small[key].dtype and np.array_equal(full[key].view(np.uint8),
+                                                                      small[key].view(np.uint8)), key
+    assert len(full["p"]) == 3
+
+
 # The start of the drafter children: argv is target, drafter, golden file, "device" or "host";
 # calls() reads and clears the profile's call counts; check_path asserts which path proposed
 # (the host path runs more than host_products products); eval_prompt evaluates a prompt, its

@@ -24,6 +24,31 @@ impl Snapshot {
     }
 }
 
+/// The calls of a prompt of `len` rows on a device decoder: calls of up to `big` rows, except
+/// that with a drafter (`refill` > 0, [`crate::state::DraftState::refill_rows`]) the last
+/// `refill` rows, at least, go in calls of at most `small` rows. A call of more than `small`
+/// rows skips the drafter's rings, and every slot of them is written again by those last rows,
+/// so the state is bit for bit that of calls of `small` rows throughout (each row's results do
+/// not depend on the rows that share its call); only the prompt's time changes (Flash: steps
+/// of 16 rows run at about a fifth of the rate of steps of 1024).
+fn prompt_chunks(len: usize, big: usize, small: usize, refill: usize) -> Vec<usize> {
+    let (big, small) = (big.max(1), small.max(1));
+    let head = if refill > 0 && big > small { len.saturating_sub(refill) } else { len };
+    // The head's full calls: each more than `small` rows, or the drafter would keep them.
+    let mut sizes: Vec<usize> = std::iter::repeat_n(big, head / big).collect();
+    let mut rest = len - sizes.len() * big;
+    if refill > 0 && head % big > small {
+        sizes.push(head % big);
+        rest -= head % big;
+    }
+    let step = if refill > 0 { small } else { big };
+    while rest > 0 {
+        sizes.push(rest.min(step));
+        rest -= rest.min(step);
+    }
+    sizes
+}
+
 /// A decoding session over a shared model.
 pub struct Session {
     model: Arc<Model>,
@@ -179,7 +204,18 @@ impl Session {
         let mut next = self.state.clone();
         let out = match self.decoder.as_deref_mut() {
             Some(dec) => {
-                let chunks: Vec<&[u32]> = tokens.chunks(dec.prefill_rows().max(device_rows)).collect();
+                // With a drafter, the prompt's last rows in calls of a verify's size, which keep
+                // the drafter's rings; the rows before them in a prompt's full steps, which skip
+                // it (`DeviceDecoder::forward`).
+                let refill = next.draft.as_ref().filter(|_| self.model.draft.is_some()).map_or(0, |d| d.refill_rows());
+                let sizes = prompt_chunks(tokens.len(), dec.prefill_rows().max(device_rows), device_rows, refill);
+                let mut chunks: Vec<&[u32]> = Vec::with_capacity(sizes.len());
+                let mut rest = tokens;
+                for &k in &sizes {
+                    let (c, r) = rest.split_at(k);
+                    chunks.push(c);
+                    rest = r;
+                }
                 let (last, earlier) = chunks.split_last().ok_or_else(|| Error::invalid("no tokens to evaluate"))?;
                 // Every chunk of a long batch, the last too, is a prompt's step for the device.
                 dec.set_prefill(true);
@@ -711,6 +747,41 @@ pub(crate) mod tests {
         assert_eq!(seen.syncs.load(Ordering::Relaxed), 1);
         assert_eq!(d.eval(&[9], Logits::All).unwrap(), h.eval(&[9], Logits::All).unwrap());
         assert_eq!(d.digest(), h.digest());
+    }
+
+    /// A prompt's calls: the decoder's prompt size throughout without a drafter; with one, the
+    /// last `refill` rows or more in calls of at most `small` rows, which keep the drafter,
+    /// after calls of more than `small` rows, which skip it.
+    #[test]
+    fn prompt_calls_leave_the_drafters_last_rows_to_small_calls() {
+        assert_eq!(prompt_chunks(2500, 1024, 16, 0), vec![1024, 1024, 452]);
+        assert_eq!(prompt_chunks(1024, 1024, 16, 0), vec![1024]);
+        assert_eq!(prompt_chunks(20, 1024, 16, 0), vec![20]);
+        // Flash with MTP: a window of 128, 17 spare slots, and the lag of MTP's rows.
+        assert_eq!(prompt_chunks(2500, 1024, 16, 146), [vec![1024, 1024, 306], vec![16; 9], vec![2]].concat());
+        // The head's remainder: a call of its own when more than `small` rows, else with the tail.
+        assert_eq!(prompt_chunks(146 + 17, 1024, 16, 146), [vec![17], vec![16; 9], vec![2]].concat());
+        assert_eq!(prompt_chunks(146 + 16, 1024, 16, 146), [vec![16; 10], vec![2]].concat());
+        assert_eq!(prompt_chunks(100, 1024, 16, 146), [vec![16; 6], vec![4]].concat());
+        // Prompt steps no larger than a verify's (DS4_CUDA_PREFILL_ROWS=16): all of them small.
+        assert_eq!(prompt_chunks(40, 16, 16, 146), vec![16, 16, 8]);
+        for len in 1..700 {
+            for (big, small, refill) in [(64, 16, 0), (64, 16, 146), (100, 16, 30), (16, 16, 146), (1024, 4, 9)] {
+                let c = prompt_chunks(len, big, small, refill);
+                assert_eq!(c.iter().sum::<usize>(), len, "{len} {big} {small} {refill}");
+                assert!(c.iter().all(|&k| k > 0 && k <= big.max(small)));
+                if refill == 0 {
+                    assert!(c[..c.len() - 1].iter().all(|&k| k == big));
+                }
+                // Every call that skips the drafter is followed by at least `refill` rows in
+                // calls that keep it.
+                if let Some(last_big) = c.iter().rposition(|&k| k > small) {
+                    let after = &c[last_big + 1..];
+                    assert!(refill == 0 || after.iter().sum::<usize>() >= refill, "{len} {c:?}");
+                    assert!(refill == 0 || c[..last_big].iter().all(|&k| k == big), "{len} {c:?}");
+                }
+            }
+        }
     }
 
     /// The tiny-l golden model (llama.cpp's f32 file).

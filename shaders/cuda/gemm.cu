@@ -152,7 +152,9 @@ __device__ __forceinline__ void gemm_prep_w(const uint4 (&wv)[GEMM_TILES], const
 // 1024 x 4096, 4096 x 2048, 2048 x 4096, 4096 x 4096 took 90 / 146 / 140 / 245 us where two
 // blocks take 72 / 111 / 103 / 174; with GEMM_STAGE 1, 81 / 128 / 121 / 213, and a 2048-token
 // Flash prompt 1166 / 1184 tok/s against 1264 / 1274. Four blocks, 128 registers: 109 / 177 /
-// 171 / 307 us. H200, 2026-12-02.)
+// 171 / 307 us. H200, 2026-12-02. Again on the px kernels, 2026-12-04, four blocks at 128
+// registers with spills in the loop: Flash prompts of 2048 / 8192 tokens 2510 / 2417 tok/s
+// against 2577 / 2463, separate processes on one H200.)
 #ifndef GEMM_MIN_BLOCKS
 #define GEMM_MIN_BLOCKS 2
 #endif

@@ -66,7 +66,11 @@ pub trait DeviceDecoder: Send {
     fn max_rows(&self) -> usize;
 
     /// Most rows one call of a prompt's takes ([`DeviceDecoder::set_prefill`]), at least
-    /// [`DeviceDecoder::max_rows`]: a prompt's chunks may be longer than a verify.
+    /// [`DeviceDecoder::max_rows`]: a prompt's chunks may be longer than a verify. With a
+    /// drafter, a call of more than `max_rows()` rows may leave the drafter's rings as they
+    /// were (keeping only MTP's pending streams, `Model::draft_skip`): the session evaluates a
+    /// prompt's last [`crate::state::DraftState::refill_rows`] rows, at least, in calls of at
+    /// most `max_rows()`, which write every slot of them again.
     fn prefill_rows(&self) -> usize {
         self.max_rows()
     }

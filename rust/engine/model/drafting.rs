@@ -167,6 +167,25 @@ impl Model {
         self.draft_store(state, tokens.len(), x, &rows, pos0, log)
     }
 
+    /// What a step of the trunk that leaves the drafter out (a prompt's rows before its last
+    /// [`DraftState::refill_rows`], `crate::session`'s `prompt_chunks`) does to the drafter
+    /// state: MTP keeps the step's last streams `last` (one row of HC streams) as the pending
+    /// ones, as [`Model::draft_store`] would; the rings keep what they had, every slot of them
+    /// written again by the prompt's last rows. Fails, changing nothing, on streams of the
+    /// wrong shape.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn draft_skip(&self, state: &mut State, last: &[f32]) -> Result<()> {
+        let cfg = &self.config;
+        if let (Some(_), Some(DraftState::Mtp { pending, .. })) = (&self.draft, state.draft.as_mut()) {
+            if last.len() != cfg.hc_mult * cfg.hidden {
+                return Err(Error::invalid("draft_skip: the streams are not one row's (internal)"));
+            }
+            pending.clear();
+            pending.extend_from_slice(last);
+        }
+        Ok(())
+    }
+
     /// The K=V rows a step adds to each drafter ring (`rows[ring]`, one row of `head_dim` per
     /// position of [`Model::draft_positions`]), computed on the host with the backend's
     /// products. Changes nothing.

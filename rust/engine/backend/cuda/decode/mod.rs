@@ -99,9 +99,12 @@ const P_DEFAULT: usize = 1024;
 
 /// The rows of a prompt's step: `setting` (`DS4_CUDA_PREFILL_ROWS`, 16..=1024) or [`P_DEFAULT`],
 /// cut to the most whose routing fits in `smem_max` bytes of shared memory a block (ds4_route
-/// for this router: `k` experts a row of `experts`, [`program::route_smem`]); [`N_MAX`] with a
-/// drafter (its device upkeep and the host's capture are sized for a decode's rows).
-fn prefill_rows(setting: Option<&str>, k: usize, experts: usize, drafter: bool, smem_max: usize) -> Result<usize> {
+/// for this router: `k` experts a row of `experts`, [`program::route_smem`]). With a drafter
+/// too: a step of more than [`N_MAX`] rows leaves it out (`CudaDecoder::step`), and the prompt's
+/// last rows come in steps of at most N_MAX (session.rs `prompt_chunks`). (Until 2026-12-04 a
+/// drafter made every prompt step N_MAX rows: its upkeep and the host's capture are sized for
+/// a decode's rows.)
+fn prefill_rows(setting: Option<&str>, k: usize, experts: usize, smem_max: usize) -> Result<usize> {
     let want = match setting.map(str::trim) {
         None | Some("") => P_DEFAULT,
         Some(v) => match v.parse::<usize>() {
@@ -113,9 +116,6 @@ fn prefill_rows(setting: Option<&str>, k: usize, experts: usize, drafter: bool, 
             }
         },
     };
-    if drafter {
-        return Ok(N_MAX);
-    }
     let fits = (N_MAX..=want).rev().find(|&r| program::route_smem(r, k, experts) <= smem_max);
     Ok(fits.unwrap_or(N_MAX))
 }
@@ -1064,7 +1064,6 @@ impl CudaDecoder {
             std::env::var("DS4_CUDA_PREFILL_ROWS").ok().as_deref(),
             cfg.n_experts_used,
             cfg.n_experts,
-            model.draft.is_some(),
             // What ds4_route's dynamic shared memory may take: the block's opt-in size less
             // its static arrays.
             smem_optin.saturating_sub(static_smem(k.route)?),
@@ -1816,7 +1815,17 @@ impl CudaDecoder {
             self.tag = 0;
             self.upload_state(state)?;
         }
-        let want_x = state.draft.is_some() && model.draft.is_some();
+        let drafting = state.draft.is_some() && model.draft.is_some();
+        // A prompt's step of more rows than a verify's leaves the drafter out: its rings are
+        // written again by the prompt's last rows, which the session evaluates in steps of at
+        // most N_MAX rows (session.rs `prompt_chunks`); MTP keeps the step's last streams as its
+        // pending ones (`Model::draft_skip`). The drafter's buffers here are sized for N_MAX
+        // rows, and a prompt's full steps run at about five times the rate of 16-row ones.
+        let skip_draft = drafting && n > N_MAX;
+        if skip_draft && log.is_some() {
+            return Err(Error::Backend("CUDA decode: a logged step of more rows than a verify's (internal)".into()));
+        }
+        let want_x = drafting && !skip_draft;
         // The drafter's rows on the device ([`Upkeep`]), except for MTP's first step in
         // DeepSeek's pairing (no pending streams yet: its rows are one fewer than the step's).
         let upkeep = want_x
@@ -1909,7 +1918,9 @@ impl CudaDecoder {
         };
         let x_down = if want_x && !(upkeep && self.dspark.is_some()) { n * hc * d } else { 0 };
         let uk_rows = self.upkeep.as_ref().filter(|_| upkeep).map_or(0, |u| u.rings * N_MAX * cfg.head_dim);
-        let down_floats = head_words + jfloats + x_down * (1 + capture_layers) + uk_rows;
+        // A step that leaves the drafter out: its last row's streams (MTP's pending ones).
+        let last_down = if skip_draft { hc * d } else { 0 };
+        let down_floats = head_words + jfloats + x_down * (1 + capture_layers) + uk_rows + last_down;
         self.down.reserve(4 * down_floats)?;
         if runs.len() * std::mem::size_of::<CopyRun>() > self.bufs.runs.bytes || jfloats * 4 > self.bufs.journal.bytes {
             return Err(Error::Backend("CUDA decode: journal buffers too small (internal)".into()));
@@ -1984,7 +1995,12 @@ impl CudaDecoder {
             }
             cu::memcpy_dtoh_async(jr, self.bufs.journal.ptr, stream).map_err(driver_err("download"))?;
             let (xf, rest) = xr.split_at_mut(x_down);
-            let (cap, ukr) = rest.split_at_mut(x_down * capture_layers);
+            let (cap, rest) = rest.split_at_mut(x_down * capture_layers);
+            let (ukr, last) = rest.split_at_mut(uk_rows);
+            if last_down > 0 {
+                cu::memcpy_dtoh_async(last, self.bufs.x.ptr + (4 * (n - 1) * hc * d) as u64, stream)
+                    .map_err(driver_err("download"))?;
+            }
             if x_down > 0 {
                 cu::memcpy_dtoh_async(xf, self.bufs.x.ptr, stream).map_err(driver_err("download"))?;
             }
@@ -2028,8 +2044,12 @@ impl CudaDecoder {
         let (lg, rest) = dn.split_at(head_words);
         let (jr, xr) = rest.split_at(jfloats);
         let (xf, rest) = xr.split_at(x_down);
-        let (cap, ukr) = rest.split_at(x_down * capture_layers);
-        if upkeep {
+        let (cap, rest) = rest.split_at(x_down * capture_layers);
+        let (ukr, last) = rest.split_at(uk_rows);
+        if skip_draft {
+            // Nothing else after the GPU work can fail (its check comes before its write).
+            model.draft_skip(state, last)?;
+        } else if upkeep {
             // Ring s's row at position p is in slot s * N_MAX + p % N_MAX.
             let hd = cfg.head_dim;
             let rings = ukr.len() / (N_MAX * hd);
@@ -2542,22 +2562,22 @@ mod prefill_rows_tests {
     use super::{prefill_rows, N_MAX, P_DEFAULT};
 
     /// The setting's range, ds4_route's shared memory (Flash's router, 6 of 256 experts: 256
-    /// rows take 50 KB) and a drafter's decode-sized steps.
+    /// rows take 50 KB).
     #[test]
     fn prefill_rows_follow_the_setting_and_the_router_limits() {
         const SMEM: usize = 227 * 1024;
-        assert_eq!(prefill_rows(None, 6, 256, false, SMEM).unwrap(), P_DEFAULT);
+        assert_eq!(prefill_rows(None, 6, 256, SMEM).unwrap(), P_DEFAULT);
         assert_eq!(P_DEFAULT, 1024);
-        assert_eq!(prefill_rows(Some(" 256 "), 6, 256, false, SMEM).unwrap(), 256);
-        assert_eq!(prefill_rows(Some("512"), 6, 256, false, SMEM).unwrap(), 512);
-        assert_eq!(prefill_rows(Some("128"), 6, 256, false, SMEM).unwrap(), 128);
+        assert_eq!(prefill_rows(Some(" 256 "), 6, 256, SMEM).unwrap(), 256);
+        assert_eq!(prefill_rows(Some("512"), 6, 256, SMEM).unwrap(), 512);
+        assert_eq!(prefill_rows(Some("128"), 6, 256, SMEM).unwrap(), 128);
         // The default takes the most that fit: 224 rows in 48 KB.
-        assert_eq!(prefill_rows(None, 6, 256, false, 48 * 1024).unwrap(), 224);
-        assert_eq!(prefill_rows(Some("16"), 6, 256, false, SMEM).unwrap(), 16);
-        assert_eq!(prefill_rows(Some("40"), 6, 256, false, SMEM).unwrap(), 40);
-        assert_eq!(prefill_rows(Some("1024"), 6, 256, false, SMEM).unwrap(), 1024);
+        assert_eq!(prefill_rows(None, 6, 256, 48 * 1024).unwrap(), 224);
+        assert_eq!(prefill_rows(Some("16"), 6, 256, SMEM).unwrap(), 16);
+        assert_eq!(prefill_rows(Some("40"), 6, 256, SMEM).unwrap(), 40);
+        assert_eq!(prefill_rows(Some("1024"), 6, 256, SMEM).unwrap(), 1024);
         for bad in ["15", "1025", "0", "x", "-64"] {
-            assert!(prefill_rows(Some(bad), 6, 256, false, SMEM).is_err(), "{bad}");
+            assert!(prefill_rows(Some(bad), 6, 256, SMEM).is_err(), "{bad}");
         }
         // The words of 256 rows of 6 of 256 experts: 16 rows of scores, 12 ints a row for its
         // pairs, per expert 2 x 8 for its row bitmap and prefix counts and 2 more (one past the
@@ -2570,16 +2590,14 @@ mod prefill_rows_tests {
         assert_eq!(super::program::route_smem(1024, 6, 256), 137224);
         // 512 rows: 79880 bytes, within an H200's 227 KB a block; one row fewer in 78 KB.
         assert_eq!(super::program::route_smem(512, 6, 256), 79880);
-        assert_eq!(prefill_rows(None, 6, 256, false, 78 * 1024).unwrap(), 511);
+        assert_eq!(prefill_rows(None, 6, 256, 78 * 1024).unwrap(), 511);
         // The largest row count that fits 48 KB (no opt-in): 224 rows of Flash's router, 32 of
         // 16 experts a row of 1024 (scores of 4 rows, 32 words a row, then 2 x 1024 + 2 x 1024
         // + 1 words, 4 per slot, one more).
-        assert_eq!(prefill_rows(Some("256"), 6, 256, false, 48 * 1024).unwrap(), 224);
-        assert_eq!(prefill_rows(Some("256"), 16, 1024, false, 48 * 1024).unwrap(), 32);
+        assert_eq!(prefill_rows(Some("256"), 6, 256, 48 * 1024).unwrap(), 224);
+        assert_eq!(prefill_rows(Some("256"), 16, 1024, 48 * 1024).unwrap(), 32);
         // Never below a verify's rows.
-        assert_eq!(prefill_rows(Some("256"), 16, 1024, false, 1024).unwrap(), N_MAX);
-        // A drafter: a verify's rows.
-        assert_eq!(prefill_rows(Some("128"), 6, 256, true, SMEM).unwrap(), N_MAX);
+        assert_eq!(prefill_rows(Some("256"), 16, 1024, 1024).unwrap(), N_MAX);
     }
 
     /// A prompt's routed products: the rows of a product kernel, nothing else.

@@ -780,8 +780,10 @@ impl CudaDecoder {
         };
         let g1 = (nn, 1, 1);
         let rows_grid = |blocks_x: usize| (blocks_x as u32, nn, 1);
+        // (Not in a step of more rows than the capture buffer's N_MAX: such a step leaves the
+        // drafter out, mod.rs `step`.)
         let capture: Vec<usize> = match model.draft.as_ref().map(|dm| &dm.kind) {
-            Some(DraftKind::DSpark(w)) => w.target_layers.clone(),
+            Some(DraftKind::DSpark(w)) if n <= N_MAX => w.target_layers.clone(),
             _ => Vec::new(),
         };
         let jobs: Vec<Job<'_>> = match &body {
