@@ -26,22 +26,28 @@ impl Snapshot {
 
 /// The calls of a prompt of `len` rows on a device decoder: calls of up to `big` rows, except
 /// that with a drafter (`refill` > 0, [`crate::state::DraftState::refill_rows`]) the last
-/// `refill` rows, at least, go in calls of at most `small` rows. A call of more than `small`
-/// rows skips the drafter's rings, and every slot of them is written again by those last rows,
-/// so the state is bit for bit that of calls of `small` rows throughout (each row's results do
-/// not depend on the rows that share its call); only the prompt's time changes (Flash: steps
-/// of 16 rows run at about a fifth of the rate of steps of 1024).
-fn prompt_chunks(len: usize, big: usize, small: usize, refill: usize) -> Vec<usize> {
+/// `refill` rows, at least, go in calls of at most `keep` rows
+/// ([`DeviceDecoder::draft_rows`]), the first of them at most `small`
+/// ([`DeviceDecoder::max_rows`]) when no call comes before them (MTP's first call, without
+/// pending streams, keeps the drafter's rows only that small). A longer call may skip the
+/// drafter's rings, and every slot of them is written again by those last rows, so the state
+/// is bit for bit that of calls of `small` rows throughout (each row's results do not depend
+/// on the rows that share its call); only the prompt's time changes (Flash: steps of 16 rows
+/// run at about a fifth of the rate of steps of 1024).
+fn prompt_chunks(len: usize, big: usize, small: usize, keep: usize, refill: usize) -> Vec<usize> {
     let (big, small) = (big.max(1), small.max(1));
+    let keep = keep.clamp(small, big.max(small));
     let head = if refill > 0 && big > small { len.saturating_sub(refill) } else { len };
-    // The head's full calls: each more than `small` rows, or the drafter would keep them.
     let mut sizes: Vec<usize> = std::iter::repeat_n(big, head / big).collect();
-    let mut rest = len - sizes.len() * big;
     if refill > 0 && head % big > small {
         sizes.push(head % big);
-        rest -= head % big;
     }
-    let step = if refill > 0 { small } else { big };
+    let mut rest = len - sizes.iter().sum::<usize>();
+    if refill > 0 && sizes.is_empty() && rest > 0 {
+        sizes.push(rest.min(small));
+        rest -= rest.min(small);
+    }
+    let step = if refill > 0 { keep } else { big };
     while rest > 0 {
         sizes.push(rest.min(step));
         rest -= rest.min(step);
@@ -204,11 +210,12 @@ impl Session {
         let mut next = self.state.clone();
         let out = match self.decoder.as_deref_mut() {
             Some(dec) => {
-                // With a drafter, the prompt's last rows in calls of a verify's size, which keep
-                // the drafter's rings; the rows before them in a prompt's full steps, which skip
-                // it (`DeviceDecoder::forward`).
+                // With a drafter, the prompt's last rows in calls that keep the drafter's rings
+                // (`DeviceDecoder::draft_rows`); the rows before them in a prompt's full steps,
+                // which may skip it.
                 let refill = next.draft.as_ref().filter(|_| self.model.draft.is_some()).map_or(0, |d| d.refill_rows());
-                let sizes = prompt_chunks(tokens.len(), dec.prefill_rows().max(device_rows), device_rows, refill);
+                let big = dec.prefill_rows().max(device_rows);
+                let sizes = prompt_chunks(tokens.len(), big, device_rows, dec.draft_rows(), refill);
                 let mut chunks: Vec<&[u32]> = Vec::with_capacity(sizes.len());
                 let mut rest = tokens;
                 for &k in &sizes {
@@ -750,35 +757,50 @@ pub(crate) mod tests {
     }
 
     /// A prompt's calls: the decoder's prompt size throughout without a drafter; with one, the
-    /// last `refill` rows or more in calls of at most `small` rows, which keep the drafter,
-    /// after calls of more than `small` rows, which skip it.
+    /// last `refill` rows or more in calls of at most `keep` rows, which keep the drafter (the
+    /// first of the prompt at most `small`), after full calls, which may skip it.
     #[test]
-    fn prompt_calls_leave_the_drafters_last_rows_to_small_calls() {
-        assert_eq!(prompt_chunks(2500, 1024, 16, 0), vec![1024, 1024, 452]);
-        assert_eq!(prompt_chunks(1024, 1024, 16, 0), vec![1024]);
-        assert_eq!(prompt_chunks(20, 1024, 16, 0), vec![20]);
-        // Flash with MTP: a window of 128, 17 spare slots, and the lag of MTP's rows.
-        assert_eq!(prompt_chunks(2500, 1024, 16, 146), [vec![1024, 1024, 306], vec![16; 9], vec![2]].concat());
-        // The head's remainder: a call of its own when more than `small` rows, else with the tail.
-        assert_eq!(prompt_chunks(146 + 17, 1024, 16, 146), [vec![17], vec![16; 9], vec![2]].concat());
-        assert_eq!(prompt_chunks(146 + 16, 1024, 16, 146), [vec![16; 10], vec![2]].concat());
-        assert_eq!(prompt_chunks(100, 1024, 16, 146), [vec![16; 6], vec![4]].concat());
+    fn prompt_calls_leave_the_drafters_last_rows_to_calls_that_keep_them() {
+        assert_eq!(prompt_chunks(2500, 1024, 16, 16, 0), vec![1024, 1024, 452]);
+        assert_eq!(prompt_chunks(1024, 1024, 16, 160, 0), vec![1024]);
+        assert_eq!(prompt_chunks(20, 1024, 16, 16, 0), vec![20]);
+        // Flash with MTP: a window of 128, 17 spare slots, and the lag of MTP's rows; the
+        // drafter's rows on the device (160 rows a call) or on the host (16).
+        assert_eq!(prompt_chunks(2500, 1024, 16, 160, 146), vec![1024, 1024, 306, 146]);
+        assert_eq!(prompt_chunks(2500, 1024, 16, 16, 146), [vec![1024, 1024, 306], vec![16; 9], vec![2]].concat());
+        // The head's remainder: a call of its own when more than `small` rows, else with the
+        // last rows, whose first call is then the prompt's first.
+        assert_eq!(prompt_chunks(146 + 17, 1024, 16, 160, 146), vec![17, 146]);
+        assert_eq!(prompt_chunks(146 + 16, 1024, 16, 160, 146), vec![16, 146]);
+        assert_eq!(prompt_chunks(100, 1024, 16, 160, 146), vec![16, 84]);
+        assert_eq!(prompt_chunks(100, 1024, 16, 16, 146), [vec![16; 6], vec![4]].concat());
         // Prompt steps no larger than a verify's (DS4_CUDA_PREFILL_ROWS=16): all of them small.
-        assert_eq!(prompt_chunks(40, 16, 16, 146), vec![16, 16, 8]);
+        assert_eq!(prompt_chunks(40, 16, 16, 16, 146), vec![16, 16, 8]);
         for len in 1..700 {
-            for (big, small, refill) in [(64, 16, 0), (64, 16, 146), (100, 16, 30), (16, 16, 146), (1024, 4, 9)] {
-                let c = prompt_chunks(len, big, small, refill);
-                assert_eq!(c.iter().sum::<usize>(), len, "{len} {big} {small} {refill}");
-                assert!(c.iter().all(|&k| k > 0 && k <= big.max(small)));
+            for (big, small, keep, refill) in [
+                (64, 16, 16, 0),
+                (64, 16, 16, 146),
+                (64, 16, 48, 146),
+                (100, 16, 32, 30),
+                (16, 16, 16, 146),
+                (1024, 4, 9, 9),
+            ] {
+                let c = prompt_chunks(len, big, small, keep, refill);
+                let case = format!("{len} {big} {small} {keep} {refill}: {c:?}");
+                assert_eq!(c.iter().sum::<usize>(), len, "{case}");
+                assert!(c.iter().all(|&k| k > 0 && k <= big.max(small)), "{case}");
                 if refill == 0 {
-                    assert!(c[..c.len() - 1].iter().all(|&k| k == big));
+                    assert!(c[..c.len() - 1].iter().all(|&k| k == big), "{case}");
+                    continue;
                 }
-                // Every call that skips the drafter is followed by at least `refill` rows in
-                // calls that keep it.
-                if let Some(last_big) = c.iter().rposition(|&k| k > small) {
-                    let after = &c[last_big + 1..];
-                    assert!(refill == 0 || after.iter().sum::<usize>() >= refill, "{len} {c:?}");
-                    assert!(refill == 0 || c[..last_big].iter().all(|&k| k == big), "{len} {c:?}");
+                // Every call holding one of the last `refill` rows keeps the drafter: at most
+                // `keep` rows, and at most `small` when it is the prompt's first call.
+                let mut at = 0;
+                for &k in &c {
+                    if at + k > len.saturating_sub(refill) {
+                        assert!(k <= keep.max(small) && (at > 0 || k <= small), "{case}");
+                    }
+                    at += k;
                 }
             }
         }

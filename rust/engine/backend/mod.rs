@@ -67,11 +67,18 @@ pub trait DeviceDecoder: Send {
 
     /// Most rows one call of a prompt's takes ([`DeviceDecoder::set_prefill`]), at least
     /// [`DeviceDecoder::max_rows`]: a prompt's chunks may be longer than a verify. With a
-    /// drafter, a call of more than `max_rows()` rows may leave the drafter's rings as they
-    /// were (keeping only MTP's pending streams, `Model::draft_skip`): the session evaluates a
-    /// prompt's last [`crate::state::DraftState::refill_rows`] rows, at least, in calls of at
-    /// most `max_rows()`, which write every slot of them again.
+    /// drafter, a call of more than [`DeviceDecoder::draft_rows`] rows may leave the drafter's
+    /// rings as they were (keeping only MTP's pending streams, `Model::draft_skip`): the
+    /// session evaluates a prompt's last [`crate::state::DraftState::refill_rows`] rows, at
+    /// least, in calls that keep them, which write every slot of them again.
     fn prefill_rows(&self) -> usize {
+        self.max_rows()
+    }
+
+    /// Most rows of a prompt's call that keeps the drafter's window rows once the drafter
+    /// state has its pending streams (MTP), at least [`DeviceDecoder::max_rows`]; a call of at
+    /// most `max_rows()` rows always keeps them.
+    fn draft_rows(&self) -> usize {
         self.max_rows()
     }
 

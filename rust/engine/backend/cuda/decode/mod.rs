@@ -100,10 +100,10 @@ const P_DEFAULT: usize = 1024;
 /// The rows of a prompt's step: `setting` (`DS4_CUDA_PREFILL_ROWS`, 16..=1024) or [`P_DEFAULT`],
 /// cut to the most whose routing fits in `smem_max` bytes of shared memory a block (ds4_route
 /// for this router: `k` experts a row of `experts`, [`program::route_smem`]). With a drafter
-/// too: a step of more than [`N_MAX`] rows leaves it out (`CudaDecoder::step`), and the prompt's
-/// last rows come in steps of at most N_MAX (session.rs `prompt_chunks`). (Until 2026-12-04 a
-/// drafter made every prompt step N_MAX rows: its upkeep and the host's capture are sized for
-/// a decode's rows.)
+/// too: a step of more rows than [`draft_rows`] leaves it out (`CudaDecoder::step`), and the
+/// prompt's last rows come in steps that keep it (session.rs `prompt_chunks`). (Until
+/// 2026-12-04 a drafter made every prompt step N_MAX rows: its upkeep and the host's capture
+/// were sized for a decode's rows.)
 fn prefill_rows(setting: Option<&str>, k: usize, experts: usize, smem_max: usize) -> Result<usize> {
     let want = match setting.map(str::trim) {
         None | Some("") => P_DEFAULT,
@@ -118,6 +118,19 @@ fn prefill_rows(setting: Option<&str>, k: usize, experts: usize, smem_max: usize
     };
     let fits = (N_MAX..=want).rev().find(|&r| program::route_smem(r, k, experts) <= smem_max);
     Ok(fits.unwrap_or(N_MAX))
+}
+
+/// Rows of the drafter's buffers on the device (its upkeep, DSpark's captured streams): the
+/// most rows of a step that keeps the drafter's window rows (a longer prompt step leaves the
+/// drafter out, `CudaDecoder::step`). Enough for the rows a prompt must end with
+/// (`DraftState::refill_rows`: the ring's `window` + MAX_DRAFT + 1 slots, one more for MTP's
+/// lag) in one step, in whole verifies, within the prompt's steps (`prompt_rows`); N_MAX
+/// without a drafter. (Flash: 160 rows, about 50 MB of buffers for MTP.)
+fn draft_rows(window: usize, prompt_rows: usize, drafter: bool) -> usize {
+    if !drafter {
+        return N_MAX;
+    }
+    (window + crate::spec::MAX_DRAFT + 2).next_multiple_of(N_MAX).min(prompt_rows).max(N_MAX)
 }
 
 /// The bit of an argmax id that says its row has no greedy token (`ds4_argmax_rows`).
@@ -419,22 +432,22 @@ struct Upkeep {
     /// The rows' step parameters: the position of the first row, the rows, the tokens (MTP;
     /// DSpark's rows are the trunk's).
     step: DevBuf,
-    /// MTP: the pairs' streams [N_MAX, hc, d].
+    /// MTP: the pairs' streams [draft_cap, hc, d].
     h: DevBuf,
-    /// MTP: the pairs' token embeddings [N_MAX, d].
+    /// MTP: the pairs' token embeddings [draft_cap, d].
     emb: DevBuf,
-    /// MTP: the streams' norms [N_MAX, hc, 2d] (the fused input's rows are twice as wide).
+    /// MTP: the streams' norms [draft_cap, hc, 2d] (the fused input's rows are twice as wide).
     hn: DevBuf,
-    /// MTP: the embeddings' norms [N_MAX, d]; DSpark: the averaged captures [N_MAX, k, d].
+    /// MTP: the embeddings' norms [draft_cap, d]; DSpark: the averaged captures [draft_cap, k, d].
     en: DevBuf,
-    /// MTP: e_proj's rows [N_MAX, d]; DSpark: the normed main_proj rows [N_MAX, d].
+    /// MTP: e_proj's rows [draft_cap, d]; DSpark: the normed main_proj rows [draft_cap, d].
     ex: DevBuf,
-    /// MTP: the block's input streams [N_MAX, hc, d].
+    /// MTP: the block's input streams [draft_cap, hc, d].
     xs: DevBuf,
-    /// DSpark: each stage's K=V products [stages, N_MAX, head_dim].
+    /// DSpark: each stage's K=V products [stages, draft_cap, head_dim].
     kv: DevBuf,
-    /// The new rows, ring `s`'s row at position p in slot `s * N_MAX + p % N_MAX` (rows of
-    /// `head_dim`).
+    /// The new rows, ring `s`'s row at position p in slot `s * draft_cap + p % draft_cap` (rows
+    /// of `head_dim`).
     rows: DevBuf,
     /// Rings (1 for MTP, DSpark's stages).
     rings: usize,
@@ -745,6 +758,8 @@ pub(crate) struct CudaDecoder {
     prefill: bool,
     /// Most rows of a prompt's step ([`prefill_rows`]); the buffers hold this many rows.
     prefill_rows: usize,
+    /// Most rows of a step that keeps the drafter's rows ([`draft_rows`]).
+    draft_cap: usize,
     /// Most rows of a routed-expert product in a prompt's step ([`program::expert_chunk`]).
     prefill_chunk: usize,
     /// Whether a prompt's IQ2_XXS gate and up products run on the tensor cores (`DS4_CUDA_EXPERT_MMA`).
@@ -1069,6 +1084,7 @@ impl CudaDecoder {
             smem_optin.saturating_sub(static_smem(k.route)?),
         )?;
         let prefill_chunk = program::expert_chunk(std::env::var("DS4_CUDA_EXPERT_CHUNK").ok().as_deref())?;
+        let draft_cap = draft_rows(cfg.window, rows, model.draft.is_some());
         // The most rows of a routed product's descriptor (program.rs `chunk`).
         let chunk_max = prefill_chunk.max(program::EXPERT_CHUNK);
         let w = &model.weights;
@@ -1222,15 +1238,15 @@ impl CudaDecoder {
         }
         if let Some(mw) = mtp_w {
             match &mw.input {
-                // The upkeep's N_MAX pairs: hc rows of streams each.
-                MtpInput::Split { e_proj, h_proj } => need(&[*e_proj, *h_proj], N_MAX * hc),
-                MtpInput::Fused { eh_proj } => need(&[*eh_proj], N_MAX * hc),
+                // The upkeep's `draft_cap` pairs: hc rows of streams each.
+                MtpInput::Split { e_proj, h_proj } => need(&[*e_proj, *h_proj], draft_cap * hc),
+                MtpInput::Fused { eh_proj } => need(&[*eh_proj], draft_cap * hc),
             }
             need(&[mw.hc_head.proj], N_MAX);
         }
         if let Some(dw) = dspark_w {
-            need(&[dw.main_proj], N_MAX);
-            need(&dw.stages.iter().map(|st| st.kv).collect::<Vec<_>>(), N_MAX);
+            need(&[dw.main_proj], draft_cap);
+            need(&dw.stages.iter().map(|st| st.kv).collect::<Vec<_>>(), draft_cap);
             need(&[dw.hc_head.proj], N_MAX);
             let heads: Vec<Mat> = dw.markov_w2.into_iter().chain(dw.confidence).collect();
             need(&heads, N_MAX);
@@ -1310,14 +1326,14 @@ impl CudaDecoder {
                 let mtp = mtp_w.is_some() as usize;
                 Some(Upkeep {
                     step: DevBuf::zeroed(STEP_BYTES)?,
-                    h: f32_buf((mtp * N_MAX * hc * d).max(1))?,
-                    emb: f32_buf((mtp * N_MAX * d).max(1))?,
-                    hn: f32_buf((mtp * N_MAX * hc * 2 * d).max(1))?,
-                    en: f32_buf(N_MAX * k.max(1) * d)?,
-                    ex: f32_buf(N_MAX * d)?,
-                    xs: f32_buf((mtp * N_MAX * hc * d).max(1))?,
-                    kv: f32_buf(rings * N_MAX * hd)?,
-                    rows: f32_buf(rings * N_MAX * hd)?,
+                    h: f32_buf((mtp * draft_cap * hc * d).max(1))?,
+                    emb: f32_buf((mtp * draft_cap * d).max(1))?,
+                    hn: f32_buf((mtp * draft_cap * hc * 2 * d).max(1))?,
+                    en: f32_buf(draft_cap * k.max(1) * d)?,
+                    ex: f32_buf(draft_cap * d)?,
+                    xs: f32_buf((mtp * draft_cap * hc * d).max(1))?,
+                    kv: f32_buf(rings * draft_cap * hd)?,
+                    rows: f32_buf(rings * draft_cap * hd)?,
                     rings,
                 })
             }
@@ -1380,7 +1396,7 @@ impl CudaDecoder {
             counters_len,
             side_part_floats: side_need.0,
             side_counters_len: side_need.1,
-            capture: f32_buf(capture_layers.max(1) * N_MAX * hc * d)?,
+            capture: f32_buf(capture_layers.max(1) * draft_cap * hc * d)?,
             runs: DevBuf::zeroed(std::mem::size_of::<CopyRun>() * Self::journal_runs(cfg, rows))?,
             journal: f32_buf(journal_floats)?,
         };
@@ -1413,6 +1429,7 @@ impl CudaDecoder {
             gemm_px,
             prefill: false,
             prefill_rows: rows,
+            draft_cap,
             prefill_chunk,
             expert_mma,
             expert_mma_down,
@@ -1816,26 +1833,27 @@ impl CudaDecoder {
             self.upload_state(state)?;
         }
         let drafting = state.draft.is_some() && model.draft.is_some();
-        // A prompt's step of more rows than a verify's leaves the drafter out: its rings are
-        // written again by the prompt's last rows, which the session evaluates in steps of at
-        // most N_MAX rows (session.rs `prompt_chunks`); MTP keeps the step's last streams as its
-        // pending ones (`Model::draft_skip`). The drafter's buffers here are sized for N_MAX
-        // rows, and a prompt's full steps run at about five times the rate of 16-row ones.
-        let skip_draft = drafting && n > N_MAX;
-        if skip_draft && log.is_some() {
-            return Err(Error::Backend("CUDA decode: a logged step of more rows than a verify's (internal)".into()));
-        }
-        let want_x = drafting && !skip_draft;
         // The drafter's rows on the device ([`Upkeep`]), except for MTP's first step in
-        // DeepSeek's pairing (no pending streams yet: its rows are one fewer than the step's).
-        let upkeep = want_x
-            && self.upkeep.is_some()
+        // DeepSeek's pairing (no pending streams yet: its rows are one fewer than the step's),
+        // and with DS4_CUDA_DRAFT=0 (the host computes them from the downloaded streams).
+        let on_device = self.upkeep.is_some()
             && match (state.draft.as_ref(), model.draft.as_ref().map(|dm| dm.pairing)) {
                 (Some(DraftState::Mtp { pending, .. }), Some(MtpPairing::Next)) => pending.len() == hc * d,
                 (Some(DraftState::Mtp { .. }), _) => true,
                 (Some(DraftState::DSpark { .. }), _) => true,
                 (None, _) => false,
             };
+        // A prompt's step of more rows than those paths take (the device's buffers hold
+        // `draft_cap` rows, the host's capture N_MAX) leaves the drafter out: its rings are
+        // written again by the prompt's last rows, which the session evaluates in steps that
+        // keep it (session.rs `prompt_chunks`, DeviceDecoder::draft_rows); MTP keeps the step's
+        // last streams as its pending ones (`Model::draft_skip`).
+        let skip_draft = drafting && n > if on_device { self.draft_cap } else { N_MAX };
+        if skip_draft && log.is_some() {
+            return Err(Error::Backend("CUDA decode: a logged step of more rows than a verify's (internal)".into()));
+        }
+        let want_x = drafting && !skip_draft;
+        let upkeep = want_x && on_device;
         let mtp_upkeep = upkeep && self.mtp.is_some();
         // Stale until this step completes.
         self.tag = 0;
@@ -1917,7 +1935,8 @@ impl CudaDecoder {
             _ => 0,
         };
         let x_down = if want_x && !(upkeep && self.dspark.is_some()) { n * hc * d } else { 0 };
-        let uk_rows = self.upkeep.as_ref().filter(|_| upkeep).map_or(0, |u| u.rings * N_MAX * cfg.head_dim);
+        let dcap = self.draft_cap;
+        let uk_rows = self.upkeep.as_ref().filter(|_| upkeep).map_or(0, |u| u.rings * dcap * cfg.head_dim);
         // A step that leaves the drafter out: its last row's streams (MTP's pending ones).
         let last_down = if skip_draft { hc * d } else { 0 };
         let down_floats = head_words + jfloats + x_down * (1 + capture_layers) + uk_rows + last_down;
@@ -2006,7 +2025,7 @@ impl CudaDecoder {
             }
             for j in 0..capture_layers {
                 let dst = &mut cap[j * n * hc * d..(j + 1) * n * hc * d];
-                cu::memcpy_dtoh_async(dst, self.bufs.capture.ptr + (j * N_MAX * hc * d * 4) as u64, stream)
+                cu::memcpy_dtoh_async(dst, self.bufs.capture.ptr + (j * dcap * hc * d * 4) as u64, stream)
                     .map_err(driver_err("download"))?;
             }
             if let (Some(uk), false) = (self.upkeep.as_ref(), ukr.is_empty()) {
@@ -2050,12 +2069,12 @@ impl CudaDecoder {
             // Nothing else after the GPU work can fail (its check comes before its write).
             model.draft_skip(state, last)?;
         } else if upkeep {
-            // Ring s's row at position p is in slot s * N_MAX + p % N_MAX.
+            // Ring s's row at position p is in slot s * dcap + p % dcap.
             let hd = cfg.head_dim;
-            let rings = ukr.len() / (N_MAX * hd);
+            let rings = ukr.len() / (dcap * hd);
             let rows: Vec<Vec<f32>> = (0..rings)
                 .map(|s| {
-                    let slot = |p: usize| &ukr[(s * N_MAX + p % N_MAX) * hd..(s * N_MAX + p % N_MAX + 1) * hd];
+                    let slot = |p: usize| &ukr[(s * dcap + p % dcap) * hd..(s * dcap + p % dcap + 1) * hd];
                     positions.iter().flat_map(|&p| slot(p).iter().copied()).collect()
                 })
                 .collect();
@@ -2402,6 +2421,14 @@ impl DeviceDecoder for CudaDecoder {
 
     fn prefill_rows(&self) -> usize {
         self.prefill_rows
+    }
+
+    fn draft_rows(&self) -> usize {
+        if self.upkeep.is_some() {
+            self.draft_cap
+        } else {
+            N_MAX
+        }
     }
 
     fn propose(

@@ -780,10 +780,11 @@ impl CudaDecoder {
         };
         let g1 = (nn, 1, 1);
         let rows_grid = |blocks_x: usize| (blocks_x as u32, nn, 1);
-        // (Not in a step of more rows than the capture buffer's N_MAX: such a step leaves the
-        // drafter out, mod.rs `step`.)
+        // (Not in a step of more rows than the capture buffer's `draft_cap`: such a step leaves
+        // the drafter out, mod.rs `step`.)
+        let cap = self.draft_cap;
         let capture: Vec<usize> = match model.draft.as_ref().map(|dm| &dm.kind) {
-            Some(DraftKind::DSpark(w)) if n <= N_MAX => w.target_layers.clone(),
+            Some(DraftKind::DSpark(w)) if n <= cap => w.target_layers.clone(),
             _ => Vec::new(),
         };
         let jobs: Vec<Job<'_>> = match &body {
@@ -1510,7 +1511,7 @@ impl CudaDecoder {
             );
             if let Some(j) = job.capture {
                 let bytes = n * hc * d * 4;
-                ops.push(Op::Copy { dst: b.capture.ptr + (j * N_MAX * hc * d * 4) as u64, src: b.x.ptr, bytes });
+                ops.push(Op::Copy { dst: b.capture.ptr + (j * cap * hc * d * 4) as u64, src: b.x.ptr, bytes });
             }
         }
 
@@ -1622,7 +1623,7 @@ impl CudaDecoder {
                         p(c.kv_norm.ptr),
                         i(self.round_mode as usize),
                         p(rows),
-                        i(N_MAX),
+                        i(cap),
                         null,
                         null,
                         i(0),
@@ -1674,7 +1675,7 @@ impl CudaDecoder {
                         (d.div_ceil(256) as u32, kl as u32, nn),
                         256,
                         0,
-                        vec![p(b.capture.ptr), i(N_MAX * hc * d), p(uk.en.ptr), i(kl), i(hc), i(d)],
+                        vec![p(b.capture.ptr), i(cap * hc * d), p(uk.en.ptr), i(kl), i(hc), i(d)],
                     );
                     products(&mut ops, &mut table, &[(dw.main_proj, uk.en.ptr, uk.ex.ptr, n)])?;
                     launch(
@@ -1685,7 +1686,7 @@ impl CudaDecoder {
                         0,
                         vec![p(uk.ex.ptr), p(uk.ex.ptr), p(dev.main_norm.ptr), i(d), fl(cfg.rms_eps)],
                     );
-                    let at = |buf: &DevBuf, s: usize| buf.ptr + (s * N_MAX) as u64 * hdb;
+                    let at = |buf: &DevBuf, s: usize| buf.ptr + (s * cap) as u64 * hdb;
                     let kvs: Vec<_> =
                         dw.stages.iter().enumerate().map(|(s, st)| (st.kv, uk.ex.ptr, at(&uk.kv, s), n)).collect();
                     products(&mut ops, &mut table, &kvs)?;
