@@ -844,7 +844,8 @@ extern "C" __global__ void __launch_bounds__(256)
     const int r = blockIdx.y;
     const long long pos = (long long)step[0] + r;
     const int n_vis = (int)((pos + 1) / ratio);
-    if (n_vis <= topk) {
+    // Nothing to score, or no tile of this block's (before Q's fragments are made).
+    if (n_vis <= topk || (long long)blockIdx.x * DS4_INDEX_MMA_KEYS >= n_vis) {
         return;
     }
     const int mts = heads / 16;

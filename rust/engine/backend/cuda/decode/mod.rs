@@ -783,6 +783,8 @@ pub(crate) struct CudaDecoder {
     /// Whether a prompt's steps score the indexer's rows on the tensor cores
     /// ([`program::index_mma`], `DS4_CUDA_INDEX_MMA`).
     index_mma: bool,
+    /// Whether decode and verify steps do (`DS4_CUDA_INDEX_MMA_STEPS`).
+    index_mma_steps: bool,
     /// A prompt's tensor-core Q8_0 products in bands of output rows ([`program::band_rows`],
     /// `DS4_CUDA_BANDS`).
     bands: Option<usize>,
@@ -1054,6 +1056,7 @@ impl CudaDecoder {
         let gemm_px = gemm_on && setting("DS4_CUDA_GEMM_PX")?;
         let attn_mma = setting("DS4_CUDA_ATTN_MMA")?;
         let index_mma = setting("DS4_CUDA_INDEX_MMA")?;
+        let index_mma_steps = setting("DS4_CUDA_INDEX_MMA_STEPS")?;
         let bands = program::bands_setting(std::env::var("DS4_CUDA_BANDS").ok().as_deref())?;
         // The routed tensor-core kernels' warp tile (gemm_experts.cu; A/B timing).
         let gx_tile = program::gx_tile(std::env::var("DS4_CUDA_GX_TILE").ok().as_deref())?;
@@ -1439,6 +1442,7 @@ impl CudaDecoder {
             compress_split,
             attn_mma,
             index_mma,
+            index_mma_steps,
             bands,
             defer,
             mtp,

@@ -222,15 +222,28 @@ pub(super) fn index_mma_smem(heads: usize) -> usize {
 }
 
 /// Whether a step's indexer scores run `ds4_index_scores_mma` (the tensor cores, 3xTF32) rather
-/// than `ds4_index_scores`: a prompt's step (`prefill`; its scores agree with the float
-/// kernel's to rounding, as the other tensor-core kernels', row-invariant among prompt steps),
-/// when `on` (`DS4_CUDA_INDEX_MMA`, on by default), on sm_80 or later, for the shapes it takes
-/// (head_dim 128, heads a multiple of 16 up to 64) within the shared memory a block may have.
-/// On an H200 (Flash, filled experts, sessions interleaved in one process, 2026-12-03): an
-/// 8192-token prompt at 1888 tok/s against 1728 with the float kernel; a 2048-token one the same
-/// (1982 / 1984: its indexer keeps at most 512 rows, which every row then sees, so no scores).
-pub(super) fn index_mma(on: bool, prefill: bool, sm80: bool, heads: usize, head_dim: usize, smem_max: usize) -> bool {
-    on && prefill
+/// than `ds4_index_scores`: a prompt's step (`prefill`) when `on` (`DS4_CUDA_INDEX_MMA`), a
+/// decode's or verify's when `on_steps` (`DS4_CUDA_INDEX_MMA_STEPS`), both on by default, on
+/// sm_80 or later, for the shapes it takes (head_dim 128, heads a multiple of 16 up to 64)
+/// within the shared memory a block may have. Its scores agree with the float kernel's to
+/// rounding and depend only on the row (row invariance), so a verify is still bitwise its rows'
+/// single decodes, both on this kernel. On an H200 (Flash, filled experts, sessions interleaved
+/// in one process, 2026-12-03): an 8192-token prompt at 1888 tok/s against 1728 with the float
+/// kernel; a 2048-token one the same (1982 / 1984: its indexer keeps at most 512 rows, which
+/// every row then sees, so no scores). In decode steps the float kernel, one thread a (row,
+/// head) walking every indexer row of the context, was most of a CSA layer at 32K tokens: in a
+/// traced Flash step (H200, 2026-12-04) the indexer's scores and top-k added 51.6 us to the
+/// layer for one row (17.4 at 2100 tokens) and 392 us for a verify of 8 rows (38.5).
+pub(super) fn index_mma(
+    on: bool,
+    on_steps: bool,
+    prefill: bool,
+    sm80: bool,
+    heads: usize,
+    head_dim: usize,
+    smem_max: usize,
+) -> bool {
+    (if prefill { on } else { on_steps })
         && sm80
         && head_dim == 128
         && heads.is_multiple_of(16)
@@ -239,10 +252,13 @@ pub(super) fn index_mma(on: bool, prefill: bool, sm80: bool, heads: usize, head_
 }
 
 /// Blocks per batch row of `ds4_index_scores_mma` for a step of `n` rows: about four waves'
-/// worth of an H200's blocks in all (two a SM, [`INDEX_WAVE`] SMs), each walking its share of
-/// the row's tiles of 128 indexer rows (which block scores a row never changes the score).
+/// worth of an H200's blocks in all (two a SM, [`INDEX_WAVE`] SMs) for a prompt's step, one
+/// for a decode's or verify's (up to [`N_MAX`] rows), each walking its share of the row's tiles
+/// of 128 indexer rows (which block scores a row never changes the score; blocks past the
+/// row's tiles return at once). A decode step at 32K tokens has 64 tiles a CSA layer.
 pub(super) fn index_mma_blocks(n: usize) -> u32 {
-    (4 * 2 * INDEX_WAVE).div_ceil(n.max(1)) as u32
+    let waves = if n <= N_MAX { 1 } else { 4 };
+    (waves * 2 * INDEX_WAVE).div_ceil(n.max(1)) as u32
 }
 
 /// Blocks of a `ds4_index_scores` launch in all, shared by its batch rows.
@@ -1171,8 +1187,15 @@ impl CudaDecoder {
             }
             if let (Some(im), Some(ic)) = (&mm.index, &c.index) {
                 compress(&mut ops, im, ic);
-                let imma =
-                    index_mma(self.index_mma, prefill, sm80, cfg.index_heads, cfg.index_head_dim, ctx.smem_optin);
+                let imma = index_mma(
+                    self.index_mma,
+                    self.index_mma_steps,
+                    prefill,
+                    sm80,
+                    cfg.index_heads,
+                    cfg.index_head_dim,
+                    ctx.smem_optin,
+                );
                 let (f, grid, smem) = if imma {
                     (k.index_scores_mma, index_mma_blocks(n), index_mma_smem(cfg.index_heads) as u32)
                 } else {

@@ -586,9 +586,12 @@ fn index_scores_on_tensor_cores_match_cpu_and_are_row_invariant() {
         IndexCase { heads: 64, head_dim: 128, ratio: 4, topk: 512, pos0: 4 * 3000, n: 20 },
         IndexCase { heads: 16, head_dim: 128, ratio: 4, topk: 8, pos0: 700, n: 17 },
         IndexCase { heads: 48, head_dim: 128, ratio: 2, topk: 8, pos0: 333, n: 18 },
+        // A verify's and a decode's rows at a 32K context (decode steps run this kernel too).
+        IndexCase { heads: 64, head_dim: 128, ratio: 4, topk: 512, pos0: 32768, n: 8 },
+        IndexCase { heads: 64, head_dim: 128, ratio: 4, topk: 512, pos0: 2100, n: 1 },
     ];
     for c in cases {
-        assert!(super::program::index_mma(true, true, true, c.heads, c.head_dim, ctx.smem_optin), "{c:?}");
+        assert!(super::program::index_mma(true, true, true, true, c.heads, c.head_dim, ctx.smem_optin), "{c:?}");
         let what = format!("ds4_index_scores_mma {c:?}");
         let (h, hd, n) = (c.heads, c.head_dim, c.n);
         let seed = (c.pos0 + hd + 7) as u64;
@@ -614,7 +617,8 @@ fn index_scores_on_tensor_cores_match_cpu_and_are_row_invariant() {
             let one = mma(c.pos0 + r, &iq[r * h * hd..(r + 1) * h * hd], &g[r * h..(r + 1) * h], bx);
             assert_bits(&format!("{what}: row {r} alone vs in the batch"), &one, &got[r * stride..(r + 1) * stride]);
         }
-        for other in [1, 3] {
+        for other in [1, 3, super::program::index_mma_blocks(1) as usize, super::program::index_mma_blocks(64) as usize]
+        {
             let o = mma(c.pos0, &iq, &g, other);
             assert_bits(&format!("{what}: {other} blocks a row vs {bx}"), &o, &got);
         }
