@@ -69,7 +69,7 @@ pub trait DeviceDecoder: Send {
     /// [`DeviceDecoder::max_rows`]: a prompt's chunks may be longer than a verify. With a
     /// drafter, a call of more than [`DeviceDecoder::draft_rows`] rows may leave the drafter's
     /// rings as they were (keeping only MTP's pending streams, `Model::draft_skip`): the
-    /// session evaluates a prompt's last [`crate::state::DraftState::refill_rows`] rows, at
+    /// session evaluates a prompt's last `DraftState::refill_rows` rows, at
     /// least, in calls that keep them, which write every slot of them again.
     fn prefill_rows(&self) -> usize {
         self.max_rows()

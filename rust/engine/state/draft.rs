@@ -36,9 +36,8 @@ impl DraftState {
 
     /// Trunk rows after which every slot of every ring holds a row written after them: the
     /// rings' slots, one more for MTP's lag (its rows pair `h_t` with the next token). A
-    /// prompt's rows before its last `refill_rows` can skip the drafter
-    /// ([`crate::backend::DeviceDecoder::forward`] with more rows than a verify's) and leave
-    /// the same state.
+    /// prompt's rows before its last `refill_rows` can skip the drafter (a device call of more
+    /// rows than [`crate::backend::DeviceDecoder::draft_rows`]) and leave the same state.
     pub(crate) fn refill_rows(&self) -> usize {
         let slots = self.rings().iter().map(|r| r.slots).max().unwrap_or(0);
         match self {
