@@ -35,7 +35,7 @@ pub fn matmul(raw: &[u8], w: &Mat, x: &[f32], y: &mut [f32]) -> Result<()> {
 /// Runs independent products in one parallel region: a decode step has dozens of small
 /// products, and waking the worker threads once per product would cost more than the
 /// products themselves. The output rows of all jobs are cut into tasks of about
-/// [`TASK_BYTES`] of weights; each weight row is read once for all batch rows.
+/// `TASK_BYTES` of weights; each weight row is read once for all batch rows.
 pub fn matmul_many(raw: &[u8], jobs: &mut [Job<'_>]) -> Result<()> {
     let mut work = 0usize;
     let mut specs = Vec::with_capacity(jobs.len());

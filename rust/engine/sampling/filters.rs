@@ -270,7 +270,7 @@ fn weights(logits: &[f32], max: f64, t: f64) -> Vec<f64> {
 }
 
 /// The distribution the sampler draws from: see the module documentation for the exact
-/// definition. Greedy parameters (temperature 0) give the point mass on [`argmax`].
+/// definition. Greedy parameters (temperature 0) give the point mass on `argmax`.
 pub fn distribution(logits: &[f32], params: &SamplingParams) -> Result<Distribution> {
     params.validate()?;
     let (best, max) = argmax(logits)?;
