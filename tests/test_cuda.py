@@ -355,10 +355,15 @@ def test_sinkhorn_side_branch_is_exact_and_tears_down(files: dict[str, Path], tm
     assert np.array_equal(off.view(np.uint32), on.view(np.uint32))
 
 
-def _child_logits(model: Path, prompt: list[int], env: dict[str, str], out: Path) -> np.ndarray:
-    args = [sys.executable, "-c", _CHILD, str(model), ",".join(map(str, prompt)), str(out)]
-    r = subprocess.run(args, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+def _run_child(script: str, args: list[str], env: dict[str, str]) -> None:
+    # A child process (the settings are read once a process), which must end printing "ok".
+    r = subprocess.run([sys.executable, "-c", script, *args], env={**os.environ, **env}, capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (env, r.returncode, r.stderr[-2000:])
+
+
+def _child_logits(model: Path, prompt: list[int], env: dict[str, str], out: Path) -> np.ndarray:
+    _run_child(_CHILD, [str(model), ",".join(map(str, prompt)), str(out)], env)
     logits: np.ndarray = np.load(out)
     return logits
 
@@ -435,10 +440,8 @@ def test_prompt_steps_with_a_drafter(files: dict[str, Path], tmp_path: Path, met
     # host (DS4_CUDA_DRAFT=0), ten of at most 16; against 27.
     def run(env: dict[str, str]) -> dict[str, np.ndarray]:
         out = tmp_path / f"{len(env)}.npz"
-        args = [sys.executable, "-c", _PROMPT_CHILD, str(files["tiny-l"]), str(files[method]), str(out)]
         env = {"DS4_PROFILE": "1", "DS4_CUDA_DRAFT": "1" if where == "device" else "0", **env}
-        r = subprocess.run(args, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (env, r.returncode, r.stderr[-2000:])
+        _run_child(_PROMPT_CHILD, [str(files["tiny-l"]), str(files[method]), str(out)], env)
         return dict(np.load(out))
 
     full, small = run({}), run({"DS4_CUDA_PREFILL_ROWS": "16"})
@@ -484,9 +487,7 @@ def _run_draft_child(body: str, files: dict[str, Path], method: str, where: str)
     # DS4_PROFILE when the process first times.
     env = {"DS4_PROFILE": "1", "DS4_CUDA_DRAFT": "1" if where == "device" else "0"}
     golden = GOLDEN / "drafters" / f"tiny-l-{method}" / "golden.npz"
-    args = [sys.executable, "-c", _DRAFT_CHILD + body, str(files["tiny-l"]), str(files[method]), str(golden), where]
-    r = subprocess.run(args, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stderr[-2000:])
+    _run_child(_DRAFT_CHILD + body, [str(files["tiny-l"]), str(files[method]), str(golden), where], env)
 
 
 _MTP_CHILD = r"""

@@ -100,7 +100,7 @@ const P_DEFAULT: usize = 1024;
 /// The rows of a prompt's step: `setting` (`DS4_CUDA_PREFILL_ROWS`, 16..=1024) or [`P_DEFAULT`],
 /// cut to the most whose routing fits in `smem_max` bytes of shared memory a block (ds4_route
 /// for this router: `k` experts a row of `experts`, [`program::route_smem`]). With a drafter
-/// too: a step of more rows than [`draft_rows`] leaves it out (`CudaDecoder::step`), and the
+/// too: a step of more rows than [`draft_cap`] leaves it out (`CudaDecoder::step`), and the
 /// prompt's last rows come in steps that keep it (session.rs `prompt_chunks`). (Until
 /// 2026-12-04 a drafter made every prompt step N_MAX rows: its upkeep and the host's capture
 /// were sized for a decode's rows.)
@@ -126,7 +126,7 @@ fn prefill_rows(setting: Option<&str>, k: usize, experts: usize, smem_max: usize
 /// (`DraftState::refill_rows`: the ring's `window` + MAX_DRAFT + 1 slots, one more for MTP's
 /// lag) in one step, in whole verifies, within the prompt's steps (`prompt_rows`); N_MAX
 /// without a drafter. (Flash: 160 rows, about 50 MB of buffers for MTP.)
-fn draft_rows(window: usize, prompt_rows: usize, drafter: bool) -> usize {
+fn draft_cap(window: usize, prompt_rows: usize, drafter: bool) -> usize {
     if !drafter {
         return N_MAX;
     }
@@ -758,7 +758,7 @@ pub(crate) struct CudaDecoder {
     prefill: bool,
     /// Most rows of a prompt's step ([`prefill_rows`]); the buffers hold this many rows.
     prefill_rows: usize,
-    /// Most rows of a step that keeps the drafter's rows ([`draft_rows`]).
+    /// Most rows of a step that keeps the drafter's rows ([`draft_cap`]).
     draft_cap: usize,
     /// Most rows of a routed-expert product in a prompt's step ([`program::expert_chunk`]).
     prefill_chunk: usize,
@@ -1087,7 +1087,7 @@ impl CudaDecoder {
             smem_optin.saturating_sub(static_smem(k.route)?),
         )?;
         let prefill_chunk = program::expert_chunk(std::env::var("DS4_CUDA_EXPERT_CHUNK").ok().as_deref())?;
-        let draft_cap = draft_rows(cfg.window, rows, model.draft.is_some());
+        let draft_cap = draft_cap(cfg.window, rows, model.draft.is_some());
         // The most rows of a routed product's descriptor (program.rs `chunk`).
         let chunk_max = prefill_chunk.max(program::EXPERT_CHUNK);
         let w = &model.weights;

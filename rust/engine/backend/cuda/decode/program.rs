@@ -231,9 +231,10 @@ pub(super) fn index_mma_smem(heads: usize) -> usize {
 /// in one process, 2026-12-03): an 8192-token prompt at 1888 tok/s against 1728 with the float
 /// kernel; a 2048-token one the same (1982 / 1984: its indexer keeps at most 512 rows, which
 /// every row then sees, so no scores). In decode steps the float kernel, one thread a (row,
-/// head) walking every indexer row of the context, was most of a CSA layer at 32K tokens: in a
-/// traced Flash step (H200, 2026-12-04) the indexer's scores and top-k added 51.6 us to the
-/// layer for one row (17.4 at 2100 tokens) and 392 us for a verify of 8 rows (38.5).
+/// head) walking every indexer row of the context, was a CSA layer's largest stage at 32K
+/// tokens: in a traced Flash step (H200, 2026-12-04) the indexer's scores and top-k added 51.6
+/// of the layer's 231 us for one row (17.4 at 2100 tokens) and 392 of 884 for a verify of 8
+/// rows (38.5).
 pub(super) fn index_mma(
     on: bool,
     on_steps: bool,
