@@ -22,13 +22,14 @@ fi
 . /tmp/ds4-gpu-venv/bin/activate
 python -c "import ds4; print('CUDA:', ds4.cuda_available(), ds4.cuda_device_name())"
 if [ -n "${2:-}" ] && [ -n "${3:-}" ] && [ ! -e /tmp/ds4-flash-q2.gguf.done ]; then
-    rm -f /tmp/ds4-flash-q2.gguf.log
+    # The log exists before this returns: flash_wait, called at once, must see a writer.
+    : > /tmp/ds4-flash-q2.gguf.log
     (
         t=$SECONDS
         python "$2" /tmp/ds4-flash-q2.gguf "$3" && python scripts/fill_experts.py /tmp/ds4-flash-q2.gguf &&
             touch /tmp/ds4-flash-q2.gguf.done
         echo "the Flash file: exit $? after $((SECONDS - t)) s"
-    ) > /tmp/ds4-flash-q2.gguf.log 2>&1 &
+    ) >> /tmp/ds4-flash-q2.gguf.log 2>&1 &
 fi
 
 # Waits for the background Flash file, then prints its log's last lines; fails if it failed.

@@ -721,6 +721,12 @@ fn index_topk_large_k_matches_select() {
         check_topk(4, 512, 4 * 5000, 7, p);
     }
     check_topk(128, 512, 128 * 3000, 3, Pattern::Ties);
+    // n_vis about 8200 (Flash's CSA layers at a 32K context: 8 scores a thread held in
+    // registers), and past what 1024 threads hold (16384: read again each pass).
+    for p in [Pattern::Random, Pattern::Ties] {
+        check_topk(4, 512, 4 * 8200, 2, p);
+    }
+    check_topk(4, 512, 4 * 16400, 2, Pattern::Random);
 }
 
 // ---- 5. attention
