@@ -993,8 +993,8 @@ __device__ __forceinline__ u32 ds4_block_scan_u32(u32 v, u32* ws, u32* total) {
 
 // Most scores a thread of ds4_index_topk holds in registers: a row's scores are read once when
 // n_vis <= DS4_TOPK_REGS * blockDim.x (16384 with 1024 threads: Flash's CSA layers up to a
-// 65536-token context), else again in each pass. 0: always again, with the form before this
-// one (one atomic a key, four passes; a -D option for A/B timing, DS4_CUDA_DEFINES).
+// 65536-token context), else again in each pass. 0: always again (a -D option for A/B timing,
+// DS4_CUDA_DEFINES; the first pass's match.any and the early stop stay).
 #ifndef DS4_TOPK_REGS
 #define DS4_TOPK_REGS 16
 #endif
@@ -1061,14 +1061,15 @@ __device__ __forceinline__ void ds4_topk_digit(const u32* hist, u32* ws, u32 kre
 // the first pass counts through match.any (ds4_topk_count), and the select stops after a pass
 // whose digit's keys are all taken, the threshold then on the bits seen so far. The selection
 // depends only on the scores, so every form selects the same.
-// Measured against the form before (DS4_TOPK_REGS=0: scores read in each of four passes, one
-// atomic a key; H200, Flash, ab_steps.py, a process a run, two runs each, 2026-12-04): at a
-// 2100-token context (525 scores a CSA row) steps 7.991 / 7.998 ms against 8.151 / 8.140,
-// verifies of 8 rows 21.66 / 21.75 against 22.05 / 22.21, the 2100-token prompt 1.50 / 1.47 s
-// against 1.62 / 1.90 (a traced step had the form before at 5.7 us a CSA layer). At 32K (8192
-// scores, 8 a thread) no change beyond the noise: steps 8.262 / 8.403 ms against 8.235 /
-// 8.276, verifies of 8 rows 22.67 / 23.55 against 22.60 / 24.20. (Not timed: holding only up
-// to 4 a thread, the longer rows then on the form before.)
+// Measured against DS4_TOPK_REGS=0 (the scores read again in each pass and the compaction; the
+// match.any and the early stop in both; H200, Flash, ab_steps.py, a process a run, two runs
+// each, 2026-12-04): at a 2100-token context (525 scores a CSA row) steps 7.991 / 7.998 ms
+// against 8.151 / 8.140, verifies of 8 rows 21.66 / 21.75 against 22.05 / 22.21, the
+// 2100-token prompt 1.50 / 1.47 s against 1.62 / 1.90; at 32K (8192 scores, 8 a thread) no
+// change beyond the noise, steps 8.262 / 8.403 ms against 8.235 / 8.276, verifies of 8 rows
+// 22.67 / 23.55 against 22.60 / 24.20. Not timed: the form before match.any and the early stop
+// (plain atomics, always four passes; a traced step had it at 5.7 us a CSA layer: the earlier
+// shaders through DS4_CUDA_SOURCES time it), and DS4_TOPK_REGS=4 (longer rows read again).
 // 48 registers (launch bounds of one block an SM: with the default 32, 16 keys spilled).
 // Grid (n); block a multiple of 32, at most 1024 (1024 suggested).
 extern "C" __global__ void __launch_bounds__(1024, 1)
