@@ -322,11 +322,18 @@ pub fn distribution(logits: &[f32], params: &SamplingParams) -> Result<Distribut
     // 5. Renormalize (the sum in id order; the quotients, one per token, on rayon's threads
     //    when there are many).
     let z = sum_in_order(&e, &cand);
-    let probs = if cand.len() > LONG {
+    let mut probs: Vec<f64> = if cand.len() > LONG {
         cand.par_iter().map(|&i| e[i as usize] / z).collect()
     } else {
         cand.iter().map(|&i| e[i as usize] / z).collect()
     };
+    // A weight among the smallest subnormals can still round to probability 0 in its quotient
+    // (z >= 1: the heaviest token always survives). Such a token is never drawn (`invert`
+    // moves past an interval of length 0), and the distribution lists only tokens of positive
+    // probability.
+    if probs.contains(&0.0) {
+        (cand, probs) = cand.iter().zip(&probs).filter(|&(_, &p)| p > 0.0).map(|(&i, &p)| (i, p)).unzip();
+    }
     Ok(Distribution { ids: cand, probs })
 }
 

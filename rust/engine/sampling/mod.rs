@@ -148,7 +148,8 @@ impl Distribution {
         if z == 0.0 {
             return Err(Error::invalid("weights sum to 0: no distribution"));
         }
-        let probs = weights.into_iter().map(|w| w / z).collect();
+        // A weight among the smallest subnormals can round to probability 0: dropped too.
+        let (ids, probs) = ids.into_iter().zip(weights).map(|(i, w)| (i, w / z)).filter(|&(_, p)| p > 0.0).unzip();
         Ok(Distribution { ids, probs })
     }
 
@@ -417,6 +418,16 @@ mod tests {
         assert_eq!(d.invert(1.0 - f64::EPSILON / 2.0), 9);
         assert_eq!(d.prob(5), 0.0);
         assert_eq!(d.argmax(), 9);
+    }
+
+    #[test]
+    fn quotients_that_round_to_zero_are_not_listed() {
+        // exp((1 - 38.25) / 0.05) is the smallest subnormal; over the sum 2 it rounds to 0.
+        let p = params(0.05, 0, 1.0, 0.0, 0);
+        let d = distribution(&[1.0, 38.25, 38.25], &p).unwrap();
+        assert_eq!((d.ids(), d.probs()), (&[1u32, 2][..], &[0.5, 0.5][..]));
+        let d = Distribution::from_weights(vec![0, 1, 2], vec![f64::from_bits(1), 1.0, 1.0]).unwrap();
+        assert_eq!((d.ids(), d.probs()), (&[1u32, 2][..], &[0.5, 0.5][..]));
     }
 
     #[test]
