@@ -26,7 +26,8 @@
 //!    left to right; all of them if rounding keeps the sum below).
 //! 4. **Min-p** (`min_p > 0`): drop tokens with `p_i < min_p * p_max`, i.e. `e_i < min_p`
 //!    (a ratio to the maximum, so no renormalization before it changes it).
-//! 5. **Renormalize**: `p_i = e_i / Z'` over the survivors, `Z'` summed in id order.
+//! 5. **Renormalize**: `p_i = e_i / Z'` over the survivors, `Z'` summed in id order; a
+//!    survivor whose `p_i` rounds to 0 (a weight among the smallest subnormals) is not listed.
 //!
 //! "Order" (steps 2 and 3) is by weight descending, then by id ascending: every tie is broken
 //! towards the lower id, so the result is a deterministic function of the input. Each filter
