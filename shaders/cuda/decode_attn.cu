@@ -991,88 +991,29 @@ __device__ __forceinline__ u32 ds4_block_scan_u32(u32 v, u32* ws, u32* total) {
     return before;
 }
 
-// Most scores a thread of ds4_index_topk holds in registers: a row's scores are read once when
-// n_vis <= DS4_TOPK_REGS * blockDim.x (16384 with 1024 threads: Flash's CSA layers up to a
-// 65536-token context), else again in each pass. 0: always again (a -D option for A/B timing,
-// DS4_CUDA_DEFINES; the first pass's match.any and the early stop stay).
-#ifndef DS4_TOPK_REGS
-#define DS4_TOPK_REGS 16
-#endif
-
-// The radix select's first pass: each key's top byte (its sign and most of its exponent) is
-// the same for most of a row's scores, so plain shared-memory atomics on one bin would follow
-// one another; the lanes of a warp with the same digit add their count once (match.any).
-__device__ __forceinline__ void ds4_topk_count(u32* hist, u32 dig, bool act, bool first_pass) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 700
-    first_pass = false;  // no match.any before sm_70: the same counts, one atomic a key
-#endif
-    if (first_pass) {
-        const int lane = threadIdx.x & 31;
-        const unsigned peers = __match_any_sync(0xffffffffu, act ? dig : 256u + (u32)lane);
-        if (act && __ffs(peers) - 1 == lane) {
-            atomicAdd(&hist[dig], (u32)__popc(peers));
-        }
-    } else if (act) {
-        atomicAdd(&hist[dig], 1u);
-    }
-}
-
-// One pass's digit of the radix select over the block's histogram: the largest b whose keys,
-// with those of the larger digits, reach krem. Thread t holds the count of digit 255 - t; the
-// block's prefix sum gives each the count of the larger digits, and the one thread with before
-// < krem <= before + c has it (krem >= 1). By default a scan rather than the loop in one thread
-// over the 256 bins (kept for blocks of fewer than 256 threads, and DS4_CUDA_INDEX=row), which
-// is 4 x 256 dependent steps on the path of every decode step past the top-k size. s_all: every
-// key of that digit is taken (krem - before == its count), so later passes can be skipped.
-__device__ __forceinline__ void ds4_topk_digit(const u32* hist, u32* ws, u32 krem, u32* s_digit, u32* s_krem,
-                                               u32* s_all) {
-    if (DS4_INDEX_WIDE_ON && blockDim.x >= 256) {
-        const u32 c = threadIdx.x < 256 ? hist[255 - threadIdx.x] : 0u;
-        u32 total;
-        const u32 before = ds4_block_scan_u32(c, ws, &total);
-        if (threadIdx.x < 256 && before < krem && krem <= before + c) {
-            *s_digit = 255u - threadIdx.x;
-            *s_krem = krem - before;
-            *s_all = krem - before == c;
-        }
-    } else if (threadIdx.x == 0) {
-        u32 cum = 0u;
-        for (int b = 255; b >= 0; b--) {
-            const u32 c = hist[b];
-            if (cum + c >= krem) {
-                *s_digit = (u32)b;
-                *s_krem = krem - cum;
-                *s_all = krem - cum == c;
-                break;
-            }
-            cum += c;
-        }
-    }
-    __syncthreads();
-}
-
 // The top-k of each row's scores (indexer.rs select): with n_vis = (pos + 1) / ratio, if
 // n_vis <= topk every row is selected (sel[r * topk + i] = i, nsel[r] = n_vis); else the topk
 // indices with the highest scores under (score descending by f32 total_cmp, index ascending),
 // in ascending index order, and nsel[r] = topk. Radix select of the topk-th largest key
-// (8 bits per pass, from the top), then an in-order compaction of the keys above it and the
-// first ties. A thread's keys are those of indices threadIdx.x + j * blockDim.x, held in
-// registers when they fit (DS4_TOPK_REGS), else read again in each pass and the compaction;
-// the first pass counts through match.any (ds4_topk_count), and the select stops after a pass
-// whose digit's keys are all taken, the threshold then on the bits seen so far. The selection
-// depends only on the scores, so every form selects the same.
-// Measured against DS4_TOPK_REGS=0 (the scores read again in each pass and the compaction; the
-// match.any and the early stop in both; H200, Flash, ab_steps.py, a process a run, two runs
-// each, 2026-12-04): at a 2100-token context (525 scores a CSA row) steps 7.991 / 7.998 ms
-// against 8.151 / 8.140, verifies of 8 rows 21.66 / 21.75 against 22.05 / 22.21, the
-// 2100-token prompt 1.50 / 1.47 s against 1.62 / 1.90; at 32K (8192 scores, 8 a thread) no
-// change beyond the noise, steps 8.262 / 8.403 ms against 8.235 / 8.276, verifies of 8 rows
-// 22.67 / 23.55 against 22.60 / 24.20. Not timed: the form before match.any and the early stop
-// (plain atomics, always four passes; a traced step had it at 5.7 us a CSA layer: the earlier
-// shaders through DS4_CUDA_SOURCES time it), and DS4_TOPK_REGS=4 (longer rows read again).
-// 48 registers (launch bounds of one block an SM: with the default 32, 16 keys spilled).
+// (8 bits per pass), then an in-order compaction of the keys above it and the first ties.
+// The scores are read again in each pass (from L1 / L2: a row is a few tens of KB at most).
+// (Tried and reverted, d7b6f5d: up to 16 keys a thread held in registers (48 registers, at
+// launch bounds of one block an SM), the first pass counted through match.any, and a stop after
+// a pass whose digit's keys are all taken. Timed in scripts/kernel_lab/topk_lab.cu (H200,
+// 2026-12-04, 1024 threads, microseconds a launch back to back for 1 / 8 rows of 525 scores,
+// a 2100-token context, then of 8192, 32K): this kernel 6.02 / 6.15 and 14.61 / 15.61, that one
+// 7.12 / 8.35 and 15.96 / 17.78; and Flash steps (ab_steps.py, a process a run) 8.05 ms at 2100
+// tokens against 8.14 / 8.20, 8.20 at 32K against 8.29. Its parts alone: without match.any
+// 6.84 / 8.08 and 15.28 / 16.12; without the early stop 9.47 / 9.64 and 17.47 / 19.35; with the
+// scores read again in each pass 5.51 / 6.51 and 15.27 / 17.17. So the registers and
+// match.any cost more than they saved. The early stop alone is DS4_TOPK_EARLY_STOP=1 below, a
+// -D option for A/B (DS4_CUDA_DEFINES) not yet run on a GPU: in the lab it saved 2.4 / 1.3 us
+// at 525 scores with the other changes on (9.47 / 9.64 without it).)
 // Grid (n); block a multiple of 32, at most 1024 (1024 suggested).
-extern "C" __global__ void __launch_bounds__(1024, 1)
+#ifndef DS4_TOPK_EARLY_STOP
+#define DS4_TOPK_EARLY_STOP 0
+#endif
+extern "C" __global__ void __launch_bounds__(1024)
     ds4_index_topk(const float* __restrict__ scores, int score_stride, int ratio, int topk, int* __restrict__ sel,
                    int* __restrict__ nsel, const int* __restrict__ step) {
     ds4_grid_deps_then_lead(gridDim.x == 1);
@@ -1080,7 +1021,9 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
     __shared__ u32 ws[33];
     __shared__ u32 s_digit;
     __shared__ u32 s_krem;
+#if DS4_TOPK_EARLY_STOP
     __shared__ u32 s_all;
+#endif
     const int r = blockIdx.x;
     const long long pos = (long long)step[0] + r;
     const int n_vis = (int)((pos + 1) / ratio);
@@ -1095,79 +1038,87 @@ extern "C" __global__ void __launch_bounds__(1024, 1)
         return;
     }
     const float* sc = scores + (long long)r * score_stride;
-    const int bd = blockDim.x;
-    const int per = (n_vis + bd - 1) / bd;  // chunks of the block's size
-    constexpr int R = DS4_TOPK_REGS > 0 ? DS4_TOPK_REGS : 1;
-    const bool held = DS4_TOPK_REGS > 0 && per <= R;
-    u32 key[R];
-#pragma unroll
-    for (int j = 0; j < R; j++) {
-        const int i = threadIdx.x + j * bd;
-        key[j] = held && j < per && i < n_vis ? ds4_score_key(sc[i]) : 0u;
-    }
-    // Key j of this thread (index threadIdx.x + j * bd < n_vis): from registers when held.
-    auto key_at = [&](int j, int i) -> u32 {
-        if (held) {
-            u32 k = 0u;
-#pragma unroll
-            for (int q = 0; q < R; q++) {
-                k = q == j ? key[q] : k;
-            }
-            return k;
-        }
-        return ds4_score_key(sc[i]);
-    };
     // Radix select: the prefix of the topk-th largest key, 8 bits at a time from the top;
     // krem = how many of the keys matching the prefix are still to be taken.
     u32 prefix = 0u;
     u32 mask = 0u;
     u32 krem = (u32)topk;
     for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int b = threadIdx.x; b < 256; b += bd) {
+        for (int b = threadIdx.x; b < 256; b += blockDim.x) {
             hist[b] = 0u;
         }
         __syncthreads();
-        if (held) {
-#pragma unroll
-            for (int j = 0; j < R; j++) {
-                if (j < per) {  // the same for the whole block: every lane reaches match.any
-                    const int i = threadIdx.x + j * bd;
-                    const bool act = i < n_vis && (key[j] & mask) == prefix;
-                    ds4_topk_count(hist, (key[j] >> shift) & 255u, act, shift == 24);
-                }
-            }
-        } else {
-            for (int j = 0; j < per; j++) {
-                const int i = threadIdx.x + j * bd;
-                const u32 k = i < n_vis ? ds4_score_key(sc[i]) : 0u;
-                ds4_topk_count(hist, (k >> shift) & 255u, i < n_vis && (k & mask) == prefix, shift == 24);
+        for (int i = threadIdx.x; i < n_vis; i += blockDim.x) {
+            const u32 key = ds4_score_key(sc[i]);
+            if ((key & mask) == prefix) {
+                atomicAdd(&hist[(key >> shift) & 255u], 1u);
             }
         }
         __syncthreads();
-        ds4_topk_digit(hist, ws, krem, &s_digit, &s_krem, &s_all);
+        // The digit: the largest b whose keys, with those of the larger digits, reach krem.
+        // Thread t holds the count of digit 255 - t; the block's prefix sum gives each the
+        // count of the larger digits, and the one thread with before < krem <= before + c has
+        // it (krem >= 1). By default a scan rather than the loop in one thread over the 256 bins
+        // (kept for blocks of fewer than 256 threads, and DS4_CUDA_INDEX=row), which is
+        // 4 x 256 dependent steps on the path of every decode step past the top-k size.
+        if (DS4_INDEX_WIDE_ON && blockDim.x >= 256) {
+            const u32 c = threadIdx.x < 256 ? hist[255 - threadIdx.x] : 0u;
+            u32 total;
+            const u32 before = ds4_block_scan_u32(c, ws, &total);
+            if (threadIdx.x < 256 && before < krem && krem <= before + c) {
+                s_digit = 255u - threadIdx.x;
+                s_krem = krem - before;
+#if DS4_TOPK_EARLY_STOP
+                s_all = krem - before == c;
+#endif
+            }
+        } else if (threadIdx.x == 0) {
+            u32 cum = 0u;
+            for (int b = 255; b >= 0; b--) {
+                const u32 c = hist[b];
+                if (cum + c >= krem) {
+                    s_digit = (u32)b;
+                    s_krem = krem - cum;
+#if DS4_TOPK_EARLY_STOP
+                    s_all = krem - cum == c;
+#endif
+                    break;
+                }
+                cum += c;
+            }
+        }
+        __syncthreads();
         prefix |= s_digit << shift;
         mask |= 255u << shift;
         krem = s_krem;
+#if DS4_TOPK_EARLY_STOP
         const bool all = s_all != 0u;
         __syncthreads();
         if (all) {
-            break;  // the same decision in every thread
+            break;  // every key of the digit is taken: the same decision in every thread
         }
+#else
+        __syncthreads();
+#endif
     }
-    // Keys above the threshold (on the bits of mask) all go in; of those equal to it, the
-    // `need` lowest indices.
+    // Keys above the threshold all go in; of those equal to it, the `need` lowest indices.
+    // (After an early stop the threshold is on the bits of `mask`.)
     const u32 thr = prefix;
     const u32 need = krem;
     u32 gt_total = 0u;  // keys > thr before the chunk
     u32 eq_total = 0u;  // keys == thr before the chunk
-    for (int j = 0; j < per; j++) {
-        const int i = threadIdx.x + j * bd;
+    for (int base = 0; base < n_vis; base += blockDim.x) {
+        const int i = base + threadIdx.x;
         u32 gt = 0u;
         u32 eq = 0u;
         if (i < n_vis) {
-            const u32 km = key_at(j, i) & mask;
-            gt = km > thr ? 1u : 0u;
-            eq = km == thr ? 1u : 0u;
+#if DS4_TOPK_EARLY_STOP
+            const u32 key = ds4_score_key(sc[i]) & mask;
+#else
+            const u32 key = ds4_score_key(sc[i]);
+#endif
+            gt = key > thr ? 1u : 0u;
+            eq = key == thr ? 1u : 0u;
         }
         u32 total;
         const u32 before = ds4_block_scan_u32((gt << 16) | eq, ws, &total);

@@ -176,6 +176,23 @@ fn gx_i2f_magic_variant_compiles() {
     }
 }
 
+/// The indexer top-k's early stop (`DS4_CUDA_DEFINES=DS4_TOPK_EARLY_STOP=1`, decode_attn.cu)
+/// compiles and changes that kernel; `index_topk_early_stop_matches_select` runs it on a GPU.
+#[test]
+fn topk_early_stop_variant_compiles() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    fn entry<'p>(ptx: &'p str, name: &str) -> &'p str {
+        let at = ptx.find(&format!(".entry {name}(")).unwrap_or_else(|| panic!("no {name} in the PTX"));
+        let rest = &ptx[at + 1..];
+        &ptx[at..at + 1 + rest.find(".entry ").unwrap_or(rest.len())]
+    }
+    let stop = context::compile_with("compute_90", &["DS4_TOPK_EARLY_STOP=1"]).unwrap_or_else(|e| panic!("{e}"));
+    let plain = context::compile_with("compute_90", &[]).unwrap_or_else(|e| panic!("{e}"));
+    assert_ne!(entry(&stop, "ds4_index_topk"), entry(&plain, "ds4_index_topk"));
+}
+
 #[test]
 fn no_device_is_an_error_not_a_panic() {
     // On a machine without a GPU this must be BackendUnavailable; with one, a backend.
