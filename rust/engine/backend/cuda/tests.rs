@@ -152,6 +152,13 @@ fn hc_site_async_variant_compiles() {
     assert!(!plain.contains("st.async"), "the default program pushes with st.async");
 }
 
+/// The PTX of kernel `name` in `ptx`: from its `.entry` to the next.
+fn ptx_entry<'p>(ptx: &'p str, name: &str) -> &'p str {
+    let at = ptx.find(&format!(".entry {name}(")).unwrap_or_else(|| panic!("no {name} in the PTX"));
+    let rest = &ptx[at + 1..];
+    &ptx[at..at + 1 + rest.find(".entry ").unwrap_or(rest.len())]
+}
+
 /// The routed tensor-core kernels' int32-to-float conversions through 1.5 * 2^23, the mma's
 /// accumulator starting at it (`DS4_CUDA_DEFINES=GX_I2F_MAGIC=1`, gemm_experts.cu): the variant
 /// compiles and converts no sum with cvt in those kernels; the default program converts them
@@ -161,16 +168,10 @@ fn gx_i2f_magic_variant_compiles() {
     if !nvrtc_or_skip() {
         return;
     }
-    // The PTX of one kernel: from its `.entry` to the next.
-    fn entry<'p>(ptx: &'p str, name: &str) -> &'p str {
-        let at = ptx.find(&format!(".entry {name}(")).unwrap_or_else(|| panic!("no {name} in the PTX"));
-        let rest = &ptx[at + 1..];
-        &ptx[at..at + 1 + rest.find(".entry ").unwrap_or(rest.len())]
-    }
     let magic = context::compile_with("compute_90", &["GX_I2F_MAGIC=1"]).unwrap_or_else(|e| panic!("{e}"));
     let plain = context::compile_with("compute_90", &[]).unwrap_or_else(|e| panic!("{e}"));
     for name in ["ds4_moe_mma_iq2_xxs", "ds4_moe_mma_q2_k"] {
-        let (m, p) = (entry(&magic, name), entry(&plain, name));
+        let (m, p) = (ptx_entry(&magic, name), ptx_entry(&plain, name));
         assert!(m.contains("1262485504") && !m.contains("cvt.rn.f32.s32"), "{name}: the variant still converts");
         assert!(p.contains("cvt.rn.f32.s32") && !p.contains("1262485504"), "{name}: the default adds the magic");
     }
@@ -183,14 +184,9 @@ fn topk_early_stop_variant_compiles() {
     if !nvrtc_or_skip() {
         return;
     }
-    fn entry<'p>(ptx: &'p str, name: &str) -> &'p str {
-        let at = ptx.find(&format!(".entry {name}(")).unwrap_or_else(|| panic!("no {name} in the PTX"));
-        let rest = &ptx[at + 1..];
-        &ptx[at..at + 1 + rest.find(".entry ").unwrap_or(rest.len())]
-    }
     let stop = context::compile_with("compute_90", &["DS4_TOPK_EARLY_STOP=1"]).unwrap_or_else(|e| panic!("{e}"));
     let plain = context::compile_with("compute_90", &[]).unwrap_or_else(|e| panic!("{e}"));
-    assert_ne!(entry(&stop, "ds4_index_topk"), entry(&plain, "ds4_index_topk"));
+    assert_ne!(ptx_entry(&stop, "ds4_index_topk"), ptx_entry(&plain, "ds4_index_topk"));
 }
 
 #[test]

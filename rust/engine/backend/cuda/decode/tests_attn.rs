@@ -478,7 +478,7 @@ enum Topk {
 /// Launches `ds4_index_topk` (`which`) on `scores` ([n, stride]) at `pos0..`; returns (sel,
 /// nsel) with sel entries never written left at -1.
 #[allow(clippy::too_many_arguments)]
-fn run_topk_of(
+fn run_topk(
     ctx: &Context,
     which: Topk,
     scores: &[f32],
@@ -501,19 +501,6 @@ fn run_topk_of(
         }
     }
     (read(ctx, &sel, n * topk), read(ctx, &nsel, n))
-}
-
-/// [`run_topk_of`] the context's kernel.
-fn run_topk(
-    ctx: &Context,
-    scores: &[f32],
-    stride: usize,
-    ratio: usize,
-    topk: usize,
-    pos0: usize,
-    block: u32,
-) -> (Vec<i32>, Vec<i32>) {
-    run_topk_of(ctx, Topk::Program, scores, stride, ratio, topk, pos0, block)
 }
 
 /// Asserts that row r of a top-k result is `want` (and the rest of its sel row untouched).
@@ -575,7 +562,7 @@ fn check_index(c: IndexCase) {
     // are the CPU's (x86 AVX2 dot_f32) operation for operation, so the scores agree bitwise
     // there and the selections must be equal; elsewhere the device's selection is checked
     // against the same order applied to its own scores.
-    let (sel, nsel) = run_topk(&ctx, &got, stride, c.ratio, c.topk, c.pos0, 1024);
+    let (sel, nsel) = run_topk(&ctx, Topk::Program, &got, stride, c.ratio, c.topk, c.pos0, 1024);
     for r in 0..n {
         let pos = c.pos0 + r;
         let n_vis = visible_compressed(pos, c.ratio);
@@ -700,9 +687,6 @@ fn check_topk(ratio: usize, topk: usize, pos0: usize, n: usize, p: Pattern) {
 }
 
 fn check_topk_of(ctx: &Context, which: Topk, ratio: usize, topk: usize, pos0: usize, n: usize, p: Pattern) {
-    let run_topk = |ctx: &Context, scores: &[f32], stride, ratio, topk, pos0, block| {
-        run_topk_of(ctx, which, scores, stride, ratio, topk, pos0, block)
-    };
     let what = format!("ds4_index_topk ratio {ratio} topk {topk} positions {pos0}..+{n} {p:?}");
     let stride = visible_compressed(pos0 + n - 1, ratio) + 1;
     let mut scores = vec![f32::NAN; n * stride];
@@ -710,7 +694,7 @@ fn check_topk_of(ctx: &Context, which: Topk, ratio: usize, topk: usize, pos0: us
         let row = scores_of(p, stride, (pos0 * 31 + r) as u64);
         scores[r * stride..(r + 1) * stride].copy_from_slice(&row);
     }
-    let (sel, nsel) = run_topk(ctx, &scores, stride, ratio, topk, pos0, 1024);
+    let (sel, nsel) = run_topk(ctx, which, &scores, stride, ratio, topk, pos0, 1024);
     let mut crossed = (false, false);
     for r in 0..n {
         let pos = pos0 + r;
@@ -723,13 +707,13 @@ fn check_topk_of(ctx: &Context, which: Topk, ratio: usize, topk: usize, pos0: us
             crossed.1 = true;
         }
         // Row invariance: the row alone, at its position.
-        let (one, none) = run_topk(ctx, &scores[r * stride..(r + 1) * stride], stride, ratio, topk, pos, 1024);
+        let (one, none) = run_topk(ctx, which, &scores[r * stride..(r + 1) * stride], stride, ratio, topk, pos, 1024);
         assert_eq!(none[0], nsel[r], "{what}: row {r} alone: nsel");
         assert_eq!(one, sel[r * topk..(r + 1) * topk], "{what}: row {r} alone vs in the batch");
     }
     eprintln!("{what}: rows with all selected {}, rows with a top-k {}", crossed.0, crossed.1);
     // Another block size selects the same.
-    let (sel2, nsel2) = run_topk(ctx, &scores, stride, ratio, topk, pos0, 256);
+    let (sel2, nsel2) = run_topk(ctx, which, &scores, stride, ratio, topk, pos0, 256);
     assert_eq!((sel2, nsel2), (sel, nsel), "{what}: 256 threads vs 1024");
 }
 
