@@ -8,6 +8,7 @@
 
 use std::collections::HashMap;
 use std::ffi::CString;
+use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::result as cu;
@@ -15,6 +16,7 @@ use cudarc::driver::sys;
 use cudarc::driver::CudaContext;
 use cudarc::nvrtc;
 
+use super::ptx_cache;
 use crate::quant::tables::IQ2XXS_GRID;
 use crate::quant::GgmlType;
 use crate::{Error, Result};
@@ -343,23 +345,50 @@ pub(crate) fn compile_with(arch: &str, defines: &[&str]) -> Result<Arc<String>> 
         options.extend(defs.split_whitespace().map(|d| format!("-D{d}")));
     }
     options.extend(defines.iter().map(|d| format!("-D{d}")));
+    let source = compile_source(
+        std::env::var_os("DS4_CUDA_SOURCES").filter(|d| !d.is_empty()).as_ref().map(std::path::Path::new),
+    )?;
+    let ptx = Arc::new(nvrtc_ptx(source, options, arch, ptx_cache::dir().as_deref())?);
+    cache.insert(key, Arc::clone(&ptx));
+    Ok(ptx)
+}
+
+/// NVRTC's version, (major, minor), when it says.
+fn nvrtc_version() -> Option<(i32, i32)> {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: NVRTC is loaded (the caller checked); the out-pointers are live locals.
+    let r = unsafe { nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    (r == nvrtc::sys::nvrtcResult::NVRTC_SUCCESS).then_some((major, minor))
+}
+
+/// The PTX of `source` compiled by NVRTC with `options` (and `--fmad=false`) for `arch`: from
+/// the disk cache in `cache_dir` when it holds it (ptx_cache.rs), else compiled, and then kept
+/// there.
+pub(crate) fn nvrtc_ptx(source: String, options: Vec<String>, arch: &str, cache_dir: Option<&Path>) -> Result<String> {
+    // The key's options: those given, and what CompileOptions adds below.
+    let mut key_options = options.clone();
+    key_options.extend(["--fmad=false".to_string(), "name=ds4_kernels.cu".to_string()]);
+    let cached = cache_dir.zip(nvrtc_version());
+    if let Some((dir, nvrtc)) = cached {
+        let key = ptx_cache::Key { nvrtc, options: &key_options, source: &source };
+        if let Some(ptx) = ptx_cache::load(dir, &key) {
+            return Ok(ptx);
+        }
+    }
     let opts =
         nvrtc::CompileOptions { fmad: Some(false), options, name: Some("ds4_kernels.cu".into()), ..Default::default() };
-    let ptx = nvrtc::compile_ptx_with_opts(
-        compile_source(
-            std::env::var_os("DS4_CUDA_SOURCES").filter(|d| !d.is_empty()).as_ref().map(std::path::Path::new),
-        )?,
-        opts,
-    )
-    .map_err(|e| {
-        let msg = match &e {
-            nvrtc::CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
-            other => format!("{other:?}"),
-        };
-        Error::Backend(format!("CUDA: NVRTC failed to compile the kernels for {arch}:\n{msg}"))
-    })?;
-    let ptx = Arc::new(ptx.to_src());
-    cache.insert(key, Arc::clone(&ptx));
+    let ptx = nvrtc::compile_ptx_with_opts(&source, opts)
+        .map_err(|e| {
+            let msg = match &e {
+                nvrtc::CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
+                other => format!("{other:?}"),
+            };
+            Error::Backend(format!("CUDA: NVRTC failed to compile the kernels for {arch}:\n{msg}"))
+        })?
+        .to_src();
+    if let Some((dir, nvrtc)) = cached {
+        ptx_cache::store(dir, &ptx_cache::Key { nvrtc, options: &key_options, source: &source }, &ptx);
+    }
     Ok(ptx)
 }
 

@@ -31,6 +31,7 @@
 pub(crate) mod context;
 pub(crate) mod decode;
 pub(crate) mod device;
+mod ptx_cache;
 #[cfg(test)]
 mod tests;
 mod weights;

@@ -189,6 +189,41 @@ fn topk_early_stop_variant_compiles() {
     assert_ne!(ptx_entry(&stop, "ds4_index_topk"), ptx_entry(&plain, "ds4_index_topk"));
 }
 
+/// NVRTC behind the PTX disk cache (ptx_cache.rs): a first compile keeps its PTX in the folder;
+/// a second of the same program and options takes that file's PTX (a copy altered on disk
+/// proves it is read, not compiled again); other options compile anew, to a file of their own.
+#[test]
+fn nvrtc_ptx_goes_through_the_disk_cache() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("ds4-nvrtc-cache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let src = "extern \"C\" __global__ void ds4_probe(float* x) { x[0] = 1.0f; }".to_string();
+    let opts = vec!["--gpu-architecture=compute_80".to_string()];
+    let files = || -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(&dir).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default()
+    };
+    let first = context::nvrtc_ptx(src.clone(), opts.clone(), "compute_80", Some(&dir)).unwrap();
+    assert!(first.contains(".entry ds4_probe"), "{first}");
+    let kept = files();
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    let text = std::fs::read_to_string(&kept[0]).unwrap();
+    assert!(text.ends_with(&first));
+    std::fs::write(&kept[0], text.replace(".entry ds4_probe", ".entry ds4_probx")).unwrap();
+    let second = context::nvrtc_ptx(src.clone(), opts.clone(), "compute_80", Some(&dir)).unwrap();
+    assert_eq!(second, first.replace(".entry ds4_probe", ".entry ds4_probx"));
+    let mut other = opts.clone();
+    other.push("-DDS4_PROBE=1".into());
+    let third = context::nvrtc_ptx(src.clone(), other, "compute_80", Some(&dir)).unwrap();
+    assert!(third.contains(".entry ds4_probe"), "{third}");
+    assert_eq!(files().len(), 2);
+    // Without a folder: compiled, nothing kept.
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(context::nvrtc_ptx(src, opts, "compute_80", None).unwrap(), first);
+    assert!(files().is_empty());
+}
+
 #[test]
 fn no_device_is_an_error_not_a_panic() {
     // On a machine without a GPU this must be BackendUnavailable; with one, a backend.
