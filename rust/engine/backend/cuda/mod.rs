@@ -427,7 +427,7 @@ impl CudaBackend {
     /// [`CudaBackend::upload`] for any image: copies `raw[data_offset..]`; matrices must lie
     /// in that range to run on the GPU. `tensors` lists the image's tensors (each as the
     /// matrix of all its rows): those of the formats with a split device layout (Q8_0, Q2_K,
-    /// IQ2_XXS, see [`crate::quant::split`]) are stored split, and products of those formats
+    /// IQ2_XXS, see `crate::quant::split`) are stored split, and products of those formats
     /// run on the GPU only on rows of a listed tensor (on the CPU otherwise).
     pub fn upload_image(
         &self,
