@@ -20,7 +20,8 @@ With --processes each run is a process of its own that loads the model, so the s
 when the kernels are compiled or the weights uploaded compare too (DS4_CUDA_Q8,
 DS4_CUDA_Q8_MMA_MAX_IN, DS4_CUDA_Q8_MMA_MIN_IN, DS4_CUDA_PDL, DS4_CUDA_INDEX, and
 DS4_CUDA_DEFINES, which takes spaces: `q6=DS4_CUDA_DEFINES=MV_MIN_BLOCKS_Q8_0_1=6`); a Flash
-load costs tens of seconds a run.
+load costs tens of seconds a run, and each run's line gives its load's seconds (`Model.load`:
+the weights' upload, and the kernels' compile unless the PTX cache holds them).
 """
 
 from __future__ import annotations
@@ -72,8 +73,9 @@ def measure(m: ds4.Model, args: argparse.Namespace) -> dict[str, float]:
 
 def show(rep: int, name: str, r: dict[str, float]) -> None:
     vs = "".join(f", {k} {1e3 * v:.2f} ms" for k, v in r.items() if k.startswith("verify"))
+    load = f", load {r['load']:.1f} s" if "load" in r else ""
     print(f"rep {rep} {name:12} step median {1e3 * r['step']:.3f} ms, mean {1e3 * r['mean']:.3f} ms{vs}, "
-          f"prompt {r['prompt']:.2f} s")
+          f"prompt {r['prompt']:.2f} s{load}")
 
 
 def main() -> None:
@@ -91,7 +93,10 @@ def main() -> None:
     args = ap.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     if args.child:
-        print(json.dumps(measure(ds4.Model.load(args.model, backend=args.backend, draft=False), args)))
+        t = time.perf_counter()
+        model = ds4.Model.load(args.model, backend=args.backend, draft=False)
+        load = time.perf_counter() - t
+        print(json.dumps({**measure(model, args), "load": load}))
         return
     settings: list[tuple[str, dict[str, str]]] = []
     for s in args.settings:
@@ -125,7 +130,8 @@ def main() -> None:
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
         vs = "".join(f", {k} {1e3 * v:.2f} ms" for k, v in med.items() if k.startswith("verify"))
         print(f"{name:12} {1e3 * med['step']:.3f} ms a step (median of {len(rs)} runs' medians: "
-              + ", ".join(f"{1e3 * r['step']:.3f}" for r in rs) + f"){vs}, prompt {med['prompt']:.2f} s")
+              + ", ".join(f"{1e3 * r['step']:.3f}" for r in rs) + f"){vs}, prompt {med['prompt']:.2f} s"
+              + (f", load {med['load']:.1f} s" if "load" in med else ""))
 
 
 if __name__ == "__main__":
