@@ -87,8 +87,9 @@ impl DeviceImage {
         }
     }
 
-    /// Copies `raw[data_offset..]` to a new device allocation, in chunks of [`CHUNK`] bytes,
-    /// calling `progress(done, total)` after each. The context must be bound. `tensors` are
+    /// Copies `raw[data_offset..]` to a new device allocation, in pieces of about [`CHUNK`]
+    /// bytes, calling `progress(done, total)` after each, in the mode `DS4_CUDA_UPLOAD` names
+    /// ([`UploadMode`]). The context must be bound. `tensors` are
     /// the image's tensors (rows of `n_in` elements of `ty` each) with their plane's rows;
     /// those of a split format are stored split, the others as they are. Tensors that overlap
     /// an earlier one, lie outside the data, whose rows are not whole blocks or not whole
@@ -98,7 +99,20 @@ impl DeviceImage {
         raw: &[u8],
         data_offset: usize,
         tensors: &[(Mat, usize)],
+        progress: impl FnMut(u64, u64),
+    ) -> Result<Self> {
+        let mode = UploadMode::from_setting(std::env::var("DS4_CUDA_UPLOAD").ok().as_deref())?;
+        Self::upload_with(raw, data_offset, tensors, progress, mode, CHUNK)
+    }
+
+    /// [`DeviceImage::upload`] in `mode`, in pieces of about `chunk` bytes.
+    pub(crate) fn upload_with(
+        raw: &[u8],
+        data_offset: usize,
+        tensors: &[(Mat, usize)],
         mut progress: impl FnMut(u64, u64),
+        mode: UploadMode,
+        chunk: usize,
     ) -> Result<Self> {
         let data = raw
             .get(data_offset..)
@@ -152,43 +166,37 @@ impl DeviceImage {
         unsafe { cu::memset_d8_sync(dptr + data.len() as u64, 0, PAD) }.map_err(driver_err("clearing the padding"))?;
         let total_bytes = data.len() as u64;
         progress(0, total_bytes);
-        // Copies raw[from..to] as it is, or split when `rows` (the tensor) is given.
-        let mut stage: Vec<u8> = Vec::new();
-        let mut copy = |from: usize, to: usize, rows: Option<(Mat, usize)>| -> Result<()> {
-            let mut at = from;
-            while at < to {
-                let (next, src): (usize, &[u8]) = match rows {
-                    None => {
-                        let next = (at + CHUNK).min(to);
-                        (next, &raw[at..next])
-                    }
-                    Some((t, plane)) => {
-                        let row = (at - t.start) / t.row_bytes;
-                        let tiled = tensor_cores(t.ty, t.n_in, plane);
-                        let (end, par) = piece(t.n_out, plane, row, (CHUNK / t.row_bytes).max(1), tiled);
-                        let next = t.start + t.row_bytes * end;
-                        stage.clear();
-                        stage.extend_from_slice(&raw[at..next]);
-                        split_piece(&t, plane, row, par, tiled, &mut stage);
-                        (next, &stage)
-                    }
+        let pieces = pieces(raw.len(), data_offset, &img.split, chunk);
+        let dst = |p: &Piece| dptr + (p.from - data_offset) as u64;
+        // The pipelined copy, unless its pinned buffers cannot be had (then the plain one).
+        let staging = match mode {
+            UploadMode::Pipelined => Staging::new(pieces.iter().map(|p| p.to - p.from).max().unwrap_or(0)).ok(),
+            UploadMode::Sync => None,
+        };
+        if let Some(mut st) = staging {
+            for (k, p) in pieces.iter().enumerate() {
+                let buf = st.take(k % 2, p.to - p.from)?;
+                fill(raw, p, buf);
+                st.send(k % 2, dst(p))?;
+                progress((p.to - data_offset) as u64, total_bytes);
+            }
+            st.finish()?;
+        } else {
+            let mut stage: Vec<u8> = Vec::new();
+            for p in &pieces {
+                let src: &[u8] = if p.split.is_some() {
+                    stage.resize(p.to - p.from, 0);
+                    fill(raw, p, &mut stage);
+                    &stage
+                } else {
+                    &raw[p.from..p.to]
                 };
                 // SAFETY: the destination range is inside the allocation; the copy is
                 // synchronous, so the source only needs to live for the call.
-                unsafe { cu::memcpy_htod_sync(dptr + (at - data_offset) as u64, src) }
-                    .map_err(driver_err("copying the weights"))?;
-                at = next;
-                progress((at - data_offset) as u64, total_bytes);
+                unsafe { cu::memcpy_htod_sync(dst(p), src) }.map_err(driver_err("copying the weights"))?;
+                progress((p.to - data_offset) as u64, total_bytes);
             }
-            Ok(())
-        };
-        let mut at = data_offset;
-        for &(t, plane) in &img.split {
-            copy(at, t.start, None)?;
-            copy(t.start, t.start + t.nbytes(), Some((t, plane)))?;
-            at = t.start + t.nbytes();
         }
-        copy(at, raw.len(), None)?;
         img.split.shrink_to_fit();
         // The copies ran on the legacy stream, which the backend's non-blocking stream does not
         // wait for: finish them before any kernel may read the weights.
@@ -201,6 +209,184 @@ impl Drop for DeviceImage {
     fn drop(&mut self) {
         // SAFETY: allocated by `upload`, freed once; the owner binds the context first.
         unsafe { cu::free_sync(self.dptr).ok() };
+    }
+}
+
+/// How an upload copies the image (`DS4_CUDA_UPLOAD`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum UploadMode {
+    /// Each piece copied from the host image (or, for a split tensor's piece, from a copy split
+    /// on the host) by a synchronous copy from pageable memory: the host's copy, the split and
+    /// the transfer of a piece one after another (unset or `sync`).
+    Sync,
+    /// Two pinned buffers in turn: the host copies (on all cores) and splits a piece into one
+    /// while the transfer of the other runs (`pipelined`). The same bytes on the device. Not
+    /// yet timed on a GPU, so not the default.
+    Pipelined,
+}
+
+impl UploadMode {
+    /// The mode `setting` names; anything else is refused with the setting's name.
+    pub(crate) fn from_setting(setting: Option<&str>) -> Result<Self> {
+        match setting.map(str::trim) {
+            None | Some("" | "sync") => Ok(UploadMode::Sync),
+            Some("pipelined") => Ok(UploadMode::Pipelined),
+            Some(v) => Err(Error::invalid(format!("DS4_CUDA_UPLOAD takes sync or pipelined, not {v:?}"))),
+        }
+    }
+}
+
+/// A split tensor's piece: the tensor, its plane's rows, the piece's first row, the rows of
+/// its parallel parts ([`piece`]) and whether the rows are tiled.
+#[derive(Clone, Copy, Debug)]
+struct SplitOf {
+    t: Mat,
+    plane: usize,
+    row: usize,
+    par: usize,
+    tiled: bool,
+}
+
+/// One piece of an upload: image bytes `from..to`, copied as they are or split as a tensor's.
+#[derive(Clone, Copy, Debug)]
+struct Piece {
+    from: usize,
+    to: usize,
+    split: Option<SplitOf>,
+}
+
+/// The pieces of an upload of `raw[data_offset..raw_len]`, in order and adjoining: the bytes
+/// between split tensors in pieces of at most `chunk`, each split tensor (sorted, not
+/// overlapping, inside the range) in pieces of about `chunk` bytes of whole rows ([`piece`]).
+fn pieces(raw_len: usize, data_offset: usize, split: &[(Mat, usize)], chunk: usize) -> Vec<Piece> {
+    let mut out = Vec::new();
+    let plain = |out: &mut Vec<Piece>, from: usize, to: usize| {
+        let mut at = from;
+        while at < to {
+            let next = (at + chunk.max(1)).min(to);
+            out.push(Piece { from: at, to: next, split: None });
+            at = next;
+        }
+    };
+    let mut at = data_offset;
+    for &(t, plane) in split {
+        plain(&mut out, at, t.start);
+        let tiled = tensor_cores(t.ty, t.n_in, plane);
+        let mut row = 0;
+        while row < t.n_out {
+            let (end, par) = piece(t.n_out, plane, row, (chunk / t.row_bytes).max(1), tiled);
+            let from = t.start + t.row_bytes * row;
+            out.push(Piece {
+                from,
+                to: t.start + t.row_bytes * end,
+                split: Some(SplitOf { t, plane, row, par, tiled }),
+            });
+            row = end;
+        }
+        at = t.start + t.nbytes();
+    }
+    plain(&mut out, at, raw_len);
+    out
+}
+
+/// Writes piece `p` of the image `raw` into `buf` (its length): the bytes, copied on all cores
+/// in parts of 4 MiB, then split in place for a split tensor's piece.
+fn fill(raw: &[u8], p: &Piece, buf: &mut [u8]) {
+    const PART: usize = 4 << 20;
+    buf.par_chunks_mut(PART).zip(raw[p.from..p.to].par_chunks(PART)).for_each(|(d, s)| d.copy_from_slice(s));
+    if let Some(s) = p.split {
+        split_piece(&s.t, s.plane, s.row, s.par, s.tiled, buf);
+    }
+}
+
+/// The pinned buffers of a pipelined upload, each with the event of its last transfer, and the
+/// stream the transfers run on. Dropping it waits for the transfers, then frees all.
+struct Staging {
+    bufs: [*mut u8; 2],
+    cap: usize,
+    events: [sys::CUevent; 2],
+    sent: [bool; 2],
+    stream: sys::CUstream,
+    len: [usize; 2],
+}
+
+impl Staging {
+    /// Two pinned buffers of `cap` bytes (the context bound).
+    fn new(cap: usize) -> Result<Self> {
+        let stream =
+            cu::stream::create(cu::stream::StreamKind::NonBlocking).map_err(driver_err("creating an upload stream"))?;
+        let mut st = Staging {
+            bufs: [std::ptr::null_mut(); 2],
+            cap,
+            events: [std::ptr::null_mut(); 2],
+            sent: [false; 2],
+            stream,
+            len: [0; 2],
+        };
+        for i in 0..2 {
+            // SAFETY: a plain pinned allocation, freed in Drop; its bytes are written before
+            // they are read.
+            st.bufs[i] =
+                unsafe { cu::malloc_host(cap.max(1), 0) }.map_err(driver_err("pinning upload buffers"))?.cast();
+            st.events[i] = cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map_err(driver_err("creating an upload event"))?;
+        }
+        Ok(st)
+    }
+
+    /// Buffer `i`, once its last transfer is done, as `len` bytes to fill.
+    fn take(&mut self, i: usize, len: usize) -> Result<&mut [u8]> {
+        if len > self.cap {
+            return Err(Error::Backend("CUDA upload: a piece larger than its buffer (internal)".into()));
+        }
+        if self.sent[i] {
+            // SAFETY: an event of this context, recorded on the upload stream.
+            unsafe { cu::event::synchronize(self.events[i]) }.map_err(driver_err("copying the weights"))?;
+            self.sent[i] = false;
+        }
+        self.len[i] = len;
+        // SAFETY: the buffer holds `cap` >= len bytes, and no transfer reads it now.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.bufs[i], len) })
+    }
+
+    /// Starts the transfer of buffer `i`'s bytes to `dst`.
+    fn send(&mut self, i: usize, dst: sys::CUdeviceptr) -> Result<()> {
+        // SAFETY: the buffer's `len` bytes were just filled and stay untouched until the event
+        // says the transfer is done (`take`, `finish`, Drop); `dst` is inside the allocation.
+        unsafe {
+            let src = std::slice::from_raw_parts(self.bufs[i], self.len[i]);
+            cu::memcpy_htod_async(dst, src, self.stream).map_err(driver_err("copying the weights"))?;
+            cu::event::record(self.events[i], self.stream).map_err(driver_err("copying the weights"))?;
+        }
+        self.sent[i] = true;
+        Ok(())
+    }
+
+    /// Waits for every transfer.
+    fn finish(&mut self) -> Result<()> {
+        // SAFETY: the upload stream of this context.
+        unsafe { cu::stream::synchronize(self.stream) }.map_err(driver_err("copying the weights"))?;
+        self.sent = [false; 2];
+        Ok(())
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        // SAFETY: the stream, events and buffers were made in `new` (null ones skipped); the
+        // stream is drained before the buffers it reads are freed.
+        unsafe {
+            let _ = cu::stream::synchronize(self.stream);
+            for i in 0..2 {
+                if !self.events[i].is_null() {
+                    let _ = cu::event::destroy(self.events[i]);
+                }
+                if !self.bufs[i].is_null() {
+                    let _ = cu::free_host(self.bufs[i].cast());
+                }
+            }
+            let _ = cu::stream::destroy(self.stream);
+        }
     }
 }
 
@@ -244,9 +430,9 @@ fn piece_end(row: usize, n: usize, plane: usize, rows: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::{piece, piece_end, split_piece};
+    use super::{fill, piece, piece_end, pieces, split_piece, DeviceImage, UploadMode};
     use crate::model::weights::Mat;
-    use crate::quant::split::{random_rows, split_rows};
+    use crate::quant::split::{is_split, random_rows, split_rows};
     use crate::quant::GgmlType;
 
     /// The upload's pieces and parallel parts give the bytes of the whole tensor split plane by
@@ -304,6 +490,113 @@ mod tests {
                 assert!(end == n || (end % plane).is_multiple_of(16));
                 row = end;
             }
+        }
+    }
+
+    /// An image for the upload tests: a header, then tensors of the split formats (tiled Q8_0
+    /// with a tail plane, row-split Q8_0, Q2_K, IQ2_XXS) with gaps of odd lengths, and an F16
+    /// tensor (not split) at the end; the bytes random. Returns the image, the data offset and
+    /// the tensors with their planes.
+    fn test_image() -> (Vec<u8>, usize, Vec<(Mat, usize)>) {
+        let offset = 96;
+        let mut raw: Vec<u8> = (0..offset as u32).map(|i| (i * 7) as u8).collect();
+        let mut tensors = Vec::new();
+        let cases = [
+            (GgmlType::Q8_0, 4096, 3, 37),
+            (GgmlType::Q8_0, 64, 2, 5),
+            (GgmlType::Q2_K, 512, 2, 30),
+            (GgmlType::IQ2_XXS, 512, 3, 20),
+            (GgmlType::F16, 64, 1, 9),
+        ];
+        for (i, (ty, n_in, planes, plane)) in cases.into_iter().enumerate() {
+            raw.extend((0..13 * i + 5).map(|j| j as u8 ^ 0x5a));
+            let (rows, rb) = random_rows(ty, n_in, planes * plane, 40 + i as u64);
+            tensors.push((Mat { ty, n_in, n_out: planes * plane, start: raw.len(), row_bytes: rb }, plane));
+            raw.extend_from_slice(&rows);
+        }
+        raw.extend(0..77u8);
+        (raw, offset, tensors)
+    }
+
+    /// The pieces of an upload adjoin from the data offset to the image's end; plain ones hold
+    /// at most the chunk, split ones whole rows of their tensor; and the bytes `fill` writes,
+    /// piece after piece, are the image with each split tensor split plane by plane (what the
+    /// device gets in either mode), for chunks smaller than a row up to larger than the image.
+    #[test]
+    fn upload_pieces_fill_the_split_image() {
+        let (raw, offset, tensors) = test_image();
+        let split: Vec<(Mat, usize)> = tensors.iter().copied().filter(|(t, _)| is_split(t.ty)).collect();
+        let mut want = raw[offset..].to_vec();
+        for (t, plane) in &split {
+            let tiled = super::tensor_cores(t.ty, t.n_in, *plane);
+            let at = t.start - offset;
+            for p in want[at..at + t.nbytes()].chunks_mut(plane * t.row_bytes) {
+                split_rows(t.ty, t.row_bytes, p, tiled.then_some((*plane, 0)));
+            }
+        }
+        for chunk in [1, 100, 1000, 4096, 50_000, 1 << 26] {
+            let ps = pieces(raw.len(), offset, &split, chunk);
+            let mut got = Vec::new();
+            let mut at = offset;
+            for p in &ps {
+                assert_eq!(p.from, at, "chunk {chunk}: pieces adjoin");
+                assert!(p.to > p.from);
+                match p.split {
+                    None => assert!(p.to - p.from <= chunk),
+                    Some(s) => {
+                        assert_eq!(p.from, s.t.start + s.row * s.t.row_bytes);
+                        assert!((p.to - s.t.start).is_multiple_of(s.t.row_bytes) && p.to <= s.t.start + s.t.nbytes());
+                    }
+                }
+                let mut buf = vec![0u8; p.to - p.from];
+                fill(&raw, p, &mut buf);
+                got.extend_from_slice(&buf);
+                at = p.to;
+            }
+            assert_eq!(at, raw.len(), "chunk {chunk}: pieces reach the end");
+            assert!(got == want, "chunk {chunk}: the bytes sent are the split image");
+        }
+    }
+
+    /// `DS4_CUDA_UPLOAD`: sync when unset, empty or `sync`; `pipelined`; anything else refused
+    /// with the setting's name.
+    #[test]
+    fn upload_mode_setting_parses() {
+        for v in [None, Some(""), Some("sync"), Some(" sync ")] {
+            assert_eq!(UploadMode::from_setting(v).unwrap(), UploadMode::Sync, "{v:?}");
+        }
+        assert_eq!(UploadMode::from_setting(Some("pipelined")).unwrap(), UploadMode::Pipelined);
+        let err = UploadMode::from_setting(Some("fast")).unwrap_err().to_string();
+        assert!(err.contains("DS4_CUDA_UPLOAD") && err.contains("\"fast\""), "{err}");
+    }
+
+    /// On a GPU: the pipelined upload (two pinned buffers in turn) leaves the same device bytes
+    /// as the synchronous one, with pieces far smaller than the image (many turns of the two
+    /// buffers) and with one piece a tensor. Without a GPU it prints "skipped" and passes.
+    #[test]
+    fn pipelined_upload_writes_the_same_bytes() {
+        let Some(_ctx) = crate::backend::cuda::decode::testutil::context() else { return };
+        let (raw, offset, tensors) = test_image();
+        let read = |img: &DeviceImage| {
+            let mut v = vec![0u8; raw.len() - offset];
+            // SAFETY: the image's allocation holds these bytes; a synchronous copy.
+            unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut v, img.dptr) }.expect("reading back");
+            v
+        };
+        let sync = DeviceImage::upload_with(&raw, offset, &tensors, |_, _| {}, UploadMode::Sync, 1 << 26).unwrap();
+        let want = read(&sync);
+        for chunk in [1000, 1 << 26] {
+            let mut steps = Vec::new();
+            let img =
+                DeviceImage::upload_with(&raw, offset, &tensors, |d, _| steps.push(d), UploadMode::Pipelined, chunk)
+                    .unwrap();
+            assert!(read(&img) == want, "chunk {chunk}: the device bytes differ");
+            assert_eq!(
+                steps.last().copied(),
+                Some((raw.len() - offset) as u64),
+                "chunk {chunk}: progress ends at the total"
+            );
+            assert!(steps.windows(2).all(|w| w[0] <= w[1]), "chunk {chunk}: progress never goes back");
         }
     }
 }

@@ -40,7 +40,7 @@ mod tests_ops;
 #[cfg(test)]
 mod tests_step;
 #[cfg(test)]
-mod testutil;
+pub(crate) mod testutil;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
