@@ -368,12 +368,11 @@ pub(crate) fn nvrtc_ptx(source: String, options: Vec<String>, arch: &str, cache_
     // The key's options: those given, and what CompileOptions adds below.
     let mut key_options = options.clone();
     key_options.extend(["--fmad=false".to_string(), "name=ds4_kernels.cu".to_string()]);
-    let cached = cache_dir.zip(nvrtc_version());
-    if let Some((dir, nvrtc)) = cached {
-        let key = ptx_cache::Key { nvrtc, options: &key_options, source: &source };
-        if let Some(ptx) = ptx_cache::load(dir, &key) {
-            return Ok(ptx);
-        }
+    let cached = cache_dir
+        .zip(nvrtc_version())
+        .map(|(dir, nvrtc)| (dir, ptx_cache::Key { nvrtc, options: &key_options, source: &source }));
+    if let Some(ptx) = cached.as_ref().and_then(|(dir, key)| ptx_cache::load(dir, key)) {
+        return Ok(ptx);
     }
     let opts =
         nvrtc::CompileOptions { fmad: Some(false), options, name: Some("ds4_kernels.cu".into()), ..Default::default() };
@@ -386,8 +385,8 @@ pub(crate) fn nvrtc_ptx(source: String, options: Vec<String>, arch: &str, cache_
             Error::Backend(format!("CUDA: NVRTC failed to compile the kernels for {arch}:\n{msg}"))
         })?
         .to_src();
-    if let Some((dir, nvrtc)) = cached {
-        ptx_cache::store(dir, &ptx_cache::Key { nvrtc, options: &key_options, source: &source }, &ptx);
+    if let Some((dir, key)) = &cached {
+        ptx_cache::store(dir, key, &ptx);
     }
     Ok(ptx)
 }

@@ -52,18 +52,19 @@ impl Key<'_> {
             self.source.len()
         )
     }
+}
 
-    /// The file for this key in `dir`.
-    fn path(&self, dir: &Path) -> PathBuf {
-        let (a, b) = digest(self.header().as_bytes());
-        dir.join(format!("{a:016x}{b:016x}.ptx"))
-    }
+/// The file in `dir` for the key whose header is `header`.
+fn file(dir: &Path, header: &str) -> PathBuf {
+    let (a, b) = digest(header.as_bytes());
+    dir.join(format!("{a:016x}{b:016x}.ptx"))
 }
 
 /// The PTX kept for `key` in `dir`, if a file there holds it whole.
 pub(crate) fn load(dir: &Path, key: &Key) -> Option<String> {
-    let text = std::fs::read_to_string(key.path(dir)).ok()?;
-    let rest = text.strip_prefix(&key.header())?;
+    let header = key.header();
+    let text = std::fs::read_to_string(file(dir, &header)).ok()?;
+    let rest = text.strip_prefix(&header)?;
     let (len, ptx) = rest.strip_prefix("ptx ")?.split_once('\n')?;
     (len.parse::<usize>().ok()? == ptx.len()).then(|| ptx.to_string())
 }
@@ -75,9 +76,10 @@ const KEEP: usize = 8;
 
 /// Keeps `ptx` for `key` in `dir` (created if need be); whether it was written.
 pub(crate) fn store(dir: &Path, key: &Key, ptx: &str) -> bool {
-    let path = key.path(dir);
+    let header = key.header();
+    let path = file(dir, &header);
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    let text = format!("{}ptx {}\n{ptx}", key.header(), ptx.len());
+    let text = format!("{header}ptx {}\n{ptx}", ptx.len());
     let done = std::fs::create_dir_all(dir).is_ok()
         && std::fs::write(&tmp, text).is_ok()
         && std::fs::rename(&tmp, &path).is_ok();
@@ -170,7 +172,7 @@ mod tests {
         let k = key(&opts, "program");
         let ptx = "x".repeat(1000);
         assert!(store(&dir, &k, &ptx));
-        let path = k.path(&dir);
+        let path = file(&dir, &k.header());
         let full = std::fs::read(&path).unwrap();
         std::fs::write(&path, &full[..full.len() - 10]).unwrap();
         assert_eq!(load(&dir, &k), None, "truncated");
@@ -211,7 +213,12 @@ mod tests {
             assert!(store(&dir, &key(&opts, s), "ptx"));
             // Distinct modification times, oldest first.
             let t = std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1_000_000 + i as u64);
-            std::fs::File::options().write(true).open(key(&opts, s).path(&dir)).unwrap().set_modified(t).unwrap();
+            std::fs::File::options()
+                .write(true)
+                .open(file(&dir, &key(&opts, s).header()))
+                .unwrap()
+                .set_modified(t)
+                .unwrap();
         }
         prune(&dir, KEEP);
         for (i, s) in sources.iter().enumerate() {

@@ -145,11 +145,17 @@ fn hc_site_async_variant_compiles() {
     if !nvrtc_or_skip() {
         return;
     }
-    let ptx = context::compile_with("compute_90", &["HC_SITE_ASYNC=1"]).unwrap_or_else(|e| panic!("{e}"));
+    let (ptx, plain) = variant_and_plain("HC_SITE_ASYNC=1");
     assert!(ptx.contains(".entry ds4_hc_site("), "no ds4_hc_site in the PTX");
     assert!(ptx.contains("st.async.shared::cluster.mbarrier::complete_tx::bytes"), "no st.async in the variant");
-    let plain = context::compile_with("compute_90", &[]).unwrap_or_else(|e| panic!("{e}"));
     assert!(!plain.contains("st.async"), "the default program pushes with st.async");
+}
+
+/// The program for compute_90 built with `-D define`, and without it.
+fn variant_and_plain(define: &str) -> (std::sync::Arc<String>, std::sync::Arc<String>) {
+    let variant = context::compile_with("compute_90", &[define]).unwrap_or_else(|e| panic!("{e}"));
+    let plain = context::compile_with("compute_90", &[]).unwrap_or_else(|e| panic!("{e}"));
+    (variant, plain)
 }
 
 /// The PTX of kernel `name` in `ptx`: from its `.entry` to the next.
@@ -168,8 +174,7 @@ fn gx_i2f_magic_variant_compiles() {
     if !nvrtc_or_skip() {
         return;
     }
-    let magic = context::compile_with("compute_90", &["GX_I2F_MAGIC=1"]).unwrap_or_else(|e| panic!("{e}"));
-    let plain = context::compile_with("compute_90", &[]).unwrap_or_else(|e| panic!("{e}"));
+    let (magic, plain) = variant_and_plain("GX_I2F_MAGIC=1");
     for name in ["ds4_moe_mma_iq2_xxs", "ds4_moe_mma_q2_k"] {
         let (m, p) = (ptx_entry(&magic, name), ptx_entry(&plain, name));
         assert!(m.contains("1262485504") && !m.contains("cvt.rn.f32.s32"), "{name}: the variant still converts");
@@ -184,8 +189,7 @@ fn topk_early_stop_variant_compiles() {
     if !nvrtc_or_skip() {
         return;
     }
-    let stop = context::compile_with("compute_90", &["DS4_TOPK_EARLY_STOP=1"]).unwrap_or_else(|e| panic!("{e}"));
-    let plain = context::compile_with("compute_90", &[]).unwrap_or_else(|e| panic!("{e}"));
+    let (stop, plain) = variant_and_plain("DS4_TOPK_EARLY_STOP=1");
     assert_ne!(ptx_entry(&stop, "ds4_index_topk"), ptx_entry(&plain, "ds4_index_topk"));
 }
 
@@ -500,7 +504,7 @@ fn run_kernel(g: &Inner, img: &DeviceImage, w: &Mat, f: sys::CUfunction, smem: u
 }
 
 /// PTX `ptx` loaded as a module of its own (the context bound); the caller unloads it.
-fn load_module(ptx: &str) -> sys::CUmodule {
+pub(crate) fn load_module(ptx: &str) -> sys::CUmodule {
     let image = std::ffi::CString::new(ptx.as_bytes()).unwrap();
     // SAFETY: a NUL-terminated PTX image; the context is bound.
     unsafe { cu::module::load_data(image.as_ptr().cast()) }.unwrap()

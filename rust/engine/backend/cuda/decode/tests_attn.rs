@@ -759,9 +759,8 @@ fn index_topk_early_stop_matches_select() {
     let ptx =
         crate::backend::cuda::context::compile_with(&format!("compute_{major}{minor}"), &["DS4_TOPK_EARLY_STOP=1"])
             .unwrap_or_else(|e| panic!("{e}"));
-    let image = std::ffi::CString::new(ptx.as_bytes()).expect("no NUL in PTX");
-    // SAFETY: a NUL-terminated PTX image; `context()` bound the context. Unloaded below.
-    let module = unsafe { cudarc::driver::result::module::load_data(image.as_ptr().cast()) }.expect("loading");
+    // (`context()` bound the context; unloaded below.)
+    let module = crate::backend::cuda::tests::load_module(&ptx);
     // SAFETY: the module is loaded and the context bound.
     let f = unsafe { cudarc::driver::result::module::get_function(module, c"ds4_index_topk".to_owned()) }
         .expect("ds4_index_topk in the variant");
