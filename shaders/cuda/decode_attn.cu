@@ -995,24 +995,23 @@ __device__ __forceinline__ u32 ds4_block_scan_u32(u32 v, u32* ws, u32* total) {
 // n_vis <= topk every row is selected (sel[r * topk + i] = i, nsel[r] = n_vis); else the topk
 // indices with the highest scores under (score descending by f32 total_cmp, index ascending),
 // in ascending index order, and nsel[r] = topk. Radix select of the topk-th largest key
-// (8 bits per pass), then an in-order compaction of the keys above it and the first ties.
-// The scores are read again in each pass (from L1 / L2: a row is a few tens of KB at most).
+// (8 bits per pass), stopping after a pass whose digit's keys are all taken (the threshold is
+// then on the bits decided so far), then an in-order compaction of the keys above it and the
+// first ties. The scores are read again in each pass (from L1 / L2: a row is a few tens of KB
+// at most). The early stop, timed in scripts/kernel_lab/topk_lab.cu (H200, 2026-12-04, 1024
+// threads, microseconds a launch back to back for 1 / 8 rows of 525 scores, a 2100-token
+// context, then of 8192, 32K; every case the same selection): 4.44 / 5.29 and 13.06 / 13.96,
+// against 6.15 / 6.25 and 14.66 / 15.72 for all four passes. In Flash steps (ab_steps.py, a
+// process a run, three runs at 2100 tokens, two at 32K) it is within the noise: 7.941 ms
+// against 7.937, 8.107 against 8.131.
 // (Tried and reverted, d7b6f5d: up to 16 keys a thread held in registers (48 registers, at
-// launch bounds of one block an SM), the first pass counted through match.any, and a stop after
-// a pass whose digit's keys are all taken. Timed in scripts/kernel_lab/topk_lab.cu (H200,
-// 2026-12-04, 1024 threads, microseconds a launch back to back for 1 / 8 rows of 525 scores,
-// a 2100-token context, then of 8192, 32K): this kernel 6.02 / 6.15 and 14.61 / 15.61, that one
-// 7.12 / 8.35 and 15.96 / 17.78; and Flash steps (ab_steps.py, a process a run) 8.05 ms at 2100
-// tokens against 8.14 / 8.20, 8.20 at 32K against 8.29. Its parts alone: without match.any
-// 6.84 / 8.08 and 15.28 / 16.12; without the early stop 9.47 / 9.64 and 17.47 / 19.35; with the
-// scores read again in each pass 5.51 / 6.51 and 15.27 / 17.17. So the registers and
-// match.any cost more than they saved. The early stop alone is DS4_TOPK_EARLY_STOP=1 below, a
-// -D option for A/B (DS4_CUDA_DEFINES) not yet run on a GPU: in the lab it saved 2.4 / 1.3 us
-// at 525 scores with the other changes on (9.47 / 9.64 without it).)
+// launch bounds of one block an SM) and the first pass counted through match.any, with the
+// early stop. In the same lab, the day before: 7.12 / 8.35 and 15.96 / 17.78 against the
+// four-pass kernel's 6.02 / 6.15 and 14.61 / 15.61, and Flash steps 8.14 / 8.20 ms at 2100
+// tokens against 8.05, 8.29 at 32K against 8.20. Without match.any 6.84 / 8.08 and 15.28 /
+// 16.12; with the scores read again in each pass 5.51 / 6.51 and 15.27 / 17.17. So the
+// registers and match.any cost more than they saved.)
 // Grid (n); block a multiple of 32, at most 1024 (1024 suggested).
-#ifndef DS4_TOPK_EARLY_STOP
-#define DS4_TOPK_EARLY_STOP 0
-#endif
 extern "C" __global__ void __launch_bounds__(1024)
     ds4_index_topk(const float* __restrict__ scores, int score_stride, int ratio, int topk, int* __restrict__ sel,
                    int* __restrict__ nsel, const int* __restrict__ step) {
@@ -1021,9 +1020,7 @@ extern "C" __global__ void __launch_bounds__(1024)
     __shared__ u32 ws[33];
     __shared__ u32 s_digit;
     __shared__ u32 s_krem;
-#if DS4_TOPK_EARLY_STOP
     __shared__ u32 s_all;
-#endif
     const int r = blockIdx.x;
     const long long pos = (long long)step[0] + r;
     const int n_vis = (int)((pos + 1) / ratio);
@@ -1068,9 +1065,7 @@ extern "C" __global__ void __launch_bounds__(1024)
             if (threadIdx.x < 256 && before < krem && krem <= before + c) {
                 s_digit = 255u - threadIdx.x;
                 s_krem = krem - before;
-#if DS4_TOPK_EARLY_STOP
                 s_all = krem - before == c;
-#endif
             }
         } else if (threadIdx.x == 0) {
             u32 cum = 0u;
@@ -1079,9 +1074,7 @@ extern "C" __global__ void __launch_bounds__(1024)
                 if (cum + c >= krem) {
                     s_digit = (u32)b;
                     s_krem = krem - cum;
-#if DS4_TOPK_EARLY_STOP
                     s_all = krem - cum == c;
-#endif
                     break;
                 }
                 cum += c;
@@ -1091,15 +1084,11 @@ extern "C" __global__ void __launch_bounds__(1024)
         prefix |= s_digit << shift;
         mask |= 255u << shift;
         krem = s_krem;
-#if DS4_TOPK_EARLY_STOP
         const bool all = s_all != 0u;
         __syncthreads();
         if (all) {
             break;  // every key of the digit is taken: the same decision in every thread
         }
-#else
-        __syncthreads();
-#endif
     }
     // Keys above the threshold all go in; of those equal to it, the `need` lowest indices.
     // (After an early stop the threshold is on the bits of `mask`.)
@@ -1112,11 +1101,7 @@ extern "C" __global__ void __launch_bounds__(1024)
         u32 gt = 0u;
         u32 eq = 0u;
         if (i < n_vis) {
-#if DS4_TOPK_EARLY_STOP
             const u32 key = ds4_score_key(sc[i]) & mask;
-#else
-            const u32 key = ds4_score_key(sc[i]);
-#endif
             gt = key > thr ? 1u : 0u;
             eq = key == thr ? 1u : 0u;
         }

@@ -182,17 +182,6 @@ fn gx_i2f_magic_variant_compiles() {
     }
 }
 
-/// The indexer top-k's early stop (`DS4_CUDA_DEFINES=DS4_TOPK_EARLY_STOP=1`, decode_attn.cu)
-/// compiles and changes that kernel; `index_topk_early_stop_matches_select` runs it on a GPU.
-#[test]
-fn topk_early_stop_variant_compiles() {
-    if !nvrtc_or_skip() {
-        return;
-    }
-    let (stop, plain) = variant_and_plain("DS4_TOPK_EARLY_STOP=1");
-    assert_ne!(ptx_entry(&stop, "ds4_index_topk"), ptx_entry(&plain, "ds4_index_topk"));
-}
-
 /// NVRTC behind the PTX disk cache (ptx_cache.rs): a first compile keeps its PTX in the folder;
 /// a second of the same program and options takes that file's PTX (a copy altered on disk
 /// proves it is read, not compiled again); other options compile anew, to a file of their own.
@@ -504,7 +493,7 @@ fn run_kernel(g: &Inner, img: &DeviceImage, w: &Mat, f: sys::CUfunction, smem: u
 }
 
 /// PTX `ptx` loaded as a module of its own (the context bound); the caller unloads it.
-pub(crate) fn load_module(ptx: &str) -> sys::CUmodule {
+fn load_module(ptx: &str) -> sys::CUmodule {
     let image = std::ffi::CString::new(ptx.as_bytes()).unwrap();
     // SAFETY: a NUL-terminated PTX image; the context is bound.
     unsafe { cu::module::load_data(image.as_ptr().cast()) }.unwrap()

@@ -467,20 +467,11 @@ fn run_index_kernel(
     read(ctx, &out, n * stride)
 }
 
-/// Which `ds4_index_topk` a test runs: the context's, or another build's (a function of a
-/// module loaded into the context).
-#[derive(Clone, Copy)]
-enum Topk {
-    Program,
-    Variant(cudarc::driver::sys::CUfunction),
-}
-
-/// Launches `ds4_index_topk` (`which`) on `scores` ([n, stride]) at `pos0..`; returns (sel,
+/// Launches `ds4_index_topk` on `scores` ([n, stride]) at `pos0..`; returns (sel,
 /// nsel) with sel entries never written left at -1.
 #[allow(clippy::too_many_arguments)]
 fn run_topk(
     ctx: &Context,
-    which: Topk,
     scores: &[f32],
     stride: usize,
     ratio: usize,
@@ -494,12 +485,7 @@ fn run_topk(
     let nsel = buf(&vec![-1i32; n]);
     let st = step(ctx, pos0, &vec![0; n]);
     let args = [ptr(&sb), int(stride), int(ratio), int(topk), ptr(&sel), ptr(&nsel), ptr(&st)];
-    match which {
-        Topk::Program => launch(ctx, "ds4_index_topk", (n, 1), block, 0, &args),
-        Topk::Variant(f) => {
-            ctx.launch_args(f, (n as u32, 1, 1), block, 0, &args).unwrap_or_else(|e| panic!("launching: {e}"))
-        }
-    }
+    launch(ctx, "ds4_index_topk", (n, 1), block, 0, &args);
     (read(ctx, &sel, n * topk), read(ctx, &nsel, n))
 }
 
@@ -562,7 +548,7 @@ fn check_index(c: IndexCase) {
     // are the CPU's (x86 AVX2 dot_f32) operation for operation, so the scores agree bitwise
     // there and the selections must be equal; elsewhere the device's selection is checked
     // against the same order applied to its own scores.
-    let (sel, nsel) = run_topk(&ctx, Topk::Program, &got, stride, c.ratio, c.topk, c.pos0, 1024);
+    let (sel, nsel) = run_topk(&ctx, &got, stride, c.ratio, c.topk, c.pos0, 1024);
     for r in 0..n {
         let pos = c.pos0 + r;
         let n_vis = visible_compressed(pos, c.ratio);
@@ -683,10 +669,6 @@ fn scores_of(p: Pattern, len: usize, seed: u64) -> Vec<f32> {
 
 fn check_topk(ratio: usize, topk: usize, pos0: usize, n: usize, p: Pattern) {
     let Some(ctx) = context() else { return };
-    check_topk_of(&ctx, Topk::Program, ratio, topk, pos0, n, p);
-}
-
-fn check_topk_of(ctx: &Context, which: Topk, ratio: usize, topk: usize, pos0: usize, n: usize, p: Pattern) {
     let what = format!("ds4_index_topk ratio {ratio} topk {topk} positions {pos0}..+{n} {p:?}");
     let stride = visible_compressed(pos0 + n - 1, ratio) + 1;
     let mut scores = vec![f32::NAN; n * stride];
@@ -694,7 +676,7 @@ fn check_topk_of(ctx: &Context, which: Topk, ratio: usize, topk: usize, pos0: us
         let row = scores_of(p, stride, (pos0 * 31 + r) as u64);
         scores[r * stride..(r + 1) * stride].copy_from_slice(&row);
     }
-    let (sel, nsel) = run_topk(ctx, which, &scores, stride, ratio, topk, pos0, 1024);
+    let (sel, nsel) = run_topk(&ctx, &scores, stride, ratio, topk, pos0, 1024);
     let mut crossed = (false, false);
     for r in 0..n {
         let pos = pos0 + r;
@@ -707,13 +689,13 @@ fn check_topk_of(ctx: &Context, which: Topk, ratio: usize, topk: usize, pos0: us
             crossed.1 = true;
         }
         // Row invariance: the row alone, at its position.
-        let (one, none) = run_topk(ctx, which, &scores[r * stride..(r + 1) * stride], stride, ratio, topk, pos, 1024);
+        let (one, none) = run_topk(&ctx, &scores[r * stride..(r + 1) * stride], stride, ratio, topk, pos, 1024);
         assert_eq!(none[0], nsel[r], "{what}: row {r} alone: nsel");
         assert_eq!(one, sel[r * topk..(r + 1) * topk], "{what}: row {r} alone vs in the batch");
     }
     eprintln!("{what}: rows with all selected {}, rows with a top-k {}", crossed.0, crossed.1);
     // Another block size selects the same.
-    let (sel2, nsel2) = run_topk(ctx, which, &scores, stride, ratio, topk, pos0, 256);
+    let (sel2, nsel2) = run_topk(&ctx, &scores, stride, ratio, topk, pos0, 256);
     assert_eq!((sel2, nsel2), (sel, nsel), "{what}: 256 threads vs 1024");
 }
 
@@ -746,36 +728,6 @@ fn index_topk_large_k_matches_select() {
         check_topk(4, 512, 4 * 8200, 2, p);
     }
     check_topk(4, 512, 4 * 16400, 2, Pattern::Random);
-}
-
-/// The top-k built with `DS4_TOPK_EARLY_STOP=1` (decode_attn.cu: the select stops after a pass
-/// whose digit's keys are all taken; a -D option for A/B timing through DS4_CUDA_DEFINES)
-/// selects as `select` does, alone and in a batch, with 1024 threads and 256, on the cases of
-/// the two tests above.
-#[test]
-fn index_topk_early_stop_matches_select() {
-    let Some(ctx) = context() else { return };
-    let (major, minor) = ctx.compute_capability;
-    let ptx =
-        crate::backend::cuda::context::compile_with(&format!("compute_{major}{minor}"), &["DS4_TOPK_EARLY_STOP=1"])
-            .unwrap_or_else(|e| panic!("{e}"));
-    // (`context()` bound the context; unloaded below.)
-    let module = crate::backend::cuda::tests::load_module(&ptx);
-    // SAFETY: the module is loaded and the context bound.
-    let f = unsafe { cudarc::driver::result::module::get_function(module, c"ds4_index_topk".to_owned()) }
-        .expect("ds4_index_topk in the variant");
-    let v = Topk::Variant(f);
-    for p in [Pattern::Random, Pattern::Ties, Pattern::Equal] {
-        check_topk_of(&ctx, v, 1, 8, 0, 16, p);
-        check_topk_of(&ctx, v, 1, 512, 503, 16, p);
-        check_topk_of(&ctx, v, 4, 512, 4 * 5000, 7, p);
-    }
-    check_topk_of(&ctx, v, 128, 512, 128 * 3000, 3, Pattern::Ties);
-    for p in [Pattern::Random, Pattern::Ties] {
-        check_topk_of(&ctx, v, 4, 512, 4 * 8200, 2, p);
-    }
-    // SAFETY: nothing launched from the module is still running (check_topk_of read back).
-    unsafe { cudarc::driver::result::module::unload(module) }.expect("unloading");
 }
 
 // ---- 5. attention
