@@ -385,6 +385,21 @@ def test_side_branch_work_changes_no_bits(switch: str, tmp_path: Path) -> None:
 
 
 @gpu
+@pytest.mark.parametrize("dtype", ["q2", "f32"])
+def test_route_tail_changes_no_bits(dtype: str, tmp_path: Path) -> None:
+    # DS4_CUDA_ROUTE_TAIL=1 runs a one-row step's routing in the last block of the router
+    # product's launch (ds4_router_route, decode_moe.cu) instead of ds4_route's launch after it:
+    # the same product blocks and the same routing code, so every logit is the same bits across
+    # a prefill chunk and single steps, with F16 router weights (q2) and F32, through hash and
+    # learned routing (the first layer hashes its tokens, the others learn).
+    cfg = TINY.replace(num_hidden_layers=3, compress_ratios=(0, 4, 128), num_hash_layers=1)
+    path = random_model(tmp_path / "m.gguf", cfg, seed=7, dtype=dtype)
+    p = np.random.default_rng(6).integers(8, cfg.vocab_size, 60).tolist()
+    off, on = (_child_logits(path, p, {"DS4_CUDA_ROUTE_TAIL": v}, tmp_path / f"rt{v}.npy") for v in "01")
+    assert np.array_equal(off.view(np.uint32), on.view(np.uint32))
+
+
+@gpu
 def test_fused_hyper_connection_sites_agree(tmp_path: Path) -> None:
     # A decode's and a verify's hyper-connection sites run as one cluster launch each on sm_90
     # (ds4_hc_site: the mixing product's sums in another order, the attention site's expansion

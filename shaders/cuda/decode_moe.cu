@@ -47,6 +47,46 @@ __device__ __forceinline__ int route_smem_words(int n, int k, int E) {
     return min(n, per_round) * E + 2 * n * k + 2 * E * R + 2 * E + 1 + 4 * S + 1;
 }
 
+// ds4_route's arrays in its dynamic shared memory `sm` for n rows of k experts of E (the words
+// of route_smem_words): the scores of up to MOE_SCORES / E rows at a time (sc); each row's
+// chosen experts (ascending, repeats kept) and their weights, row r's j-th at CH(r, j) (ch_,
+// wt_); each expert's rows as a bitmap (word w of expert e at RBITS(e, w)) and the rows of the
+// words before (RPRE(e, w)); per expert its rows (e_cnt), and (e_pk, E + 1 entries) its first
+// gathered row in the low 16 bits and its slot among the used experts above them; per slot
+// i < min(n k, E) its expert, gathered-row offset, rows (s_exp, s_off, s_cnt); then (step 4)
+// each used expert's first descriptor (s_dstart, m + 1 entries).
+struct RouteSm {
+    float* sc;
+    int* ch_;
+    float* wt_;
+    u32* rbits;
+    int* rpre;
+    int* e_cnt;
+    int* e_pk;
+    int* s_exp;
+    int* s_off;
+    int* s_cnt;
+    int* s_dstart;
+};
+
+__device__ __forceinline__ RouteSm route_sm_at(int* sm, int n, int k, int E) {
+    const int R = (n + 31) >> 5;
+    const int S = min(n * k, E);
+    RouteSm a;
+    a.sc = (float*)sm;
+    a.ch_ = sm + min(n, max(1, MOE_SCORES / E)) * E;
+    a.wt_ = (float*)(a.ch_ + n * k);
+    a.rbits = (u32*)(a.wt_ + n * k);
+    a.rpre = (int*)(a.rbits + E * R);
+    a.e_cnt = a.rpre + E * R;
+    a.e_pk = a.e_cnt + E;
+    a.s_exp = a.e_pk + E + 1;
+    a.s_off = a.s_exp + S;
+    a.s_cnt = a.s_off + S;
+    a.s_dstart = a.s_cnt + S;
+    return a;
+}
+
 // Most descriptors a warp of ds4_route stages at a time on their way to the tables (in shared
 // memory that its earlier steps are done with).
 #ifndef ROUTE_STAGE
@@ -127,7 +167,7 @@ __device__ __forceinline__ float ds4_softplus(float x) {
 // one warp per row, a lone row left the other warps idle), then one warp per row its k picks
 // in ascending expert order (repeats kept) into ch_ and their weights into wt_ ([*, k], shared
 // or global memory). Arguments as for ds4_route; rows * E <= MOE_SCORES.
-template <int WORDS>
+template <int WORDS, bool FRESH>
 __device__ __forceinline__ void route_round_w(const float* __restrict__ logits, int E, int k,
                                             const float* __restrict__ bias, const unsigned* __restrict__ hash,
                                             int norm, float wscale, const int* __restrict__ step, int r0, int rows,
@@ -136,7 +176,8 @@ __device__ __forceinline__ void route_round_w(const float* __restrict__ logits, 
     const int warp = threadIdx.x >> 5;
     const int nw = blockDim.x >> 5;
     for (int i = threadIdx.x; i < rows * E; i += blockDim.x) {
-        sc[i] = sqrtf(ds4_softplus(logits[(long long)r0 * E + i]));
+        const float* l = logits + (long long)r0 * E + i;
+        sc[i] = sqrtf(ds4_softplus(FRESH ? __ldcg(l) : *l));
     }
     __syncthreads();
     for (int r = r0 + warp; r < r0 + rows; r += nw) {
@@ -230,15 +271,18 @@ __device__ __forceinline__ void route_round_w(const float* __restrict__ logits, 
 
 // route_round_w with the fewest words of experts a lane holds for E: one round of the top-k is
 // an arg-max over WORDS registers, so Flash's 256 experts take 8 where MOE_WORDS is 32 (the same
-// picks: the words past E hold no expert).
+// picks: the words past E hold no expert). FRESH: the logits were written by other blocks of
+// the same launch (ds4_router_route), so they are read from L2, never through the read-only
+// path.
+template <bool FRESH = false>
 __device__ __forceinline__ void route_round(const float* __restrict__ logits, int E, int k,
                                             const float* __restrict__ bias, const unsigned* __restrict__ hash,
                                             int norm, float wscale, const int* __restrict__ step, int r0, int rows,
                                             float* sc, int* ch_, float* wt_) {
     if (E <= 256) {
-        route_round_w<8>(logits, E, k, bias, hash, norm, wscale, step, r0, rows, sc, ch_, wt_);
+        route_round_w<8, FRESH>(logits, E, k, bias, hash, norm, wscale, step, r0, rows, sc, ch_, wt_);
     } else {
-        route_round_w<MOE_WORDS>(logits, E, k, bias, hash, norm, wscale, step, r0, rows, sc, ch_, wt_);
+        route_round_w<MOE_WORDS, FRESH>(logits, E, k, bias, hash, norm, wscale, step, r0, rows, sc, ch_, wt_);
     }
 }
 
@@ -345,6 +389,37 @@ __device__ __forceinline__ void route_one(int k, MvDesc* __restrict__ gu, MvDesc
     }
 }
 
+// A decode step's row (ds4_route with n = 1, and the tail of ds4_router_route): step 1 by the
+// block (route_round), or the row's picks from ds4_route_pick, then the rest by warp 0 alone
+// (route_one). Every thread of the block calls it; warp 0 has copied the templates to
+// one_templ. Arguments as for ds4_route; `a`: its shared arrays for one row.
+template <bool FRESH>
+__device__ __forceinline__ void route_row1(const float* __restrict__ logits, int E, int k,
+                                           const float* __restrict__ bias, const unsigned* __restrict__ hash,
+                                           int norm, float wscale, const int* __restrict__ step,
+                                           MvDesc* __restrict__ gu, MvDesc* __restrict__ down, int max_descs,
+                                           const MvDesc* one_templ, int* __restrict__ gather_src,
+                                           int* __restrict__ comb_slot, float* __restrict__ comb_w,
+                                           int* __restrict__ comb_cnt, int chunk, int chunk_dn,
+                                           const int* __restrict__ picks, const float* __restrict__ pick_w,
+                                           const RouteSm& a) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    if (picks == nullptr) {
+        route_round<FRESH>(logits, E, k, bias, hash, norm, wscale, step, 0, 1, a.sc, a.ch_, a.wt_);
+    } else if (warp == 0) {
+        if (lane < k) {
+            a.ch_[lane] = picks[lane];
+            a.wt_[lane] = pick_w[lane];
+        }
+        __syncwarp();
+    }
+    if (warp == 0) {
+        route_one(k, gu, down, max_descs, one_templ, gather_src, comb_slot, comb_w, comb_cnt, chunk, chunk_dn, a.ch_,
+                  a.wt_, a.s_exp);
+    }
+}
+
 // The routing of a batch (moe::route per row, then the grouping of moe::forward).
 //
 // logits [n, E]: the router product of each row. k experts per row. bias [E]: the selection
@@ -437,27 +512,20 @@ extern "C" __global__ void __launch_bounds__(256)
         __trap();
     }
     extern __shared__ __align__(16) int route_sm[];
-    // The scores of up to MOE_SCORES / E rows at a time.
-    float* sc = (float*)route_sm;
-    // Each row's chosen experts (ascending, repeats kept) and their weights: row r's j-th at
-    // CH(r, j).
-    int* ch_ = route_sm + min(n, max(1, MOE_SCORES / E)) * E;
-    float* wt_ = (float*)(ch_ + n * k);
-    // Each expert's rows as a bitmap (word w of expert e at RBITS(e, w)) and the rows of the
-    // words before (RPRE(e, w)).
-    u32* rbits = (u32*)(wt_ + n * k);
-    int* rpre = (int*)(rbits + E * R);
-    // Per expert its rows, and (e_pk, E + 1 entries) its first gathered row in the low 16 bits
-    // and its slot among the used experts above them.
-    int* e_cnt = rpre + E * R;
-    int* e_pk = e_cnt + E;
-    // Per slot i < m: its expert, gathered-row offset, rows; then (step 4) each used expert's
-    // first descriptor (m + 1 entries).
+    // The arrays (route_sm_at says what each holds).
+    const RouteSm a = route_sm_at(route_sm, n, k, E);
+    float* sc = a.sc;
+    int* ch_ = a.ch_;
+    float* wt_ = a.wt_;
+    u32* rbits = a.rbits;
+    int* rpre = a.rpre;
+    int* e_cnt = a.e_cnt;
+    int* e_pk = a.e_pk;
     const int S = min(n * k, E);
-    int* s_exp = e_pk + E + 1;
-    int* s_off = s_exp + S;
-    int* s_cnt = s_off + S;
-    int* s_dstart = s_cnt + S;
+    int* s_exp = a.s_exp;
+    int* s_off = a.s_off;
+    int* s_cnt = a.s_cnt;
+    int* s_dstart = a.s_dstart;
     // Each warp's sum in the scans.
     __shared__ int warp_tot[MOE_MAX_WARPS];
     // In step 4, each warp's staging of descriptors on their way out, stage_n of them, over the
@@ -478,20 +546,8 @@ extern "C" __global__ void __launch_bounds__(256)
 #define FIRST(r, j) ((j) == 0 || CH(r, (j) - 1) != CH(r, j))
 
     if (n == 1) {
-        // A decode step's row: step 1 by the block as below, the rest by warp 0 alone.
-        if (picks == nullptr) {
-            route_round(logits, E, k, bias, hash, norm, wscale, step, 0, 1, sc, ch_, wt_);
-        } else if (warp == 0) {
-            if (lane < k) {
-                ch_[lane] = picks[lane];
-                wt_[lane] = pick_w[lane];
-            }
-            __syncwarp();
-        }
-        if (warp == 0) {
-            route_one(k, gu, down, max_descs, one_templ, gather_src, comb_slot, comb_w, comb_cnt, chunk, chunk_dn,
-                      ch_, wt_, s_exp);
-        }
+        route_row1<false>(logits, E, k, bias, hash, norm, wscale, step, gu, down, max_descs, one_templ, gather_src,
+                          comb_slot, comb_w, comb_cnt, chunk, chunk_dn, picks, pick_w, a);
         return;
     }
 
@@ -672,6 +728,78 @@ extern "C" __global__ void __launch_bounds__(256)
 #undef RPRE
 #undef FIRST
 }
+
+// ---- The router's product and a decode row's routing in one launch (DS4_CUDA_ROUTE_TAIL=1)
+//
+// ds4_router_route_<f32|f16|bf16> runs the blocks of the router's one-row product exactly as
+// ds4_mv_<f32|f16|bf16>_1 does (matvec_split: the same logits, bit for bit), then each block
+// counts itself done on `done`; the last to arrive (so every logit, the slices' sums
+// included, is written and fenced) runs ds4_route's one-row work (route_row1, reading the
+// logits from L2) and re-arms the counter. That spares the routing its own dependent launch
+// after the product (in a traced Flash step the routing ended about 11 us after the router
+// product, 2026-12-03). The launch: the product's grid and table (descs, count, counters,
+// early as ds4_mv_*), then ds4_route's arguments for n = 1, then `done` (one int, zero
+// between launches); blocks of 32 * MV_WARPS threads and dynamic shared memory of 4 *
+// route_smem_words(1, k, E) bytes or more (the float formats have no lookup table).
+// Same limits as ds4_route.
+template <class F>
+__device__ __forceinline__ void router_route(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters,
+                                             int early, const float* __restrict__ logits, int E, int k,
+                                             const float* __restrict__ bias, const unsigned* __restrict__ hash,
+                                             int norm, float wscale, const int* __restrict__ step,
+                                             MvDesc* __restrict__ gu, MvDesc* __restrict__ down, int max_descs,
+                                             const MvDesc* __restrict__ templ, int* __restrict__ gather_src,
+                                             int* __restrict__ comb_slot, float* __restrict__ comb_w,
+                                             int* __restrict__ comb_cnt, int chunk, int chunk_dn,
+                                             int* __restrict__ done) {
+    extern __shared__ __align__(16) u8 smem[];
+    matvec_split<F, 1>(descs, count, counters, smem, early);
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(done, 1) == (int)gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) {
+        return;
+    }
+    __threadfence();
+    u32 dyn_smem;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+    if (E > MOE_MAX_EXPERTS || k > MOE_MAX_K || k < 1 || (blockDim.x >> 5) < 2 || max_descs > k || chunk < 1 ||
+        chunk_dn < 1 || dyn_smem < 4u * (u32)route_smem_words(1, k, E)) {
+        __trap();
+    }
+    static_assert(3 * sizeof(MvDesc) / 8 <= 32, "warp 0 copies the three templates");
+    __shared__ __align__(16) MvDesc one_templ[3];
+    if (threadIdx.x < 3 * sizeof(MvDesc) / 8) {
+        ((unsigned long long*)one_templ)[threadIdx.x] = ((const unsigned long long*)templ)[threadIdx.x];
+    }
+    if (threadIdx.x == 0) {
+        *done = 0;
+    }
+    route_row1<true>(logits, E, k, bias, hash, norm, wscale, step, gu, down, max_descs, one_templ, gather_src,
+                     comb_slot, comb_w, comb_cnt, chunk, chunk_dn, nullptr, nullptr,
+                     route_sm_at((int*)smem, 1, k, E));
+}
+
+#define ROUTER_ROUTE_KERNEL(NAME, F)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(32 * MV_WARPS, (MvMinBlocks<F, 1>::value))                         \
+        ds4_router_route_##NAME(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters, int early,  \
+                                const float* __restrict__ logits, int E, int k, const float* __restrict__ bias,      \
+                                const unsigned* __restrict__ hash, int norm, float wscale,                           \
+                                const int* __restrict__ step, MvDesc* __restrict__ gu, MvDesc* __restrict__ down,    \
+                                int max_descs, const MvDesc* __restrict__ templ, int* __restrict__ gather_src,       \
+                                int* __restrict__ comb_slot, float* __restrict__ comb_w, int* __restrict__ comb_cnt, \
+                                int chunk, int chunk_dn, int* __restrict__ done) {                                   \
+        router_route<F>(descs, count, counters, early, logits, E, k, bias, hash, norm, wscale, step, gu, down,       \
+                        max_descs, templ, gather_src, comb_slot, comb_w, comb_cnt, chunk, chunk_dn, done);           \
+    }
+
+ROUTER_ROUTE_KERNEL(f32, FmtF32)
+ROUTER_ROUTE_KERNEL(f16, FmtF16)
+ROUTER_ROUTE_KERNEL(bf16, FmtBF16)
 
 // Row s (d floats) quantized to 8-bit activations (rust/engine/quant/act8.rs) into o, the row's
 // slot of d floats: d int8 values, then d / 32 f32 scales. The warps of the row's blocks (part

@@ -510,6 +510,8 @@ struct Bufs {
     comb_slot: DevBuf,
     comb_w: DevBuf,
     comb_cnt: DevBuf,
+    /// The arrival count of `ds4_router_route`'s blocks (one int, zero between launches).
+    route_done: DevBuf,
     /// Each row's routed experts and weights [rows, k] from `ds4_route_pick`
     /// ([`program::split_over_blocks`]).
     picks: DevBuf,
@@ -611,6 +613,9 @@ struct Kernels {
     attention_mma: sys::CUfunction,
     route: sys::CUfunction,
     route_pick: sys::CUfunction,
+    /// `ds4_router_route_{f32,f16,bf16}`: a one-row router product with the routing in its
+    /// last block ([`program::route_tail`]).
+    router_route: [sys::CUfunction; 3],
     gather: sys::CUfunction,
     combine: sys::CUfunction,
     pack: sys::CUfunction,
@@ -668,6 +673,7 @@ impl Kernels {
             attention_mma: f("ds4_attention_mma")?,
             route: f("ds4_route")?,
             route_pick: f("ds4_route_pick")?,
+            router_route: [f("ds4_router_route_f32")?, f("ds4_router_route_f16")?, f("ds4_router_route_bf16")?],
             gather: f("ds4_gather")?,
             combine: f("ds4_moe_combine")?,
             pack: f("ds4_pack")?,
@@ -774,6 +780,9 @@ pub(crate) struct CudaDecoder {
     /// Whether a prompt's step routes its rows over many blocks ([`program::split_over_blocks`],
     /// `DS4_CUDA_ROUTE_PICK`).
     route_pick: bool,
+    /// Whether a decode row's routing runs in the router product's launch
+    /// ([`program::route_tail`], `DS4_CUDA_ROUTE_TAIL=1`).
+    route_tail: bool,
     /// Whether a prompt's step runs its compressors' windows side by side
     /// ([`program::split_over_blocks`], `DS4_CUDA_COMPRESS_SPLIT`).
     compress_split: bool,
@@ -1049,6 +1058,7 @@ impl CudaDecoder {
         // Its Q2_K down products too, unless either setting is 0.
         let expert_mma_down = expert_mma && setting("DS4_CUDA_EXPERT_MMA_DOWN")?;
         let route_pick = setting("DS4_CUDA_ROUTE_PICK")?;
+        let route_tail = program::opt_in("DS4_CUDA_ROUTE_TAIL", std::env::var("DS4_CUDA_ROUTE_TAIL").ok().as_deref())?;
         let compress_split = setting("DS4_CUDA_COMPRESS_SPLIT")?;
         let side_proj = setting("DS4_CUDA_SIDE_PROJ")?;
         let hc_fused = setting("DS4_CUDA_HC_SITE")? && backend.compute_capability().0 >= 9;
@@ -1386,6 +1396,7 @@ impl CudaDecoder {
             comb_slot: DevBuf::zeroed(4 * rows * kk)?,
             comb_w: f32_buf(rows * kk)?,
             comb_cnt: DevBuf::zeroed(4 * rows)?,
+            route_done: DevBuf::zeroed(4)?,
             picks: DevBuf::zeroed(4 * rows * kk)?,
             pick_w: f32_buf(rows * kk)?,
             y: f32_buf(rows * d)?,
@@ -1439,6 +1450,7 @@ impl CudaDecoder {
             gx_grid,
             gx_tile,
             route_pick,
+            route_tail,
             compress_split,
             attn_mma,
             index_mma,

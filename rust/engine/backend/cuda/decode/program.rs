@@ -376,6 +376,36 @@ pub(super) fn switch(name: &str, setting: Option<&str>) -> Result<bool> {
     }
 }
 
+/// An opt-in setting of the decoder (for a change not yet timed as a default): on with 1, off
+/// when unset, empty or 0, anything else refused as by [`switch`].
+pub(super) fn opt_in(name: &str, setting: Option<&str>) -> Result<bool> {
+    match setting.map(str::trim) {
+        None | Some("" | "0") => Ok(false),
+        Some("1") => Ok(true),
+        Some(other) => Err(Error::invalid(format!("{name} takes 0 or 1, not {other:?}"))),
+    }
+}
+
+/// Which `ds4_router_route` kernel (0 F32, 1 F16, 2 BF16: `Kernels::router_route`) runs a
+/// layer's router product and routing in one launch (decode_moe.cu), or None for the product
+/// and `ds4_route` apart: only with `DS4_CUDA_ROUTE_TAIL=1` (`on`), for a decode or verify
+/// step of one row (not a prompt's, whose products may take the tensor cores) whose router
+/// weights are of a float format. The product's blocks and the routing are the ones of the
+/// two launches, so the step's bits are the same either way. Not yet timed on a GPU, so off
+/// by default.
+pub(super) fn route_tail(on: bool, n: usize, prefill: bool, ty: crate::quant::GgmlType) -> Option<usize> {
+    use crate::quant::GgmlType;
+    if !on || n != 1 || prefill {
+        return None;
+    }
+    match ty {
+        GgmlType::F32 => Some(0),
+        GgmlType::F16 => Some(1),
+        GgmlType::BF16 => Some(2),
+        _ => None,
+    }
+}
+
 /// Product blocks one band of a prompt's product should run as (about a wave of an H200: 132
 /// SMs, four blocks each of the tensor-core Q8_0 kernel), [`band_rows`].
 const BAND_BLOCKS: usize = 512;
@@ -1320,6 +1350,8 @@ impl CudaDecoder {
             // 23.7 us a layer against 27.3, but the router's stage 34 against 28, and steps in
             // a row 8.48 ms against 8.37, three runs each in one process on an H200.)
             let shared_side = fork && !prefill && [lw.gate_sh, lw.up_sh, lw.down_sh].iter().all(|m| slices(m) == 1);
+            // Where the router product's launch is, when it has one of its own.
+            let mut router_at: Option<usize> = None;
             let shared_swiglu = |ops: &mut Vec<_>| {
                 launch(
                     ops,
@@ -1338,6 +1370,7 @@ impl CudaDecoder {
                 shared_swiglu(&mut ops);
                 products(&mut ops, &mut table, &down_sh)?;
                 to_side(&mut ops, first);
+                router_at = Some(ops.len());
                 products(&mut ops, &mut table, &[(lw.router_proj, b.h.ptr, b.rl.ptr, n)])?;
             } else {
                 let mut g = vec![(lw.router_proj, b.h.ptr, b.rl.ptr, n)];
@@ -1401,7 +1434,42 @@ impl CudaDecoder {
                 i(n),
                 p(step),
             ];
-            let picks = if split_over_blocks(self.route_pick, n) {
+            // The routing in the router product's launch (route_tail): that launch, when it is
+            // the one launch of the decode's float kernel, takes ds4_router_route's function,
+            // the routing's arguments and its shared memory.
+            let tail = route_tail(self.route_tail, n, prefill, lw.router_proj.ty).filter(|_| {
+                let plain = ctx.kernel(lw.router_proj.ty, lw.router_proj.n_in, lw.router_proj.n_out, 1).map(|k| k.0);
+                router_at
+                    .is_some_and(|at| ops.len() == at + 1 && matches!(&ops[at], Op::Launch(l) if Some(l.f) == plain))
+            });
+            if let (Some(fi), Some(at)) = (tail, router_at) {
+                let Op::Launch(mut l) = ops.remove(at) else { unreachable!("checked above") };
+                l.f = k.router_route[fi];
+                l.smem = l.smem.max(route_smem(1, kk, cfg.n_experts) as u32);
+                l.args.extend([
+                    p(b.rl.ptr),
+                    i(cfg.n_experts),
+                    i(kk),
+                    c.bias.as_ref().map_or(null, |x| p(x.ptr)),
+                    c.hash.as_ref().map_or(null, |x| p(x.ptr)),
+                    i(cfg.expert_weights_norm as usize),
+                    fl(cfg.expert_weights_scale),
+                    p(step),
+                    PArg::Table(gu_off),
+                    PArg::Table(down_off),
+                    i(max_descs),
+                    PArg::Table(t_off),
+                    p(b.gather_src.ptr),
+                    p(b.comb_slot.ptr),
+                    p(b.comb_w.ptr),
+                    p(b.comb_cnt.ptr),
+                    i(chunk_gu),
+                    i(chunk_dn),
+                    p(b.route_done.ptr),
+                ]);
+                ops.push(Op::Launch(l));
+            }
+            let picks = if tail.is_none() && split_over_blocks(self.route_pick, n) {
                 let mut args = router_args.clone();
                 args.extend([p(b.picks.ptr), p(b.pick_w.ptr)]);
                 launch(&mut ops, k.route_pick, (route_pick_grid(n, cfg.n_experts), 1, 1), ROUTE_PICK_THREADS, 0, args);
@@ -1423,7 +1491,9 @@ impl CudaDecoder {
                 i(chunk_dn),
             ]);
             args.extend(picks);
-            launch(&mut ops, k.route, (1, 1, 1), 256, route_smem(n, kk, cfg.n_experts) as u32, args);
+            if tail.is_none() {
+                launch(&mut ops, k.route, (1, 1, 1), 256, route_smem(n, kk, cfg.n_experts) as u32, args);
+            }
             // The gathered rows as 8-bit activations when their gate and up products take them.
             // (Tried and dropped for one row: ds4_route quantizing the row itself and every
             // descriptor reading that copy, with no gather launch. The routing got slower by more

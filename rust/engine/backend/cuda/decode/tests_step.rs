@@ -141,3 +141,25 @@ fn prefetch_setting_parses() {
     let err = switch("DS4_CUDA_DEFER", Some("on")).unwrap_err().to_string();
     assert!(err.contains("DS4_CUDA_DEFER") && err.contains("\"on\""), "{err}");
 }
+
+/// `DS4_CUDA_ROUTE_TAIL` (an opt-in setting: off unless 1, a typo refused with its name) and
+/// where it applies: a one-row step that is not a prompt's, on float router weights, the
+/// kernel of each format. Host-side.
+#[test]
+fn route_tail_setting_and_scope() {
+    use super::program::{opt_in, route_tail};
+    use crate::quant::GgmlType;
+    for v in [None, Some(""), Some("0"), Some(" 0 ")] {
+        assert!(!opt_in("DS4_CUDA_ROUTE_TAIL", v).expect("a valid setting"), "{v:?}");
+    }
+    assert!(opt_in("DS4_CUDA_ROUTE_TAIL", Some(" 1 ")).expect("a valid setting"));
+    let err = opt_in("DS4_CUDA_ROUTE_TAIL", Some("yes")).unwrap_err().to_string();
+    assert!(err.contains("DS4_CUDA_ROUTE_TAIL") && err.contains("\"yes\""), "{err}");
+    assert_eq!(route_tail(true, 1, false, GgmlType::F32), Some(0));
+    assert_eq!(route_tail(true, 1, false, GgmlType::F16), Some(1));
+    assert_eq!(route_tail(true, 1, false, GgmlType::BF16), Some(2));
+    assert_eq!(route_tail(false, 1, false, GgmlType::F16), None);
+    assert_eq!(route_tail(true, 2, false, GgmlType::F16), None);
+    assert_eq!(route_tail(true, 1, true, GgmlType::F16), None);
+    assert_eq!(route_tail(true, 1, false, GgmlType::Q8_0), None);
+}
