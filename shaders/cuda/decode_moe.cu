@@ -738,15 +738,15 @@ extern "C" __global__ void __launch_bounds__(256)
 // logits from L2) and re-arms the counter. That spares the routing its own dependent launch
 // after the product (in a traced Flash step the routing ended about 11 us after the router
 // product, 2026-12-03). The launch: the product's grid and table (descs, count, counters,
-// early as ds4_mv_*), then ds4_route's arguments for n = 1, then `done` (one int, zero
-// between launches); blocks of 32 * MV_WARPS threads and dynamic shared memory of 4 *
+// early as ds4_mv_*), then ds4_route's arguments up to chunk_dn (n = 1), then `done` (one
+// int, zero between launches); blocks of 32 * MV_WARPS threads and dynamic shared memory of 4 *
 // route_smem_words(1, k, E) bytes or more (the float formats have no lookup table).
 // Same limits as ds4_route.
 template <class F>
 __device__ __forceinline__ void router_route(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters,
                                              int early, const float* __restrict__ logits, int E, int k,
                                              const float* __restrict__ bias, const unsigned* __restrict__ hash,
-                                             int norm, float wscale, const int* __restrict__ step,
+                                             int norm, float wscale, int n, const int* __restrict__ step,
                                              MvDesc* __restrict__ gu, MvDesc* __restrict__ down, int max_descs,
                                              const MvDesc* __restrict__ templ, int* __restrict__ gather_src,
                                              int* __restrict__ comb_slot, float* __restrict__ comb_w,
@@ -767,7 +767,7 @@ __device__ __forceinline__ void router_route(const MvDesc* __restrict__ descs, i
     __threadfence();
     u32 dyn_smem;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-    if (E > MOE_MAX_EXPERTS || k > MOE_MAX_K || k < 1 || (blockDim.x >> 5) < 2 || max_descs > k || chunk < 1 ||
+    if (n != 1 || E > MOE_MAX_EXPERTS || k > MOE_MAX_K || k < 1 || (blockDim.x >> 5) < 2 || max_descs > k || chunk < 1 ||
         chunk_dn < 1 || dyn_smem < 4u * (u32)route_smem_words(1, k, E)) {
         __trap();
     }
@@ -788,12 +788,12 @@ __device__ __forceinline__ void router_route(const MvDesc* __restrict__ descs, i
     extern "C" __global__ void __launch_bounds__(32 * MV_WARPS, (MvMinBlocks<F, 1>::value))                         \
         ds4_router_route_##NAME(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters, int early,  \
                                 const float* __restrict__ logits, int E, int k, const float* __restrict__ bias,      \
-                                const unsigned* __restrict__ hash, int norm, float wscale,                           \
+                                const unsigned* __restrict__ hash, int norm, float wscale, int n,                    \
                                 const int* __restrict__ step, MvDesc* __restrict__ gu, MvDesc* __restrict__ down,    \
                                 int max_descs, const MvDesc* __restrict__ templ, int* __restrict__ gather_src,       \
                                 int* __restrict__ comb_slot, float* __restrict__ comb_w, int* __restrict__ comb_cnt, \
                                 int chunk, int chunk_dn, int* __restrict__ done) {                                   \
-        router_route<F>(descs, count, counters, early, logits, E, k, bias, hash, norm, wscale, step, gu, down,       \
+        router_route<F>(descs, count, counters, early, logits, E, k, bias, hash, norm, wscale, n, step, gu, down,    \
                         max_descs, templ, gather_src, comb_slot, comb_w, comb_cnt, chunk, chunk_dn, done);           \
     }
 

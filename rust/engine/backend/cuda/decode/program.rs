@@ -1434,6 +1434,19 @@ impl CudaDecoder {
                 i(n),
                 p(step),
             ];
+            // The gate, up and down tables and the routing's other outputs, for either launch.
+            let tables = vec![
+                PArg::Table(gu_off),
+                PArg::Table(down_off),
+                i(max_descs),
+                PArg::Table(t_off),
+                p(b.gather_src.ptr),
+                p(b.comb_slot.ptr),
+                p(b.comb_w.ptr),
+                p(b.comb_cnt.ptr),
+                i(chunk_gu),
+                i(chunk_dn),
+            ];
             // The routing in the router product's launch (route_tail): that launch, when it is
             // the one launch of the decode's float kernel, takes ds4_router_route's function,
             // the routing's arguments and its shared memory.
@@ -1446,27 +1459,8 @@ impl CudaDecoder {
                 let Op::Launch(mut l) = ops.remove(at) else { unreachable!("checked above") };
                 l.f = k.router_route[fi];
                 l.smem = l.smem.max(route_smem(1, kk, cfg.n_experts) as u32);
-                l.args.extend([
-                    p(b.rl.ptr),
-                    i(cfg.n_experts),
-                    i(kk),
-                    c.bias.as_ref().map_or(null, |x| p(x.ptr)),
-                    c.hash.as_ref().map_or(null, |x| p(x.ptr)),
-                    i(cfg.expert_weights_norm as usize),
-                    fl(cfg.expert_weights_scale),
-                    p(step),
-                    PArg::Table(gu_off),
-                    PArg::Table(down_off),
-                    i(max_descs),
-                    PArg::Table(t_off),
-                    p(b.gather_src.ptr),
-                    p(b.comb_slot.ptr),
-                    p(b.comb_w.ptr),
-                    p(b.comb_cnt.ptr),
-                    i(chunk_gu),
-                    i(chunk_dn),
-                    p(b.route_done.ptr),
-                ]);
+                l.args.extend(router_args.iter().chain(&tables).copied());
+                l.args.push(p(b.route_done.ptr));
                 ops.push(Op::Launch(l));
             }
             let picks = if tail.is_none() && split_over_blocks(self.route_pick, n) {
@@ -1478,18 +1472,7 @@ impl CudaDecoder {
                 [null, null]
             };
             let mut args = router_args;
-            args.extend([
-                PArg::Table(gu_off),
-                PArg::Table(down_off),
-                i(max_descs),
-                PArg::Table(t_off),
-                p(b.gather_src.ptr),
-                p(b.comb_slot.ptr),
-                p(b.comb_w.ptr),
-                p(b.comb_cnt.ptr),
-                i(chunk_gu),
-                i(chunk_dn),
-            ]);
+            args.extend(tables);
             args.extend(picks);
             if tail.is_none() {
                 launch(&mut ops, k.route, (1, 1, 1), 256, route_smem(n, kk, cfg.n_experts) as u32, args);
