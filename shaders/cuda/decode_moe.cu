@@ -732,10 +732,9 @@ extern "C" __global__ void __launch_bounds__(256)
 // ---- The router's product and a decode row's routing in one launch (DS4_CUDA_ROUTE_TAIL=1)
 //
 // ds4_router_route_<f32|f16|bf16> runs the blocks of the router's one-row product exactly as
-// ds4_mv_<f32|f16|bf16>_1 does (matvec_split: the same logits, bit for bit), then each block
-// counts itself done on `done`; the last to arrive (so every logit, the slices' sums
-// included, is written and fenced) runs ds4_route's one-row work (route_row1, reading the
-// logits from L2) and re-arms the counter. That spares the routing its own dependent launch
+// ds4_mv_<f32|f16|bf16>_1 does (matvec_split: the same logits, bit for bit); the last block to
+// finish (ds4_last_block, decode_ops.cu: every logit, the slices' sums included, is written
+// and fenced by then) runs ds4_route's one-row work (route_row1, reading the logits from L2). That spares the routing its own dependent launch
 // after the product (in a traced Flash step the routing ended about 11 us after the router
 // product, 2026-12-03). The launch: the product's grid and table (descs, count, counters,
 // early as ds4_mv_*), then ds4_route's arguments up to chunk_dn (n = 1), then `done` (one
@@ -754,17 +753,9 @@ __device__ __forceinline__ void router_route(const MvDesc* __restrict__ descs, i
                                              int* __restrict__ done) {
     extern __shared__ __align__(16) u8 smem[];
     matvec_split<F, 1>(descs, count, counters, smem, early);
-    __shared__ int last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(done, 1) == (int)gridDim.x - 1;
-    }
-    __syncthreads();
-    if (!last) {
+    if (!ds4_last_block(done)) {
         return;
     }
-    __threadfence();
     u32 dyn_smem;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
     if (n != 1 || E > MOE_MAX_EXPERTS || k > MOE_MAX_K || k < 1 || (blockDim.x >> 5) < 2 || max_descs > k || chunk < 1 ||
@@ -775,9 +766,6 @@ __device__ __forceinline__ void router_route(const MvDesc* __restrict__ descs, i
     __shared__ __align__(16) MvDesc one_templ[3];
     if (threadIdx.x < 3 * sizeof(MvDesc) / 8) {
         ((unsigned long long*)one_templ)[threadIdx.x] = ((const unsigned long long*)templ)[threadIdx.x];
-    }
-    if (threadIdx.x == 0) {
-        *done = 0;
     }
     route_row1<true>(logits, E, k, bias, hash, norm, wscale, step, gu, down, max_descs, one_templ, gather_src,
                      comb_slot, comb_w, comb_cnt, chunk, chunk_dn, nullptr, nullptr,

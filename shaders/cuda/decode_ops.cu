@@ -215,6 +215,96 @@ extern "C" __global__ void ds4_rms_weight(const float* x, float* y, const float*
     ds4_rms_store(x + off, y + off, w, width, s, v);
 }
 
+// ---- A product and the small step after it in one launch (the "tails", opt-in switches)
+//
+// A product's launch whose last block to finish does what the next, one-block launch would
+// (decode/program.rs `tail_kernel`): that launch's dependent wait and SM slot are spared. The
+// product's blocks are the plain kernel's (matvec_split), so its outputs are the same bits.
+
+// Whether this block is the last of the launch to get here (every thread of every block of the
+// launch calls it, once): each block's writes are fenced, then counted on `done`; the last
+// block, which then sees every other block's writes, re-arms the count (zero between
+// launches) and gets true. What it reads of the others' writes it must read from L2 (__ldcg),
+// never through the read-only path.
+__device__ __forceinline__ bool ds4_last_block(int* done) {
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(done, 1) == (int)(gridDim.x * gridDim.y * gridDim.z) - 1;
+    }
+    __syncthreads();
+    if (last == 0) {
+        return false;
+    }
+    __threadfence();
+    if (threadIdx.x == 0) {
+        *done = 0;
+    }
+    return true;
+}
+
+// ds4_rms_weight's row x -> y (y = w * (x * rms_scale(x)), y may be x) as a block of `vt`
+// threads computes it (a multiple of 32 up to 1024: the host's launch of it), by a block of any
+// multiple of 32 threads: warp j of this block takes the virtual warps j, j + its warps, ...;
+// each virtual thread's squares in double in index order, each virtual warp's butterfly, then
+// the warps' sums in order, as ds4_rms_scale_regs and ds4_block_sum_f64 add them: the same
+// bits. x is read from L2 (written by other blocks of the launch).
+__device__ __forceinline__ void ds4_rms_weight_as(const float* x, float* y, const float* w, int width, float eps,
+                                                  int vt) {
+    __shared__ double red[32];
+    const int lane = threadIdx.x & 31;
+    const int nvw = vt >> 5;
+    for (int vw = threadIdx.x >> 5; vw < nvw; vw += blockDim.x >> 5) {
+        double ss = 0.0;
+        for (int i = 32 * vw + lane; i < width; i += vt) {
+            const double d = (double)__ldcg(x + i);
+            ss += d * d;
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        }
+        if (lane == 0) {
+            red[vw] = ss;
+        }
+    }
+    __syncthreads();
+    double ss = 0.0;
+    for (int i = 0; i < nvw; i++) {
+        ss += red[i];
+    }
+    const float mean = (float)(ss / (double)width);
+    const float s = 1.0f / sqrtf(mean + eps);
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        y[i] = w[i] * (__ldcg(x + i) * s);
+    }
+}
+
+// ds4_mv_<NAME>_1_norm (DS4_CUDA_NORM_TAIL=1): a one-row launch of products as ds4_mv_<NAME>_1
+// runs it (the attention site's q_a and kv), then, in its last block, the norm of q_a's row
+// in place as ds4_rms_weight launched with `vt` threads would (x = y: q_a's output, w: the
+// q_a norm's weight, width its rows). Arguments: ds4_mv_*'s, then x, w, width, eps, vt and
+// `done` (one int, zero between launches).
+#define NORM_TAIL_KERNEL(NAME, F)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(32 * MV_WARPS, (MvMinBlocks<F, 1>::value))                         \
+        ds4_mv_##NAME##_1_norm(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters, int early,   \
+                               float* x, const float* __restrict__ w, int width, float eps, int vt,                  \
+                               int* __restrict__ done) {                                                             \
+        extern __shared__ __align__(16) u8 smem[];                                                                   \
+        matvec_split<F, 1>(descs, count, counters, smem, early);                                                     \
+        if (ds4_last_block(done)) {                                                                                  \
+            if (vt < 32 || vt > 1024 || (vt & 31) != 0) {                                                            \
+                __trap();                                                                                            \
+            }                                                                                                        \
+            ds4_rms_weight_as(x, x, w, width, eps, vt);                                                              \
+        }                                                                                                            \
+    }
+
+NORM_TAIL_KERNEL(f32, FmtF32)
+NORM_TAIL_KERNEL(f16, FmtF16)
+NORM_TAIL_KERNEL(bf16, FmtBF16)
+NORM_TAIL_KERNEL(q8_0, FmtQ8_0)
+
 // The MTP block's input norms (model/drafting.rs mtp_inputs) of pair p = blockIdx.y, one row
 // a block: blocks 0..hc-1 the streams h [n, hc, d] with the weight hnorm, block hc the token's
 // embedding e [n, d] with enorm. cat == 0 (e_proj and h_proj apart): the streams' norms to hn

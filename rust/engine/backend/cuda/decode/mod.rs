@@ -510,8 +510,9 @@ struct Bufs {
     comb_slot: DevBuf,
     comb_w: DevBuf,
     comb_cnt: DevBuf,
-    /// The arrival count of `ds4_router_route`'s blocks (one int, zero between launches).
-    route_done: DevBuf,
+    /// The arrival counts of the tail launches' blocks ([`program::tail_kernel`]; zero
+    /// between launches): `ds4_router_route`'s, then `ds4_mv_*_1_norm`'s.
+    tail_done: DevBuf,
     /// Each row's routed experts and weights [rows, k] from `ds4_route_pick`
     /// ([`program::split_over_blocks`]).
     picks: DevBuf,
@@ -614,8 +615,11 @@ struct Kernels {
     route: sys::CUfunction,
     route_pick: sys::CUfunction,
     /// `ds4_router_route_{f32,f16,bf16}`: a one-row router product with the routing in its
-    /// last block ([`program::route_tail`]).
+    /// last block ([`program::tail_kernel`]).
     router_route: [sys::CUfunction; 3],
+    /// `ds4_mv_{f32,f16,bf16,q8_0}_1_norm`: one-row products with the q_a norm in the last
+    /// block ([`program::tail_kernel`]).
+    norm_tail: [sys::CUfunction; 4],
     gather: sys::CUfunction,
     combine: sys::CUfunction,
     pack: sys::CUfunction,
@@ -674,6 +678,12 @@ impl Kernels {
             route: f("ds4_route")?,
             route_pick: f("ds4_route_pick")?,
             router_route: [f("ds4_router_route_f32")?, f("ds4_router_route_f16")?, f("ds4_router_route_bf16")?],
+            norm_tail: [
+                f("ds4_mv_f32_1_norm")?,
+                f("ds4_mv_f16_1_norm")?,
+                f("ds4_mv_bf16_1_norm")?,
+                f("ds4_mv_q8_0_1_norm")?,
+            ],
             gather: f("ds4_gather")?,
             combine: f("ds4_moe_combine")?,
             pack: f("ds4_pack")?,
@@ -780,9 +790,11 @@ pub(crate) struct CudaDecoder {
     /// Whether a prompt's step routes its rows over many blocks ([`program::split_over_blocks`],
     /// `DS4_CUDA_ROUTE_PICK`).
     route_pick: bool,
-    /// Whether a decode row's routing runs in the router product's launch
-    /// ([`program::route_tail`], `DS4_CUDA_ROUTE_TAIL=1`).
+    /// Whether a decode row's routing runs in the router product's launch, and its q_a norm in
+    /// the q_a product's ([`program::tail_kernel`]: `DS4_CUDA_ROUTE_TAIL=1`,
+    /// `DS4_CUDA_NORM_TAIL=1`).
     route_tail: bool,
+    norm_tail: bool,
     /// Whether a prompt's step runs its compressors' windows side by side
     /// ([`program::split_over_blocks`], `DS4_CUDA_COMPRESS_SPLIT`).
     compress_split: bool,
@@ -1058,7 +1070,8 @@ impl CudaDecoder {
         // Its Q2_K down products too, unless either setting is 0.
         let expert_mma_down = expert_mma && setting("DS4_CUDA_EXPERT_MMA_DOWN")?;
         let route_pick = setting("DS4_CUDA_ROUTE_PICK")?;
-        let route_tail = program::opt_in("DS4_CUDA_ROUTE_TAIL", std::env::var("DS4_CUDA_ROUTE_TAIL").ok().as_deref())?;
+        let opt_in = |name: &str| program::opt_in(name, std::env::var(name).ok().as_deref());
+        let (route_tail, norm_tail) = (opt_in("DS4_CUDA_ROUTE_TAIL")?, opt_in("DS4_CUDA_NORM_TAIL")?);
         let compress_split = setting("DS4_CUDA_COMPRESS_SPLIT")?;
         let side_proj = setting("DS4_CUDA_SIDE_PROJ")?;
         let hc_fused = setting("DS4_CUDA_HC_SITE")? && backend.compute_capability().0 >= 9;
@@ -1396,7 +1409,7 @@ impl CudaDecoder {
             comb_slot: DevBuf::zeroed(4 * rows * kk)?,
             comb_w: f32_buf(rows * kk)?,
             comb_cnt: DevBuf::zeroed(4 * rows)?,
-            route_done: DevBuf::zeroed(4)?,
+            tail_done: DevBuf::zeroed(8)?,
             picks: DevBuf::zeroed(4 * rows * kk)?,
             pick_w: f32_buf(rows * kk)?,
             y: f32_buf(rows * d)?,
@@ -1451,6 +1464,7 @@ impl CudaDecoder {
             gx_tile,
             route_pick,
             route_tail,
+            norm_tail,
             compress_split,
             attn_mma,
             index_mma,

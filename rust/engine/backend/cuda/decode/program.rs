@@ -386,24 +386,42 @@ pub(super) fn opt_in(name: &str, setting: Option<&str>) -> Result<bool> {
     }
 }
 
-/// Which `ds4_router_route` kernel (0 F32, 1 F16, 2 BF16: `Kernels::router_route`) runs a
-/// layer's router product and routing in one launch (decode_moe.cu), or None for the product
-/// and `ds4_route` apart: only with `DS4_CUDA_ROUTE_TAIL=1` (`on`), for a decode or verify
-/// step of one row (not a prompt's, whose products may take the tensor cores) whose router
-/// weights are of a float format. The product's blocks and the routing are the ones of the
-/// two launches, so the step's bits are the same either way. Not yet timed on a GPU, so off
-/// by default.
-pub(super) fn route_tail(on: bool, n: usize, prefill: bool, ty: crate::quant::GgmlType) -> Option<usize> {
+/// The kernel (0 F32, 1 F16, 2 BF16, 3 Q8_0; of the first `formats`) of a "tail" launch: a
+/// one-row product's launch whose last block also does the one-block step after it, so that
+/// step has no launch of its own (decode_ops.cu, `ds4_last_block`). Two tails, each behind an
+/// opt-in switch (`on`) because neither has yet been timed on a GPU:
+/// - `DS4_CUDA_ROUTE_TAIL=1`: the router product and the row's routing (`ds4_router_route_*`,
+///   decode_moe.cu; no `ds4_route` launch). In a traced Flash step (H200, 2026-12-03) a
+///   layer's routing ended about 11 us after the router product.
+/// - `DS4_CUDA_NORM_TAIL=1`: the attention site's q_a and kv products and the q_a norm
+///   (`ds4_mv_*_1_norm`, decode_ops.cu; no `ds4_rms_weight` launch). In a traced step
+///   (2026-12-04) that norm started a median 4.0 us after q_a ended in the CSA layers, while
+///   the side branch's products held the SMs.
+///
+/// Only for a decode or verify step of one row (not a prompt's, whose products may take the
+/// tensor cores), and only where the product's launch is that of the decode's plain kernel
+/// (`take_tail` in `build`). The product's blocks are the plain kernel's and the step after
+/// it computes what its own launch would, in the same order, so the step's bits are the same
+/// either way (test_cuda.py `test_tails_change_no_bits`).
+pub(super) fn tail_kernel(
+    on: bool,
+    n: usize,
+    prefill: bool,
+    ty: crate::quant::GgmlType,
+    formats: usize,
+) -> Option<usize> {
     use crate::quant::GgmlType;
     if !on || n != 1 || prefill {
         return None;
     }
-    match ty {
-        GgmlType::F32 => Some(0),
-        GgmlType::F16 => Some(1),
-        GgmlType::BF16 => Some(2),
-        _ => None,
-    }
+    let i = match ty {
+        GgmlType::F32 => 0,
+        GgmlType::F16 => 1,
+        GgmlType::BF16 => 2,
+        GgmlType::Q8_0 => 3,
+        _ => return None,
+    };
+    (i < formats).then_some(i)
 }
 
 /// Product blocks one band of a prompt's product should run as (about a wave of an H200: 132
@@ -548,6 +566,18 @@ impl CudaDecoder {
             |ops: &mut Vec<_>, f: sys::CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, args: Vec<PArg>| {
                 ops.push(Op::Launch(Launch { f, grid, block, smem, args, label: String::new() }));
             };
+        // A tail's launch (`tail_kernel`): the one launch that `products` added at `at`, when it
+        // is the plain one-row kernel of `m`'s products, taken out of `ops` with `f`, the tail's
+        // kernel, in its place; None (and `ops` untouched) otherwise.
+        let take_tail = |ops: &mut Vec<Op<PArg>>, at: usize, m: &Mat, f: sys::CUfunction| -> Option<Launch<PArg>> {
+            let plain = ctx.kernel(m.ty, m.n_in, m.n_out, 1).map(|k| k.0);
+            if ops.len() != at + 1 || !matches!(&ops[at], Op::Launch(l) if Some(l.f) == plain) {
+                return None;
+            }
+            let Some(Op::Launch(mut l)) = ops.pop() else { return None };
+            l.f = f;
+            Some(l)
+        };
         // Products: (matrix, x, y, rows), y's rows `y_stride` floats apart (None: n_out). One
         // launch per format; partial sums and counters laid out from 0 for each call (launches
         // of different main-stream calls never overlap), or for the side branch's (`side`)
@@ -1097,15 +1127,28 @@ impl CudaDecoder {
             } else {
                 ops.extend(sinkhorn_a.take());
             }
+            let qa_at = ops.len();
             products(&mut ops, &mut table, &[(lw.q_a, b.h.ptr, b.cq.ptr, n), (lw.kv, b.h.ptr, b.kv.ptr, n)])?;
-            launch(
-                &mut ops,
-                k.rms_weight,
-                g1,
-                wide(cfg.q_lora_rank),
-                0,
-                vec![p(b.cq.ptr), p(b.cq.ptr), p(c.q_a_norm.ptr), i(cfg.q_lora_rank), fl(cfg.rms_eps)],
-            );
+            // The q_a norm in that launch (`tail_kernel`), as ds4_rms_weight's launch below
+            // computes it, or that launch.
+            let (qa_norm, qa_threads) = (c.q_a_norm.ptr, wide(cfg.q_lora_rank));
+            match tail_kernel(self.norm_tail, n, prefill, lw.q_a.ty, 4)
+                .and_then(|fi| take_tail(&mut ops, qa_at, &lw.q_a, k.norm_tail[fi]))
+            {
+                Some(mut l) => {
+                    l.args.extend([p(b.cq.ptr), p(qa_norm), i(cfg.q_lora_rank), fl(cfg.rms_eps)]);
+                    l.args.extend([i(qa_threads as usize), p(b.tail_done.ptr + 4)]);
+                    ops.push(Op::Launch(l));
+                }
+                None => launch(
+                    &mut ops,
+                    k.rms_weight,
+                    g1,
+                    qa_threads,
+                    0,
+                    vec![p(b.cq.ptr), p(b.cq.ptr), p(qa_norm), i(cfg.q_lora_rank), fl(cfg.rms_eps)],
+                ),
+            }
             // After q_b (which needs only q_a and its norm), in one call, unless they run on the
             // side branch (above): the compressors' and indexer's products (F16 in ds4's
             // layout), which finish_rows and the compressors need. With q_a, as they were, they
@@ -1447,22 +1490,17 @@ impl CudaDecoder {
                 i(chunk_gu),
                 i(chunk_dn),
             ];
-            // The routing in the router product's launch (route_tail): that launch, when it is
-            // the one launch of the decode's float kernel, takes ds4_router_route's function,
-            // the routing's arguments and its shared memory.
-            let tail = route_tail(self.route_tail, n, prefill, lw.router_proj.ty).filter(|_| {
-                let plain = ctx.kernel(lw.router_proj.ty, lw.router_proj.n_in, lw.router_proj.n_out, 1).map(|k| k.0);
-                router_at
-                    .is_some_and(|at| ops.len() == at + 1 && matches!(&ops[at], Op::Launch(l) if Some(l.f) == plain))
-            });
-            if let (Some(fi), Some(at)) = (tail, router_at) {
-                let Op::Launch(mut l) = ops.remove(at) else { unreachable!("checked above") };
-                l.f = k.router_route[fi];
+            // The routing in the router product's launch (`tail_kernel`), with the routing's
+            // arguments and shared memory.
+            let tail = tail_kernel(self.route_tail, n, prefill, lw.router_proj.ty, 3)
+                .zip(router_at)
+                .and_then(|(fi, at)| take_tail(&mut ops, at, &lw.router_proj, k.router_route[fi]));
+            let tail = tail.map(|mut l| {
                 l.smem = l.smem.max(route_smem(1, kk, cfg.n_experts) as u32);
                 l.args.extend(router_args.iter().chain(&tables).copied());
-                l.args.push(p(b.route_done.ptr));
+                l.args.push(p(b.tail_done.ptr));
                 ops.push(Op::Launch(l));
-            }
+            });
             let picks = if tail.is_none() && split_over_blocks(self.route_pick, n) {
                 let mut args = router_args.clone();
                 args.extend([p(b.picks.ptr), p(b.pick_w.ptr)]);

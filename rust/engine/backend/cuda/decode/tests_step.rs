@@ -142,24 +142,25 @@ fn prefetch_setting_parses() {
     assert!(err.contains("DS4_CUDA_DEFER") && err.contains("\"on\""), "{err}");
 }
 
-/// `DS4_CUDA_ROUTE_TAIL` (an opt-in setting: off unless 1, a typo refused with its name) and
-/// where it applies: a one-row step that is not a prompt's, on float router weights, the
-/// kernel of each format. Host-side.
+/// The tails' settings (`DS4_CUDA_ROUTE_TAIL`, `DS4_CUDA_NORM_TAIL`: opt-in, off unless 1, a
+/// typo refused with its name) and where a tail applies: a one-row step that is not a
+/// prompt's, on weights of a format the tail has a kernel for. Host-side.
 #[test]
-fn route_tail_setting_and_scope() {
-    use super::program::{opt_in, route_tail};
+fn tail_settings_and_scope() {
+    use super::program::{opt_in, tail_kernel};
     use crate::quant::GgmlType;
     for v in [None, Some(""), Some("0"), Some(" 0 ")] {
         assert!(!opt_in("DS4_CUDA_ROUTE_TAIL", v).expect("a valid setting"), "{v:?}");
     }
-    assert!(opt_in("DS4_CUDA_ROUTE_TAIL", Some(" 1 ")).expect("a valid setting"));
+    assert!(opt_in("DS4_CUDA_NORM_TAIL", Some(" 1 ")).expect("a valid setting"));
     let err = opt_in("DS4_CUDA_ROUTE_TAIL", Some("yes")).unwrap_err().to_string();
     assert!(err.contains("DS4_CUDA_ROUTE_TAIL") && err.contains("\"yes\""), "{err}");
-    assert_eq!(route_tail(true, 1, false, GgmlType::F32), Some(0));
-    assert_eq!(route_tail(true, 1, false, GgmlType::F16), Some(1));
-    assert_eq!(route_tail(true, 1, false, GgmlType::BF16), Some(2));
-    assert_eq!(route_tail(false, 1, false, GgmlType::F16), None);
-    assert_eq!(route_tail(true, 2, false, GgmlType::F16), None);
-    assert_eq!(route_tail(true, 1, true, GgmlType::F16), None);
-    assert_eq!(route_tail(true, 1, false, GgmlType::Q8_0), None);
+    for (ty, want) in [(GgmlType::F32, 0), (GgmlType::F16, 1), (GgmlType::BF16, 2), (GgmlType::Q8_0, 3)] {
+        assert_eq!(tail_kernel(true, 1, false, ty, 4), Some(want), "{ty}");
+    }
+    assert_eq!(tail_kernel(true, 1, false, GgmlType::Q8_0, 3), None, "no Q8_0 router kernel");
+    assert_eq!(tail_kernel(false, 1, false, GgmlType::F16, 3), None);
+    assert_eq!(tail_kernel(true, 2, false, GgmlType::F16, 3), None);
+    assert_eq!(tail_kernel(true, 1, true, GgmlType::F16, 3), None);
+    assert_eq!(tail_kernel(true, 1, false, GgmlType::Q2_K, 4), None);
 }
