@@ -87,6 +87,27 @@ __device__ __forceinline__ RouteSm route_sm_at(int* sm, int n, int k, int E) {
     return a;
 }
 
+// Whether ds4_route's (and ds4_router_route's) arguments are inside its limits and its
+// dynamic shared memory holds route_smem_words(n, k, E) words; outside them the arrays would
+// overflow, so the kernels trap (a host bug).
+__device__ __forceinline__ bool route_args_ok(int n, int k, int E, int max_descs, int chunk, int chunk_dn) {
+    u32 dyn_smem;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+    const int warps = blockDim.x >> 5;
+    return E <= MOE_MAX_EXPERTS && k <= MOE_MAX_K && n <= MOE_MAX_ROWS && k >= 1 && warps >= 2 &&
+           warps <= MOE_MAX_WARPS && max_descs <= n * k && chunk >= 1 && chunk_dn >= 1 &&
+           dyn_smem >= 4u * (u32)route_smem_words(n, k, E);
+}
+
+// The three templates of a routed table (gate, up, down) into `one` (shared), by warp 0's
+// lanes, which alone read them, after a barrier or a __syncwarp (route_row1's).
+__device__ __forceinline__ void route_copy_templ(MvDesc* one, const MvDesc* __restrict__ templ) {
+    static_assert(3 * sizeof(MvDesc) / 8 <= 32, "warp 0 copies the three templates");
+    if (threadIdx.x < 3 * sizeof(MvDesc) / 8) {
+        ((unsigned long long*)one)[threadIdx.x] = ((const unsigned long long*)templ)[threadIdx.x];
+    }
+}
+
 // Most descriptors a warp of ds4_route stages at a time on their way to the tables (in shared
 // memory that its earlier steps are done with).
 #ifndef ROUTE_STAGE
@@ -486,12 +507,10 @@ extern "C" __global__ void __launch_bounds__(256)
               int* __restrict__ comb_cnt, int chunk, int chunk_dn, const int* __restrict__ picks,
               const float* __restrict__ pick_w) {
     // One row (route_one): the templates, which the host wrote before any kernel of the
-    // program ran, come in before the wait, by warp 0's lanes, which alone read them after a
-    // barrier (route_round's) or a __syncwarp (the picks' copy).
-    static_assert(3 * sizeof(MvDesc) / 8 <= 32, "warp 0 copies the three templates");
+    // program ran, come in before the wait.
     __shared__ __align__(16) MvDesc one_templ[3];
-    if (n == 1 && threadIdx.x < 3 * sizeof(MvDesc) / 8) {
-        ((unsigned long long*)one_templ)[threadIdx.x] = ((const unsigned long long*)templ)[threadIdx.x];
+    if (n == 1) {
+        route_copy_templ(one_templ, templ);
     }
     // With one row the gather (6 x 16 blocks for Flash) may launch now, its blocks waiting for
     // this grid to finish. (With more rows not: at a verify's 8 rows its 768 waiting blocks
@@ -502,13 +521,7 @@ extern "C" __global__ void __launch_bounds__(256)
     }
     ds4_grid_deps();
     const int R = (n + 31) >> 5;
-    // Outside the limits, or with less shared memory than the batch needs, the arrays would
-    // overflow: fail loudly (a host bug).
-    u32 dyn_smem;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-    if (E > MOE_MAX_EXPERTS || k > MOE_MAX_K || n > MOE_MAX_ROWS || k < 1 || (blockDim.x >> 5) < 2 ||
-        (blockDim.x >> 5) > MOE_MAX_WARPS || max_descs > n * k || chunk < 1 || chunk_dn < 1 ||
-        dyn_smem < 4u * (u32)route_smem_words(n, k, E)) {
+    if (!route_args_ok(n, k, E, max_descs, chunk, chunk_dn)) {
         __trap();
     }
     extern __shared__ __align__(16) int route_sm[];
@@ -734,13 +747,13 @@ extern "C" __global__ void __launch_bounds__(256)
 // ds4_router_route_<f32|f16|bf16> runs the blocks of the router's one-row product exactly as
 // ds4_mv_<f32|f16|bf16>_1 does (matvec_split: the same logits, bit for bit); the last block to
 // finish (ds4_last_block, decode_ops.cu: every logit, the slices' sums included, is written
-// and fenced by then) runs ds4_route's one-row work (route_row1, reading the logits from L2). That spares the routing its own dependent launch
-// after the product (in a traced Flash step the routing ended about 11 us after the router
-// product, 2026-12-03). The launch: the product's grid and table (descs, count, counters,
+// and fenced by then) runs ds4_route's one-row work (route_row1, reading the logits from L2).
+// That spares the routing its own dependent launch after the product (in a traced Flash step
+// the routing ended about 11 us after the router product, 2026-12-03). The launch: the product's grid and table (descs, count, counters,
 // early as ds4_mv_*), then ds4_route's arguments up to chunk_dn (n = 1), then `done` (one
 // int, zero between launches); blocks of 32 * MV_WARPS threads and dynamic shared memory of 4 *
 // route_smem_words(1, k, E) bytes or more (the float formats have no lookup table).
-// Same limits as ds4_route.
+// Same limits as ds4_route (route_args_ok).
 template <class F>
 __device__ __forceinline__ void router_route(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters,
                                              int early, const float* __restrict__ logits, int E, int k,
@@ -756,17 +769,11 @@ __device__ __forceinline__ void router_route(const MvDesc* __restrict__ descs, i
     if (!ds4_last_block(done)) {
         return;
     }
-    u32 dyn_smem;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-    if (n != 1 || E > MOE_MAX_EXPERTS || k > MOE_MAX_K || k < 1 || (blockDim.x >> 5) < 2 || max_descs > k || chunk < 1 ||
-        chunk_dn < 1 || dyn_smem < 4u * (u32)route_smem_words(1, k, E)) {
+    if (n != 1 || !route_args_ok(n, k, E, max_descs, chunk, chunk_dn)) {
         __trap();
     }
-    static_assert(3 * sizeof(MvDesc) / 8 <= 32, "warp 0 copies the three templates");
     __shared__ __align__(16) MvDesc one_templ[3];
-    if (threadIdx.x < 3 * sizeof(MvDesc) / 8) {
-        ((unsigned long long*)one_templ)[threadIdx.x] = ((const unsigned long long*)templ)[threadIdx.x];
-    }
+    route_copy_templ(one_templ, templ);
     route_row1<true>(logits, E, k, bias, hash, norm, wscale, step, gu, down, max_descs, one_templ, gather_src,
                      comb_slot, comb_w, comb_cnt, chunk, chunk_dn, nullptr, nullptr,
                      route_sm_at((int*)smem, 1, k, E));

@@ -1495,13 +1495,14 @@ impl CudaDecoder {
             let tail = tail_kernel(self.route_tail, n, prefill, lw.router_proj.ty, 3)
                 .zip(router_at)
                 .and_then(|(fi, at)| take_tail(&mut ops, at, &lw.router_proj, k.router_route[fi]));
-            let tail = tail.map(|mut l| {
+            let routed_in_tail = tail.is_some();
+            if let Some(mut l) = tail {
                 l.smem = l.smem.max(route_smem(1, kk, cfg.n_experts) as u32);
                 l.args.extend(router_args.iter().chain(&tables).copied());
                 l.args.push(p(b.tail_done.ptr));
                 ops.push(Op::Launch(l));
-            });
-            let picks = if tail.is_none() && split_over_blocks(self.route_pick, n) {
+            }
+            let picks = if !routed_in_tail && split_over_blocks(self.route_pick, n) {
                 let mut args = router_args.clone();
                 args.extend([p(b.picks.ptr), p(b.pick_w.ptr)]);
                 launch(&mut ops, k.route_pick, (route_pick_grid(n, cfg.n_experts), 1, 1), ROUTE_PICK_THREADS, 0, args);
@@ -1512,7 +1513,7 @@ impl CudaDecoder {
             let mut args = router_args;
             args.extend(tables);
             args.extend(picks);
-            if tail.is_none() {
+            if !routed_in_tail {
                 launch(&mut ops, k.route, (1, 1, 1), 256, route_smem(n, kk, cfg.n_experts) as u32, args);
             }
             // The gathered rows as 8-bit activations when their gate and up products take them.

@@ -467,9 +467,8 @@ fn run_index_kernel(
     read(ctx, &out, n * stride)
 }
 
-/// Launches `ds4_index_topk` on `scores` ([n, stride]) at `pos0..`; returns (sel,
-/// nsel) with sel entries never written left at -1.
-#[allow(clippy::too_many_arguments)]
+/// Launches `ds4_index_topk` on `scores` ([n, stride]) at `pos0..`; returns (sel, nsel) with
+/// sel entries never written left at -1.
 fn run_topk(
     ctx: &Context,
     scores: &[f32],
