@@ -114,12 +114,11 @@ __device__ __forceinline__ int mv_row_blocks(const MvDesc& D) {
 //
 // When the next kernel launches: as this one's blocks exit, unless this one triggers it
 // earlier (griddepcontrol.launch_dependents). The default program (DS4_PDL_EARLY, below)
-// triggers early only where a product follows; a trigger at the start of every kernel let a
-// chain of later kernels place waiting blocks on the SMs long before their turn (H200, Flash
-// decode at 2K: 11.26 / 11.10 ms that way against 10.88 / 10.84 ms with no early trigger, two
-// A/B pairs in one session; a verify of 8 rows 49.2 / 49.8 against 47.8 / 47.9 ms). For
-// comparison, DS4_CUDA_PDL=start compiles the program with that trigger
-// (DS4_PDL_TRIGGER_AT_START) and DS4_CUDA_PDL=exit with no early trigger at all.
+// triggers early only where a product follows: a trigger at the start of every kernel
+// (DS4_CUDA_PDL=start, DS4_PDL_TRIGGER_AT_START) let a chain of later kernels place waiting
+// blocks on the SMs long before their turn (H200, Flash decode at 2K: 11.26 ms against 10.88
+// with no early trigger, DS4_CUDA_PDL=exit). (Measurements: scripts/kernel_lab/HISTORY.md,
+// "common.cuh: ds4_grid_deps".)
 __device__ __forceinline__ void ds4_grid_deps() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #ifdef DS4_PDL_TRIGGER_AT_START
@@ -141,9 +140,9 @@ __device__ __forceinline__ void ds4_grid_deps() {
 // weights are read, before their sums are stored (the staged matvec waits first and does not
 // trigger early; the tensor-core Q8_0 kernel only asks L2 for its rows before the wait, its
 // loads carry x). Only reads of data no kernel writes move before the wait. On the H200,
-// Flash decode at 2K: 9.02 / 9.08 ms against 9.53 / 9.50 ms with DS4_CUDA_PDL=exit (two A/B
-// pairs in one session); a verify of 8 rows 34.3 / 34.4 against 35.3 / 35.1 ms. Without
-// DS4_PDL_EARLY these two are no-ops and the products wait first.
+// Flash decode at 2K: 9.02 ms against 9.53 with DS4_CUDA_PDL=exit. Without DS4_PDL_EARLY these
+// two are no-ops and the products wait first. (Measurements: scripts/kernel_lab/HISTORY.md,
+// "common.cuh: ds4_grid_launch".)
 __device__ __forceinline__ void ds4_grid_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(DS4_PDL_EARLY)
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -178,8 +177,8 @@ __device__ __forceinline__ void ds4_grid_lead() {
 // the SMs (the DS4_PDL_TRIGGER_AT_START case above). With more rows (a verify's, a prompt's)
 // the dependent's blocks would take SM room the side branch's products use, so no trigger.
 // On an H200, Flash at a 2100-token context: decode steps in a row 8.375 ms against 8.422
-// without it (ab_steps.py, separate processes, two interleaved runs each; 8.399 / 8.351
-// against 8.418 / 8.426), verifies of 4 / 8 rows 14.78 / 22.71 against 14.85 / 22.89 ms.
+// without it. (Measurements: scripts/kernel_lab/HISTORY.md,
+// "common.cuh: ds4_grid_deps_then_lead".)
 __device__ __forceinline__ void ds4_grid_deps_then_lead(bool one_row) {
     ds4_grid_deps();
     if (one_row) {
@@ -656,48 +655,30 @@ __device__ __forceinline__ void matvec(const MvDesc* __restrict__ descs, int cou
 // rows). There is no shared-memory staging and no barrier in the loop.
 //
 // What the H200 measurements say about this design (scripts/kernel_lab, Nsight Compute):
-// - At one batch row the kernels are bound by the bytes in flight, not by instructions: a
-//   lane's 16-byte loads matter. Lanes reading 4-byte words 128 bytes apart (so that x would
-//   be read in contiguous runs) made a Q8_0 4096 x 8192 product 2.5x slower (16.1 -> 40.7
-//   us), and a second chunk in flight (PREFETCH 2) was slower too (17.0 us).
-// - The cost of x's layout is real but second: a lane's x run is 64 (Q8_0) to 256 (IQ2_XXS)
-//   bytes from its neighbour's, so a warp-wide float4 load of x touches 16 to 32 cache lines;
-//   the IQ2_XXS expert kernel keeps L1 77% busy.
+// - At one batch row the kernels are bound by the bytes in flight, not by instructions, so a
+//   lane's loads are 16 bytes: lanes reading 4-byte words 128 bytes apart (so that x would be
+//   read in contiguous runs) made a Q8_0 4096 x 8192 product 2.5x slower, and a second chunk
+//   in flight (PREFETCH 2) was slower too.
+// - x's layout costs too, but less: a lane's x run is 64 (Q8_0) to 256 (IQ2_XXS) bytes from
+//   its neighbour's, so a warp-wide float4 load of x touches 16 to 32 cache lines.
 // - 16 batch rows spill at the 128-register cap (MV_MIN_BLOCKS); more registers, fewer warps
 //   was slower still, so the host cuts the quantized formats' batches at 8 rows
 //   (rust/engine/backend/cuda/mod.rs `chunk_rows`).
-// - Two ways to cut x's L1 traffic, tried on IQ2_XXS (12 experts' 2048 x 4096 gate and up
-//   products, pseudo-random weights) and not kept. A padded copy of the block's x slice in
-//   shared memory: 73.6 -> 64.2 us at 2 batch rows, but 47.2 -> 49.0 at one row (the copy's
-//   L2 reads and barrier), and Q2_K and Q8_0 were slower at both; a verify of 8 rows, whose
-//   expert products mostly have one row, got slower. x stored lane-permuted (a lane's k-th
-//   float4 of a chunk at 128 k + 4 lane, so that a warp's load is 4 lines): 47.8 -> 41.8 us at
-//   one row, 74 -> 58 at 2, 238 -> 164 at 8 (Q2_K unchanged, Q8_0 slower), but at most about
-//   2% in the engine; it was removed when IQ2_XXS moved to 8-bit activations. With float x
-//   the IQ2_XXS kernel was bound by issue (55% of slots at one row): its dequantization cost
-//   about 5 instructions a weight, and a float copy of the lattice in shared memory (no byte
-//   conversion) was slower still (47.0 -> 71.5 us). Hence its int8 x and dp4a (iq2_xxs.cu),
-//   and Q2_K's (q2_k.cu).
-// - Q8_0 with 8-bit x and dp4a, measured in the lab and not adopted (every writer of a Q8_0
-//   product's input, the attention's included, would have to quantize it, and the attention
-//   products' numerics would change): Flash q_b (32768 x 1024) 18.2 -> 16.4 us at one batch
-//   row, 25.0 -> 19.2 at 2, 36.4 -> 23.4 at 4, 61.8 -> 56.0 at 8 (register-bound); o_b
-//   (4096 x 8192) 16.2 -> 14.2, 22.8 -> 15.4, 35.9 -> 17.9, 62.7 -> 55.1. Float x costs the
-//   one-row kernels little; it is the batches of a verify that pay for it.
-// - Q8_0 on the tensor cores, measured and not adopted: mma.sync m16n8k8 with the quant bytes
-//   as A (exact in tf32), x as B split in a high and a low tf32 part (two products, so the
-//   sums keep about 22 bits of x), 16 output rows a warp, and the same kernel at every batch
-//   size (a batch row is one column of B: rows stay invariant). Its time hardly depends on
-//   the batch where this kernel's grows (Flash q_b 32768 x 1024: 25.9 / 26.6 / 37.1 us at
-//   1 / 8 / 16 rows against 18.1 / 61.0 here; o_b 4096 x 8192: 35.4 / 36.1 / 51.6 against
-//   16.2 / 62.1), but at one row it is 1.4 to 2.2 times slower (the head, 129280 x 4096: 334
-//   against 168 us): a tile computes 8 columns whatever the batch, the split doubles the
-//   products, and the tf32 rate of mma.sync on sm_90 bounds it (variants with streaming
-//   weight loads, interleaved blocks, prefetched x or 16-byte tiles gained at most 12%). In
-//   the engine: Flash 2K decode 9.3 -> 12.2 ms, verify of 8 rows 36.3 -> 32.4 ms, 2K prompt
-//   7.5 -> 5.8 s. Decode is the common case, so the FMA kernel stays. The exact 8-bit
-//   integer route of q8_0.cu (DS4_CUDA_Q8=mma) needs neither the conversions nor the split:
-//   flat in the batch too, but still slower at one row (its notes).
+// - With float x the IQ2_XXS kernel was bound by issue (its dequantization cost about 5
+//   instructions a weight); hence its int8 x and dp4a (iq2_xxs.cu), and Q2_K's (q2_k.cu).
+// - Q8_0 keeps float x: 8-bit x and dp4a was faster in the lab (Flash q_b 32768 x 1024 at 4
+//   batch rows: 36.4 -> 23.4 us), but every writer of a Q8_0 product's input, the attention's
+//   included, would have to quantize it, and the attention products' numerics would change.
+//   Float x costs the one-row kernels little; it is the batches of a verify that pay for it.
+// - Q8_0 on the tensor cores in tf32 (the quant bytes as A, x as B split in a high and a low
+//   tf32 part): its time hardly depends on the batch, but at one row it is 1.4 to 2.2 times
+//   slower (Flash 2K decode 9.3 -> 12.2 ms); decode is the common case, so the FMA kernel
+//   stays. The exact 8-bit integer route of q8_0.cu (DS4_CUDA_Q8=mma) needs neither the
+//   conversions nor the split: flat in the batch too, but still slower at one row (its notes).
+// - (Tried and dropped, to cut x's L1 traffic: a padded copy of the block's x slice in shared
+//   memory, slower at one row, and x stored lane-permuted, at most about 2% in the engine; for
+//   the float-x IQ2_XXS kernel, a float copy of its lattice in shared memory, slower.)
+// (Measurements: scripts/kernel_lab/HISTORY.md, "common.cuh: matvec_split design".)
 //
 // F provides: BLOCK_ELEMS, PAY (payload bytes per block), CB = 512 / PAY (blocks per chunk),
 // LUT_BYTES / init_lut, PREFETCH, a Chunk type, load(row, nb, c, lane, vec, ch), which issues
@@ -706,12 +687,9 @@ __device__ __forceinline__ void matvec(const MvDesc* __restrict__ descs, int cou
 // chunk c of every row to acc in a fixed order. Both are called by every lane of the warp for
 // every chunk of the slice (a last partial chunk included); they skip the lanes with no data
 // themselves, so that dot may use warp-wide operations. With PREFETCH, chunk c + G's loads go
-// out before chunk c is computed. (Tried: two chunks ahead, a ring of three a warp: the same
-// bits, more registers (one row: Q8_0 100 -> 120, F16 87 -> 101) and slower. H200 lab at one
-// row: Q8_0 8192 x 4096 16.44 against 15.50 us, 4096 x 4096 11.48 against 10.73, IQ2_XXS twelve
-// 2048 x 4096 25.75 against 25.16; Flash steps at 2100 tokens 8.92 against 8.82 ms, A/B in
-// separate processes, medians of 2. The one-row products are about 1.5 times the time of
-// reading their bytes once, scripts/kernel_lab/stream_lab.cu.)
+// out before chunk c is computed. (Tried and dropped: two chunks ahead, a ring of three a warp;
+// the same bits, more registers, slower: Flash steps at 2100 tokens 8.92 against 8.82 ms.)
+// (Measurements: scripts/kernel_lab/HISTORY.md, "common.cuh: matvec_split PREFETCH".)
 //
 // The input split (slices, groups) is by chunks; a row's chunks, lanes, fmaf chains, butterfly
 // and group order do not depend on the batch size (row invariance), as in matvec.
@@ -889,24 +867,17 @@ __device__ __forceinline__ void matvec_split(const MvDesc* __restrict__ descs, i
     mv_store<NB>(acc, D, B.slice, B.rb, B.o0, B.nrows, counters);
 }
 
-// (Tried and not kept, 2026-12-02: the routed experts' launches on as many blocks as are
-// resident (4 an SM), each block running the launch's blocks i, i + gridDim.x, ... with the
-// first chunk of its next one loaded before the last chunk of the current one was computed,
-// so that a warp always had a chunk in flight and the descriptor search and lattice copy were
-// paid once a block. The same bits, but slower on an H200 (lab, pseudo-random weights, plain
-// against looping): IQ2_XXS twelve 2048 x 4096 at one row 24.05 / 25.35 us, at two 30.35 /
-// 33.64, 88 at two 185.1 / 209.7; Q2_K six 4096 x 2048 at one row 14.41 / 18.04 (the plain
-// kernel keeps six blocks an SM there), 44 at two 125.2 / 154.0; 2, 3 or 8 blocks an SM were
-// no better. Flash at a 2100-token context, interleaved: steps 8.89 against 8.74 ms, verifies
-// of 2 / 4 / 8 rows 11.91 / 16.98 / 27.47 against 11.33 / 16.25 / 26.28. Launching and
-// retiring blocks costs the H200 less than the loop's registers and serial blocks do.)
+// (Tried and dropped: the routed experts' launches on as many blocks as are resident, each
+// block looping over the launch's blocks with its next block's first chunk in flight. The same
+// bits, but slower on an H200 (Flash steps at a 2100-token context 8.89 ms against 8.74):
+// launching and retiring blocks costs it less than the loop's registers and serial blocks do.)
+// (Measurements: scripts/kernel_lab/HISTORY.md, "common.cuh: matvec_split persistent blocks".)
 //
-// (Tried and not kept: the two-row kernels running the blocks of a one-row descriptor with
-// the one-row code, for a verify's routed experts, most of which serve one row (ds4_route cuts
-// an expert's rows in descriptors of up to two): the same bits, but on an H200 (Flash at
-// 2048 tokens, two interleaved A/B pairs) verifies of 4 rows took 16.82 / 16.97 ms against
-// 16.44 / 16.37, of 8 rows 26.91 / 27.49 against 26.33 / 26.28; the two-row code's unused row
-// costs little, and the block's second descriptor lookup and larger kernel more.)
+// (Tried and dropped: the two-row kernels running the blocks of a one-row descriptor with the
+// one-row code, for a verify's routed experts, most of which serve one row. The same bits, but
+// slower on an H200: the two-row code's unused row costs little, and the block's second
+// descriptor lookup and larger kernel more.) (Measurements: scripts/kernel_lab/HISTORY.md,
+// "common.cuh: matvec_split one-row descriptors".)
 //
 // One product kernel, ds4_mv_<NAME>_<NB>, which runs RUN<F, NB> (matvec or matvec_split)
 // under the launch bounds BOUNDS (parenthesized), and ds4_smem_<NAME>_<NB> = SMEM, the dynamic

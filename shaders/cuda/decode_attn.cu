@@ -815,11 +815,10 @@ __device__ __forceinline__ void ds4_mma_3xtf32(float (&d)[4], const u32 (&ah)[4]
 // select for Inf and NaN (two of its four instructions; these splits are most of the integer
 // work of the prompt attention's loops). An infinite x gives the same parts; a NaN x may give
 // another high part, but its rest, and so the low part and the products, are NaN as before.
-// (Tried, 2026-12-04: the low part as the rest's float bits, unrounded, since an mma reads only
-// a tf32 operand's top 19 bits: the QK^T loop 441 -> 377 instructions a pass, P V 173 -> 135,
-// but prompts ran the same, 2539 / 2490 tok/s against 2593 / 2490 (H200, Flash, separate
-// processes), at twice the low part's error: ds4_attention_mma waits on memory latency, not
-// on issue.)
+// (Tried and dropped: the low part as the rest's float bits, unrounded, since an mma reads only
+// a tf32 operand's top 19 bits: fewer instructions, but prompts ran the same, at twice the low
+// part's error; ds4_attention_mma waits on memory latency, not on issue.) (Measurements:
+// scripts/kernel_lab/HISTORY.md, "decode_attn.cu: ds4_tf32_split".)
 __device__ __forceinline__ void ds4_tf32_split(float x, u32& hi, u32& lo) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
@@ -998,19 +997,11 @@ __device__ __forceinline__ u32 ds4_block_scan_u32(u32 v, u32* ws, u32* total) {
 // (8 bits per pass), stopping after a pass whose digit's keys are all taken (the threshold is
 // then on the bits decided so far), then an in-order compaction of the keys above it and the
 // first ties. The scores are read again in each pass (from L1 / L2: a row is a few tens of KB
-// at most). The early stop, timed in scripts/kernel_lab/topk_lab.cu (H200, 2026-12-04, 1024
-// threads, microseconds a launch back to back for 1 / 8 rows of 525 scores, a 2100-token
-// context, then of 8192, 32K; every case the same selection): 4.44 / 5.29 and 13.06 / 13.96,
-// against 6.15 / 6.25 and 14.66 / 15.72 for all four passes. In Flash steps (ab_steps.py, a
-// process a run, three runs at 2100 tokens, two at 32K) it is within the noise: 7.941 ms
-// against 7.937, 8.107 against 8.131.
-// (Tried and reverted, d7b6f5d: up to 16 keys a thread held in registers (48 registers, at
-// launch bounds of one block an SM) and the first pass counted through match.any, with the
-// early stop. In the same lab, the day before: 7.12 / 8.35 and 15.96 / 17.78 against the
-// four-pass kernel's 6.02 / 6.15 and 14.61 / 15.61, and Flash steps 8.14 / 8.20 ms at 2100
-// tokens against 8.05, 8.29 at 32K against 8.20. Without match.any 6.84 / 8.08 and 15.28 /
-// 16.12; with the scores read again in each pass 5.51 / 6.51 and 15.27 / 17.17. So the
-// registers and match.any cost more than they saved.)
+// at most). The early stop shortens a launch (H200, scripts/kernel_lab/topk_lab.cu: one row of
+// 525 scores in 4.44 us against 6.15 for all four passes); in Flash steps it is within the
+// noise. (Tried and dropped: up to 16 keys a thread held in registers and the first pass counted
+// through match.any; slower.) (Measurements: scripts/kernel_lab/HISTORY.md,
+// "decode_attn.cu: ds4_index_topk".)
 // Grid (n); block a multiple of 32, at most 1024 (1024 suggested).
 extern "C" __global__ void __launch_bounds__(1024)
     ds4_index_topk(const float* __restrict__ scores, int score_stride, int ratio, int topk, int* __restrict__ sel,
@@ -1144,19 +1135,12 @@ extern "C" __global__ void __launch_bounds__(1024)
 // constants below (row invariance); it is not the CPU's order, so the results agree with the
 // CPU's to rounding, not bit for bit.
 //
-// (Tried and dropped, 2026-12-03: both launches as one, a cluster of 8 blocks per row and group
-// of 8 heads, the row's keys split over the cluster: each block the logits of its keys (this
-// section's lanes and sums) kept in shared memory, their softmax against its own largest
-// logit and its part of the output, then the cluster's parts added in rank order through
-// distributed shared memory, rescaled to the row's maximum with the sink. It passed the
-// attention tests (against the CPU, a row alone against the batch) and agreed with these
-// kernels to rounding, but on an H200 (Flash at 2100 tokens, interleaved) steps took 8.28 /
-// 8.40 / 8.36 ms against 8.40 / 8.36 / 8.36 across three calls, verifies of 8 rows 23.4 to 23.9
-// ms against 22.9 to 23.2: in a traced step the attention still added 21.6 us to a CSA layer
-// (20.6 here) and 13.4 to an HCA one (14.7). Each block walks its 80 keys (a CSA row at 2100
-// tokens) twice, for the logits and for the values, one or two keys ahead: chains of
-// dependent loads as long as these kernels' over fewer blocks. Loads two keys ahead in the
-// logits and eight in the values were no better.)
+// (Tried and dropped: both launches as one, a cluster of 8 blocks per row and group of 8 heads,
+// the row's keys split over the cluster and its parts added through distributed shared memory.
+// It agreed with these kernels to rounding, but on an H200 Flash steps took about as long and
+// verifies of 8 rows longer (23.4 to 23.9 ms against 22.9 to 23.2): each block walks its keys
+// twice, in chains of dependent loads as long as these kernels' over fewer blocks.)
+// (Measurements: scripts/kernel_lab/HISTORY.md, "decode_attn.cu: ds4_attention".)
 
 #define DS4_ATTN_THREADS 256  // block size of both kernels (8 warps)
 #define DS4_ATTN_HEADS 8      // heads per block of both kernels (ds4_warp_sum8: 8)
@@ -1586,28 +1570,15 @@ extern "C" __global__ void __launch_bounds__(DS4_ATTN_THREADS)
 //    loads); a chain over the keys in steps of 8, the next step's values loaded ahead.
 // 5. O to shared memory, then the inverse rope of the rotary pairs and the grouped store.
 //
-// Why the loads are so arranged: this kernel first read each key's value for an mma operand
-// with 4-byte loads as it went, and waited on them. On an H200 (Flash, filled experts, one
-// 512-row step after a 2100-token prompt, CUPTI trace) a CSA layer took 2.51 ms of it, an HCA
-// layer 0.74; with 16-byte loads issued ahead, 1.36 and 0.46 ms (the step's attention 68.7 ->
-// 38.5 ms). 2048- / 8192-token prompts, interleaved in one process: 1568 / 1415 tok/s against
-// 1483 / 1319 (2026-12-03). Also timed there and not kept, for no gain (1566 to 1573 / 1414 to
-// 1419 tok/s): S's correction products in an accumulator of their own (two chains a tile), and
-// the values two steps ahead. Nor a block of 32 heads (two m16 tiles sharing each key's split
-// parts: each key read half as often a row, where a CSA layer's 1024 rows read about 10 GB of
-// keys from L2 at 16 heads a block; 142 registers, twice the shared memory, one block an SM for
-// head_dim 512): the same bits (checked against this kernel on the attention tests' shapes and
-// Flash's 64 heads), but a traced 1024-row step after a 2000-token prompt took 2.56 ms a CSA
-// layer against 2.68 and 1.07 an HCA one against 0.94, 77.2 ms in all against 76.6, and 2048- /
-// 8192-token prompts ran at 2030 / 1977 tok/s against 2048 / 1994 (H200, interleaved in one
-// process, 2026-12-03).
-//
-// The tf32 splits without cvt.rna's Inf/NaN select (ds4_tf32_split) and step 4 built for
-// Flash's width (ds4_attn_mma_pv<8>: no test of nt, the values in 16-byte loads only) took the
-// QK^T loop from 501 to 441 SASS instructions a pass (48 mma) and the P V loop from 361 to
-// 173 (24 mma), the same bits for finite inputs: 2048- / 8192-token prompts at 2558 / 2455 and
-// 2588 / 2483 tok/s against 2494 / 2412 (H200, separate processes, the old shaders through
-// DS4_CUDA_SOURCES, 2026-12-04).
+// Why the loads are so arranged: with each key's value for an mma operand read by 4-byte loads
+// as it went, this kernel waited on them; with 16-byte loads issued ahead, a CSA layer took 1.36
+// ms in it against 2.51 (H200, Flash, a 512-row step after a 2100-token prompt). The tf32
+// splits without cvt.rna's Inf/NaN select (ds4_tf32_split) and step 4 built for Flash's width
+// (ds4_attn_mma_pv<8>: no test of nt, the values in 16-byte loads only) give the same bits for
+// finite inputs in fewer instructions (the P V loop 173 SASS instructions a pass against 361),
+// and prompts ran faster. (Tried and dropped: S's correction products in an accumulator of their
+// own, the values two steps ahead, blocks of 32 heads sharing each key's split parts; no
+// faster.) (Measurements: scripts/kernel_lab/HISTORY.md, "decode_attn.cu: ds4_attention_mma".)
 //
 // Grid (ceil(n_heads / 16), n); block 256; dynamic shared memory of
 // ds4_attn_mma_smem(head_dim, lg_stride) bytes. head_dim a multiple of 64 up to

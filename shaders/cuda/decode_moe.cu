@@ -350,13 +350,10 @@ __device__ __forceinline__ MvDesc route_desc(const MvDesc& T, int e, int off, in
 // outputs follow from the row's sorted picks ch_, wt_ ([k], shared) alone. The same values as
 // the batch path would write for n = 1 (tests_moe's route_matches_cpu checks one-row and
 // batch launches against the CPU's routing, and each batch row against the row alone, bit
-// for bit). In a traced Flash step (H200, 2100-token context, filled experts) a layer's
-// routing ended 11.3 us after the router product this way (median over the layers), against
-// 13.8 through the batch path's barriers and scans over every expert, whose one-block launch
-// also took 27 to 29 us in 9 of the 43 layers, against none this way. Together with the
-// gather's early launch at one row (ds4_route), decode steps in a row took 8.42 ms against
-// 8.50 (ab_steps.py, separate processes, two interleaved runs each; verifies of 4 / 8 rows
-// unchanged). s_exp: shared scratch of k ints.
+// for bit). s_exp: shared scratch of k ints. This path spares a decode row the batch path's
+// barriers and scans over every expert: in a traced Flash step on an H200 a layer's routing
+// ended 11.3 us after the router product this way, against 13.8 (median over the layers).
+// (Measurements: scripts/kernel_lab/HISTORY.md, "decode_moe.cu: route_one".)
 __device__ __forceinline__ void route_one(int k, MvDesc* __restrict__ gu, MvDesc* __restrict__ down, int max_descs,
                                           const MvDesc* templ, int* __restrict__ gather_src,
                                           int* __restrict__ comb_slot, float* __restrict__ comb_w,
@@ -479,11 +476,10 @@ __device__ __forceinline__ void route_row1(const float* __restrict__ logits, int
 // words) with its words' prefix counts, so a pair's place among its expert's rows is a lookup
 // and a popcount; the descriptor tables go out through a small staging area in shared memory
 // as whole 8-byte words, each warp's stores contiguous. (The first form walked all n rows per
-// expert and wrote each descriptor by one thread: in a traced 512-row step of Flash on an H200
-// it took 240 us a layer, this one's first form 66. A decode's single row cost this kernel a
-// few microseconds more than it cost the first form, which did less bookkeeping for one row:
-// steps at a 2100-token context 8.56 against 8.48 ms, interleaved, 2026-12-03. One row now
-// takes route_one's path after step 1.)
+// expert and wrote each descriptor by one thread: 240 us a layer in a traced 512-row step of
+// Flash on an H200, this one's first form 66. A single row, which this form served more slowly
+// than the first, takes route_one's path after step 1.)
+// (Measurements: scripts/kernel_lab/HISTORY.md, "decode_moe.cu: ds4_route work".)
 //
 // Grid (1), block 128 or 256 threads (any multiple of 32 from 64 to 256), dynamic shared
 // memory of 4 * route_smem_words(n, k, E) bytes or more (a 512-row step of Flash's 6 of 256
@@ -492,13 +488,11 @@ __device__ __forceinline__ void route_row1(const float* __restrict__ logits, int
 // is; min(n * k, E) is when both chunks >= n) and <= n * k, hash entries < E.
 //
 // (Tried and dropped: the templates and the selection bias copied to shared memory before the
-// wait for the router product for every batch, and the top-k's rounds over 8 words of
-// experts rather than MOE_WORDS (153 instead of 397 SASS instructions a round), together with
-// the rope's cos / sin and the norms' weights loaded before the wait in ds4_finish_rows,
-// ds4_attention and ds4_rms_weight. The same values; on an H200, Flash at a 2048-token context,
-// one process each interleaved with main: decode steps 8.44 ms against 8.44 / 8.57, verifies
-// of 4 / 8 rows 17.04 / 26.73 ms against 16.36 / 26.18 and 16.71 / 26.81. No gain alone; the
-// 8-word rounds (route_round) and the one-row templates came back with route_one.)
+// wait for the router product for every batch, with the rope's cos / sin and the norms'
+// weights loaded before the wait in ds4_finish_rows, ds4_attention and ds4_rms_weight: no
+// gain. The top-k's 8-word rounds (route_round) and the one-row templates, tried with them,
+// came back with route_one.)
+// (Measurements: scripts/kernel_lab/HISTORY.md, "decode_moe.cu: ds4_route dropped".)
 extern "C" __global__ void __launch_bounds__(256)
     ds4_route(const float* __restrict__ logits, int E, int k, const float* __restrict__ bias,
               const unsigned* __restrict__ hash, int norm, float wscale, int n, const int* __restrict__ step,

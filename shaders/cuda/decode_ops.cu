@@ -890,11 +890,10 @@ __device__ __forceinline__ T ds4_cluster_sum(const T* p) {
 // transaction count on the receiver's mbarrier, and waits on its own mbarrier; the one barrier
 // left that orders anything is the relaxed one after the mbarriers' initialization, arrived at
 // before the wait for the previous kernel. The receivers add the same values in the same rank
-// order, so the results are the default's bit for bit (the GPU tests pass with it). Measured
-// on an H200: 10.1 us a launch back to back in the lab against 10.6 to 10.9, but Flash steps at
-// 2100 tokens 8.42 ms against 8.39, verifies of 2 / 8 rows 10.82 / 23.05 against 10.81 / 22.96
-// (ab_steps.py, separate processes, two interleaved runs): no gain in the step, so not the
-// default.
+// order, so the results are the default's bit for bit (the GPU tests pass with it). Not the
+// default: faster alone in the lab on an H200 (10.1 us a launch against 10.6 to 10.9), but no
+// gain in Flash steps (8.42 ms against 8.39).
+// (Measurements: scripts/kernel_lab/HISTORY.md, "decode_ops.cu: HC_SITE_ASYNC".)
 #ifdef HC_SITE_ASYNC
 __device__ __forceinline__ void ds4_mbar_init(u64* bar) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"((u32)__cvta_generic_to_shared(bar)) : "memory");
@@ -1043,11 +1042,10 @@ __device__ __forceinline__ void hc_site_row(const u8* proj, int row_bytes, int w
             p[o] = fmaf(w, v[s], p[o]);
         }
     }
-    // The block's part: each warp's butterfly, then the warps in order. (Tried: a
-    // reduce-scatter butterfly, lane o ending with logit o's sum, 31 shuffles a warp instead of
-    // 120, together with the last cluster barrier split around the stores of y: slower, 15.5
-    // us a launch in the lab against 10.6 (H200, one row, back to back; two machines) and
-    // Flash steps at 2100 tokens 9.00 ms against 8.53 without this kernel.)
+    // The block's part: each warp's butterfly, then the warps in order. (Tried and dropped: a
+    // reduce-scatter butterfly, 31 shuffles a warp instead of 120, with the last cluster barrier
+    // split around the stores of y; slower.)
+    // (Measurements: scripts/kernel_lab/HISTORY.md, "decode_ops.cu: hc_site_row".)
 #pragma unroll
     for (int o = 0; o < NM; o++) {
         for (int k = 16; k > 0; k >>= 1) {

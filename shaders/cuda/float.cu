@@ -22,11 +22,10 @@
 // the loads move, not the arithmetic: the same bits. 4 registers a row, no spills up to 8
 // rows; the one-row kernels (a group of one is the former code) and the 16-row ones (where
 // groups spilled: ds4_mv_f16_16 228 bytes of spill loads against 48) keep their SASS. On an
-// H200 (Flash at a 2100-token context, verify_bench.py, two alternating runs each,
-// 2026-12-02): greedy verifies of 4 / 8 rows 14.79 / 22.73-22.80 ms against 15.15 /
-// 23.34-23.38, decode steps unchanged. The same grouping in Q8_0's float-x kernel
-// (scaled_dot4, common.cuh), groups of 2 or 4: greedy verifies of 8 rows 22.89 / 22.87 ms
-// against 22.69, not kept.
+// H200 (Flash at a 2100-token context) greedy verifies of 8 rows took 22.73 to 22.80 ms against
+// 23.34 to 23.38, decode steps unchanged. (Tried and dropped: the same grouping in Q8_0's
+// float-x kernel, scaled_dot4 in common.cuh; slower.) (Measurements:
+// scripts/kernel_lab/HISTORY.md, "float.cu: MV_XROWS".)
 #ifndef MV_XROWS
 #define MV_XROWS 4
 #endif

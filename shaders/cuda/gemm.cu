@@ -148,13 +148,10 @@ __device__ __forceinline__ void gemm_prep_w(const uint4 (&wv)[GEMM_TILES], const
 #ifndef GEMM_STAGE
 #define GEMM_STAGE 2
 #endif
-// (Three blocks an SM, 168 registers, spill: in the kernel lab, four descriptors of 64 rows of
-// 1024 x 4096, 4096 x 2048, 2048 x 4096, 4096 x 4096 took 90 / 146 / 140 / 245 us where two
-// blocks take 72 / 111 / 103 / 174; with GEMM_STAGE 1, 81 / 128 / 121 / 213, and a 2048-token
-// Flash prompt 1166 / 1184 tok/s against 1264 / 1274. Four blocks, 128 registers: 109 / 177 /
-// 171 / 307 us. H200, 2026-12-02. Again on the px kernels, 2026-12-04, four blocks at 128
-// registers with spills in the loop: Flash prompts of 2048 / 8192 tokens 2510 / 2417 tok/s
-// against 2577 / 2463, separate processes on one H200.)
+// Two blocks an SM: three (168 registers, spills), four (128 registers; again on the px
+// kernels) and GEMM_STAGE 1 were slower (kernel lab, H200: 1024 x 4096 at four descriptors of
+// 64 rows 72 us with two blocks, 90 with three). (Measurements: scripts/kernel_lab/HISTORY.md,
+// "gemm.cu: GEMM_MIN_BLOCKS".)
 #ifndef GEMM_MIN_BLOCKS
 #define GEMM_MIN_BLOCKS 2
 #endif
@@ -188,18 +185,11 @@ __device__ __forceinline__ void gemm_unit(float (&acc)[GEMM_TILES][4], const uin
 // 8.25 KB. In the kernel lab this layout alone took the float-x Q8_0 products at Flash's
 // shapes (eight descriptors of 64 rows) from 142 / 209 / 222 to 130 / 192 / 206 us, the same
 // bits; F16's did not move (117 us).
-// (Tried before, and not kept then: each warp staging its own m16 tile in this order, rows
-// clamped instead of null-checked, with the loads in registers at 239 of them: prompts of 2048
-// tokens 1215 tok/s against 1202 and 1212. With the loads through shared memory it pays:
-// GEMM_RING below.
-// Nor, then, its weights alone through a per-warp cp.async ring in dynamic shared memory, each
-// lane copying the bytes it later reads (2 or 1 unit a stage, 3 to 6 stages, 168 to 196
-// registers, three blocks an SM): the same bits, and in the kernel lab 1024 x 4096 at four
-// descriptors of 64 rows 92 to 108 us against 86, in a Flash prompt's step 16.3 ms of these
-// products against 15.2. Nsight Compute on that lab line: one warp a scheduler (242 registers, 12.5% occupancy),
-// an instruction issued every 6 cycles, 20% of issue slots and 23% of memory throughput used,
-// the stalls long scoreboard 1.5, wait 1.5 (dependent mma), short scoreboard 0.5 cycles an
-// instruction: latency, with too few warps to hide it.)
+// (Tried before and not kept: each warp staging its own m16 tile in this order with its loads
+// in registers, 239 of them, 2048-token prompts at 1215 tok/s against 1202 and 1212 (with the
+// loads through shared memory it pays: GEMM_RING below); the weights alone through a per-warp
+// cp.async ring, slower: latency, with one warp a scheduler.) (Measurements:
+// scripts/kernel_lab/HISTORY.md, "gemm.cu: GemmX".)
 struct GemmX {
     uint4 f[GEMM_MTILES][2][2][32];
     float s[16 * GEMM_MTILES];
@@ -472,17 +462,12 @@ __device__ __forceinline__ void gemm_body(const MvDesc* __restrict__ descs, int 
 // GEMM_RING - 1 units ahead, instead of through registers: each thread copies the x it splits
 // and each lane the weight bytes it multiplies, so no barrier guards the ring, only the split x
 // (GemmX, two in turn). The same sums in the same order, bit for bit. The registers the loads
-// held went from 228 to 148 (tiled) and 231 to 156 (float-x). In the kernel lab (H200,
-// 2026-12-03, eight descriptors of 64 rows, Flash's shapes: q_b 32768 x 1024, o_b 4096 x 8192,
-// an o_a group's 1024 x 4096), with the A-fragment layout of GemmX in both: 343 / 461 / 96 us a
-// launch against 468 / 509 / 120 through registers (the build before both changes: 507 / 542 /
-// 128). A ring of three units timed as two (one unit, no overlap: 384 / 518 / 100), and three
-// blocks an SM (148 registers fit) the same as two. The float-x layout's (scales through
-// registers, a unit ahead): 116 / 177 / 190 us against 128 / 193 / 206 at 1024 x 4096, 2048 x
-// 4096, 4096 x 2048; Flash prompts of 2048 / 8192 tokens 1961 / 1728 tok/s against 1989 / 1742
-// without it (one run each), a gain below that noise. GEMM_RING=0: the register path. (F16 keeps
-// the register path: its 64 weight bytes a lane and unit would take the ring past the 48 KB of
-// static shared memory.)
+// held went from 228 to 148 (tiled) and 231 to 156 (float-x), and the tiled kernel got faster
+// (kernel lab, H200: Flash's q_b at eight descriptors of 64 rows 343 us a launch against 468
+// through registers; the float-x kernel gained less). A ring of three units timed as two, and
+// three blocks an SM as two. GEMM_RING=0: the register path. (F16 keeps the register path: its
+// 64 weight bytes a lane and unit would take the ring past the 48 KB of static shared memory.)
+// (Measurements: scripts/kernel_lab/HISTORY.md, "gemm.cu: GEMM_RING".)
 #ifndef GEMM_RING
 #define GEMM_RING 2
 #endif
@@ -731,12 +716,11 @@ extern "C" __global__ void __launch_bounds__(128, GEMM_MIN_BLOCKS) ds4_gemm_q8_0
 // Q8_0 in the decode's tensor-core layout (q_b, o_a, o_b and the head of Flash by default:
 // context.rs `tensor_cores`), which the decode's kernel there reads once per 16 rows of x. The
 // same split of x as ds4_gemm_q8_0's, each lane's x taken at the inputs of its bytes in the
-// tiles, the loads through the ring above (GEMM_RING). On an H200 (Flash, one process,
-// interleaved, 2026-12-03): prompts of 2048 / 8192 tokens at 1470 / 1301 tok/s against 1334 /
-// 1195 on the decode's kernel (DS4_CUDA_GEMM_MQ=0), before the ring; a 512-row step's
-// products of this layout 572 us a launch against 837 (CUPTI trace). (The head's one row of a
-// prompt's last step is slower here, 540 us against 201, but a kernel chosen by the row count
-// would make a row's bits depend on its step.)
+// tiles, the loads through the ring above (GEMM_RING). Faster than the decode's kernel
+// (DS4_CUDA_GEMM_MQ=0), before the ring: on an H200, Flash prompts of 2048 tokens at 1470 tok/s
+// against 1334. (The head's one row of a prompt's last step is slower here, 540 us against
+// 201, but a kernel chosen by the row count would make a row's bits depend on its step.)
+// (Measurements: scripts/kernel_lab/HISTORY.md, "gemm.cu: ds4_gemm_q8_0_mq".)
 extern "C" __global__ void __launch_bounds__(128, GEMM_MIN_BLOCKS)
     ds4_gemm_q8_0_mq(const MvDesc* __restrict__ descs, int count, int* __restrict__ counters) {
 #if GEMM_RING > 0
@@ -756,19 +740,13 @@ extern "C" __global__ void __launch_bounds__(128, GEMM_MIN_BLOCKS)
 // as the mma's A fragments, and the products copy those into shared memory by cp.async as they
 // copy their weights, from sources set up once and advanced a unit at a time (the loop: 403
 // instructions a unit). The split is gemm_split_x's and the sums gemm_unit's, in the same
-// order, so the results are the kernels' above bit for bit (tests_gemm checks it). On an H200
-// (Flash, 2026-12-03, interleaved in one process, DS4_CUDA_GEMM_PX=0 for the kernels above):
-// prompts of 2048 / 8192 tokens at 2202 / 2126 tok/s against 2101 / 2018. In a traced 1024-row
-// step the products of the tiled layout took 72.9 ms, the float-x Q8_0 ones 39.5 and the F16
-// ones 16.7, against 94.8, 49.1 and 23.6 in the last trace without the split, and the splits
-// 13.4 ms (8.0 on the critical path; 408 launches, most of their bytes the hyper-connections'
-// inputs of 16384 floats). (Tried: products of fewer than 512 rows, those hyper-connection and
-// router products, on the kernels above, with no split: the splits then took 5.1 ms, but those
-// F16 products 13.2 ms on gemm_body against about 7 here, and prompts ran at 2136 / 2065 tok/s
-// against 2044 / 1966: no better. Also tried: one power of two a row instead of one a unit, so
-// that a unit's sums need no scaling of their own (F16's loop 189 instructions). Not kept: an
-// input 2^-17 below its row's largest then keeps fewer than 22 bits, and rows with one large
-// value fail tests_gemm's bound.)
+// order, so the results are the kernels' above bit for bit (tests_gemm checks it). Faster on an
+// H200 (Flash, against the kernels above, DS4_CUDA_GEMM_PX=0): 2048-token prompts at 2202 tok/s
+// against 2101. (Tried and dropped: products of fewer than 512 rows on the kernels above, with
+// no split; no better. Also one power of two a row instead of one a unit, so that a unit's sums
+// need no scaling of their own: an input 2^-17 below its row's largest then keeps fewer than 22
+// bits, and rows with one large value fail tests_gemm's bound.) (Measurements:
+// scripts/kernel_lab/HISTORY.md, "gemm.cu: ds4_gemm_split".)
 //
 // The split of rows in tiles of 16 (px_tile_bytes(U) bytes a tile of U = n_in / 32 units):
 // unit u's 2048 bytes at 2048 u, fragment f = 0..3 (hi step 0, hi step 1, lo step 0, lo step 1)
@@ -987,14 +965,9 @@ __device__ __forceinline__ void px_slot_w(const PxSlot<PX_F16>& S, int tid, uint
 // The products of a launch's descriptors as gemm_body's, x being ds4_gemm_split's tiles (a
 // descriptor's x: the split's tile of its row 0; its rows start on a tile, GEMM_MAX_ROWS
 // apart).
-// (Tried, 2026-12-04, and not kept: the loop built for a descriptor of all GEMM_MTILES m16 tiles
-// (every one of a 1024-row step but its last) with no test of mt, so that a unit's 64 mma are
-// one block of sixteen independent chains where the test around each tile's leaves four short
-// chains in a row. Nsight Compute had q_b's launch of a 1024-row Flash step (H200) issue 0.45
-// instructions a cycle a scheduler, a warp every 6.5 cycles, 2.9 warps a scheduler, L2 38% and
-// L1 55% busy: latency. The same bits; 208 registers (two blocks an SM, from three at 153), or
-// 168 with three blocks and a few spilled words. Prompts of 2048 / 8192 tokens at 2525 / 2474
-// and 2543 / 2448 tok/s against about 2540 / 2490: no gain either way.)
+// (Tried and dropped: the loop built for a descriptor of all GEMM_MTILES m16 tiles with no test
+// of mt, so that a unit's 64 mma are sixteen independent chains: the same bits, more registers
+// or spills, no gain.) (Measurements: scripts/kernel_lab/HISTORY.md, "gemm.cu: gemm_body_px".)
 template <int KIND>
 __device__ __forceinline__ void gemm_body_px(const MvDesc* __restrict__ descs, int count,
                                              int* __restrict__ counters) {

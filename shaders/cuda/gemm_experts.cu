@@ -28,18 +28,16 @@
 // outputs, 32 rows; the kernels without a suffix) and 2 x 2 (16 rows, `_2x2`, for A/B). Both
 // give the same bits for the same output and row: a C element is an exact integer sum, and its
 // scaled terms are added in group order in both. In a 1024-row step an expert serves about 24
-// rows, so with 2 x 4 it decodes its weights once instead of twice: on an H200 (Flash, filled
-// experts, `verify_bench.py --ab DS4_CUDA_GX_TILE`, 2026-12-04) 2048- / 8192-token prompts ran
-// at 2403 / 2330 tok/s against 2209 / 2141 with 2 x 2. (1 x 4, 16 outputs a warp: 2162 / 2108.)
-// Blocks an SM of ds4_moe_mma_iq2_xxs and ds4_moe_mma_q2_k: their registers are capped to fit
-// that many (2 x 4: 128 and 168; 2 x 2: 96 and 128, from 104 and 138 uncapped). That spills a
-// few words (stored before the loop and loaded for the stores after it) and changes no
+// rows, so with 2 x 4 it decodes its weights once instead of twice: on an H200 (Flash)
+// 2048-token prompts ran at 2403 tok/s against 2209 with 2 x 2 (2162 with 1 x 4, 16 outputs a
+// warp). Blocks an SM of ds4_moe_mma_iq2_xxs and ds4_moe_mma_q2_k: their registers are capped
+// to fit that many (2 x 4: 128 and 168; 2 x 2: 96 and 128, from 104 and 138 uncapped). That
+// spills a few words (stored before the loop and loaded for the stores after it) and changes no
 // arithmetic: the same float operations on the same values (their SASS has the same multiset
-// of float instructions; the compiler does not reassociate them). On an H200 (2 x 2, Flash,
-// filled experts, separate processes back to back, 2026-12-03): 2048- / 8192-token prompts at
-// 1669 / 1496 tok/s against 1552 / 1415 uncapped. Again once the kernels walked only the live
-// blocks (gx_live): 1822 / 1632 tok/s with 5 / 4, against 1785 / 1597 with 6 / 5 and 1801 /
-// 1608 with 4 / 3. A/B with DS4_CUDA_DEFINES.
+// of float instructions; the compiler does not reassociate them). The caps won (H200, 2 x
+// 2, Flash: 2048-token prompts at 1669 tok/s against 1552), and for 2 x 2 five and four blocks
+// beat six and five or four and three. A/B with DS4_CUDA_DEFINES. (Measurements:
+// scripts/kernel_lab/HISTORY.md, "gemm_experts.cu: GX_MIN_BLOCKS".)
 #ifndef GX_MIN_BLOCKS_IQ2
 #define GX_MIN_BLOCKS_IQ2 4
 #endif
@@ -61,12 +59,10 @@
 // and of which the kernels issue one an output and group (Q2_K: two). With GX_I2F_MAGIC=1 (an
 // experiment through DS4_CUDA_DEFINES) the mma's int32 accumulator starts at that constant
 // (GX_C0), so the sum comes out with it added and one full-rate subtraction converts it. The
-// same bits and loops of the same length (IQ2_XXS 1122 SASS instructions a pass, Q2_K 2213).
-// Timed against I2F: the same prompts (2048 / 8192 tokens at 2577 / 2468 tok/s against 2539 /
-// 2490; H200, Flash, separate processes, 2026-12-04): the conversions' pipe does not bound
-// these kernels (Nsight Compute: the IQ2_XXS kernel issues 0.6 instructions a cycle a
-// scheduler, its L1 and shared memory pipe 75% busy; scripts/kernel_lab/README.md). (Adding
-// the constant to each sum instead, then subtracting, made the loops 1214 and 2746 long.)
+// same bits and loops of the same length, and no faster than I2F (H200, Flash: 2048- /
+// 8192-token prompts at 2577 / 2468 tok/s against 2539 / 2490): the conversions' pipe does not
+// bound these kernels. (Tried and dropped: adding the constant to each sum instead; longer
+// loops.) (Measurements: scripts/kernel_lab/HISTORY.md, "gemm_experts.cu: GX_I2F_MAGIC".)
 #ifndef GX_I2F_MAGIC
 #define GX_I2F_MAGIC 0
 #endif
@@ -206,12 +202,9 @@ __device__ __forceinline__ int gx_field(const int* p) {
 // per table block). The bound is loaded again at each step: kept in a register across the
 // body, it and the loop counter pushed values of the IQ2_XXS kernel's inner loop into local
 // memory (14 spill loads there, 7 like this, none in one block's single pass).
-// Before, every block of a table searched for its slot, and the blocks of the unused slots,
-// about 85 000 of each launch in a 512-row step, then returned: on an H200 a traced 512-row
-// step of Flash took 2254 / 1503 us a filled layer in these kernels (IQ2_XXS / Q2_K), with
-// the walk 1289 / 620. Most of that is the unused blocks' search: with a block per table
-// block, the unused ones returning after reading the bound, prompts ran 1% slower than with
-// the walk.
+// Before, every block of a table searched for its slot, and the unused slots' blocks returned;
+// the walk took a traced 512-row Flash step's IQ2_XXS kernel from 2254 to 1289 us a filled
+// layer (H200). (Measurements: scripts/kernel_lab/HISTORY.md, "gemm_experts.cu: gx_live".)
 __device__ __forceinline__ int gx_live(const MvDesc* __restrict__ descs, int count) {
     const MvDesc* L = descs + count - 1;
     const int bs = gx_field(&L->block_start);
@@ -259,14 +252,9 @@ __device__ __forceinline__ void gx_walk(const MvDesc* __restrict__ descs, int co
 // Block 128 (four warps of 16 MT outputs each); n_in a multiple of 256. Rows of an odd number
 // of super-blocks (66 bytes each) are only 2-byte aligned: their groups are read in 2-byte
 // pieces.
-// (Tried and dropped: this kernel's and ds4_moe_mma_q2_k's start (descriptor, lane place, weight
-// rows, rows of x) as one shared function, 999 -> 891 SASS instructions in this loop, with the
-// compressors' row emit shared by ds4_compress and ds4_compress_windows. The same results, but a
-// 2048-token Flash prompt on an H200 ran at 1143 tok/s against 1201 for the code as it is.
-// Also dropped: both kernels loading their next step's weights while computing this one
-// (IQ2_XXS two groups ahead, 104 -> 136 registers; Q2_K a super-block, 138 -> 181): the same
-// bits, but a 256-row step of an 8192-token prompt took 1005 / 765 us a layer against 866 /
-// 601, and 870 / 586 with the registers capped back to four and three blocks an SM.)
+// (Tried and dropped: this kernel's and ds4_moe_mma_q2_k's start as one shared function, and
+// both kernels loading their next step's weights while computing this one; the same results,
+// slower.) (Measurements: scripts/kernel_lab/HISTORY.md, "gemm_experts.cu: ds4_moe_mma_iq2_xxs".)
 // One block's work of ds4_moe_mma_iq2_xxs: the warp's outputs o0.. of descriptor D over its
 // first LIVE n8 tiles of rows (the others hold no rows), its weight rows 16-byte aligned (VEC)
 // or only 2-byte aligned (read in 2-byte pieces). LIVE and VEC as template arguments keep the

@@ -9,20 +9,14 @@
 // many lines) as one 32-bit word of byte selectors an entry: nibble j is 0, 1 or 2 for
 // coordinate j = 8, 25 or 43, and two byte permutes of the word 0x002B1908 rebuild the
 // entry's 8 bytes. The lattice's random per-lane lookups are the kernel's largest stall
-// (Nsight Compute, twelve 2048 x 4096 products at one row: L1/TEX 76% busy, 1.5 M excessive
-// shared-memory wavefronts from bank conflicts, short-scoreboard waits first among the
-// stalls); a 4-byte lookup makes one wavefront of a warp's request where an 8-byte one made
-// two, before conflicts. The same bits; in the lab (H200, pseudo-random weights) twelve
-// products at one row 24.2 us against 25.3 with the 8-byte entries, 160 at one row 258 against
-// 273-276, 90 at two rows 189 against 201-202. Tried on top and not kept (the same bits):
-// the dp4a chains split in two (the same at one row, 194 us at two rows), both groups' x
-// loaded before either is used (208 us at two rows); the lattice held in 8, 16 or 32 copies,
-// lane l reading copy l % C so that lanes looking up different entries meet in fewer banks
-// (2026-12-02, the same bits: twelve products at one row 24.0 / 25.6 / 35.1 us against 24.1
-// with one copy, 48 at one row 80.7 / 85.5 / 123.3 against 81.5, 160 at one row 256.6 / 271.7
-// / 394.1 against 258.6, twelve at two rows 30.6 / 32.2 / 41.6 against 30.4; in the engine 32
-// copies made Flash steps 9.12 ms against 8.70). With 4-byte entries the conflicts no longer
+// (Nsight Compute: L1/TEX 76% busy, excessive shared-memory wavefronts from bank conflicts); a
+// 4-byte lookup makes one wavefront of a warp's request where an 8-byte one made two, before
+// conflicts. The same bits, and faster (H200 lab: 160 products at one row 258 us against 273-276
+// with 8-byte entries). (Tried on top and not kept, the same bits: the dp4a chains split in two,
+// both groups' x loaded before either is used, the lattice held in 8, 16 or 32 copies; 32
+// copies made Flash steps 9.12 ms against 8.70.) With 4-byte entries the conflicts no longer
 // bound the kernel, and a table of 16 or 32 KB a block costs more to fill than it saves.
+// (Measurements: scripts/kernel_lab/HISTORY.md, "iq2_xxs.cu: iq2xxs_grid".)
 //
 // On the device rows are split (rust/engine/quant/split/): the 64-byte group runs of all
 // super-blocks, then the 2-byte d's. Lane l's 16 bytes of chunk c are groups 2 (l & 3) and
@@ -36,12 +30,11 @@
 // sum w x = db dx (sum g q - 2 sum (g & neg) q), neg the mask of the negative weights' bytes:
 // four dp4a each, with no byte arithmetic on the signs. Per group and row:
 // acc = fmaf(db * dx, (float)isum, acc). The kernel is bound by instruction issue: on an H200
-// (scripts/kernel_lab, pseudo-random weights) twelve 2048 x 4096 products take 25.1 us at one
-// row, 30.8 at two, 43.8 at four; 160 of them at one row 273 us (1.27 TB/s). Before the inner
-// loop lost a third of its instructions (the sign masks, the lattice addresses and the row tests
-// as below; 1139 -> 774 in the one-row kernel's loop, the same bits): 29.5, 32.9, 46.9 and 319
-// us, and Flash steps at a 2100-token context 8.96 ms against 8.79 (interleaved A/B, medians
-// of 3). With a sign table 35 us at one row, with float x 47.
+// (scripts/kernel_lab) twelve 2048 x 4096 products take 25.1 us at one row, 30.8 at two. The
+// sign masks, the lattice addresses and the row tests below took a third of the inner loop's
+// instructions away, the same bits (Flash steps 8.79 ms against 8.96). (Tried and dropped: a
+// sign table, float x; slower.) (Measurements: scripts/kernel_lab/HISTORY.md,
+// "iq2_xxs.cu: inner loop".)
 
 // The sign masks of a 7-bit sign index i, half 0 (weights 0..3) and half 1 (weights 4..7): byte
 // j is 0xff when bit j of ksigns(i) = i | parity(i) << 7 is set. One multiply moves sign bit j
@@ -114,9 +107,8 @@ struct FmtIQ2_XXS {
         const int sb = CB * c + (lane >> 2);
         // Row 0 of a batch always exists (a descriptor of no rows returns before the kernel
         // gets here), so its loads and dots carry no test. (The same in the other formats' dots
-        // and in mv_store was slower: the Q8_0 float-x kernel took 124 registers instead of 100,
-        // o_a 24.1 against 23.0 us in the lab, Q2_K at two rows 23.1 against 20.2, and Flash
-        // steps 9.00 against 8.81 ms, a verify of 8 rows 29.2 against 28.0; H200, medians of 2.)
+        // and in mv_store was slower: Flash steps 9.00 against 8.81 ms on an H200.)
+        // (Measurements: scripts/kernel_lab/HISTORY.md, "iq2_xxs.cu: dot row 0".)
         float d[MV_ROWS];
 #pragma unroll
         for (int q = 0; q < MV_ROWS; q++) {
@@ -185,13 +177,11 @@ struct FmtIQ2_XXS {
 };
 
 // Resident blocks a SM of the one- and two-row kernels (MvMinBlocks), -D options for A/B timing
-// (DS4_CUDA_DEFINES). The default four (124 and 128 registers) won in the engine (H200, Flash
-// at 2100 tokens with pseudo-random experts, interleaved A/B, medians of 2): steps 8.81 ms
-// against 8.97 with five for both (96 registers, a few bytes of spills) and 9.01 with six at one
-// row (80 registers); a verify of 8 rows 27.8 ms against 28.5 and 28.1. In the lab, five and six
-// were faster only for 160 products at once (257 and 262 against 274 us; twelve: 27.2 and 25.3
-// against 25.1, at two rows 37.9 and 36.5 against 30.8). Likewise for Q8_0's float-x kernel
-// (MV_MIN_BLOCKS_Q8_0_1, q8_0.cu).
+// (DS4_CUDA_DEFINES). The default four (124 and 128 registers) won in the engine (H200, Flash:
+// steps 8.81 ms against 8.97 with five and 9.01 with six at one row); in the lab five and six
+// were faster only for 160 products at once. Likewise for Q8_0's float-x kernel
+// (MV_MIN_BLOCKS_Q8_0_1, q8_0.cu). (Measurements: scripts/kernel_lab/HISTORY.md,
+// "iq2_xxs.cu: MV_MIN_BLOCKS_IQ2".)
 #ifndef MV_MIN_BLOCKS_IQ2_1
 #define MV_MIN_BLOCKS_IQ2_1 MV_MIN_BLOCKS
 #endif

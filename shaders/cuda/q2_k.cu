@@ -68,11 +68,10 @@ struct FmtQ2_K {
         }
         // One batch row at a time, so that only its activations are live (at 8 rows the
         // kernel stays inside the register cap); each acc[q][r] still takes its four shifts in
-        // order, whatever NB (row invariance). (Tried and dropped, 2026-12-02: the two-row
-        // kernel loading both rows' activations before either row's dp4a chains, the same bits;
-        // it spilled 12 bytes, and Flash verifies of 2 / 4 / 8 rows at a 2100-token context took
-        // 11.19 / 15.51 / 24.32 ms against 11.00 / 15.09 / 23.60 this way, H200, two
-        // interleaved processes each.)
+        // order, whatever NB (row invariance). (Tried and dropped: the two-row kernel loading
+        // both rows' activations before either row's dp4a chains, the same bits; it spilled,
+        // and Flash verifies were slower.) (Measurements: scripts/kernel_lab/HISTORY.md,
+        // "q2_k.cu: FmtQ2_K::dot".)
 #pragma unroll
         for (int r = 0; r < NB; r++) {
             if (r < n) {

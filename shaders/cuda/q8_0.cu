@@ -4,21 +4,13 @@
 // so each row is computed the same way in every batch (row invariance) either way. By
 // default the tensor-core kernel takes rows of at most 1024 elements (Flash's q_b, 32768 x
 // 1024: as fast as the float-x kernel at one batch row, three times faster at eight), rows of
-// at least 8192 (o_b, 4096 x 8192: as fast at one row, 2.8 times faster at eight; a verify of
-// 8 rows 28.4 ms against 30.6, the 2100-token prompt 6.00 s against 6.50, steps unchanged:
-// figures at Q8_MMA_MIN_IN in context.rs) and matrices of at least 65536 rows (the head,
-// 129280 x 4096: faster at one row with its x staged, MQ_X_STAGED below, and 3.6 times faster
-// at eight), the float-x kernel the rest.
-// Before the head moved (H200, Flash with pseudo-random experts at a 2100-token context, two
-// A/B rounds in one session; since, a verify of 8 rows takes 30.3 ms against 31.1 with the
-// head on the float-x kernel, steps 9.12 against 9.00 ms, 9.01 / 8.99 in the second round):
-// steps in a row 9.16 / 9.05 ms against 9.14 / 9.13 with the float-x kernel everywhere
-// (DS4_CUDA_Q8=fma), a verify of 8 rows 31.4 / 30.5 ms against 32.2 / 32.1, the 2100-token
-// prompt 6.52 / 6.49 s against 7.02 / 6.96. Adding rows of
-// 2048 (the shared expert's down) made steps slower (9.52 / 9.49 ms). The bound is set for
-// Flash: the MID shape's rows are nearly all 1024 long, so there the default is close to
-// DS4_CUDA_Q8=mma (at 2K: steps in a row 1.54 ms against 1.48 with fma, a verify of 8 rows
-// 4.22 against 5.65 ms, a 2K prefill 3607 against 3128 tok/s).
+// at least 8192 (o_b, 4096 x 8192: as fast at one row, 2.8 times faster at eight; figures at
+// Q8_MMA_MIN_IN in context.rs) and matrices of at least 65536 rows (the head, 129280 x 4096:
+// faster at one row with its x staged, MQ_X_STAGED below, and 3.6 times faster at eight), the
+// float-x kernel the rest. Adding rows of 2048 (the shared expert's down) made Flash's steps
+// slower. The bound is set for Flash: the MID shape's rows are nearly all 1024 long, so there
+// the default is close to DS4_CUDA_Q8=mma. (Measurements: scripts/kernel_lab/HISTORY.md,
+// "q8_0.cu: kernel choice".)
 //
 // ---- The float-x kernel: matvec_split (common.cuh). On the device rows are
 // split (rust/engine/quant/split/): the 32-byte quant runs of all blocks, then the 2-byte
@@ -68,13 +60,10 @@ struct FmtQ8_0 {
 };
 
 // Resident blocks a SM of the one-row kernel (MvMinBlocks); a -D option may override it for
-// A/B timing (DS4_CUDA_DEFINES, rust/engine/backend/cuda/context.rs). Six (80 registers)
-// made Flash's q_b faster in the lab (18.2 -> 17.4 us at the host's warp group, 26.6 -> 22.2
-// at two warps a group) but Flash steps in a row slower in the engine (H200, two A/B rounds
-// at 2100: 9.18 / 9.16 ms against 9.10 / 9.12). With q_b on the tensor cores, five (96
-// registers) made steps slower too: 8.92 ms against 8.81 (medians of 2), though o_a alone got
-// faster in the lab (8 x 1024 x 4096: 21.5 us with five, 21.0 with six, 22.9 with four; q_a
-// and the shared expert got slower).
+// A/B timing (DS4_CUDA_DEFINES, rust/engine/backend/cuda/context.rs). More blocks made some
+// products faster in the lab but Flash's steps slower in the engine (H200, at 2100 tokens: six
+// (80 registers) 9.18 ms against 9.10; five, with q_b on the tensor cores, 8.92 against 8.81).
+// (Measurements: scripts/kernel_lab/HISTORY.md, "q8_0.cu: MV_MIN_BLOCKS_Q8_0_1".)
 #ifndef MV_MIN_BLOCKS_Q8_0_1
 #define MV_MIN_BLOCKS_Q8_0_1 MV_MIN_BLOCKS
 #endif
@@ -108,30 +97,15 @@ MVS_KERNELS(q8_0, FmtQ8_0)
 // products cover 8 batch rows. (The tf32 route, common.cuh notes, needed the quant bytes
 // converted to floats and x in two tf32 parts; 8-bit integers need neither.)
 //
-// Measured (H200, scripts/kernel_lab, pseudo-random weights; us at 1 / 8 / 16 batch rows (16:
-// without the x prefetch), against the float-x kernel at 1 / 8, whose 16 rows run as two
-// chunks of 8):
-//   head 129280 x 4096: 202 / 256 / 396 against 168 / 934; q_b 32768 x 1024: 18.1 / 20.9 /
-//   27.2 against 18.3 / 60.6; o_b 4096 x 8192: 20.1 / 23.6 / 30.7 against 16.2 / 62.4;
-//   q_a 1024 x 4096: 8.4 / 9.4 against 6.8 / 19.9.
-// Flash at 2K (33 of 43 layers with pseudo-random experts): decode 10.63 ms against 9.23,
-// verify of 8 rows 28.15 ms against 33.67, the 2K prompt 5.19 s against 6.98. One row pays for
-// the per-block x quantization (about a third of the loop's instructions) and the scaling of
-// four outputs a lane of which one is used: at one row the kernel issues every other cycle
-// and waits on its loads (Nsight Compute, head: 0.51 issued warps a scheduler, 16 warps an
-// SM at 128 registers). Deeper prefetch through cp.async rings of 3, 4 or 6 chunks (no
-// registers held) was slower (head 280, 282, 341 us). Hence only short rows by default,
-// until one row is as fast.
-//
-// The kernels as they are now (the lab as above, the float-x kernel's figures after "vs"; us
-// at 1 row, then at 8): q_a 1024 x 4096 7.98 vs 6.86, 9.40 vs 20.0; q_b 15.8 vs 18.4, 21.0 vs
-// 62.4; o_a's eight 1024 x 4096 27.3 vs 22.3, 33.4 vs 65.5; o_b 17.9 vs 16.2, 23.6 vs 62.9;
-// the shared gate and up 16.1 vs 13.0, 19.4 vs 39.8; its down 9.5 vs 8.0, 11.3 vs 21.9; the
-// head 169.1 vs 169.3, 257 vs 936. The head is as fast at one row (faster with its x staged,
-// below) and 3.6 times faster at eight (a verify's logits), so the rule takes it by its row
-// count. Neither warp group nor input slices make the others win at one row (H200 lab, best
-// of groups 1, 2, 4 by slices 1, 2, 4, 8, tensor cores against float-x: q_a 8.25 vs 6.67 us,
-// o_b 17.65 vs 16.01, the shared gate and up 12.63 vs 10.95, its down 9.53 vs 7.80).
+// At one batch row the kernel paid for the per-block x quantization (about a third of the
+// loop's instructions) and the scaling of four outputs a lane of which one is used: it issued
+// every other cycle and waited on its loads (Nsight Compute, the head). At eight rows it is
+// faster (H200 lab, q_b 32768 x 1024: 21.0 us against 62.4 with the float-x kernel); at one
+// row the head is as fast (faster with its x staged, below), but q_a, o_b and the shared
+// expert are slower whatever the warp group and input slices (q_a 1024 x 4096: 8.25 against
+// 6.67 us). Hence the choice by shape (above). (Tried and dropped: deeper prefetch through
+// cp.async rings of 3, 4 or 6 chunks; slower.) (Measurements: scripts/kernel_lab/HISTORY.md,
+// "q8_0.cu: tensor-core kernel".)
 //
 // Layout on the device (rust/engine/quant/split/q8_0.rs): each whole 16-row tile of a plane (a
 // 2-D tensor, or one expert of a 3-D one) as one run, block k's 512 quant bytes at 512 k in
@@ -169,13 +143,10 @@ MVS_KERNELS(q8_0, FmtQ8_0)
 // for its warps (1: mq_stage_x), when the slice is at most MQ_XS_CHUNKS chunks and each warp
 // of a row group walks at least MQ_XS_MIN_CHUNKS of them, or else each warp quantizes the x
 // of its chunks as it goes (0: MQ_X_COOP's way). The same integers and scales either way, so
-// the same bits. Measured (H200 lab, pseudo-random weights, one batch row, us per product,
-// staged for every slice that fits against not at all): the head 129280 x 4096 (one warp a
-// row group, 64 chunks a warp) 160.7 against 169.9, the float-x kernel 170.0; but q_a 1024 x
-// 4096 (2 chunks a warp) 8.64 against 7.84, o_b 4096 x 8192 (8) 19.4 against 17.8, the
-// shared expert's gate and up (2 chunks) 16.6 against 15.9, q_b 32768 x 1024 (8) 15.6 against
-// 15.8: the block's barrier and its quantization of the whole slice pay only where each warp
-// would quantize many chunks itself.
+// the same bits. The block's barrier and its quantization of the whole slice pay only where
+// each warp would quantize many chunks itself (H200 lab, one batch row: the head, 64 chunks a
+// warp, 160.7 us against 169.9; q_a 1024 x 4096, 2 chunks a warp, 8.64 against 7.84).
+// (Measurements: scripts/kernel_lab/HISTORY.md, "q8_0.cu: MQ_X_STAGED".)
 #ifndef MQ_X_STAGED
 #define MQ_X_STAGED 1
 #endif
@@ -409,13 +380,11 @@ struct MqRows {
 };
 
 // ALL: every tile of the warp is stored whole and 16-byte aligned (the fast path: no row-by-row
-// code and no 2-byte loads at all). (With the 2-byte loads of unaligned tiles in the fast
-// path too, behind a run-time test, the one-row loops issued them predicated off: 73 of the
-// staged loop's 229 SASS instructions a chunk, 74 of the spread one's 270; now 158 and 203,
-// and 116 registers instead of 124. The same loads, so the same bits. On an H200, Flash at a
-// 2100-token context, separate processes interleaved: steps 8.04 ms against 8.22 (medians of
-// two runs' medians), 2026-12-04. MQ_FAST_VEC=0, a DS4_CUDA_DEFINES variant, gives the old code
-// back for A/B timing; the kernels of more rows had the test hoisted out of their loops already.)
+// code and no 2-byte loads at all). With the unaligned tiles' 2-byte loads behind a run-time
+// test in the fast path too, the one-row loops issued them predicated off (73 of the staged
+// loop's 229 SASS instructions a chunk); without them, Flash's steps are faster on an H200:
+// 8.04 ms against 8.22, the same bits. MQ_FAST_VEC=0, a DS4_CUDA_DEFINES variant, gives the
+// old code back. (Measurements: scripts/kernel_lab/HISTORY.md, "q8_0.cu: MQ_FAST_VEC".)
 #ifndef MQ_FAST_VEC
 #define MQ_FAST_VEC 1
 #endif
@@ -569,11 +538,10 @@ __device__ __forceinline__ void mq_chunk(const MqChunk<XM>& k, const MqRows& R, 
                     if (NB == 1 && (i & 1)) {
                         continue;
                     }
-                    // (Tried: each sum started from the float bits of 1.5 * 2^23 through the
-                    // mma's c operand, so that its float is a subtraction, and 256 d1 + d0 one
-                    // fmaf, with no int-to-float conversions: the same bits, and no faster on an
-                    // H200: o_b 4096 x 8192 at one row 18.04 against 17.67 us, at 16 rows 32.36
-                    // against 32.57, the other Flash shapes at one row 0.02 to 1.0 us slower.)
+                    // (Tried and dropped: each sum started from the float bits of 1.5 * 2^23
+                    // through the mma's c operand, so that its float is a subtraction, with no
+                    // int-to-float conversions: the same bits, and no faster on an H200.)
+                    // (Measurements: scripts/kernel_lab/HISTORY.md, "q8_0.cu: mq_chunk".)
                     const float lo16 = (float)(d0[i] + (d1[i] << 8));
                     const float f = fmaf((float)d2[i], 65536.0f, lo16);
                     acc[mt][tg][i] = fmaf(dw[i >> 1] * sx[tg][i & 1], f, acc[mt][tg][i]);

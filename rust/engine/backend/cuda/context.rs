@@ -59,30 +59,19 @@ pub(crate) const Q8_MMA_MAX_IN: usize = 1024;
 
 /// Rows of at least this many elements also go to Q8_0's tensor-core kernel by default (see
 /// [`tensor_cores`]): Flash's o_b (4096 x 8192), which it reads as fast as the float-x kernel
-/// at one batch row (H200 lab: 17.69 against 17.74 us) and 2.8 times faster at eight (23.40
-/// against 65.41 us). In the engine (H200, Flash with filled experts at a 2100-token context,
-/// `ab_steps.py --processes`, three interleaved runs each, medians): steps in a row 8.99 ms
-/// against 9.01, verifies of 2 / 4 / 8 rows 11.70 / 17.51 / 28.44 ms against 11.76 / 18.33 /
-/// 30.63, the prompt 6.00 s against 6.50. The shared expert's down (4096 x 2048) as well,
-/// though as fast in the lab at one row (9.53 against 9.82 us), made steps slower in the engine
-/// (9.48 ms), as did all Q8_0 on the tensor cores (`DS4_CUDA_Q8=mma`: 9.70 against 8.96, for a
-/// verify of 8 rows in 26.07 ms and the prompt in 5.13 s). (`DS4_CUDA_Q8_MMA_MIN_ROWS=4096`
-/// moves that down too, 4096 rows: steps 9.41 ms against 8.65, verifies of 8 rows 28.06
-/// against 26.52, two interleaved runs.)
+/// at one batch row and 2.8 times faster at eight (H200 lab); in the engine (Flash) verifies
+/// of 8 rows took 28.44 ms against 30.63. (Tried and dropped: the shared expert's down
+/// (4096 x 2048) as well, and all Q8_0 on the tensor cores (`DS4_CUDA_Q8=mma`); steps slower.)
+/// (Measurements: scripts/kernel_lab/HISTORY.md, "context.rs: Q8_MMA_MIN_IN".)
 pub(crate) const Q8_MMA_MIN_IN: usize = 8192;
 
 /// Matrices (planes) of at least this many rows go to Q8_0's tensor-core kernel by default,
 /// whatever their row length (see [`tensor_cores`]): Flash's o_a (8192 x 4096, its eight
-/// 1024-row group products with it: `DeviceImage::kernel_mat`) and the LM head. o_a on the
-/// tensor cores (H200, Flash with the experts of 33 of 43 layers filled, 2100-token context,
-/// `ab_steps.py --processes`, two interleaved runs, medians, 2026-12-02): steps in a row 8.72
-/// ms against 8.72, verifies of 2 / 4 / 8 rows 11.33 / 15.76 / 24.82 ms against 11.39 / 16.31 /
-/// 26.35 (per launch, o_a 23.5 us at one row and 29.3 at eight against 21.8 and 63.4 on the
-/// float-x kernel), the 2100-token prompt 2.00 s against 1.93 (o_a leaves the prompt's
-/// `ds4_gemm_q8_0`, which reads the float-x layout, for this kernel, which reads the weights
-/// once per 16 rows; since 2026-12-03 a prompt's steps run this layout's products on
-/// `ds4_gemm_q8_0_mq`, 64 rows a descriptor, instead). With q_a and kv as well
-/// (`DS4_CUDA_Q8_MMA_SHAPES=4096x1024,4096x512`), verifies of 8 rows 24.51 ms but steps 8.91.
+/// 1024-row group products with it: `DeviceImage::kernel_mat`) and the LM head. With o_a there
+/// steps kept their speed and verifies got faster (H200, Flash: 8 rows 24.82 ms against 26.35).
+/// A prompt's steps run this layout's products on `ds4_gemm_q8_0_mq` (64 rows a descriptor)
+/// instead. (Tried and dropped: q_a and kv as well; faster verifies, slower steps.)
+/// (Measurements: scripts/kernel_lab/HISTORY.md, "context.rs: Q8_MMA_MIN_ROWS".)
 pub(crate) const Q8_MMA_MIN_ROWS: usize = 8192;
 
 /// Whether this process multiplies `ty` matrices of `rows` rows (a plane: a 2-D tensor, one
@@ -414,9 +403,8 @@ pub(crate) struct Context {
     /// The scheduling priority of the launches on the context's stream (`Context::launch_args`)
     /// when `DS4_CUDA_PRIORITY=1`: the device's greatest, so that a decode step's side branch
     /// (its own stream, default priority) takes only the SMs its main branch leaves. Off by
-    /// default: on an H200 (Flash at 2100 tokens, two rounds of processes in one session) steps
-    /// in a row took 8.87 / 8.94 ms with it against 8.90 / 9.12 without, verifies of 8 rows
-    /// 30.9 / 31.5 against 29.7 / 32.4 ms: within the noise.
+    /// default: on an H200 (Flash at 2100 tokens) steps and verifies with it were within the noise.
+    /// (Measurements: scripts/kernel_lab/HISTORY.md, "context.rs: priority".)
     pub(crate) priority: Option<i32>,
     /// Whether the driver reports kernels' parameters (`cuFuncGetParamInfo`, CUDA 12.4 and
     /// later): then every launch by name is checked against them (`Context::check_args`).

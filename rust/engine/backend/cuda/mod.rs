@@ -244,10 +244,10 @@ const TARGET_BLOCKS: usize = 132;
 /// so that a matrix with few rows still has enough warps, and loads in flight, to keep the
 /// memory busy. Each warp keeps at least two chunks (the next one's loads overlap the current
 /// one's arithmetic), and matrices with many rows, which fill the GPU anyway, are not split:
-/// on an H200 a Q8_0 4096 x 4096 product takes 10.7 us with 2 warps per group against 13.1 us
-/// with 1, a 1024 x 4096 one 6.9 us with 4 against 10.0 us, but an 8192 x 4096 one 17.5 us
-/// with 2 against 15.6 us with 1. 1 for the staged formats (Q4_K, MXFP4). Depends only on the
-/// shape: the group's sums are added in warp order (row invariance).
+/// on an H200 a Q8_0 1024 x 4096 product takes 6.9 us with 4 warps per group against 10.0 us
+/// with 1, but an 8192 x 4096 one 17.5 us with 2 against 15.6 us with 1. 1 for the staged
+/// formats (Q4_K, MXFP4). Depends only on the shape: the group's sums are added in warp order
+/// (row invariance). (Measurements: scripts/kernel_lab/HISTORY.md, "cuda/mod.rs: group".)
 pub(crate) fn group(w: &Mat) -> usize {
     if matches!(w.ty, GgmlType::Q4_K | GgmlType::MXFP4) {
         return 1;
@@ -273,14 +273,13 @@ pub(crate) fn group(w: &Mat) -> usize {
 /// Most batch rows of one product chunk of a `ty` matrix of `rows` rows of `n_in` elements: 8 for
 /// the quantized formats of `matvec_split` (Q8_0, Q2_K, IQ2_XXS), whose 16-row kernels run
 /// slower per row than two 8-row chunks (on an H200 a Q8_0 4096 x 8192 product takes 140.6 us
-/// for 16 rows and 61.6 us for 8, a Q2_K 6 x 4096 x 2048 one 275 us against 82 us; at 128
-/// registers the 16-row kernels spill in their inner loop, and with more registers fewer warps
-/// fit and they were slower still), 16 for the others (Q8_0 on the tensor cores covers 8 batch
-/// rows per product). Every chunk size computes a row the same way (row invariance), so this
-/// changes only the speed. (Chunks of 4 rows for the float-x Q8_0 kernel, so that a verify's
-/// o_a, q_a and shared expert run the 4-row kernel twice: Flash at a 2100-token context, a
-/// process each, two interleaved runs, verifies of 2 / 4 / 8 rows 11.43 / 16.41 / 26.97 ms
-/// against 11.39 / 16.33 / 26.23, steps 8.77 against 8.73.)
+/// for 16 rows and 61.6 us for 8; at 128 registers the 16-row kernels spill in their inner
+/// loop, and with more registers fewer warps fit and they were slower still), 16 for the others
+/// (Q8_0 on the tensor cores covers 8 batch rows per product). Every chunk size computes a row
+/// the same way (row invariance), so this changes only the speed. (Tried and dropped: chunks of
+/// 4 rows for the float-x Q8_0 kernel, so that a verify's o_a, q_a and shared expert run the
+/// 4-row kernel twice; slower.)
+/// (Measurements: scripts/kernel_lab/HISTORY.md, "cuda/mod.rs: chunk_rows".)
 pub(crate) fn chunk_rows(ty: GgmlType, n_in: usize, rows: usize) -> usize {
     match ty {
         GgmlType::Q8_0 if tensor_cores(ty, n_in, rows) => MAX_BATCH,
@@ -309,13 +308,13 @@ pub(crate) fn rows_per_block(w: &Mat, g: usize) -> usize {
 /// the same shape, `rows` output rows in all: those of a single matrix of `rows` rows, whose
 /// row blocks the launch has. For the decode's o_a, eight 1024 x 4096 products (the output
 /// groups, side by side in one launch): alone each would take 4 warps a row group, together
-/// they fill the GPU with 1 (on an H200, Flash o_a: 23 us a launch with 4, 19 with 2; a single
-/// 8192 x 4096 matrix 15.6 us with 1; Flash decode at 2K, two A/B pairs: 9.57 / 9.61 ms with
-/// each product's own split, 9.27 / 9.39 ms with this). Like [`group`] and [`slices`], a
-/// function of shapes only, never of the batch (row invariance). The launch also runs the
-/// whole matrix's kernel ([`tensor_cores`] of `rows` rows): o_a's groups are row ranges of one
-/// plane, whose kernel chose the weights' device layout. (The host's products of the groups
-/// take the same kernel and split one by one, through `DeviceImage::kernel_mat`.)
+/// they fill the GPU with 1 (on an H200, Flash decode steps at 2K took 9.27 ms with this
+/// against 9.57 with each product's own split). Like [`group`] and [`slices`], a function of
+/// shapes only, never of the batch (row invariance). The launch also runs the whole matrix's
+/// kernel ([`tensor_cores`] of `rows` rows): o_a's groups are row ranges of one plane, whose
+/// kernel chose the weights' device layout. (The host's products of the groups take the same
+/// kernel and split one by one, through `DeviceImage::kernel_mat`.)
+/// (Measurements: scripts/kernel_lab/HISTORY.md, "cuda/mod.rs: split_in_launch".)
 pub(crate) fn split_in_launch(w: &Mat, rows: usize) -> (usize, usize) {
     let whole = Mat { n_out: rows.max(w.n_out), ..*w };
     (group(&whole), slices(&whole))
@@ -326,11 +325,10 @@ pub(crate) fn split_in_launch(w: &Mat, rows: usize) -> (usize, usize) {
 /// 24 or 6 rows of 16384 inputs), so that they do not run on a handful of SMs; a slice keeps
 /// at least one tile per warp of a group. Depends only on the shape, never on the batch: the
 /// slices' partial sums are added in slice order, so the split is part of each row's fixed
-/// reduction order (row invariance). (Tried: the float formats aiming at twice the blocks, which
-/// puts Flash's router, 256 x 4096 F16, in 4 slices and its HCA compressors, 512 x 4096, in 2.
-/// In the lab (H200) faster at 8 batch rows, 13.3 against 15.5 us and 16.4 against 18.8, at one
-/// row 6.7 against 7.4 and 8.0 against 7.5; in the engine Flash steps took 8.89 ms against 8.67
-/// and verifies of 8 rows 26.36 against 26.54: not kept.)
+/// reduction order (row invariance). (Tried and dropped: the float formats aiming at twice the
+/// blocks, Flash's router in 4 slices and its HCA compressors in 2: faster in the lab at 8
+/// batch rows, but Flash steps took 8.89 ms against 8.67.)
+/// (Measurements: scripts/kernel_lab/HISTORY.md, "cuda/mod.rs: slices".)
 fn slices(w: &Mat) -> usize {
     let tiles = w.n_in.div_ceil(tile_elems(w.ty, w.n_in, w.n_out));
     // The Q8_0 kernel's warps are few (32 rows each) and its chunks short: it asks for four

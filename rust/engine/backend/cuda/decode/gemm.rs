@@ -25,12 +25,10 @@ const MIN_UNITS_PER_SLICE: usize = 8;
 /// Warps a product should have at least to keep the GPU busy: a prompt's step of 256 rows runs
 /// four descriptors a product, so 1024 warps, 256 blocks, about one wave of an H200 at two
 /// blocks an SM (the kernel's registers allow two). More slices cost more than the fuller GPU
-/// gains: the kernel lab's `ds4_gemm_q8_0` at four descriptors of 64 rows (H200, 2026-12-02;
-/// microseconds at 1 / 2 / 4 / 8 / 16 slices) 1024 x 4096: 200 / 139 / 84 / 72.5 / 86.7;
-/// 4096 x 2048: 107 / 110 / 140 / 148 / 192; 2048 x 4096: 201 / 142 / 103 / 145 / 151; 4096 x
-/// 4096: 230 / 174 / 211 / 226 / 264. This target picks 8, 2, 4 and 2 of them (512 picked 16,
-/// 4, 8 and 4). (Steps of 512 rows, the default since, run eight descriptors a product on the
-/// same slices: the slices follow the shape only.)
+/// gains: a target of 512 picked twice the slices and was slower on each shape measured (the
+/// kernel lab's `ds4_gemm_q8_0` on an H200, 1024 x 4096: 86.7 us in 16 slices against 72.5 in
+/// 8). The slices follow the shape only, so steps of 512 rows (eight descriptors a product)
+/// split the same way. (Measurements: scripts/kernel_lab/HISTORY.md, "gemm.rs: TARGET_WARPS".)
 const TARGET_WARPS: usize = 256;
 
 /// Most batch rows of one product descriptor (`GEMM_MTILES` m16 tiles in gemm.cu, each unit of

@@ -71,30 +71,12 @@ const N_MAX: usize = MAX_BATCH;
 const P_MAX: usize = 1024;
 
 /// Rows of a prompt's step by default. A step reads each weight once for all its rows, so more
-/// rows read less a token (the routed experts: a 16-row step of Flash reads about 81 of a
-/// layer's 256, a 128-row one about 243); its buffers grow with the rows. On an H200 (Flash
-/// with filled experts, interleaved in one process, routed products of at most 2 rows): 2048-
-/// and 8192-token prompts at 465 / 425 tok/s with steps of 16 rows, 502 / 467 with 64; with
-/// 128 (and products of 4 rows, [`program::expert_chunk`]) 565 / 529 in a later build; with
-/// the routed products on the tensor cores (gemm_experts.cu), 893 / 807 with 128 rows and 936 /
-/// 842 with 256 (a 256-row step reads about 255 of the 256). Past that every expert is read
-/// anyway, but the routed products' tensor-core kernels decode an expert's weights once for up
-/// to 16 of its rows (gemm_experts.cu), and a 512-row step gives an expert about 12 where a
-/// 256-row one gave 6: 2048- and 8192-token prompts at 1335 / 1201 tok/s against 1207 / 1084
-/// with 256 (H200, 2026-12-02, interleaved in one process; the MID model 9623 / 9055 against
-/// 9186 / 8639). The same bits: a 1300-token Flash prompt in steps of 512, 256 and 100 rows
-/// gave equal last-row logits, and equal logits for the token after it. The routing of 512
-/// rows takes 78 KB of shared memory (Flash's router). With 1024-row steps (137 KB) 2048- and
-/// 8192-token prompts at 2090 / 1953 tok/s against 1948 / 1861 with 512 (H200, 2026-12-03, the
-/// four sessions of `verify_bench.py --ab` interleaved in one process; again as the default,
-/// on another machine: 2060 / 1999 against 1940 / 1869; MID 13038 / 12782 against 12598 /
-/// 12618): the dense products read
-/// their weights half as often a token, and the routed ones keep their speed a row. (Tried with
-/// them then: routed tensor-core descriptors of up to 32 rows, one m16 tile of outputs by four
-/// n8 tiles of rows a warp, so an expert's weights are decoded once for its 20 to 30 rows of a
-/// 1024-row step. Slower: 1781 / 1890 tok/s with 1024-row steps. Since 2026-12-04 those
-/// kernels take 32 rows in warps of two m16 by four n8 tiles, each row of x loaded once for 32
-/// outputs, with the row offsets clamped instead of tested: faster, `GxTile` in program.rs.)
+/// rows read less a token; past about 256 rows every routed expert is read anyway, but the
+/// routed tensor-core kernels decode an expert's weights once for up to 32 of its rows and the
+/// dense products read theirs fewer times a token, so larger steps kept winning (H200, Flash:
+/// 2048-token prompts at 2090 tok/s in 1024-row steps against 1948 in 512-row ones). The
+/// routing of 1024 rows takes 137 KB of shared memory (Flash's router). The steps' sizes give
+/// the same bits. (Measurements: scripts/kernel_lab/HISTORY.md, "mod.rs: P_DEFAULT".)
 const P_DEFAULT: usize = 1024;
 
 /// The rows of a prompt's step: `setting` (`DS4_CUDA_PREFILL_ROWS`, 16..=1024) or [`P_DEFAULT`],
@@ -255,12 +237,12 @@ enum Op<A = Arg> {
 /// indexer's projections beside the query path (program.rs, `DS4_CUDA_SIDE_PROJ`); and the
 /// FFN's shared expert beside the router and the routed experts. With `DS4_CUDA_FORK=0` the
 /// iterations run inside ds4_hc_pre (the same operations: the results are bitwise equal, which
-/// `hc_pre_matches_cpu` and test_cuda.py check) and the rest in line. A Flash decode step at 2K
-/// on an H200, both ways in one run: 11.87 ms without the branch, 11.12 ms with it. (The
-/// compressors' updates on it too, with their projections, measured 11.32 ms against 10.99 in
-/// one run, before programmatic launch: not kept.) A second stream, the prefetch branch, runs
-/// the L2 prefetches of weights ([`Op::Ahead`]), which nothing waits for before the step's end.
-/// The decoder's drop destroys both while its context lives (a session may outlive its model).
+/// `hc_pre_matches_cpu` and test_cuda.py check) and the rest in line. With the branch a Flash
+/// decode step at 2K on an H200 took 11.12 ms against 11.87. (Tried and dropped: the compressors'
+/// updates on it too; slower.) A second stream, the prefetch branch, runs the L2 prefetches of
+/// weights ([`Op::Ahead`]), which nothing waits for before the step's end. The decoder's drop
+/// destroys both while its context lives (a session may outlive its model).
+/// (Measurements: scripts/kernel_lab/HISTORY.md, "decode/mod.rs: SideBranch".)
 struct SideBranch {
     stream: sys::CUstream,
     fork: sys::CUevent,
@@ -423,11 +405,9 @@ struct DSparkDevice {
 /// streams, uploaded, then the step's rows), their input norms and products, the block's
 /// attention-site collapse and norm, its K=V product and row; DSpark: each row's captured
 /// streams averaged, `main_proj` and its norm, each stage's K=V product and row. On the host
-/// path each of those products was a round trip. On an H200 (MID, `benches/draft_bench.py`, two
-/// runs each way) a drafter adds 0.21–0.22 ms (MTP) or 0.18–0.24 ms (DSpark) to a decode step
-/// this way, against 0.23–0.30 and 0.28–0.40 ms on the host path; what is left was not measured
-/// apart (this program's part, the streams' download, the session's host argmax of the logits
-/// for the drafter's anchor).
+/// path each of those products was a round trip: on an H200 (MID) an MTP drafter adds
+/// 0.21–0.22 ms to a decode step this way, against 0.23–0.30 ms on the host path.
+/// (Measurements: scripts/kernel_lab/HISTORY.md, "decode/mod.rs: Upkeep".)
 struct Upkeep {
     /// The rows' step parameters: the position of the first row, the rows, the tokens (MTP;
     /// DSpark's rows are the trunk's).
@@ -1709,17 +1689,12 @@ impl CudaDecoder {
 /// `keep` are made; `apes` holds each layer's position biases (the compressor's, then the
 /// indexer's).
 ///
-/// Made before a step returned, this was about 0.23 ms of a 9.0 ms Flash step at a 2100-token
-/// context on an H200 machine (`DS4_PROFILE`, 64 one-token evals), with the logging of a
-/// verify's rows and the undo of its rejected ones more at several rows. Hence [`StepWrites`]:
-/// a step leaves them pending in the state, made during the next step's GPU work, and a cut
-/// keeps only the kept rows'. Measured against making them at once (`DS4_CUDA_DEFER=0`; H200,
-/// Flash with filled experts at 2100 tokens, interleaved A/B in one process, medians of 3 runs
-/// of 64 steps, in two calls): steps 8.78 against 8.92 ms and 8.86 against 9.21; evals of
-/// 2 / 4 / 8 rows 11.53 / 16.90 / 27.73 against 11.88 / 17.80 / 29.38 ms; greedy generation
-/// 8.46 and 8.48 against 8.62 and 8.78 ms a token; generation through verifies of 8 rows that
-/// keep all (an oracle drafter) 3.29 and 3.28 against 3.37 and 3.49 ms a token, and that keep
-/// one (a drafter always wrong) 26.9 and 25.6 against 27.0 and 28.5.
+/// Made before a step returned, these writes took about 0.23 ms of a 9.0 ms Flash step at a
+/// 2100-token context on an H200, and more at several rows (the logging of a verify's rows, the
+/// undo of its rejected ones). Hence [`StepWrites`]: a step leaves them pending in the state,
+/// made during the next step's GPU work, and a cut keeps only the kept rows'. Verifies of 8
+/// rows took 27.73 ms this way against 29.38 with the writes made at once (`DS4_CUDA_DEFER=0`).
+/// (Measurements: scripts/kernel_lab/HISTORY.md, "decode/mod.rs: replay_journal".)
 #[allow(clippy::too_many_arguments)]
 fn replay_journal(
     layers: &mut [LayerState],

@@ -29,11 +29,10 @@ const HC_SITE_MAX: usize = 4;
 
 /// Most rows of one routed-expert product in a decode step or a verify: the kernels for few
 /// rows read the weights much faster per row (IQ2_XXS at 16 rows runs at a fifth of its
-/// one-row speed), and in a batch most experts serve one or two rows. (Chunks of one row, every
-/// row and expert a descriptor of the one-row kernels, were slower on an H200: Flash at a
-/// 2100-token context, three interleaved runs, verifies of 2 / 3 / 4 / 6 / 8 rows 11.64 / 14.40
-/// / 16.96 / 22.48 / 27.46 ms against 11.27 / 14.21 / 16.25 / 21.32 / 26.33; in a traced verify
-/// of 8 rows the gate and up launch took 158 us against 121, the down 74 against 93.)
+/// one-row speed), and in a batch most experts serve one or two rows. (Tried and dropped:
+/// chunks of one row, every row and expert a descriptor of the one-row kernels; slower on an
+/// H200, Flash verifies of 8 rows 27.46 ms against 26.33.)
+/// (Measurements: scripts/kernel_lab/HISTORY.md, "program.rs: EXPERT_CHUNK".)
 pub(super) const EXPERT_CHUNK: usize = 2;
 
 /// A warp's tile in the routed experts' tensor-core kernels (`ds4_moe_mma_iq2_xxs`,
@@ -120,11 +119,10 @@ pub(super) fn route_pick_grid(n: usize, experts: usize) -> u32 {
 ///   (`DS4_CUDA_COMPRESS_SPLIT`), whose windows then close side by side (decode_attn.cu).
 ///
 /// Up to [`N_MAX`] rows one block scores them in a round or two, or closes a few windows, and a
-/// second launch would only add its latency. (A verify's compressors split from 2 or from 5
-/// rows on: verifies of 2 / 4 / 8 rows of Flash at a 2100-token context 11.43 / 16.82 / 26.91
-/// and 11.35 / 16.47 / 26.80 ms against 11.34 / 16.45 / 26.75, interleaved on an H200. Its
-/// routing split from 2 rows on: verifies of 4 / 8 rows 15.53 / 24.30 ms against 15.49 / 24.14,
-/// steps 8.49 against 8.50, two interleaved runs, 2026-12-02; the same bits, tested.)
+/// second launch would only add its latency. (Tried and dropped: a verify's compressors split
+/// from 2 or from 5 rows on, its routing from 2; no faster on an H200, Flash verifies of 8 rows
+/// with the compressors split from 2 at 26.91 ms against 26.75.)
+/// (Measurements: scripts/kernel_lab/HISTORY.md, "program.rs: split_over_blocks".)
 pub(super) fn split_over_blocks(on: bool, n: usize) -> bool {
     on && n > N_MAX
 }
@@ -142,10 +140,9 @@ fn gq_takes(m: &Mat, at: u64) -> bool {
 /// Most rows of one routed-expert product of the decode's kernels in a prompt's step by default
 /// ([`expert_chunk`]; the tensor-core kernels of gemm_experts.cu take up to [`GxTile::max_rows`]
 /// whatever it is): its experts serve more rows (128 rows of Flash: about 3 an expert),
-/// and each product of a chunk reads the expert's weights again. On an H200 (Flash, 2048-token
-/// prompts in 128-row steps, interleaved): 550 / 587 / 531 tok/s with chunks of 2 / 4 / 8 (in
-/// a build whose tensor-core products skipped the rows past 64 of a step, which favoured all
-/// three alike).
+/// and each product of a chunk reads the expert's weights again. Chunks of 4 were the fastest
+/// of 2, 4 and 8 on an H200 (Flash, 2048-token prompts in 128-row steps: 587 tok/s against 550
+/// with 2). (Measurements: scripts/kernel_lab/HISTORY.md, "program.rs: PREFILL_EXPERT_CHUNK".)
 const PREFILL_EXPERT_CHUNK: usize = 4;
 
 /// The most rows of one routed-expert product in a prompt's step: `setting`
@@ -227,14 +224,11 @@ pub(super) fn index_mma_smem(heads: usize) -> usize {
 /// sm_80 or later, for the shapes it takes (head_dim 128, heads a multiple of 16 up to 64)
 /// within the shared memory a block may have. Its scores agree with the float kernel's to
 /// rounding and depend only on the row (row invariance), so a verify is still bitwise its rows'
-/// single decodes, both on this kernel. On an H200 (Flash, filled experts, sessions interleaved
-/// in one process, 2026-12-03): an 8192-token prompt at 1888 tok/s against 1728 with the float
-/// kernel; a 2048-token one the same (1982 / 1984: its indexer keeps at most 512 rows, which
-/// every row then sees, so no scores). In decode steps the float kernel, one thread a (row,
-/// head) walking every indexer row of the context, was a CSA layer's largest stage at 32K
-/// tokens: in a traced Flash step (H200, 2026-12-04) the indexer's scores and top-k added 51.6
-/// of the layer's 231 us for one row (17.4 at 2100 tokens) and 392 of 884 for a verify of 8
-/// rows (38.5).
+/// single decodes, both on this kernel. On an H200 an 8192-token Flash prompt ran at 1888 tok/s
+/// against 1728 with the float kernel (a 2048-token one the same: its indexer keeps at most 512
+/// rows, which every row then sees, so no scores). In decode steps the float kernel, one thread
+/// a (row, head) walking every indexer row of the context, was a CSA layer's largest stage at
+/// 32K tokens. (Measurements: scripts/kernel_lab/HISTORY.md, "program.rs: index_mma".)
 pub(super) fn index_mma(
     on: bool,
     on_steps: bool,
@@ -270,11 +264,9 @@ const INDEX_WAVE: usize = 132;
 /// scores a row never changes the score, so only the speed depends on it). A thread holds its
 /// query head in registers (128 floats: few 256-thread blocks fit an SM) and a block loads
 /// them once for all the rows it scores. With 132 blocks a row, as before, a verify of 8 rows
-/// ran many waves of blocks that each loaded 64 KB of queries to score 4 indexer rows (on an
-/// H200 at a 2100-token context 59 us a launch, against 13.6 for one row). Measured this way
-/// against that (interleaved A/B, Flash with filled experts at 2100 tokens, medians of 3):
-/// verifies of 2 / 4 / 8 rows 11.36 / 16.39 / 26.60 ms against 11.48 / 16.82 / 27.31; one row
-/// is unchanged.
+/// ran many waves of blocks that each loaded 64 KB of queries to score 4 indexer rows; on an
+/// H200 (Flash at 2100 tokens) verifies of 8 rows took 26.60 ms this way against 27.31, one
+/// row the same. (Measurements: scripts/kernel_lab/HISTORY.md, "program.rs: index_blocks".)
 pub(super) fn index_blocks(n: usize) -> u32 {
     INDEX_WAVE.div_ceil(n.max(1)) as u32
 }
@@ -315,51 +307,19 @@ const PREFETCH_THREADS: usize = 128;
 /// Whether each layer asks L2 for its q_b weights ahead of their product (`ds4_prefetch` on
 /// the side branch, from the layer's start), unless `DS4_CUDA_PREFETCH=0`. Between the layer's
 /// start and q_b run only kernels that read little (the attention site's mixing, q_a and kv,
-/// the q_a norm), so DRAM is mostly idle. Measured on an H200 with Flash at a 2100-token
-/// context:
-/// - a one-row q_b (32768 x 1024, 35.6 MB) reading L2 takes 11.8 us against 15.7 from DRAM
-///   (lab, `LAB_COPIES=1`); in the engine's step (CUPTI trace) 16.7 us against 19.5;
-/// - steps in a row, interleaved A/B in four calls: 9.04 against 9.15 ms (3 runs each),
-///   9.01 against 9.12 (5), 9.00 against 9.05 (4), 8.97 against 9.09 (4); verify and prompt
-///   times unchanged within their noise.
+/// the q_a norm), so DRAM is mostly idle. On an H200 (Flash at a 2100-token context) steps in
+/// a row took 9.04 ms against 9.15 without it.
 ///
-/// Measured and not kept, against no prefetch in the same runs: o_a during the attention
-/// (9.07 against 9.00 ms: slower); the shared expert during the FFN site's mixing (9.12
-/// against 9.15: no gain); `ds4_route` asking for a one-row batch's routed down matrices
-/// (16.5 MB; 11.75 against 9.00 ms: a route is one block, and one SM issues bulk prefetches at
-/// a fraction of DRAM's rate). Against this q_b prefetch: q_b in pieces of 8 KB over 136
-/// blocks of 32 threads (9.03 against 9.00 ms: no better, the other kernels a little slower);
-/// the next layer's q_b asked for on the FFN site's side branch after the shared expert,
-/// during the routed experts (9.90 against 8.97 ms: the longer side chain holds up the join
-/// before `ds4_moe_combine`). Nor (2026-12-02) each block of the routed gate and up launch
-/// asking L2 for its share of its slot's down matrix (the down table follows the gate and up
-/// table slot for slot): steps 8.72 against 8.70 ms, verifies of 2 / 4 / 8 rows 11.38 / 16.37
-/// / 26.48 against 11.37 / 16.33 / 26.29 (three interleaved runs).
-///
-/// The prefetch runs on a branch of its own (`Op::Ahead`), not first on the side branch: the launch
-/// takes about 22 us (the bulk prefetches of 35.6 MB), and the compressor and indexer projections
-/// queued behind it started about 11 us after the attention site's mixing had made their input. In
-/// a traced Flash step at 2100 tokens (H200, 2026-12-03) a CSA layer's projections then added 3.2
-/// us to its critical path against 17.7, the layer 200.7 us against 210.9; steps in a row 8.26
-/// against 8.45 ms, verifies of 2 / 4 / 8 rows 10.83 / 14.69 / 22.87 against 10.97 / 14.90 / 23.01
-/// (four interleaved runs; `DS4_CUDA_PREFETCH_BRANCH=0` for the old order). A prompt's steps keep
-/// the old order: in the same runs, where they took the branch too, the 2100-token prompt took 1.80
-/// / 1.71 / 1.79 s against 1.69 / 1.66 / 1.69 (the runs after the first; its products read each
-/// weight once for hundreds of rows, so the prefetch has little to give them). Also tried that day
-/// and dropped: the layer's attention state (its window ring, and the compressed rows and indexer
-/// keys its rows see, up to 4 MB each) asked for on the side branch after q_b, since 43 layers of
-/// weights pass through L2 between two reads of it. The attention and indexer kernels did not get
-/// faster (CSA attention 19.9 us against 20.6, indexer 16.1 against 17.2) and the projections
-/// queued behind those launches too: steps 8.81 against 8.39 ms.
-/// Tried 2026-12-04 (H200, Flash at 2100 tokens, `ab_steps.py`, three interleaved runs): on
-/// the prefetch branch, o_b once the attention has run, the next layer's q_a and kv once the
-/// routed gate and up have run, and the next layer's q_b there instead of at its layer's start.
-/// With this launch's shape (a few SMs issuing 32 KB prefetches: 6.7 MB took 18.8 us, and it
-/// held the next q_b prefetch on that stream back) steps took 8.76 / 8.71 ms against 8.11; in
-/// 8 KB pieces from 32-thread blocks (136 for o_b) 8.31 (o_b), 8.20 (q_a and kv), 8.33 (q_b
-/// early) against 8.17. In the trace q_a still ended 5.2 us after the site's mixing with its
-/// weights in L2, and o_b 14.6 us after o_a: those products wait on their own latency, not on
-/// DRAM.
+/// The prefetch runs on a branch of its own (`Op::Ahead`), not first on the side branch: the
+/// launch takes about 22 us (the bulk prefetches of 35.6 MB), and the compressor and indexer
+/// projections queued behind it started about 11 us after the attention site's mixing had made
+/// their input (steps 8.26 against 8.45 ms; `DS4_CUDA_PREFETCH_BRANCH=0` for the old order). A
+/// prompt's steps keep the old order: they were slower on the branch, and their products read
+/// each weight once for hundreds of rows, so the prefetch has little to give them.
+/// (Tried and dropped: prefetches of o_a, o_b, the shared expert, the routed down matrices, the
+/// layer's attention state, and the next layer's q_a, kv and q_b; q_b in 8 KB pieces; slower or
+/// no gain. q_a and o_b wait on their own latency, not on DRAM.)
+/// (Measurements: scripts/kernel_lab/HISTORY.md, "program.rs: prefetch_q_b".)
 pub(super) fn prefetch_q_b(setting: Option<&str>) -> Result<bool> {
     switch("DS4_CUDA_PREFETCH", setting)
 }
@@ -600,11 +560,10 @@ impl CudaDecoder {
             // weights at upload.
             let kmat = |m: &Mat| cur.get().kernel_mat(m);
             // A prefill step's tensor-core products first (gemm.rs): one launch per format.
-            // (Tried in every step, decode and verify too, for the trunk's F16 products, whose
-            // float kernel is bound by its x loads at 8 rows: on an H200, Flash at a 2100-token
-            // context, three interleaved runs, 2026-12-02, steps 10.97 ms against 8.66 and
-            // verifies of 2 / 4 / 8 rows 13.66 / 17.72 / 25.95 ms against 11.31 / 15.79 / 24.80;
-            // those of at least 512 rows only, 10.36 ms and 13.01 / 17.43 / 25.95.)
+            // (Tried and dropped: the trunk's F16 products there in every step, decode and
+            // verify too, or those of at least 512 rows only; slower on an H200, Flash steps
+            // 10.97 and 10.36 ms against 8.66.)
+            // (Measurements: scripts/kernel_lab/HISTORY.md, "program.rs: products_on".)
             let on_tc = |pr: &(Mat, u64, u64, usize)| {
                 prefill && gemm::takes(&kmat(&pr.0), cur.get().addr(pr.0.start), pr.1, pr.3, sm80, self.gemm_mq)
             };
@@ -1008,15 +967,11 @@ impl CudaDecoder {
             // the expansion folded in, where its shape allows; a prompt's step keeps the
             // product and ds4_hc_pre (for hundreds of rows a cluster a row is slower), unless
             // its products are the decode's too (DS4_CUDA_GEMM=0: every call's rows then have
-            // the bits of single decodes). On an H200, Flash at a 2100-token context,
-            // `ab_steps.py` against DS4_CUDA_HC_SITE=0, two interleaved runs: steps 8.43
-            // against 8.49 ms, verifies of 2 / 8 rows 10.97 / 23.10 against 11.05 / 23.58
-            // (an earlier form, three runs: 8.51 against 8.61 ms, 2 / 4 / 8 rows 10.96 / 14.88
-            // / 23.10 against 11.09 / 15.09 / 23.56). Less than the launches it saves: in a
-            // traced step the launch adds 12 to 14 us after its predecessor, where the product,
-            // ds4_hc_pre and ds4_hc_post added about 13 at the FFN site; in the lab it takes
-            // 10.6 us a launch back to back against 6.9 for ds4_hc_pre alone (the cluster's
-            // barriers and remote reads).
+            // the bits of single decodes). Faster on an H200 (Flash at a 2100-token context:
+            // steps 8.43 against 8.49 ms with DS4_CUDA_HC_SITE=0), if by less than the launches
+            // it saves: the cluster's barriers and remote reads make the launch slow (in the
+            // lab 10.6 us back to back against 6.9 for ds4_hc_pre alone).
+            // (Measurements: scripts/kernel_lab/HISTORY.md, "program.rs: hc_site cluster".)
             let proj = hw.proj;
             let w_f16 = match proj.ty {
                 crate::quant::GgmlType::F16 => Some(1),
@@ -1052,21 +1007,12 @@ impl CudaDecoder {
             }
             // The mixing logits of the raw streams; ds4_hc_pre applies their RMS scale.
             // (Tried and dropped: the kernels that write the streams (ds4_hc_post,
-            // ds4_moe_combine) leaving each block's partial products with this projection,
-            // summed by ds4_hc_pre, with no product launch here. It held 96 F16 weights a
-            // thread in those kernels (230 registers) and made Flash steps slower on an
-            // H200: 10.24 against 9.81 ms at a 2100-token context, interleaved A/B. Also
-            // tried and dropped: the whole site in one launch, a few blocks a row each
-            // taking the product of a slice of the streams with their weights loaded before
-            // the wait, the last block to arrive (an atomic count) summing the slices and
-            // doing ds4_hc_pre's work; with and without the attention site's ds4_hc_post
-            // folded into the FFN site's launch. Each site then added about 19.5 us to the
-            // step (CUPTI trace) against about 11 for this product, ds4_hc_pre and
-            // ds4_hc_post together, and Flash steps at 2100 tokens took 9.30 ms against
-            // 8.78 (interleaved A/B, medians of 3; 32 or 8 blocks a row, the slices' sums
-            // read warp-parallel or one by one: all slower). ds4_hc_site, above, is that idea
-            // on a cluster: every block stays resident and adds the others' parts itself, with
-            // no last block and no atomic count.)
+            // ds4_moe_combine) leaving their partial products with this projection for
+            // ds4_hc_pre to sum; the whole site in one launch whose last block to arrive (an
+            // atomic count) sums the slices; both slower. ds4_hc_site, above, is that idea on a
+            // cluster: every block stays resident and adds the others' parts itself, with no
+            // last block and no atomic count.)
+            // (Measurements: scripts/kernel_lab/HISTORY.md, "program.rs: hc_site logits".)
             products(ops, table, &[(hw.proj, x, b.mixl.ptr, n)])?;
             launch(ops, k.hc_pre, g1, wide(d), 0, [vec![p(b.mixl.ptr), i(n_mix)], common].concat());
             Ok((fork && expand).then(|| sinkhorn(mix)))
@@ -1113,14 +1059,11 @@ impl CudaDecoder {
             // region (`products_on`), and the main stream waits for them before finish_rows;
             // the Sinkhorn iterations then fork after that wait, so that it does not wait for
             // them too. `DS4_CUDA_SIDE_PROJ=0` keeps them on the main stream after q_b, in q_b's
-            // call. Measured on an H200 (Flash at a 2100-token context, `ab_steps.py`, three
-            // interleaved runs each, 2026-12-02): verifies of 2 / 4 / 8 rows 11.07 / 15.15 /
-            // 23.65 ms against 11.17 / 15.37 / 24.18, steps 8.62 ms both; with only the HCA
-            // layers' (unsplit) projections there, two sessions: steps 8.49 / 8.54 ms against
-            // 8.55 / 8.67. The indexer's q_b there too (after the norm) or after q_b on the
-            // main stream: the same within the noise (8.54 against 8.55 ms).
-            // (An earlier try with the compressors' updates on the branch too, before the
-            // prefetch of q_b and programmatic launch, was slower: see `SideBranch`.)
+            // call. On an H200 (Flash at a 2100-token context) verifies of 8 rows took 23.65 ms
+            // against 24.18, steps the same. The indexer's q_b on the main stream after q_b gave
+            // the same within the noise. (An earlier try with the compressors' updates on the
+            // branch too was slower: see `SideBranch`.)
+            // (Measurements: scripts/kernel_lab/HISTORY.md, "program.rs: proj_side".)
             let proj_side = fork && self.side_proj && !prefill && n <= N_MAX && !of_h.is_empty();
             if proj_side {
                 products_on(&mut ops, &mut table, &of_h, None, true)?;
@@ -1152,14 +1095,13 @@ impl CudaDecoder {
             // After q_b (which needs only q_a and its norm), in one call, unless they run on the
             // side branch (above): the compressors' and indexer's products (F16 in ds4's
             // layout), which finish_rows and the compressors need. With q_a, as they were, they
-            // held the query path back and took a launch of their own (on an H200, a Flash CSA layer's F16 products ran 14.8 us between q_a
-            // and its norm, and the indexer's q_b 8.3 us after q_b); here they take 19 us after
-            // q_b, one launch less a CSA layer for about the same step (steps in a row at a
-            // 2100-token context, interleaved A/B: 10.24 ms against 10.28 with them with q_a). The
-            // compressors' projections go to the layer's own buffers, which the compressor reads
-            // and the journal packs for the host's replay of the step. (A layer has compressor
-            // weights exactly when its mirror has a compressor, and indexer weights exactly when
-            // it has an indexer: see `decoder_for`.)
+            // held the query path back and took a launch of their own; here a CSA layer has one
+            // launch less for about the same step. The compressors' projections go to the
+            // layer's own buffers, which the compressor reads and the journal packs for the
+            // host's replay of the step. (A layer has compressor weights exactly when its mirror
+            // has a compressor, and indexer weights exactly when it has an indexer: see
+            // `decoder_for`.) (Measurements: scripts/kernel_lab/HISTORY.md,
+            // "program.rs: q_b products".)
             let mut g = vec![(lw.q_b, b.cq.ptr, b.q.ptr, n)];
             if !proj_side {
                 g.extend(of_h);
@@ -1382,16 +1324,10 @@ impl CudaDecoder {
             // unused (they are bound by issue and L1). Its products must not be split
             // (slices > 1): the partial sums and counters belong to the main stream's launches.
             // (Nor in a prefill step: its tensor-core products are split by gemm.rs's rule.)
-            // (Tried and dropped: forking it only after ds4_route, which in a fifth of Flash's
-            // layers took 25 to 27 us instead of 12 while the shared expert ran beside it. On an
-            // H200 at a 2048-token context decode steps took 8.40 / 8.54 ms against 8.44 with the
-            // fork here, verifies of 4 / 8 rows 16.86 / 27.38 and 16.94 / 27.27 against 17.04 /
-            // 26.73: no gain. Nor did DS4_CUDA_PRIORITY=1 change those figures. Nor, 2026-12-03,
-            // the shared expert queued on the side branch before the Sinkhorn iterations, so
-            // that its products would read beside the router and ds4_route rather than beside
-            // the routed gate and up products: in a traced Flash step at 2100 tokens those took
-            // 23.7 us a layer against 27.3, but the router's stage 34 against 28, and steps in
-            // a row 8.48 ms against 8.37, three runs each in one process on an H200.)
+            // (Tried and dropped: forking it only after ds4_route, no gain (nor did
+            // DS4_CUDA_PRIORITY=1 change that); queuing it on the side branch before the Sinkhorn
+            // iterations, beside the router, slower: Flash steps 8.48 ms against 8.37 on an H200.)
+            // (Measurements: scripts/kernel_lab/HISTORY.md, "program.rs: shared_side".)
             let shared_side = fork && !prefill && [lw.gate_sh, lw.up_sh, lw.down_sh].iter().all(|m| slices(m) == 1);
             // Where the router product's launch is, when it has one of its own.
             let mut router_at: Option<usize> = None;
@@ -1517,13 +1453,10 @@ impl CudaDecoder {
                 launch(&mut ops, k.route, (1, 1, 1), 256, route_smem(n, kk, cfg.n_experts) as u32, args);
             }
             // The gathered rows as 8-bit activations when their gate and up products take them.
-            // (Tried and dropped for one row: ds4_route quantizing the row itself and every
-            // descriptor reading that copy, with no gather launch. The routing got slower by more
-            // than the gather cost: Flash steps at a 2100-token context 10.24 against 10.09 ms,
-            // interleaved A/B on an H200. Also tried: ds4_hc_pre writing the FFN site's
-            // collapse as 8-bit activations into xg's row 0 and, at one row, no gather, every
-            // gate and up descriptor reading that row: the same bytes, and no faster (steps
-            // 8.778 against 8.781 ms, interleaved A/B, medians of 3).)
+            // (Tried and dropped at one row, each with no gather launch: ds4_route quantizing
+            // the row itself, slower; ds4_hc_pre writing the FFN site's collapse as 8-bit
+            // activations, no faster.)
+            // (Measurements: scripts/kernel_lab/HISTORY.md, "program.rs: ds4_gather".)
             let act8 = crate::quant::act8::takes_act8(gm.ty);
             launch(
                 &mut ops,
@@ -1595,15 +1528,10 @@ impl CudaDecoder {
             if fork {
                 ops.push(Op::Join);
             }
-            // (Tried and dropped, 2026-12-03: this combine and expansion folded into the next
-            // layer's attention-site ds4_hc_site, each block summing its columns' expert outputs
-            // before the collapse, no launch here but in the last layer and DSpark's captured
-            // ones. Bitwise the same x; in the H200 lab the site took 12.65 us a launch against
-            // 11.36 with the expansion alone, this kernel 5.27. But Flash steps at 2100 tokens
-            // took 8.68 ms against 8.61 without the fold, verifies of 2 / 4 / 8 rows 10.96 /
-            // 14.99 / 23.45 against 11.05 / 15.02 / 23.25 (three interleaved runs), within
-            // the noise or worse. Perhaps the three dependent loads of the routing's tables, on
-            // the site's path after its wait, cost what the launch saved.)
+            // (Tried and dropped: this combine and expansion folded into the next layer's
+            // attention-site ds4_hc_site; the same bits, but Flash steps no faster on an H200:
+            // 8.68 ms against 8.61 without the fold.)
+            // (Measurements: scripts/kernel_lab/HISTORY.md, "program.rs: ds4_moe_combine".)
             launch(
                 &mut ops,
                 k.combine,
