@@ -443,9 +443,9 @@ struct MarkovDevice {
     /// The Markov embedding table as floats [vocab, rank] (the host dequantizes it once per
     /// model, for all its sessions: 132 MB at Flash's vocabulary and rank 256).
     w1: Arc<DevBuf>,
-    /// The current row's [h_r; W1[prev]].
+    /// The current row's `[h_r; W1[prev]]`.
     cat: DevBuf,
-    /// The current row's bias [vocab].
+    /// The current row's bias (`vocab` floats).
     bias: DevBuf,
     /// Each row's logits with its bias [N_MAX, vocab].
     logits: DevBuf,
@@ -1652,7 +1652,7 @@ impl CudaDecoder {
         Ok(())
     }
 
-    /// The pack runs of a step of `n` rows from `pos0`, in the order [`Self::apply`] reads
+    /// The pack runs of a step of `n` rows from `pos0`, in the order [`replay_journal`] reads
     /// them; returns the runs and the floats they hold.
     fn journal(&self, cfg: &crate::ModelConfig, pos0: usize, n: usize) -> (Vec<CopyRun>, usize) {
         let mut runs = Vec::new();

@@ -447,7 +447,7 @@ fn desc_bytes(d: &Desc) -> &[u8] {
     unsafe { std::slice::from_raw_parts((d as *const Desc).cast::<u8>(), std::mem::size_of::<Desc>()) }
 }
 
-/// The shapes of a product launch's matrices, for the profile ("8x[1024x4096],512x4096").
+/// The shapes of a product launch's matrices, for the profile (`"8x[1024x4096],512x4096"`).
 fn shapes_label<'m>(mats: impl Iterator<Item = &'m Mat>) -> String {
     let mut shapes: Vec<(usize, usize, usize)> = Vec::new();
     for m in mats {
