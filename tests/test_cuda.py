@@ -386,14 +386,16 @@ def test_side_branch_work_changes_no_bits(switch: str, tmp_path: Path) -> None:
 
 @gpu
 @pytest.mark.parametrize("dtype", ["q2", "f32"])
-@pytest.mark.parametrize("switch", ["DS4_CUDA_ROUTE_TAIL", "DS4_CUDA_NORM_TAIL"])
-def test_tails_change_no_bits(switch: str, dtype: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("switch", ["DS4_CUDA_ROUTE_TAIL", "DS4_CUDA_NORM_TAIL", "DS4_CUDA_WIDE"])
+def test_opt_in_switches_change_no_bits(switch: str, dtype: str, tmp_path: Path) -> None:
     # The tails (decode/program.rs `tail_kernel`) run a one-row step's routing in the last block
     # of the router product's launch, or the q_a norm in the q_a product's, instead of a launch
-    # after it: the same product blocks, and the same routing or norm in the same order, so every
-    # logit is the same bits across a prefill chunk and single steps, with the q2 layout's
-    # weights (F16 router, Q8_0 q_a) and F32 ones, through hash and learned routing (the first
-    # layer hashes its tokens, the others learn).
+    # after it: the same product blocks, and the same routing or norm in the same order. The
+    # wide kernels (`wide_swiglu`) gather a prompt step's routed rows and take its SwiGLUs four
+    # values a thread, each value's operations unchanged. So every logit is the same bits across
+    # a prefill chunk and single steps, with the q2 layout's weights (F16 router, Q8_0 q_a,
+    # 8-bit activations into the routed products) and F32 ones, through hash and learned routing
+    # (the first layer hashes its tokens, the others learn).
     cfg = TINY.replace(num_hidden_layers=3, compress_ratios=(0, 4, 128), num_hash_layers=1)
     path = random_model(tmp_path / "m.gguf", cfg, seed=7, dtype=dtype)
     p = np.random.default_rng(6).integers(8, cfg.vocab_size, 60).tolist()

@@ -801,6 +801,32 @@ __device__ __forceinline__ void ds4_act8_row(const float* __restrict__ s, char* 
     }
 }
 
+// ds4_gather of 8-bit activations four values a lane (DS4_CUDA_WIDE=1, a prompt's steps): each
+// warp takes four blocks of 32 at a time, one 16-byte load a lane (ds4_act8_quad), where
+// ds4_gather's warps take one block, a value a lane: the same bytes with a quarter of the
+// blocks (a 1024-row step gathers 6144 rows). d a multiple of 32. Grid (n * k, parts), block a
+// multiple of 32 (the host: 256, parts ceil(d / 1024)).
+extern "C" __global__ void ds4_gather4(const float* __restrict__ h, float* __restrict__ xg,
+                                       const int* __restrict__ gather_src, int d) {
+    ds4_grid_deps();
+    const int src = gather_src[blockIdx.x];
+    if (src < 0) {
+        return;
+    }
+    const float* s = h + (long long)src * d;
+    char* o = (char*)(xg + (long long)blockIdx.x * d);
+    const int lane = threadIdx.x & 31;
+    const int nblk = d >> 5;
+    const int warps = (blockDim.x >> 5) * gridDim.y;
+    // The loop's test is the warp's (b0), so every lane of it runs the shuffles.
+    for (int b0 = 4 * (blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5)); b0 < nblk; b0 += 4 * warps) {
+        const int blk = b0 + (lane >> 3);
+        const bool ok = blk < nblk;
+        const float4 v = ok ? __ldg((const float4*)(s + 32 * blk) + (lane & 7)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        ds4_act8_quad(v, ok, o + 32 * blk, (float*)(o + d) + blk);
+    }
+}
+
 // xg[j] = h[gather_src[j]] (d floats), nothing where gather_src[j] < 0; with act8 != 0 each row
 // is written as 8-bit activations (ds4_act8_row; d a multiple of 32), the input of IQ2_XXS
 // gate and up products. Grid (n * k, parts): the parts of a row split its work (with one

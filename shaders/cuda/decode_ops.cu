@@ -141,6 +141,42 @@ __device__ __forceinline__ void ds4_act8_block(float v, char* __restrict__ q, fl
     }
 }
 
+// ds4_warp_amax's step for two values: a NaN stays, else the larger.
+__device__ __forceinline__ float ds4_amax2(float m, float t) {
+    return (t > m || t != t || m != m) ? (m != m ? m : t) : m;
+}
+
+// ds4_act8_block four values a lane (the prompts' wide kernels, DS4_CUDA_WIDE=1): the eight
+// lanes of group l / 8 hold a block of 32, lane l its values 4 (l % 8) .. + 3 (every lane of the
+// warp calls this; `ok` the same for a group's eight lanes, whose block is written only when
+// it holds). The block's largest |v| is exact in any order of the steps, and each value then
+// gets ds4_act8_block's operations, so the bytes are the same (a block with a NaN: every byte
+// 0 and a NaN scale either way). q: the block's 32 bytes; scale: its scale's slot.
+__device__ __forceinline__ void ds4_act8_quad(float4 v, bool ok, char* __restrict__ q, float* __restrict__ scale) {
+    const int lane = threadIdx.x & 31;
+    float m = ds4_amax2(ds4_amax2(fabsf(v.x), fabsf(v.y)), ds4_amax2(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) {
+        m = ds4_amax2(m, __shfl_xor_sync(0xffffffffu, m, o));
+    }
+    const float dq = m / 127.0f;
+    const float id = dq == 0.0f ? 0.0f : 1.0f / dq;
+    const float e[4] = {v.x, v.y, v.z, v.w};
+    u32 packed = 0;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const float r = roundf(e[j] * id);
+        const int b = r != r ? 0 : (int)fminf(fmaxf(r, -128.0f), 127.0f);
+        packed |= (u32)(u8)(char)b << (8 * j);
+    }
+    if (ok) {
+        *(u32*)(q + 4 * (lane & 7)) = packed;
+        if ((lane & 7) == 0) {
+            *scale = dq;
+        }
+    }
+}
+
 // ---- kernels (see rust/engine/backend/cuda/decode/ for who launches what)
 
 // Every kernel below runs one batch row per blockIdx.y (or blockIdx.x where the grid says
@@ -1326,6 +1362,18 @@ extern "C" __global__ void ds4_finish_index(float* iq, float* g, int heads, int 
 // of `width`. With act8 != 0 each row is written as 8-bit activations in its slot of width
 // floats (ds4_act8_block; width and the block size multiples of 32), the input of the routed
 // experts' down products when they take them (Q2_K). Grid (ceil(count / blockDim.x)).
+__device__ __forceinline__ float ds4_swiglu_one(float g, float u, float clamp) {
+    const float a = fminf(g, clamp);
+    float b = u;
+    if (b < -clamp) {
+        b = -clamp;
+    }
+    if (b > clamp) {
+        b = clamp;
+    }
+    return a / (1.0f + expf(-a)) * b;
+}
+
 extern "C" __global__ void ds4_swiglu(const float* g, const float* u, float* out, int count, float clamp, int width,
                                       int act8) {
     ds4_grid_lead();
@@ -1333,15 +1381,7 @@ extern "C" __global__ void ds4_swiglu(const float* g, const float* u, float* out
     if (i >= count) {
         return;  // a whole warp when act8 (count is a multiple of 32)
     }
-    const float a = fminf(g[i], clamp);
-    float b = u[i];
-    if (b < -clamp) {
-        b = -clamp;
-    }
-    if (b > clamp) {
-        b = clamp;
-    }
-    const float v = a / (1.0f + expf(-a)) * b;
+    const float v = ds4_swiglu_one(g[i], u[i], clamp);
     if (act8) {
         const long long row = i / width;
         const int p = (int)(i - row * width);
@@ -1349,6 +1389,32 @@ extern "C" __global__ void ds4_swiglu(const float* g, const float* u, float* out
         ds4_act8_block(v, slot + (p & ~31), (float*)(slot + width) + (p >> 5));
     } else {
         out[i] = v;
+    }
+}
+
+// ds4_swiglu four values a thread (DS4_CUDA_WIDE=1, a prompt's steps): 16-byte loads of g and
+// u, the same operations on each value, 8-bit activations through ds4_act8_quad; the same
+// values and bytes with a quarter of the blocks. count a multiple of 4 (with act8, of 32, and
+// width too); g, u and out 16-byte aligned. Grid (ceil(count / (4 blockDim.x))), block a
+// multiple of 32.
+extern "C" __global__ void ds4_swiglu4(const float* g, const float* u, float* out, int count, float clamp,
+                                       int width, int act8) {
+    ds4_grid_lead();
+    const long long i = 4 * ((long long)blockIdx.x * blockDim.x + threadIdx.x);
+    const bool ok = i < count;
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const float4 a = ok ? *(const float4*)(g + i) : zero;
+    const float4 b = ok ? *(const float4*)(u + i) : zero;
+    const float4 v = make_float4(ds4_swiglu_one(a.x, b.x, clamp), ds4_swiglu_one(a.y, b.y, clamp),
+                                 ds4_swiglu_one(a.z, b.z, clamp), ds4_swiglu_one(a.w, b.w, clamp));
+    if (act8) {
+        // Every lane takes part in the block's shuffles; lanes past count write nothing.
+        const long long row = ok ? i / width : 0;
+        const int p = (int)(ok ? i - row * width : 0);
+        char* slot = (char*)(out + row * width);
+        ds4_act8_quad(v, ok, slot + (p & ~31), (float*)(slot + width) + (p >> 5));
+    } else if (ok) {
+        *(float4*)(out + i) = v;
     }
 }
 

@@ -583,6 +583,9 @@ struct Kernels {
     hc_head: sys::CUfunction,
     finish_rows: sys::CUfunction,
     swiglu: sys::CUfunction,
+    /// `ds4_swiglu4` and `ds4_gather4`: four values a thread ([`program::wide_swiglu`]).
+    swiglu4: sys::CUfunction,
+    gather4: sys::CUfunction,
     compress: sys::CUfunction,
     compress_windows: sys::CUfunction,
     compress_state: sys::CUfunction,
@@ -646,6 +649,8 @@ impl Kernels {
             hc_head: f("ds4_hc_head")?,
             finish_rows: f("ds4_finish_rows")?,
             swiglu: f("ds4_swiglu")?,
+            swiglu4: f("ds4_swiglu4")?,
+            gather4: f("ds4_gather4")?,
             compress: f("ds4_compress")?,
             compress_windows: f("ds4_compress_windows")?,
             compress_state: f("ds4_compress_state")?,
@@ -775,6 +780,9 @@ pub(crate) struct CudaDecoder {
     /// `DS4_CUDA_NORM_TAIL=1`).
     route_tail: bool,
     norm_tail: bool,
+    /// Whether a prompt's step gathers and takes its SwiGLUs four values a thread
+    /// ([`program::wide_swiglu`]: `DS4_CUDA_WIDE=1`).
+    wide: bool,
     /// Whether a prompt's step runs its compressors' windows side by side
     /// ([`program::split_over_blocks`], `DS4_CUDA_COMPRESS_SPLIT`).
     compress_split: bool,
@@ -1052,6 +1060,7 @@ impl CudaDecoder {
         let route_pick = setting("DS4_CUDA_ROUTE_PICK")?;
         let opt_in = |name: &str| program::opt_in(name, std::env::var(name).ok().as_deref());
         let (route_tail, norm_tail) = (opt_in("DS4_CUDA_ROUTE_TAIL")?, opt_in("DS4_CUDA_NORM_TAIL")?);
+        let wide = opt_in("DS4_CUDA_WIDE")?;
         let compress_split = setting("DS4_CUDA_COMPRESS_SPLIT")?;
         let side_proj = setting("DS4_CUDA_SIDE_PROJ")?;
         let hc_fused = setting("DS4_CUDA_HC_SITE")? && backend.compute_capability().0 >= 9;
@@ -1445,6 +1454,7 @@ impl CudaDecoder {
             route_pick,
             route_tail,
             norm_tail,
+            wide,
             compress_split,
             attn_mma,
             index_mma,

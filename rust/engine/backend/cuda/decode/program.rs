@@ -362,7 +362,7 @@ pub(super) fn opt_in(name: &str, setting: Option<&str>) -> Result<bool> {
 /// tensor cores), and only where the product's launch is that of the decode's plain kernel
 /// (`take_tail` in `build`). The product's blocks are the plain kernel's and the step after
 /// it computes what its own launch would, in the same order, so the step's bits are the same
-/// either way (test_cuda.py `test_tails_change_no_bits`).
+/// either way (test_cuda.py `test_opt_in_switches_change_no_bits`).
 pub(super) fn tail_kernel(
     on: bool,
     n: usize,
@@ -382,6 +382,18 @@ pub(super) fn tail_kernel(
         _ => return None,
     };
     (i < formats).then_some(i)
+}
+
+/// `DS4_CUDA_WIDE=1` (opt-in until it is timed on a GPU): a prompt's step gathers its routed
+/// rows and takes its SwiGLUs four values a thread (`ds4_gather4`, `ds4_swiglu4`: the same
+/// bytes with a quarter of the blocks). In a traced 1024-row step of Flash the two kernels took
+/// 5.6 and 4.9 ms of 394, two to four times their bytes' time, at a value a thread in tens of
+/// thousands of blocks. Whether a SwiGLU of `count` values (as 8-bit activations in rows of
+/// `width` when `act8`) takes the wide kernel: `on`, a prompt's step, and the kernel's shape
+/// (whole float4s; with act8 whole blocks of 32). The gather's rule is `on`, a prompt's step and
+/// 8-bit activations (whose rows are whole blocks of 32).
+pub(super) fn wide_swiglu(on: bool, prefill: bool, count: usize, width: usize, act8: bool) -> bool {
+    on && prefill && count.is_multiple_of(4) && (!act8 || (count.is_multiple_of(32) && width.is_multiple_of(32)))
 }
 
 /// Product blocks one band of a prompt's product should run as (about a wave of an H200: 132
@@ -526,6 +538,17 @@ impl CudaDecoder {
             |ops: &mut Vec<_>, f: sys::CUfunction, grid: (u32, u32, u32), block: u32, smem: u32, args: Vec<PArg>| {
                 ops.push(Op::Launch(Launch { f, grid, block, smem, args, label: String::new() }));
             };
+        // SwiGLU of `count` values from g and u into out (`act8`: as 8-bit activations in rows of
+        // `width`): ds4_swiglu, or ds4_swiglu4 where `wide_swiglu` says.
+        let swiglu = |ops: &mut Vec<_>, [g, u, out]: [u64; 3], count: usize, clamp: f32, width: usize, act8: bool| {
+            let (f, per) = if wide_swiglu(self.wide, prefill, count, width, act8) {
+                (k.swiglu4, 4 * 256)
+            } else {
+                (k.swiglu, 256)
+            };
+            let args = vec![p(g), p(u), p(out), i(count), fl(clamp), i(width), i(act8 as usize)];
+            launch(ops, f, (count.div_ceil(per) as u32, 1, 1), 256, 0, args);
+        };
         // A tail's launch (`tail_kernel`): the one launch that `products` added at `at`, when it
         // is the plain one-row kernel of `m`'s products, taken out of `ops` with `f`, the tail's
         // kernel, in its place; None (and `ops` untouched) otherwise.
@@ -1332,14 +1355,7 @@ impl CudaDecoder {
             // Where the router product's launch is, when it has one of its own.
             let mut router_at: Option<usize> = None;
             let shared_swiglu = |ops: &mut Vec<_>| {
-                launch(
-                    ops,
-                    k.swiglu,
-                    ((n * ff_sh).div_ceil(256) as u32, 1, 1),
-                    256,
-                    0,
-                    vec![p(b.gsh.ptr), p(b.ush.ptr), p(b.ash.ptr), i(n * ff_sh), fl(spec.clamp_shared), i(ff_sh), i(0)],
-                )
+                swiglu(ops, [b.gsh.ptr, b.ush.ptr, b.ash.ptr], n * ff_sh, spec.clamp_shared, ff_sh, false)
             };
             let gate_up_sh = [(lw.gate_sh, b.h.ptr, b.gsh.ptr, n), (lw.up_sh, b.h.ptr, b.ush.ptr, n)];
             let down_sh = [(lw.down_sh, b.ash.ptr, b.dsh.ptr, n)];
@@ -1458,15 +1474,21 @@ impl CudaDecoder {
             // activations, no faster.)
             // (Measurements: scripts/kernel_lab/HISTORY.md, "program.rs: ds4_gather".)
             let act8 = crate::quant::act8::takes_act8(gm.ty);
-            launch(
-                &mut ops,
-                k.gather,
-                // One warp per block of 32 values (act8) or per 32 float4s (a copy).
-                ((n * kk) as u32, d.div_ceil(if act8 { 256 } else { 1024 }) as u32, 1),
-                256,
-                0,
-                vec![p(b.h.ptr), p(b.xg.ptr), p(b.gather_src.ptr), i(d), i(act8 as usize)],
-            );
+            if self.wide && prefill && act8 {
+                // Four blocks of 32 values a warp (`wide_swiglu`'s note).
+                let args = vec![p(b.h.ptr), p(b.xg.ptr), p(b.gather_src.ptr), i(d)];
+                launch(&mut ops, k.gather4, ((n * kk) as u32, d.div_ceil(1024) as u32, 1), 256, 0, args);
+            } else {
+                launch(
+                    &mut ops,
+                    k.gather,
+                    // One warp per block of 32 values (act8) or per 32 float4s (a copy).
+                    ((n * kk) as u32, d.div_ceil(if act8 { 256 } else { 1024 }) as u32, 1),
+                    256,
+                    0,
+                    vec![p(b.h.ptr), p(b.xg.ptr), p(b.gather_src.ptr), i(d), i(act8 as usize)],
+                );
+            }
             let bpd = |m: &Mat| row_blocks(m) * slices(m);
             let bpd_gx = |m: &Mat| m.n_out.div_ceil(MV_WARPS * self.gx_tile.warp_rows());
             if um.ty != gm.ty || um.n_out != gm.n_out || um.n_in != gm.n_in {
@@ -1504,23 +1526,9 @@ impl CudaDecoder {
             if !shared_side {
                 shared_swiglu(&mut ops);
             }
-            launch(
-                &mut ops,
-                k.swiglu,
-                ((n * kk * ff).div_ceil(256) as u32, 1, 1),
-                256,
-                0,
-                vec![
-                    p(b.g_out.ptr),
-                    p(b.u_out.ptr),
-                    p(b.act.ptr),
-                    i(n * kk * ff),
-                    fl(spec.clamp_routed),
-                    i(ff),
-                    // The activations as 8-bit ones when the down products take them (Q2_K).
-                    i(crate::quant::act8::takes_act8(dm.ty) as usize),
-                ],
-            );
+            // The activations as 8-bit ones when the down products take them (Q2_K).
+            let act8_down = crate::quant::act8::takes_act8(dm.ty);
+            swiglu(&mut ops, [b.g_out.ptr, b.u_out.ptr, b.act.ptr], n * kk * ff, spec.clamp_routed, ff, act8_down);
             if !shared_side {
                 products(&mut ops, &mut table, &down_sh)?;
             }

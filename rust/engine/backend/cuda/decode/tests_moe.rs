@@ -901,3 +901,63 @@ fn swiglu_writes_8_bit_activations_of_its_rows() {
         assert_eq!(&got[..bytes], &want[..], "row {r}: 8-bit activations differ from act8::quantize_row");
     }
 }
+
+/// The prompts' wide kernels (`DS4_CUDA_WIDE=1`: ds4_gather4 and ds4_swiglu4, four values a
+/// thread) write what the plain ones write, bit for bit: gathered rows as 8-bit activations
+/// (the host's bytes, `act8_image`; an unused slot untouched), whatever the split of a row
+/// between blocks, and SwiGLUs as floats and as 8-bit activations, with an all-zero block of
+/// 32, an outlier, and counts that leave warps and groups of eight lanes past the end.
+#[test]
+fn wide_gather_and_swiglu_match_the_plain_kernels() {
+    let Some(ctx) = context() else { return };
+    let mut rng = Rng(0x5eed_0009);
+    for (n, k, d) in [(3usize, 6usize, 1024usize), (5, 2, 96), (2, 8, 4096)] {
+        let mut h = rng.f32s(n * d);
+        h[32..64].fill(0.0);
+        h[70] = 40.0;
+        let src: Vec<i32> =
+            (0..n * k).map(|j| if j + 1 < n * k { (rng.next_u64() % n as u64) as i32 } else { -1 }).collect();
+        let hb = DevBuf::from_slice(&h).expect("h");
+        let sb = DevBuf::from_slice(&src).expect("gather_src");
+        for parts in [d.div_ceil(1024), 3] {
+            let what = format!("gather n={n} k={k} d={d} parts={parts}");
+            let xg = DevBuf::from_slice(&vec![7.0f32; n * k * d]).expect("xg");
+            let args = [Arg::Ptr(hb.at(0)), Arg::Ptr(xg.at(0)), Arg::Ptr(sb.at(0)), Arg::I32(d as i32)];
+            ctx.launch_named("ds4_gather4", ((n * k) as u32, parts as u32, 1), 256, 0, &args).expect("ds4_gather4");
+            ctx.sync().expect("ds4_gather4");
+            let got: Vec<u32> = xg.read::<f32>(0, n * k * d).expect("read").iter().map(|v| v.to_bits()).collect();
+            for (j, &s) in src.iter().enumerate() {
+                let row = &got[j * d..(j + 1) * d];
+                let want = if s < 0 { vec![7.0f32.to_bits(); d] } else { act8_image(&h[s as usize * d..][..d]) };
+                assert!(row == &want[..], "{what}: slot {j} (source {s})");
+            }
+        }
+    }
+    for (count, width, act8) in [(12 * 2048usize, 2048usize, 1i32), (5 * 96, 96, 1), (1000, 1000, 0), (4 * 36, 36, 0)] {
+        let what = format!("swiglu count={count} width={width} act8={act8}");
+        let mut g: Vec<f32> = rng.f32s(count).iter().map(|v| 8.0 * v).collect();
+        let u: Vec<f32> = rng.f32s(count).iter().map(|v| 8.0 * v).collect();
+        g[64..96].fill(-1e30); // silu(-1e30) is -0: an all-zero block
+        g[100] = 30.0;
+        let (gb, ub) = (DevBuf::from_slice(&g).expect("g"), DevBuf::from_slice(&u).expect("u"));
+        let run = |name: &str, per: usize| -> Vec<u32> {
+            let out = DevBuf::from_slice(&vec![7.0f32; count]).expect("out");
+            let args = [
+                Arg::Ptr(gb.at(0)),
+                Arg::Ptr(ub.at(0)),
+                Arg::Ptr(out.at(0)),
+                Arg::I32(count as i32),
+                Arg::F32(6.0),
+                Arg::I32(width as i32),
+                Arg::I32(act8),
+            ];
+            ctx.launch_named(name, (count.div_ceil(per) as u32, 1, 1), 256, 0, &args).expect(name);
+            ctx.sync().expect(name);
+            out.read::<f32>(0, count).expect("read").iter().map(|v| v.to_bits()).collect()
+        };
+        let (plain, wide) = (run("ds4_swiglu", 256), run("ds4_swiglu4", 1024));
+        if let Some(i) = plain.iter().zip(&wide).position(|(a, b)| a != b) {
+            panic!("{what}: word {i} differs: {:#x} against {:#x}", wide[i], plain[i]);
+        }
+    }
+}

@@ -164,3 +164,20 @@ fn tail_settings_and_scope() {
     assert_eq!(tail_kernel(true, 1, true, GgmlType::F16, 3), None);
     assert_eq!(tail_kernel(true, 1, false, GgmlType::Q2_K, 4), None);
 }
+
+/// Where the wide SwiGLU applies (`DS4_CUDA_WIDE=1`): a prompt's step, whole float4s, and with
+/// 8-bit activations whole blocks of 32 in rows of whole blocks. Host-side.
+#[test]
+fn wide_swiglu_scope() {
+    use super::program::wide_swiglu;
+    // Flash's routed SwiGLU of a 1024-row step (6 experts of 2048, 8-bit activations for
+    // Q2_K) and its shared one (floats).
+    assert!(wide_swiglu(true, true, 1024 * 6 * 2048, 2048, true));
+    assert!(wide_swiglu(true, true, 1024 * 2048, 2048, false));
+    assert!(!wide_swiglu(false, true, 1024 * 2048, 2048, false), "off");
+    assert!(!wide_swiglu(true, false, 16 * 2048, 2048, false), "not in a decode's or verify's step");
+    assert!(!wide_swiglu(true, true, 1022, 1022, false), "no whole float4s");
+    assert!(wide_swiglu(true, true, 1020, 1020, false));
+    assert!(!wide_swiglu(true, true, 20 * 36, 36, true), "rows not of whole blocks of 32");
+    assert!(wide_swiglu(true, true, 20 * 96, 96, true));
+}
