@@ -126,10 +126,33 @@ def test_speculation_is_exact_on_cuda(files: dict[str, Path], method: str) -> No
     for prompt in prompts("tiny-l")[:3]:
         if method == "oracle":
             truth = m.session(1024).generate(prompt, max_tokens=40, ignore_eos=True).tokens
-            spec = ds4.Speculative(Oracle(prompt, truth, {2, 5}, m.vocab_size, 6), max_draft=6, adaptive=False)
+            # Blocks of 6 and of 16, the most: a verify is at most one device step (16 rows),
+            # so the drafts are cut to 15 there and every row stays a single decode's.
+            for block in (6, 16):
+                spec = ds4.Speculative(Oracle(prompt, truth, {2, 5}, m.vocab_size, block), max_draft=block,
+                                       adaptive=False)
+                check_identical(m, prompt, spec, max_tokens=40, ignore_eos=True)
         else:
-            spec = ds4.Speculative(method, max_draft=4, adaptive=False)
-        check_identical(m, prompt, spec, max_tokens=40, ignore_eos=True)
+            check_identical(m, prompt, ds4.Speculative(method, max_draft=4, adaptive=False), max_tokens=40,
+                            ignore_eos=True)
+
+
+@gpu
+def test_a_verify_is_at_most_one_device_step(files: dict[str, Path]) -> None:
+    # A device step takes 16 rows. A longer verify would run on the host forward pass, whose
+    # sums are not the device's, so it is refused (nothing changes) rather than run with rows
+    # that are not bitwise single decodes.
+    m = ds4.Model.load(files["tiny-l"], backend="cuda")
+    s = m.session(512)
+    s.eval(prompts("tiny-l")[0], logits="none")
+    assert s.forward_kind == "device" and s.max_verify == 16
+    before = (s.position, s._native.digest())
+    with pytest.raises(ValueError, match="1..=16"):
+        s.verify(list(range(3, 20)))
+    assert (s.position, s._native.digest()) == before
+    v = s.verify(list(range(3, 19)), greedy=True)
+    v.keep(16)
+    assert s.position == before[0] + 16
 
 
 @gpu

@@ -213,6 +213,7 @@ def test_verify_errors_change_nothing(models: dict[str, ds4.Model]) -> None:
     s = m.session(512)
     s.eval(prompts("tiny-l")[0], logits="none")
     before = (s.position, s._native.digest())
+    assert s.max_verify == 17  # on the host: a draft of 16 after its anchor
     for bad in ([], list(range(2, 20)), [m.vocab_size]):
         with pytest.raises(ValueError):
             s.verify(bad)

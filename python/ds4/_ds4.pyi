@@ -194,6 +194,10 @@ class Session:
         """Where the forward pass runs: "device" (the whole pass on the GPU, state mirrored
         there) or "host" (on the CPU, products on the model's backend)."""
     @property
+    def max_verify(self) -> int:
+        """The most tokens one verify takes (16 on the GPU: one device step, every row bitwise a
+        single decode's; 17 on the host)."""
+    @property
     def context(self) -> int:
         """The context size."""
     @property

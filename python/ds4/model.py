@@ -277,14 +277,14 @@ class Session:
         return out.reshape(-1, self._vocab)
 
     def verify(self, tokens: Sequence[int] | npt.ArrayLike, *, greedy: bool = False) -> Verification:
-        """Evaluates 1 to 17 ``tokens`` as a speculative verify: exactly as :meth:`eval` would
-        (every row is bitwise the row a plain decode computes), keeping what is needed to cut
-        the session back to any prefix of them with :meth:`Verification.keep`. With
+        """Evaluates 1 to :attr:`max_verify` ``tokens`` (17; 16 on the GPU) as a speculative
+        verify: every row is bitwise the row a plain decode computes, keeping what is needed to
+        cut the session back to any prefix of them with :meth:`Verification.keep`. With
         ``greedy``, each row's greedy token comes back instead of its logits (on the GPU, one id
         a row is downloaded): a temperature-0 verify. The building block of a speculative loop:
         verify the anchor and the draft, keep the tokens up to the first the target disagrees
-        with. Raises as :meth:`eval` does, and ``ValueError`` for more than 17 tokens; then
-        nothing changes. The GIL is released while computing."""
+        with. Raises as :meth:`eval` does, and ``ValueError`` for more than :attr:`max_verify`
+        tokens; then nothing changes. The GIL is released while computing."""
         native, logits, greedy_ids = self._native.verify(_token_ids(tokens), greedy)
         rows = None if logits is None else np.frombuffer(logits, dtype="<f4").reshape(-1, self._vocab)
         return Verification(native, rows, greedy_ids)
@@ -300,6 +300,13 @@ class Session:
         the attention state mirrored in device memory; ``DS4_DEVICE_DECODE=0`` turns it off)
         or ``"host"`` (the CPU, with the matrix products on the model's backend)."""
         return "device" if self._native.forward_kind == "device" else "host"
+
+    @property
+    def max_verify(self) -> int:
+        """The most tokens one :meth:`verify` takes: 17 on the host, 16 on the GPU (one device
+        step, so that every row is bitwise a single decode's; a generation drafts at most 15
+        there)."""
+        return self._native.max_verify
 
     @property
     def context(self) -> int:

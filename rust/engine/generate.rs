@@ -186,10 +186,12 @@ impl Generation {
             None => session.sample(&self.logits)?,
         };
         if !self.emit(a, session, &mut chunk)? {
-            // Room left for drafts: the budget after `a`, and context after evaluating `a`.
+            // Room left for drafts: the budget after `a`, context after evaluating `a`, and a
+            // verify's most rows after the anchor (`Session::max_verify`: on a GPU, one device
+            // step's, so that every verified row is bitwise a plain decode's).
             let room = (self.opts.max_tokens - self.tokens.len())
                 .min(session.context() - session.position() - 1)
-                .min(crate::spec::MAX_DRAFT);
+                .min(session.max_verify()?.saturating_sub(1));
             if self.spec.is_none() || room == 0 {
                 self.plain_step(session, a)?;
             } else {
@@ -436,8 +438,9 @@ mod tests {
             let ngram = speculation(Box::new(NgramDrafter::new(1, 3).unwrap()), Policy::Fixed(3));
             assert_eq!(generate(model, &prompt, n, greedy, ngram), (want.clone(), None));
         }
-        // The decoder (at most 4 rows a pass) ran plain steps and verifies, all as argmax
-        // passes: one forward each.
+        // The decoder (at most 4 rows a pass, so drafts of at most 3 whatever the block: a
+        // longer verify would be refused, `Session::max_verify`) ran plain steps and verifies,
+        // all as argmax passes: one forward each.
         let argmaxes = seen.argmaxes.load(Ordering::Relaxed);
         assert!(seen.argmax_all.load(Ordering::Relaxed) > 20);
         assert_eq!(seen.forwards.load(Ordering::Relaxed), argmaxes);

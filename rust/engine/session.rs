@@ -193,8 +193,8 @@ impl Session {
         pass: Pass<T>,
         join: impl FnOnce(Vec<f32>, T) -> T,
     ) -> Result<T> {
+        self.ensure_decoder()?;
         self.changes += 1;
-        self.ensure_decoder();
         let device_rows = self.decoder.as_ref().map_or(0, |d| d.max_rows());
         if tokens.len() <= device_rows || (device_rows == 0 && tokens.len() <= crate::spec::MAX_DRAFT + 1) {
             // Decode-sized batches run in place with a log of what each row overwrites (a few
@@ -259,18 +259,30 @@ impl Session {
 
     fn verify_with<T>(&mut self, tokens: &[u32], pass: Pass<T>) -> Result<(T, BatchLog)> {
         self.check(tokens)?;
-        if tokens.is_empty() || tokens.len() > crate::spec::MAX_DRAFT + 1 {
-            return Err(Error::invalid(format!(
-                "verify takes 1..={} tokens (the rings keep that many spare slots), not {}",
-                crate::spec::MAX_DRAFT + 1,
-                tokens.len()
-            )));
+        let most = self.max_verify()?;
+        if tokens.is_empty() || tokens.len() > most {
+            let why = if self.decoder.is_some() {
+                "the rows of one device step, so that every row is bitwise a single decode's"
+            } else {
+                "the rings keep that many spare slots"
+            };
+            return Err(Error::invalid(format!("verify takes 1..={most} tokens ({why}), not {}", tokens.len())));
         }
-        self.ensure_decoder();
         self.changes += 1;
         let out = self.run_logged(tokens, Logits::All, pass)?;
         self.last_greedy = None;
         Ok(out)
+    }
+
+    /// The most tokens one [`Session::verify`] takes: with a device decoder, the rows of one of
+    /// its steps (at most [`crate::spec::MAX_DRAFT`] + 1), else `MAX_DRAFT` + 1. A longer batch
+    /// would run on the host forward pass, whose sums are not the device's, so a verify's rows
+    /// would no longer be bitwise the single decodes that plain decoding runs; generation
+    /// drafts at most one token fewer.
+    pub fn max_verify(&mut self) -> Result<usize> {
+        self.ensure_decoder()?;
+        let most = crate::spec::MAX_DRAFT + 1;
+        Ok(self.decoder.as_ref().map_or(most, |d| d.max_rows().min(most)))
     }
 
     /// Runs `tokens` in place, on the device decoder when it takes that many rows, else on the
@@ -304,26 +316,28 @@ impl Session {
 
     /// Makes the backend's device decoder at the first evaluation, if the backend has one
     /// for this model. A decoder that cannot be made (device memory) leaves the session on
-    /// the host forward pass.
-    fn ensure_decoder(&mut self) {
+    /// the host forward pass; an invalid setting of the decoder's (a `DS4_CUDA_*` variable
+    /// with a value it does not take) is the caller's error, returned by every call until it is
+    /// fixed, rather than a silent move to the host.
+    fn ensure_decoder(&mut self) -> Result<()> {
         if self.decoder_tried {
-            return;
+            return Ok(());
+        }
+        let backend = std::sync::Arc::clone(&self.model.backend);
+        match backend.decoder(&self.model, self.ctx, self.state.precision) {
+            Some(Ok(d)) => self.decoder = Some(d),
+            Some(Err(e @ Error::InvalidArgument(_))) => return Err(e),
+            Some(Err(_)) | None => {}
         }
         self.decoder_tried = true;
-        let backend = std::sync::Arc::clone(&self.model.backend);
-        if let Some(Ok(d)) = backend.decoder(&self.model, self.ctx, self.state.precision) {
-            self.decoder = Some(d);
-        }
+        Ok(())
     }
 
     /// Which forward pass the session runs: "device" (the whole pass on the GPU) or "host".
-    pub fn forward_kind(&mut self) -> &'static str {
-        self.ensure_decoder();
-        if self.decoder.is_some() {
-            "device"
-        } else {
-            "host"
-        }
+    /// Errors as the first evaluation would, for an invalid setting of the device decoder.
+    pub fn forward_kind(&mut self) -> Result<&'static str> {
+        self.ensure_decoder()?;
+        Ok(if self.decoder.is_some() { "device" } else { "host" })
     }
 
     /// A digest of the whole decode state and the sampler's stream position (tests).
@@ -414,7 +428,7 @@ impl Session {
     fn propose_on(&mut self, anchor: u32, k: usize, sample: bool, want_logits: bool) -> Result<Proposal> {
         self.model.check_anchor(anchor)?;
         if self.state.pos > 0 && k > 0 {
-            self.ensure_decoder();
+            self.ensure_decoder()?;
         }
         if let Some(dec) = self.decoder.as_mut() {
             let sampler = if sample { self.sampler.as_mut() } else { None };
@@ -713,7 +727,7 @@ pub(crate) mod tests {
         let m = Arc::new(m);
         let mut h = Session::new(plain, 512, KvPrecision::F32).unwrap();
         let mut d = Session::new(m, 512, KvPrecision::F32).unwrap();
-        assert_eq!((h.forward_kind(), d.forward_kind()), ("host", "device"));
+        assert_eq!((h.forward_kind().unwrap(), d.forward_kind().unwrap()), ("host", "device"));
         let prompt: Vec<u32> = (0..131).map(|i| (i * 37 % 500 + 3) as u32).collect();
         let (a, b) = (h.eval(&prompt[..127], Logits::All).unwrap(), d.eval(&prompt[..127], Logits::All).unwrap());
         assert_eq!(a, b);
@@ -807,6 +821,55 @@ pub(crate) mod tests {
     }
 
     /// The tiny-l golden model (llama.cpp's f32 file).
+    /// The CPU backend whose device decoder cannot be made: with an invalid setting
+    /// (`Error::InvalidArgument`) or for want of device memory (`Error::Backend`).
+    struct NoDecoder(fn() -> Error);
+
+    impl Backend for NoDecoder {
+        fn name(&self) -> &'static str {
+            "no-decoder"
+        }
+
+        fn matmul_many(&self, raw: &[u8], specs: &[(&Mat, &[f32])]) -> Result<Vec<Vec<f32>>> {
+            Cpu.matmul_many(raw, specs)
+        }
+
+        fn decoder(
+            self: Arc<Self>,
+            _model: &Model,
+            _ctx: usize,
+            _precision: KvPrecision,
+        ) -> Option<Result<Box<dyn DeviceDecoder>>> {
+            Some(Err((self.0)()))
+        }
+    }
+
+    /// A device decoder refused for an invalid setting is an error of every call that would
+    /// make it (the state untouched), never a silent move to the host forward pass; one that
+    /// cannot be made for want of memory leaves the session on the host.
+    #[test]
+    fn an_invalid_decoder_setting_is_an_error_not_the_host_path() {
+        let mut m = tiny_l();
+        m.set_backend(Arc::new(NoDecoder(|| Error::invalid("DS4_CUDA_PREFILL_ROWS takes 16..=1024, not \"2048\""))));
+        let mut s = Session::new(Arc::new(m), 512, KvPrecision::F32).unwrap();
+        let digest = s.digest();
+        for _ in 0..2 {
+            let e = s.eval(&[5, 6], Logits::All).unwrap_err();
+            assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("DS4_CUDA_PREFILL_ROWS")), "{e}");
+            assert!(matches!(s.verify(&[5]), Err(Error::InvalidArgument(_))));
+            assert!(matches!(s.forward_kind(), Err(Error::InvalidArgument(_))));
+            assert!(matches!(s.max_verify(), Err(Error::InvalidArgument(_))));
+            assert_eq!((s.digest(), s.position()), (digest, 0));
+        }
+        let mut m = tiny_l();
+        m.set_backend(Arc::new(NoDecoder(|| Error::Backend("out of device memory".into()))));
+        let mut s = Session::new(Arc::new(m), 512, KvPrecision::F32).unwrap();
+        assert_eq!(s.forward_kind().unwrap(), "host");
+        assert_eq!(s.max_verify().unwrap(), crate::spec::MAX_DRAFT + 1);
+        let mut r = Session::new(Arc::new(tiny_l()), 512, KvPrecision::F32).unwrap();
+        assert_eq!(s.eval(&[5, 6], Logits::All).unwrap(), r.eval(&[5, 6], Logits::All).unwrap());
+    }
+
     pub(crate) fn tiny_l() -> Model {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/tiny-l");
         Model::load(dir.join("llamacpp-f32.gguf")).unwrap()
@@ -835,7 +898,7 @@ pub(crate) mod tests {
         let mut r = Session::new(Arc::clone(&plain), 512, KvPrecision::F32).unwrap();
         let mut h = Session::new(plain, 512, KvPrecision::F32).unwrap();
         let mut d = Session::new(tiny_l_with_decoder(&seen), 512, KvPrecision::F32).unwrap();
-        assert_eq!(d.forward_kind(), "device");
+        assert_eq!(d.forward_kind().unwrap(), "device");
         let prompt: Vec<u32> = (0..127).map(|i| (i * 37 % 500 + 3) as u32).collect();
         let want = Greedy::Ids(argmaxes(&r.eval(&prompt, Logits::Last).unwrap(), vocab));
         assert_eq!(h.eval_argmax(&prompt).unwrap(), want);
@@ -852,9 +915,30 @@ pub(crate) mod tests {
         }
         assert_eq!(seen.argmaxes.load(Ordering::Relaxed), 7);
 
-        // Verifies of 3 rows (on the decoder) and of 17 (more than it takes: on the host),
-        // each cut back.
-        for (batch, keep) in [(vec![7, 8, 9], 2), ((0..17).map(|i| 20 + i).collect::<Vec<u32>>(), 5)] {
+        // Verifies of 3 rows and of 4 (the most the decoder takes; 17 on the host), each cut
+        // back. A longer verify is refused on the decoder: on the host forward pass its rows
+        // would not be the decoder's single decodes.
+        assert_eq!((d.max_verify().unwrap(), h.max_verify().unwrap()), (4, 17));
+        let digest = d.digest();
+        let err = d.verify_argmax(&[20, 21, 22, 23, 24]).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)) && err.to_string().contains("1..=4"), "{err}");
+        assert_eq!(d.digest(), digest);
+        for (batch, keep) in [(vec![7, 8, 9], 2), (vec![20, 21, 22, 23], 3), ((0..17).map(|i| 20 + i).collect(), 5)] {
+            if batch.len() > 4 {
+                // The host sessions alone.
+                let (rows, rlog) = r.verify(&batch).unwrap();
+                let (hg, hlog) = h.verify_argmax(&batch).unwrap();
+                assert_eq!(hg, Greedy::Ids(argmaxes(&rows, vocab)));
+                r.keep(rlog, keep).unwrap();
+                h.keep(hlog, keep).unwrap();
+                // The decoder's session the same tokens in verifies it takes, then cut alike.
+                let (_, dlog) = d.verify_argmax(&batch[..4]).unwrap();
+                d.keep(dlog, 4).unwrap();
+                let (_, dlog) = d.verify_argmax(&batch[4..keep]).unwrap();
+                d.keep(dlog, keep - 4).unwrap();
+                assert_eq!((h.digest(), d.digest()), (r.digest(), r.digest()));
+                continue;
+            }
             let (rows, rlog) = r.verify(&batch).unwrap();
             let want = Greedy::Ids(argmaxes(&rows, vocab));
             let (hg, hlog) = h.verify_argmax(&batch).unwrap();
@@ -865,7 +949,8 @@ pub(crate) mod tests {
             d.keep(dlog, keep).unwrap();
             assert_eq!((h.digest(), d.digest()), (r.digest(), r.digest()));
         }
-        assert_eq!(seen.argmax_all.load(Ordering::Relaxed), 1);
+        // Every verify the decoder's session ran (3 and 4 rows, then 4 and 1) was the decoder's.
+        assert_eq!(seen.argmax_all.load(Ordering::Relaxed), 4);
 
         // A failure anywhere (a step, a verify, any chunk of a long batch) changes nothing.
         let digest = d.digest();

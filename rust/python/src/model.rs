@@ -245,7 +245,14 @@ impl PySession {
     /// there) or "host" (on the CPU, products on the model's backend).
     #[getter]
     fn forward_kind(&self) -> PyResult<&'static str> {
-        self.with(|s| Ok(s.forward_kind()))
+        self.with(|s| s.forward_kind().into_py_result())
+    }
+
+    /// The most tokens one verify takes (16 on the GPU: one device step, every row bitwise a
+    /// single decode's; 17 on the host).
+    #[getter]
+    fn max_verify(&self) -> PyResult<usize> {
+        self.with(|s| s.max_verify().into_py_result())
     }
 
     /// The context size.
