@@ -47,6 +47,9 @@ typedef unsigned int u32;
 #define THREADS 256
 // 16-byte loads a thread has in flight.
 #define UNROLL 8
+// Ints between two phases' counts: a 128-byte line each, so that the blocks polling one
+// phase's count do not share a line with the adds to the next ones'.
+#define COUNT_STRIDE 32
 
 struct Phase {
     const uint4* w;   // the phase's weights
@@ -167,7 +170,7 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
     return v;
 }
 
-// Every phase in one launch; counts[p] gets one from each block of phase p (after a fence),
+// Every phase in one launch; counts[COUNT_STRIDE p] gets one from each block of phase p (after a fence),
 // epoch e waits for (e + 1) times the producer's blocks, so the counts need no reset between
 // runs. deps == 0: no waits, every phase reads x0 (the floor).
 __global__ void __launch_bounds__(THREADS) persistent_kernel(const Phase* phases, int count, int* counts, int epoch,
@@ -185,7 +188,7 @@ __global__ void __launch_bounds__(THREADS) persistent_kernel(const Phase* phases
             if (threadIdx.x == 0) {
                 const int target = ph.wait_count * (epoch + 1);
                 long long spins = 0;
-                while (ld_acquire(counts + ph.wait_on) < target) {
+                while (ld_acquire(counts + COUNT_STRIDE * ph.wait_on) < target) {
                     if (++spins > (1ll << 22)) {
                         __trap();  // seconds with no progress: a bug here, not a slow phase
                     }
@@ -197,7 +200,7 @@ __global__ void __launch_bounds__(THREADS) persistent_kernel(const Phase* phases
         phase_main(ph, blockIdx.x, pre, deps ? ph.x : x0, xs, red);
         if (deps && threadIdx.x == 0) {
             __threadfence();
-            atomicAdd(counts + p, 1);
+            atomicAdd(counts + COUNT_STRIDE * p, 1);
         }
     }
 }
@@ -308,9 +311,10 @@ int main(int argc, char** argv) {
         int* counts;
         CK(cudaMalloc(&dph, count * sizeof(Phase)));
         CK(cudaMalloc(&dfloor, count * sizeof(Phase)));
-        CK(cudaMalloc(&counts, count * 4));
+        CK(cudaMalloc(&counts, (size_t)count * COUNT_STRIDE * 4));
         CK(cudaMemcpy(dph, ph.data(), count * sizeof(Phase), cudaMemcpyHostToDevice));
         CK(cudaMemcpy(dfloor, floor_ph.data(), count * sizeof(Phase), cudaMemcpyHostToDevice));
+        CK(cudaDeviceSynchronize());  // the copies (legacy stream) before st's work
         double mb = 0;
         for (const Spec& s : c.phases) {
             mb += s.mb;
@@ -361,7 +365,7 @@ int main(int argc, char** argv) {
         std::vector<float> ref(X_LEN), got(X_LEN);
         float floor_us = 0;
         for (int mode = 0; mode < 5; mode++) {
-            CK(cudaMemsetAsync(counts, 0, count * 4, st));
+            CK(cudaMemsetAsync(counts, 0, (size_t)count * COUNT_STRIDE * 4, st));
             epoch = 0;
             CK(cudaMemsetAsync(ybuf, 0xff, (size_t)count * X_LEN * 4, st));
             run(mode);
@@ -402,7 +406,7 @@ int main(int argc, char** argv) {
                 floor_us = med;
             }
             printf("  %-16s %9.1f us a run  %7.2f a layer  %6.2f a phase  (%.2f TB/s)  %s%s\n", names[mode], med,
-                   med / layers, med / count, mb * layers / med / 1e6,
+                   med / layers, med / count, mb * layers / med,
                    mode == 4 ? "" : (same ? "same bits" : "DIFFERENT BITS"), nan ? " (NaN in the output)" : "");
         }
         printf("  (the floor, no dependencies: %.2f us a layer)\n", floor_us / layers);

@@ -763,7 +763,7 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
-// ds4_index_scores for a prompt's steps on the tensor cores (mma.sync m16n8k8, 3xTF32 as
+// ds4_index_scores on the tensor cores (mma.sync m16n8k8, 3xTF32 as
 // ds4_attention_mma in section 6, with the helpers here). The scores of a row are S = Q K^T over
 // its heads (M) and indexer rows (N), then score_s = sum_h (max(S_hs, 0) * scale) * g_h; the
 // float kernel forms each dot in float FMAs, one thread per (row, head), and a Flash CSA layer
@@ -771,9 +771,10 @@ extern "C" __global__ void __launch_bounds__(256)
 // more as the context grows (the indexer's rows are a quarter of the positions). The sums
 // here run in the tensor cores' order, then the 64 heads' terms in a fixed order (a lane's
 // eight, then a butterfly over the lanes of a column), so a row's scores agree with the float
-// kernel's to rounding, not bit for bit (prompt steps only, as the other tensor-core kernels),
-// and depend only on the row's own query and the indexer rows (row invariance), not on the
-// grid.
+// kernel's to rounding, not bit for bit, and depend only on the row's own query and the
+// indexer rows (row invariance), not on the grid. Every step runs it, a decode's and a
+// verify's too (decode/program.rs `index_mma`), so a verify's scores stay its rows' single
+// decodes'.
 //
 // A block takes one batch row (blockIdx.y) and walks its indexer rows in tiles of
 // DS4_INDEX_MMA_KEYS (block x takes tiles x, x + gridDim.x, ...): warp w the 16 keys 16 w ..

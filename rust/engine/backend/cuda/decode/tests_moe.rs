@@ -906,7 +906,8 @@ fn swiglu_writes_8_bit_activations_of_its_rows() {
 /// thread) write what the plain ones write, bit for bit: gathered rows as 8-bit activations
 /// (the host's bytes, `act8_image`; an unused slot untouched), whatever the split of a row
 /// between blocks, and SwiGLUs as floats and as 8-bit activations, with an all-zero block of
-/// 32, an outlier, and counts that leave warps and groups of eight lanes past the end.
+/// 32, an outlier, clamped values, a NaN, and counts that leave warps and groups of eight
+/// lanes past the end.
 #[test]
 fn wide_gather_and_swiglu_match_the_plain_kernels() {
     let Some(ctx) = context() else { return };
@@ -936,9 +937,11 @@ fn wide_gather_and_swiglu_match_the_plain_kernels() {
     for (count, width, act8) in [(12 * 2048usize, 2048usize, 1i32), (5 * 96, 96, 1), (1000, 1000, 0), (4 * 36, 36, 0)] {
         let what = format!("swiglu count={count} width={width} act8={act8}");
         let mut g: Vec<f32> = rng.f32s(count).iter().map(|v| 8.0 * v).collect();
-        let u: Vec<f32> = rng.f32s(count).iter().map(|v| 8.0 * v).collect();
+        let mut u: Vec<f32> = rng.f32s(count).iter().map(|v| 8.0 * v).collect();
         g[64..96].fill(-1e30); // silu(-1e30) is -0: an all-zero block
-        g[100] = 30.0;
+        (g[100], u[100]) = (50.0, 50.0); // an outlier in its block (the clamp is 60)
+        (g[101], u[102]) = (100.0, -100.0); // clamped
+        u[130] = f32::NAN; // a block with a NaN (through u: min(NaN, c) is c): bytes 0, a NaN scale
         let (gb, ub) = (DevBuf::from_slice(&g).expect("g"), DevBuf::from_slice(&u).expect("u"));
         let run = |name: &str, per: usize| -> Vec<u32> {
             let out = DevBuf::from_slice(&vec![7.0f32; count]).expect("out");
@@ -947,7 +950,7 @@ fn wide_gather_and_swiglu_match_the_plain_kernels() {
                 Arg::Ptr(ub.at(0)),
                 Arg::Ptr(out.at(0)),
                 Arg::I32(count as i32),
-                Arg::F32(6.0),
+                Arg::F32(60.0),
                 Arg::I32(width as i32),
                 Arg::I32(act8),
             ];

@@ -70,7 +70,7 @@ fn cuda_model() -> Option<Arc<Model>> {
 
 fn device_session(m: &Arc<Model>) -> Session {
     let mut s = Session::new(Arc::clone(m), 1024, KvPrecision::F32).expect("session");
-    assert_eq!(s.forward_kind(), "device");
+    assert_eq!(s.forward_kind().expect("the decoder"), "device");
     s
 }
 
@@ -178,6 +178,7 @@ fn wide_swiglu_scope() {
     assert!(!wide_swiglu(true, false, 16 * 2048, 2048, false), "not in a decode's or verify's step");
     assert!(!wide_swiglu(true, true, 1022, 1022, false), "no whole float4s");
     assert!(wide_swiglu(true, true, 1020, 1020, false));
-    assert!(!wide_swiglu(true, true, 20 * 36, 36, true), "rows not of whole blocks of 32");
+    assert!(!wide_swiglu(true, true, 32 * 36, 36, true), "rows not of whole blocks of 32");
+    assert!(!wide_swiglu(true, true, 20 * 36, 36, true), "not whole blocks of 32");
     assert!(wide_swiglu(true, true, 20 * 96, 96, true));
 }
