@@ -140,8 +140,10 @@ impl Generation {
         })
     }
 
-    /// Adds a token the target chose to the output; true if it ends the generation.
-    fn emit(&mut self, token: u32, session: &Session, chunk: &mut Chunk) -> Result<bool> {
+    /// Adds a token the target chose to the output, `pos` the position it is evaluated at (the
+    /// session's, or in a cycle the draft's own, whatever the verify left the session at); true
+    /// if it ends the generation.
+    fn emit(&mut self, token: u32, pos: usize, ctx: usize, chunk: &mut Chunk) -> Result<bool> {
         self.tokens.push(token);
         chunk.tokens.push(token);
         if self.opts.stop_tokens.contains(&token) {
@@ -155,7 +157,7 @@ impl Generation {
                 return Ok(true);
             }
             // The token must be evaluated before the next one can follow it.
-            if self.tokens.len() >= self.opts.max_tokens || session.position() + 1 > session.context() {
+            if self.tokens.len() >= self.opts.max_tokens || pos + 1 > ctx {
                 self.finish = Some(FinishReason::Length);
             } else {
                 let keep = self.held.len() - held_back(&self.held, &self.opts.stop);
@@ -170,8 +172,9 @@ impl Generation {
     }
 
     /// Runs one step (one token, or one speculative cycle) and returns what it released,
-    /// or `None` once finished. If a speculative cycle fails, the session is put back as it
-    /// was before the cycle and the generation cannot continue.
+    /// or `None` once finished. If a step fails, the session is put back as it was before the
+    /// step (its state, and its random stream) and the generation cannot continue: the token
+    /// the step had taken was never evaluated.
     pub fn step(&mut self, session: &mut Session) -> Result<Option<Chunk>> {
         if self.failed {
             return Err(Error::invalid("this generation failed earlier and cannot continue"));
@@ -179,13 +182,27 @@ impl Generation {
         if self.finish.is_some() {
             return Ok(None);
         }
+        let rng = session.sampler_mut()?.state();
+        match self.try_step(session) {
+            Ok(chunk) => Ok(Some(chunk)),
+            Err(e) => {
+                self.failed = true;
+                session.sampler_mut()?.set_state(rng)?;
+                Err(e)
+            }
+        }
+    }
+
+    /// [`Generation::step`]'s work; an error leaves the session's state as it was (the random
+    /// stream is `step`'s to put back).
+    fn try_step(&mut self, session: &mut Session) -> Result<Chunk> {
         let t0 = Instant::now();
         let mut chunk = Chunk { text: String::new(), tokens: Vec::new() };
         let a = match self.pending.take() {
             Some(t) => t,
             None => session.sample(&self.logits)?,
         };
-        if !self.emit(a, session, &mut chunk)? {
+        if !self.emit(a, session.position(), session.context(), &mut chunk)? {
             // Room left for drafts: the budget after `a`, context after evaluating `a`, and a
             // verify's most rows after the anchor (`Session::max_verify`: on a GPU, one device
             // step's, so that every verified row is bitwise a plain decode's).
@@ -195,16 +212,11 @@ impl Generation {
             if self.spec.is_none() || room == 0 {
                 self.plain_step(session, a)?;
             } else {
-                let rng = session.sampler_mut()?.state();
-                if let Err(e) = self.cycle(session, a, room, &mut chunk) {
-                    self.failed = true;
-                    session.sampler_mut()?.set_state(rng)?;
-                    return Err(e);
-                }
+                self.cycle(session, a, room, &mut chunk)?;
             }
         }
         self.decode_seconds += t0.elapsed().as_secs_f64();
-        Ok(Some(chunk))
+        Ok(chunk)
     }
 
     /// Evaluates the pending token `a` alone (and tells the scheduler and drafter, if any).
@@ -227,12 +239,20 @@ impl Generation {
             sp.scheduler.block(0);
             return self.plain_step(session, a);
         }
+        // The anchor's position: draft j is evaluated at pos0 + 1 + j.
+        let pos0 = session.position();
         let mut history = session.tokens().to_vec();
         history.push(a);
         let t_draft = Instant::now();
         let mut draft = sp.drafter.propose_in(session, &history, a, room)?;
         let draft_seconds = t_draft.elapsed().as_secs_f64();
-        let l = sp.scheduler.block_with(draft.tokens.len().min(room), draft.survival.as_deref());
+        // The block may read the drafter's survival estimates only when the drafts are point
+        // masses (greedy): sampled drafts are accepted by the rejection rule, which is exact
+        // only if each verified draft is distributed as its q, and DSpark's survival at
+        // position i reads the draft sampled before it, so cutting the block on it would
+        // choose which sampled drafts get verified by their values.
+        let survival = if draft.dists.is_some() { None } else { draft.survival.as_deref() };
+        let l = sp.scheduler.block_with(draft.tokens.len().min(room), survival);
         draft.tokens.truncate(l);
         if let Some(q) = draft.dists.as_mut() {
             q.truncate(l);
@@ -271,8 +291,9 @@ impl Generation {
         // Emit the accepted drafts; one of them may end the generation, and a finishing
         // token is not kept in the session (as in plain decoding).
         let mut kept = k + 1;
+        let ctx = session.context();
         for (j, &d) in draft.tokens[..k].iter().enumerate() {
-            match self.emit(d, session, chunk) {
+            match self.emit(d, pos0 + 1 + j, ctx, chunk) {
                 Ok(false) => {}
                 Ok(true) => {
                     kept = j + 1;
@@ -489,6 +510,157 @@ mod tests {
         let (tokens, err) = generate(&device, &prompt, 10, greedy, spec);
         assert_eq!(tokens, want[..1]);
         assert_eq!(err, Some(message));
+    }
+
+    /// A generation of up to `n` tokens in a session of `ctx` positions, stepped until it
+    /// ends: its tokens, how it finished and the session's digest.
+    fn generate_in(
+        model: &Arc<Model>,
+        ctx: usize,
+        prompt: &[u32],
+        n: usize,
+        spec: Option<Speculation>,
+    ) -> (Vec<u32>, Option<FinishReason>, u64) {
+        let mut s = Session::new(Arc::clone(model), ctx, KvPrecision::F32).unwrap();
+        let tokenizer = Arc::new(Tokenizer::from_gguf(model.file()).unwrap());
+        let opts = GenerateOptions {
+            max_tokens: n,
+            sampling: SamplingParams::greedy(),
+            stop: Vec::new(),
+            stop_tokens: Vec::new(),
+        };
+        let mut g = Generation::start(&mut s, tokenizer, prompt, opts, spec).unwrap();
+        while g.step(&mut s).unwrap().is_some() {}
+        (g.tokens().to_vec(), g.finish_reason(), s.digest())
+    }
+
+    /// At the end of the context a speculative generation stops where plain decoding does,
+    /// with the same state, for every block size: an accepted draft's room is judged at its
+    /// own position, not at the one the verify left the session at (which ended generations
+    /// early when the block reached the context's end).
+    #[test]
+    fn speculation_ends_at_the_context_where_plain_decoding_does() {
+        let seen = Seen::new();
+        for model in [Arc::new(tiny_l()), tiny_l_with_decoder(&seen)] {
+            let prompt: Vec<u32> = vec![3, 40, 77, 40];
+            let ctx = 40;
+            let want = generate_in(&model, ctx, &prompt, 1000, None);
+            assert_eq!(want.1, Some(FinishReason::Length));
+            let full = [prompt.clone(), want.0.clone()].concat();
+            for k in [1, 2, 3, 4, 8, 16] {
+                // The oracle without errors, so that blocks reach the context's end accepted.
+                let oracle = Box::new(Oracle { full: full.clone(), calls: 2 });
+                let got = generate_in(&model, ctx, &prompt, 1000, speculation(oracle, Policy::Fixed(k)));
+                assert_eq!(got, want, "block {k}");
+            }
+        }
+    }
+
+    /// A plain step whose evaluation fails ends the generation and puts the session back as
+    /// it was before the step, its random stream too; it never goes on from a token it took
+    /// but did not evaluate.
+    #[test]
+    fn a_failed_plain_step_ends_the_generation_and_changes_nothing() {
+        let params = SamplingParams { temperature: 0.8, seed: 7, ..SamplingParams::default() };
+        let seen = Seen::new();
+        let model = tiny_l_with_decoder(&seen);
+        let prompt: Vec<u32> = vec![3, 40, 77, 40];
+        let mut s = Session::new(Arc::clone(&model), 512, KvPrecision::F32).unwrap();
+        let tokenizer = Arc::new(Tokenizer::from_gguf(model.file()).unwrap());
+        let opts = GenerateOptions { max_tokens: 12, sampling: params, stop: Vec::new(), stop_tokens: Vec::new() };
+        let mut g = Generation::start(&mut s, tokenizer, &prompt, opts, None).unwrap();
+        for _ in 0..3 {
+            g.step(&mut s).unwrap();
+        }
+        let (digest, rng) = (s.digest(), s.sampler_mut().unwrap().state());
+        seen.fail_at.store(seen.forwards.load(Ordering::Relaxed), Ordering::Relaxed);
+        assert!(matches!(g.step(&mut s), Err(Error::Backend(_))));
+        seen.fail_at.store(usize::MAX, Ordering::Relaxed);
+        assert_eq!((s.digest(), s.sampler_mut().unwrap().state()), (digest, rng));
+        let e = g.step(&mut s).unwrap_err();
+        assert!(e.to_string().contains("failed earlier"), "{e}");
+        assert_eq!(s.digest(), digest);
+    }
+
+    /// A drafter of token 7, as sampled drafts (each with its distribution) or as point
+    /// masses, with survival estimates of 0 (nothing will survive) or none.
+    struct Sevens {
+        sampled: bool,
+        survival: bool,
+    }
+
+    impl Drafter for Sevens {
+        fn name(&self) -> &str {
+            "sevens"
+        }
+
+        fn propose(&mut self, _history: &[u32], max: usize) -> Result<Draft> {
+            let dists = self.sampled.then(|| vec![crate::sampling::Distribution::point_mass(7); max]);
+            Ok(Draft { tokens: vec![7; max], dists, survival: self.survival.then(|| vec![0.0; max]) })
+        }
+    }
+
+    /// At temperature > 0 the block does not read the survival of sampled drafts: cutting
+    /// the block on values that depend on the sampled drafts (DSpark's confidence at position
+    /// i reads the draft before it) would choose which drafts get verified by their values,
+    /// and the rejection rule is exact only for drafts distributed as their q. So a sampled
+    /// drafter's survival changes nothing (the same tokens and cycles as without it), where a
+    /// point-mass drafter's does change the cycles.
+    #[test]
+    fn sampled_drafts_are_not_cut_by_their_survival() {
+        let prompt: Vec<u32> = vec![3, 40, 77, 40];
+        let model = Arc::new(tiny_l());
+        let params = SamplingParams { temperature: 0.8, seed: 3, ..SamplingParams::default() };
+        let run = |sampled: bool, survival: bool| {
+            let mut s = Session::new(Arc::clone(&model), 512, KvPrecision::F32).unwrap();
+            let tokenizer = Arc::new(Tokenizer::from_gguf(model.file()).unwrap());
+            let opts = GenerateOptions { max_tokens: 12, sampling: params, stop: Vec::new(), stop_tokens: Vec::new() };
+            let spec = speculation(Box::new(Sevens { sampled, survival }), Policy::Adaptive { max: 4 });
+            let mut g = Generation::start(&mut s, tokenizer, &prompt, opts, spec).unwrap();
+            while g.step(&mut s).unwrap().is_some() {}
+            (g.tokens().to_vec(), g.stats.num_draft_tokens, g.stats.num_plain_steps)
+        };
+        assert_eq!(run(true, true), run(true, false));
+        // Point masses (a greedy generation, the drafts the true continuation): a survival of 0
+        // stops the verifies that the drafts would otherwise win.
+        let want = reference(&model, &prompt, 24, SamplingParams::greedy());
+        let full = [prompt.clone(), want.clone()].concat();
+        let verified = |survival: bool| {
+            let mut s = Session::new(Arc::clone(&model), 512, KvPrecision::F32).unwrap();
+            let tokenizer = Arc::new(Tokenizer::from_gguf(model.file()).unwrap());
+            let opts = GenerateOptions {
+                max_tokens: 24,
+                sampling: SamplingParams::greedy(),
+                stop: Vec::new(),
+                stop_tokens: Vec::new(),
+            };
+            let spec = speculation(Box::new(Truth { full: full.clone(), survival }), Policy::Adaptive { max: 4 });
+            let mut g = Generation::start(&mut s, tokenizer, &prompt, opts, spec).unwrap();
+            while g.step(&mut s).unwrap().is_some() {}
+            assert_eq!(g.tokens(), &want[..]);
+            g.stats.num_draft_tokens
+        };
+        let (cut, uncut) = (verified(true), verified(false));
+        assert!(cut < uncut, "{cut} draft tokens verified with a survival of 0, {uncut} without");
+    }
+
+    /// The true continuation (point masses), with survival estimates of 0 or none.
+    struct Truth {
+        full: Vec<u32>,
+        survival: bool,
+    }
+
+    impl Drafter for Truth {
+        fn name(&self) -> &str {
+            "truth"
+        }
+
+        fn propose(&mut self, history: &[u32], max: usize) -> Result<Draft> {
+            let n = history.len().min(self.full.len());
+            let tokens = self.full[n..(n + max).min(self.full.len())].to_vec();
+            let survival = self.survival.then(|| vec![0.0; tokens.len()]);
+            Ok(Draft { tokens, dists: None, survival })
+        }
     }
 
     #[test]
