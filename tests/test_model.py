@@ -178,8 +178,11 @@ def test_logits_modes_and_errors(models: dict[tuple[str, str], ds4.Model]) -> No
         s.eval([1], logits="some")  # type: ignore[arg-type]
 
 
-def rewrite(src: Path, dst: Path, drop: str | None = None, reshape: str | None = None) -> None:
-    """Copies a GGUF with gguf-py, dropping or reshaping one tensor."""
+def rewrite(src: Path, dst: Path, drop: str | None = None, reshape: str | None = None,
+            set_kv: dict[str, int] | None = None, empty: str = "\0") -> None:
+    """Copies a GGUF with gguf-py, dropping or reshaping one tensor, setting metadata values
+    (`set_kv`, the same types), and declaring the FFN tensors whose names contain `empty` with
+    an expert width of 0."""
     r = gguf.GGUFReader(src)
     w = gguf.GGUFWriter(dst, arch="deepseek4")
     for key, field in r.fields.items():
@@ -187,13 +190,17 @@ def rewrite(src: Path, dst: Path, drop: str | None = None, reshape: str | None =
             continue
         vtype = field.types[0]
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(key, field.contents(), vtype, sub_type=sub)
+        value = (set_kv or {}).get(key, field.contents())
+        w.add_key_value(key, value, vtype, sub_type=sub)
     for t in r.tensors:
         if t.name == drop:
             continue
         data = np.asarray(t.data)
         if t.name == reshape:
             data = data.reshape(-1)[: data.size // 2].reshape(data.shape[0] // 2, -1) if data.ndim > 1 else data[:-1]
+        if empty in t.name:
+            # the expert's width: a down matrix's columns, the others' rows
+            data = data[:, :0] if "down" in t.name else data[:0]
         w.add_tensor(t.name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -209,6 +216,28 @@ def test_missing_or_misshaped_tensor(tmp_path: Path) -> None:
     p = tmp_path / "shape.gguf"
     rewrite(LLAMACPP_TINY_L, p, reshape="blk.1.attn_q_b.weight")
     with pytest.raises(ds4.UnsupportedModelError, match="blk.1.attn_q_b.weight.*shape"):
+        ds4.Model.load(p)
+
+
+@pytest.mark.parametrize("key,value,what", [
+    ("deepseek4.attention.sliding_window", 1 << 30, "sliding window"),
+    ("deepseek4.hyper_connection.sinkhorn_iterations", 1 << 30, "Sinkhorn"),
+])
+def test_config_values_past_their_bounds(tmp_path: Path, key: str, value: int, what: str) -> None:
+    # A window of 2^30 rows would ask for terabytes at the first session (the process would
+    # abort), and 2^30 Sinkhorn iterations would hardly end a step: refused at load.
+    p = tmp_path / "bounds.gguf"
+    rewrite(LLAMACPP_TINY_L, p, set_kv={key: value})
+    with pytest.raises(ds4.UnsupportedModelError, match=what):
+        ds4.Model.load(p)
+
+
+def test_an_empty_matrix_is_refused(tmp_path: Path) -> None:
+    # No shared expert (a count of 0, its matrices declared with no rows or columns): the
+    # products would divide by their sizes at the first eval. Refused at load instead.
+    p = tmp_path / "empty.gguf"
+    rewrite(LLAMACPP_TINY_L, p, set_kv={"deepseek4.expert_shared_count": 0}, empty="shexp")
+    with pytest.raises(ds4.UnsupportedModelError, match="empty dimension"):
         ds4.Model.load(p)
 
 

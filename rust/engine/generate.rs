@@ -19,7 +19,7 @@ use crate::model::Logits;
 use crate::sampling::SamplingParams;
 use crate::session::Session;
 use crate::spec::schedule::Scheduler;
-use crate::spec::{Drafter, SpecStats};
+use crate::spec::{Draft, Drafter, SpecStats};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use crate::{Error, Result};
 
@@ -84,6 +84,10 @@ pub struct Generation {
     finish: Option<FinishReason>,
     spec: Option<Speculation>,
     failed: bool,
+    /// The session's change count after this generation's last evaluation
+    /// ([`Session::changes`]): another eval, verify, restore or reset in between leaves the
+    /// pending token and logits stale.
+    changes: u64,
     pub stats: SpecStats,
     pub prompt_tokens: usize,
     pub prefill_seconds: f64,
@@ -133,6 +137,7 @@ impl Generation {
             finish: None,
             spec,
             failed: false,
+            changes: session.changes(),
             stats: SpecStats::default(),
             prompt_tokens: prompt.len(),
             prefill_seconds: t0.elapsed().as_secs_f64(),
@@ -182,9 +187,17 @@ impl Generation {
         if self.finish.is_some() {
             return Ok(None);
         }
+        if session.changes() != self.changes {
+            return Err(Error::invalid(
+                "the session changed (an eval, verify, restore or reset) since this generation's last step",
+            ));
+        }
         let rng = session.sampler_mut()?.state();
         match self.try_step(session) {
-            Ok(chunk) => Ok(Some(chunk)),
+            Ok(chunk) => {
+                self.changes = session.changes();
+                Ok(Some(chunk))
+            }
             Err(e) => {
                 self.failed = true;
                 session.sampler_mut()?.set_state(rng)?;
@@ -246,13 +259,7 @@ impl Generation {
         let t_draft = Instant::now();
         let mut draft = sp.drafter.propose_in(session, &history, a, room)?;
         let draft_seconds = t_draft.elapsed().as_secs_f64();
-        // The block may read the drafter's survival estimates only when the drafts are point
-        // masses (greedy): sampled drafts are accepted by the rejection rule, which is exact
-        // only if each verified draft is distributed as its q, and DSpark's survival at
-        // position i reads the draft sampled before it, so cutting the block on it would
-        // choose which sampled drafts get verified by their values.
-        let survival = if draft.dists.is_some() { None } else { draft.survival.as_deref() };
-        let l = sp.scheduler.block_with(draft.tokens.len().min(room), survival);
+        let l = cycle_block(&mut sp.scheduler, &draft, room);
         draft.tokens.truncate(l);
         if let Some(q) = draft.dists.as_mut() {
             q.truncate(l);
@@ -323,6 +330,17 @@ impl Generation {
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
     }
+}
+
+/// The block a cycle verifies of `draft` (at most `room` tokens). The scheduler may read the
+/// drafter's survival estimates only when the drafts are point masses (greedy): sampled drafts
+/// are accepted by the rejection rule, which is exact only if each verified draft is
+/// distributed as its q, and DSpark's survival at position i reads the draft sampled before
+/// it, so cutting the block on it would choose which sampled drafts get verified by their
+/// values (at temperature > 0 that biased the output).
+fn cycle_block(scheduler: &mut Scheduler, draft: &Draft, room: usize) -> usize {
+    let survival = if draft.dists.is_some() { None } else { draft.survival.as_deref() };
+    scheduler.block_with(draft.tokens.len().min(room), survival)
 }
 
 /// Evaluates `tokens` on `session` and returns what the next step samples from: the last
@@ -582,85 +600,62 @@ mod tests {
         assert_eq!(s.digest(), digest);
     }
 
-    /// A drafter of token 7, as sampled drafts (each with its distribution) or as point
-    /// masses, with survival estimates of 0 (nothing will survive) or none.
-    struct Sevens {
-        sampled: bool,
-        survival: bool,
+    /// A generation stepped after its session changed under it (an eval, a reset, a restore)
+    /// is refused, rather than going on from a pending token and logits that are no longer the
+    /// session's; the session is untouched.
+    #[test]
+    fn a_generation_refuses_to_step_after_its_session_changed() {
+        let model = Arc::new(tiny_l());
+        let tokenizer = Arc::new(Tokenizer::from_gguf(model.file()).unwrap());
+        let opts = || GenerateOptions {
+            max_tokens: 8,
+            sampling: SamplingParams::greedy(),
+            stop: Vec::new(),
+            stop_tokens: Vec::new(),
+        };
+        let changes: [fn(&mut Session); 3] = [
+            |s| drop(s.eval(&[9], Logits::Last).unwrap()),
+            |s| s.reset(),
+            |s| {
+                let snap = s.snapshot();
+                s.restore(&snap).unwrap()
+            },
+        ];
+        for change in changes {
+            let mut s = Session::new(Arc::clone(&model), 512, KvPrecision::F32).unwrap();
+            let mut g = Generation::start(&mut s, Arc::clone(&tokenizer), &[3, 40, 77], opts(), None).unwrap();
+            g.step(&mut s).unwrap();
+            change(&mut s);
+            let digest = s.digest();
+            let e = g.step(&mut s).unwrap_err();
+            assert!(e.to_string().contains("session changed"), "{e}");
+            assert_eq!(s.digest(), digest);
+        }
     }
 
-    impl Drafter for Sevens {
-        fn name(&self) -> &str {
-            "sevens"
-        }
-
-        fn propose(&mut self, _history: &[u32], max: usize) -> Result<Draft> {
-            let dists = self.sampled.then(|| vec![crate::sampling::Distribution::point_mass(7); max]);
-            Ok(Draft { tokens: vec![7; max], dists, survival: self.survival.then(|| vec![0.0; max]) })
-        }
-    }
-
-    /// At temperature > 0 the block does not read the survival of sampled drafts: cutting
-    /// the block on values that depend on the sampled drafts (DSpark's confidence at position
-    /// i reads the draft before it) would choose which drafts get verified by their values,
-    /// and the rejection rule is exact only for drafts distributed as their q. So a sampled
-    /// drafter's survival changes nothing (the same tokens and cycles as without it), where a
-    /// point-mass drafter's does change the cycles.
+    /// The survival estimates of sampled drafts do not reach the scheduler; those of point
+    /// masses do. (A state of the adaptive scheduler in which they would change the block:
+    /// verifies cost little more than a step, and the estimates say nothing survives.)
     #[test]
     fn sampled_drafts_are_not_cut_by_their_survival() {
-        let prompt: Vec<u32> = vec![3, 40, 77, 40];
-        let model = Arc::new(tiny_l());
-        let params = SamplingParams { temperature: 0.8, seed: 3, ..SamplingParams::default() };
-        let run = |sampled: bool, survival: bool| {
-            let mut s = Session::new(Arc::clone(&model), 512, KvPrecision::F32).unwrap();
-            let tokenizer = Arc::new(Tokenizer::from_gguf(model.file()).unwrap());
-            let opts = GenerateOptions { max_tokens: 12, sampling: params, stop: Vec::new(), stop_tokens: Vec::new() };
-            let spec = speculation(Box::new(Sevens { sampled, survival }), Policy::Adaptive { max: 4 });
-            let mut g = Generation::start(&mut s, tokenizer, &prompt, opts, spec).unwrap();
-            while g.step(&mut s).unwrap().is_some() {}
-            (g.tokens().to_vec(), g.stats.num_draft_tokens, g.stats.num_plain_steps)
-        };
-        assert_eq!(run(true, true), run(true, false));
-        // Point masses (a greedy generation, the drafts the true continuation): a survival of 0
-        // stops the verifies that the drafts would otherwise win.
-        let want = reference(&model, &prompt, 24, SamplingParams::greedy());
-        let full = [prompt.clone(), want.clone()].concat();
-        let verified = |survival: bool| {
-            let mut s = Session::new(Arc::clone(&model), 512, KvPrecision::F32).unwrap();
-            let tokenizer = Arc::new(Tokenizer::from_gguf(model.file()).unwrap());
-            let opts = GenerateOptions {
-                max_tokens: 24,
-                sampling: SamplingParams::greedy(),
-                stop: Vec::new(),
-                stop_tokens: Vec::new(),
-            };
-            let spec = speculation(Box::new(Truth { full: full.clone(), survival }), Policy::Adaptive { max: 4 });
-            let mut g = Generation::start(&mut s, tokenizer, &prompt, opts, spec).unwrap();
-            while g.step(&mut s).unwrap().is_some() {}
-            assert_eq!(g.tokens(), &want[..]);
-            g.stats.num_draft_tokens
-        };
-        let (cut, uncut) = (verified(true), verified(false));
-        assert!(cut < uncut, "{cut} draft tokens verified with a survival of 0, {uncut} without");
-    }
-
-    /// The true continuation (point masses), with survival estimates of 0 or none.
-    struct Truth {
-        full: Vec<u32>,
-        survival: bool,
-    }
-
-    impl Drafter for Truth {
-        fn name(&self) -> &str {
-            "truth"
+        let mut sched = Scheduler::new(Policy::Adaptive { max: 4 }).unwrap();
+        for rows in 1..=5 {
+            sched.record_cost(rows, 1.0 + 0.05 * rows as f64);
         }
-
-        fn propose(&mut self, history: &[u32], max: usize) -> Result<Draft> {
-            let n = history.len().min(self.full.len());
-            let tokens = self.full[n..(n + max).min(self.full.len())].to_vec();
-            let survival = self.survival.then(|| vec![0.0; tokens.len()]);
-            Ok(Draft { tokens, dists: None, survival })
+        for _ in 0..8 {
+            sched.record_outcome(4, 4);
         }
+        let point = crate::sampling::Distribution::point_mass(7);
+        let draft = |sampled: bool| Draft {
+            tokens: vec![7; 4],
+            dists: sampled.then(|| vec![point.clone(); 4]),
+            survival: Some(vec![0.0; 4]),
+        };
+        let without = sched.clone().block_with(4, None);
+        let with = sched.clone().block_with(4, Some(&[0.0; 4]));
+        assert_ne!(without, with, "a state where the estimates would matter");
+        assert_eq!(cycle_block(&mut sched.clone(), &draft(true), 4), without);
+        assert_eq!(cycle_block(&mut sched.clone(), &draft(false), 4), with);
     }
 
     #[test]

@@ -15,6 +15,8 @@ pub struct Snapshot {
     state: State,
     sampler: Option<Sampler>,
     last_greedy: Option<u32>,
+    /// The model of the session it was taken on: a state's shapes are its model's.
+    model: Arc<Model>,
 }
 
 impl Snapshot {
@@ -374,16 +376,29 @@ impl Session {
 
     /// Saves the decode state and the sampler's random stream.
     pub fn snapshot(&self) -> Snapshot {
-        Snapshot { state: self.state.clone(), sampler: self.sampler.clone(), last_greedy: self.last_greedy }
+        Snapshot {
+            state: self.state.clone(),
+            sampler: self.sampler.clone(),
+            last_greedy: self.last_greedy,
+            model: Arc::clone(&self.model),
+        }
     }
 
-    /// Returns to a snapshot taken on a session of the same model.
+    /// Returns to a snapshot taken on a session of the same model (the same loaded model, or
+    /// one of the same config without a drafter), of the same state precision, whose position
+    /// fits this session's context. Anything else is refused and changes nothing: its state's
+    /// shapes would not be this model's.
     pub fn restore(&mut self, snap: &Snapshot) -> Result<()> {
-        if snap.state.n_layers() != self.state.n_layers() || snap.state.pos > self.ctx {
-            return Err(Error::invalid("the snapshot does not belong to this session's model and context"));
+        let same_model = Arc::ptr_eq(&snap.model, &self.model)
+            || (snap.model.config == self.model.config && snap.model.draft.is_none() && self.model.draft.is_none());
+        if !same_model || snap.state.draft.is_some() != self.state.draft.is_some() {
+            return Err(Error::invalid("the snapshot was taken on a session of another model"));
         }
-        if snap.state.draft.is_some() != self.state.draft.is_some() {
-            return Err(Error::invalid("the snapshot does not belong to this session's model and context"));
+        if snap.state.precision != self.state.precision || snap.state.pos > self.ctx {
+            return Err(Error::invalid(format!(
+                "the snapshot ({:?} state at position {}) does not fit this session ({:?} state, context {})",
+                snap.state.precision, snap.state.pos, self.state.precision, self.ctx
+            )));
         }
         self.changes += 1;
         self.state = snap.state.clone();
@@ -868,6 +883,33 @@ pub(crate) mod tests {
         assert_eq!(s.max_verify().unwrap(), crate::spec::MAX_DRAFT + 1);
         let mut r = Session::new(Arc::new(tiny_l()), 512, KvPrecision::F32).unwrap();
         assert_eq!(s.eval(&[5, 6], Logits::All).unwrap(), r.eval(&[5, 6], Logits::All).unwrap());
+    }
+
+    /// A snapshot restores only into a session of its model (the same loaded model, or one of
+    /// equal config and no drafter) and state precision: anything else is refused and changes
+    /// nothing, where it once went through and panicked at the next eval (a state of other
+    /// shapes).
+    #[test]
+    fn a_snapshot_restores_only_into_its_model_and_precision() {
+        let model = Arc::new(tiny_l());
+        let mut a = Session::new(Arc::clone(&model), 512, KvPrecision::F32).unwrap();
+        a.eval(&[5, 6, 7], Logits::Last).unwrap();
+        let snap = a.snapshot();
+        // Another load of the same file: the same config, restored.
+        let mut b = Session::new(Arc::new(tiny_l()), 512, KvPrecision::F32).unwrap();
+        b.restore(&snap).unwrap();
+        assert_eq!(b.digest(), a.digest());
+        // Another config, another precision, a shorter context: refused.
+        let mut other = tiny_l();
+        other.config.rms_eps *= 2.0;
+        let refused = |s: &mut Session| {
+            let digest = s.digest();
+            assert!(matches!(s.restore(&snap), Err(Error::InvalidArgument(_))));
+            assert_eq!(s.digest(), digest);
+        };
+        refused(&mut Session::new(Arc::new(other), 512, KvPrecision::F32).unwrap());
+        refused(&mut Session::new(Arc::clone(&model), 512, KvPrecision::F16).unwrap());
+        refused(&mut Session::new(Arc::clone(&model), 2, KvPrecision::F32).unwrap());
     }
 
     pub(crate) fn tiny_l() -> Model {

@@ -21,6 +21,11 @@ pub const MAX_ELEMENTS: u64 = 1 << 60;
 /// limit keeps recursion bounded on hostile input.
 const MAX_ARRAY_DEPTH: usize = 8;
 
+/// Most array items the metadata may hold in all: a V4 tokenizer's arrays hold about 390 000
+/// (tokens, types, merges), so this leaves room forty times over and bounds the parsed
+/// metadata to about half a gigabyte.
+pub const MAX_METADATA_ITEMS: u64 = 1 << 24;
+
 /// One entry of the tensor directory.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorInfo {
@@ -242,6 +247,8 @@ struct Header {
 struct Cursor<'a> {
     buf: &'a [u8],
     pos: usize,
+    /// Array items of the metadata read so far ([`MAX_METADATA_ITEMS`]).
+    items: u64,
 }
 
 impl<'a> Cursor<'a> {
@@ -336,6 +343,15 @@ impl<'a> Cursor<'a> {
                     .ok_or_else(|| GgufError::UnknownValueType { key: key.to_string(), type_id })?;
                 let count = self.u64(&|| format!("array length of metadata key {key:?}"))?;
                 self.check_count(count, elem.min_size(), &what)?;
+                // An item takes a `Value` in memory (32 bytes) whatever its size in the file
+                // (one byte for a u8): the file's size alone would let a 100 MB array take 3 GB.
+                self.items = self.items.saturating_add(count);
+                if self.items > MAX_METADATA_ITEMS {
+                    return Err(GgufError::Overflow {
+                        what: what(),
+                        detail: format!("metadata arrays hold at most {MAX_METADATA_ITEMS} items in all"),
+                    });
+                }
                 let mut items = Vec::with_capacity(count as usize);
                 for _ in 0..count {
                     items.push(self.value(elem, key, depth + 1)?);
@@ -347,7 +363,7 @@ impl<'a> Cursor<'a> {
 }
 
 fn parse_header(buf: &[u8]) -> Result<Header, GgufError> {
-    let mut c = Cursor { buf, pos: 0 };
+    let mut c = Cursor { buf, pos: 0, items: 0 };
     let magic: [u8; 4] = c.array(&|| "magic".into())?;
     if magic != GGUF_MAGIC {
         return Err(GgufError::BadMagic { found: magic });

@@ -340,4 +340,29 @@ mod tests {
             Error::Gguf(GgufError::UnknownTensorType { type_id: 4, .. })
         ));
     }
+
+    /// Metadata arrays whose items (a 32-byte value each in memory, one byte a u8 in the
+    /// file) would pass [`crate::gguf::reader::MAX_METADATA_ITEMS`] are refused before they
+    /// are made: a 16 MB file must not take half a gigabyte and more.
+    #[test]
+    fn refuses_metadata_arrays_past_the_item_budget() {
+        use crate::gguf::reader::MAX_METADATA_ITEMS;
+        let file = |count: u64| {
+            let mut b = Vec::new();
+            b.extend_from_slice(b"GGUF");
+            b.extend_from_slice(&3u32.to_le_bytes());
+            b.extend_from_slice(&0u64.to_le_bytes()); // tensors
+            b.extend_from_slice(&1u64.to_le_bytes()); // metadata entries
+            b.extend_from_slice(&1u64.to_le_bytes());
+            b.push(b'x');
+            b.extend_from_slice(&9u32.to_le_bytes()); // an array
+            b.extend_from_slice(&0u32.to_le_bytes()); // of u8
+            b.extend_from_slice(&count.to_le_bytes());
+            b.resize(b.len() + count as usize, 0);
+            b
+        };
+        let e = GgufFile::from_bytes(file(MAX_METADATA_ITEMS + 1)).unwrap_err();
+        assert!(matches!(&e, Error::Gguf(GgufError::Overflow { detail, .. }) if detail.contains("at most")), "{e}");
+        assert!(GgufFile::from_bytes(file(1000)).is_ok());
+    }
 }

@@ -38,6 +38,12 @@ pub struct Yarn {
     pub beta_slow: f32,
 }
 
+/// Most rows of a layer's sliding window a config may ask for ([`ModelConfig::window`]).
+pub const MAX_WINDOW: usize = 1 << 16;
+
+/// Most Sinkhorn iterations a config may ask for ([`ModelConfig::sinkhorn_iters`]).
+pub const MAX_SINKHORN_ITERS: usize = 1000;
+
 /// Everything the forward pass needs to know about a DeepSeek V4 model.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
@@ -277,11 +283,20 @@ impl ModelConfig {
         if self.o_groups == 0 || !self.n_heads.is_multiple_of(self.o_groups) {
             return bad(format!("{} heads do not split into {} output groups", self.n_heads, self.o_groups));
         }
-        if self.window == 0 {
-            return bad("the sliding window must be non-zero".into());
+        // A session holds `window` rows a layer (DeepSeek V4: 128) and runs `sinkhorn_iters`
+        // iterations at each hyper-connection site (20): the bounds keep a file's values from
+        // asking for terabytes at the first session or an endless step.
+        if self.window == 0 || self.window > MAX_WINDOW {
+            return bad(format!("the sliding window must be in 1..={MAX_WINDOW}, not {}", self.window));
         }
-        if self.hc_mult == 0 || self.sinkhorn_iters == 0 {
-            return bad("hyper-connection count and Sinkhorn iterations must be non-zero".into());
+        if self.hc_mult == 0 || self.sinkhorn_iters == 0 || self.sinkhorn_iters > MAX_SINKHORN_ITERS {
+            return bad(format!(
+                "hyper-connection count ({}) must be non-zero and Sinkhorn iterations ({}) in 1..={MAX_SINKHORN_ITERS}",
+                self.hc_mult, self.sinkhorn_iters
+            ));
+        }
+        if self.q_lora_rank == 0 || self.o_lora_rank == 0 || self.expert_ff == 0 {
+            return bad("the query and output ranks and the expert width must be non-zero".into());
         }
         if self.n_experts_used == 0 || self.n_experts_used > self.n_experts {
             return bad(format!("{} experts used of {}", self.n_experts_used, self.n_experts));

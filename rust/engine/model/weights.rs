@@ -144,6 +144,10 @@ impl Binder<'_> {
 
     pub(crate) fn mat_of(&self, name: &str, dims: &[usize]) -> Result<Mat> {
         let t = self.info(name, dims)?;
+        // A product of an empty matrix has nothing to compute and divides by its sizes.
+        if dims.contains(&0) {
+            return Err(Error::model(format!("tensor {name:?} has an empty dimension: {:?}", t.dims)));
+        }
         if !t.ggml_type.is_supported() {
             return Err(Error::model(format!(
                 "tensor {name:?} has type {}, which ds4 cannot compute with",

@@ -150,6 +150,12 @@ pub(super) fn parts_from_json(text: &str, config: Option<&str>) -> Result<Parts>
         });
     }
     let n = entries.iter().map(|e| e.0).chain(added.iter().map(|a| a.id)).max().map_or(0, |m| m as usize + 1);
+    // The table has a slot for every id up to the largest: ids far past the tokens' count (a
+    // file's {"a": 4294967294}) would ask for gigabytes before anything else is checked.
+    let count = entries.len() + added.len();
+    if n > 2 * count + 1024 {
+        return Err(err("model.vocab", format!("ids up to {} for {count} tokens", n - 1)));
+    }
     let mut tokens: Vec<Option<String>> = vec![None; n];
     for (id, s) in entries {
         tokens[id as usize] = Some(s.to_string());

@@ -676,4 +676,18 @@ mod tests {
         assert_eq!(d.flush(), "\u{FFFD}");
         assert_eq!(t.decode(&[xff, xe2]).unwrap(), "\u{FFFD}\u{FFFD}");
     }
+
+    /// A tokenizer.json whose ids run far past its tokens' count is refused before its table
+    /// is made (an id of 4294967294 would ask for about 100 GB); ids a little past it are fine.
+    #[test]
+    fn sparse_ids_far_past_the_count_are_refused() {
+        let json = |id: u64| {
+            format!(
+                r#"{{"model":{{"type":"BPE","vocab":{{"a":0,"b":{id}}},"merges":[]}},"pre_tokenizer":{{"type":"ByteLevel"}}}}"#
+            )
+        };
+        let e = Tokenizer::from_json_str(&json(4_294_967_294), None).unwrap_err();
+        assert!(matches!(e, Error::UnsupportedModel(_)) && e.to_string().contains("ids up to"), "{e}");
+        assert!(Tokenizer::from_json_str(&json(1_000), None).is_ok());
+    }
 }
