@@ -171,6 +171,14 @@ def test_logits_modes_and_errors(models: dict[tuple[str, str], ds4.Model]) -> No
         s.eval([512])
     with pytest.raises(ValueError):
         s.eval([-1])
+    # Not integers, or past a u32: refused, not converted (3.9 is not token 3).
+    for bad in ([3.9, 4.2], ["7"], [True], [2**32], np.array([1.0, 2.0])):
+        with pytest.raises(ValueError, match="token ids"):
+            s.eval(bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="token ids"):
+            s.verify(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="token ids"):
+        s.generate([3.5], max_tokens=1)  # type: ignore[list-item]
     assert s.position == 10
     with pytest.raises(ValueError):
         m.session(0)

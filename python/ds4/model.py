@@ -115,11 +115,17 @@ class Proposal:
 
 
 def _token_ids(tokens: Sequence[int] | npt.ArrayLike) -> list[int]:
-    """Token ids as a list of ints (any sequence or array, flattened); ``ValueError`` for a
-    negative one."""
-    ids = [int(t) for t in np.asarray(tokens, dtype=np.int64).reshape(-1)]
-    if any(t < 0 for t in ids):
-        raise ValueError("token ids must be non-negative")
+    """Token ids as a list of ints (any sequence or array of integers, flattened);
+    ``ValueError`` for anything else (floats, strings, booleans) and for an id outside
+    0..2**32-1, rather than a silent conversion (``3.9`` read as 3)."""
+    arr = np.asarray(tokens)
+    if arr.size == 0:
+        return []
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"token ids must be integers, not {arr.dtype}")
+    ids = [int(t) for t in arr.reshape(-1)]
+    if any(t < 0 or t > 0xFFFFFFFF for t in ids):
+        raise ValueError("token ids must be in 0..2**32-1")
     return ids
 
 
@@ -365,10 +371,7 @@ class Session:
             if self.position == 0 and bos is not None and (not ids or ids[0] != bos):
                 ids.insert(0, bos)
             return ids
-        ids = [int(t) for t in prompt]
-        if any(t < 0 for t in ids):
-            raise ValueError("token ids must be non-negative")
-        return ids
+        return _token_ids(prompt)
 
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 256, sampling: Sampling | None = None,
                stop: str | Sequence[str] = (), ignore_eos: bool = False,

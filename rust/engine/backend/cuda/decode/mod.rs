@@ -903,8 +903,10 @@ pub(crate) fn decoder_for(
     ctx: usize,
     precision: KvPrecision,
 ) -> Option<Result<Box<dyn DeviceDecoder>>> {
-    if std::env::var("DS4_DEVICE_DECODE").is_ok_and(|v| v == "0") {
-        return None;
+    match program::switch("DS4_DEVICE_DECODE", std::env::var("DS4_DEVICE_DECODE").ok().as_deref()) {
+        Ok(true) => {}
+        Ok(false) => return None,
+        Err(e) => return Some(Err(e)),
     }
     let round_mode = match precision {
         KvPrecision::F32 => 0,
@@ -1061,6 +1063,9 @@ impl CudaDecoder {
         let opt_in = |name: &str| program::opt_in(name, std::env::var(name).ok().as_deref());
         let (route_tail, norm_tail) = (opt_in("DS4_CUDA_ROUTE_TAIL")?, opt_in("DS4_CUDA_NORM_TAIL")?);
         let wide = opt_in("DS4_CUDA_WIDE")?;
+        let (use_graphs, device_argmax, fork) =
+            (setting("DS4_CUDA_GRAPHS")?, setting("DS4_CUDA_ARGMAX")?, setting("DS4_CUDA_FORK")?);
+        let (profile, resync_after_cut) = (opt_in("DS4_DECODE_PROFILE")?, opt_in("DS4_DECODE_RESYNC")?);
         let compress_split = setting("DS4_CUDA_COMPRESS_SPLIT")?;
         let side_proj = setting("DS4_CUDA_SIDE_PROJ")?;
         let hc_fused = setting("DS4_CUDA_HC_SITE")? && backend.compute_capability().0 >= 9;
@@ -1156,7 +1161,7 @@ impl CudaDecoder {
         }
 
         // The drafter's device path, when its blocks run here (not with DS4_CUDA_DRAFT=0).
-        let device_draft = !std::env::var("DS4_CUDA_DRAFT").is_ok_and(|v| v == "0");
+        let device_draft = setting("DS4_CUDA_DRAFT")?;
         let mtp_w: Option<&MtpWeights> = match model.draft.as_ref().map(|dm| &dm.kind) {
             Some(DraftKind::Mtp(mw)) if device_draft && mtp_on_device(&backend, model, mw) => Some(mw),
             _ => None,
@@ -1431,11 +1436,11 @@ impl CudaDecoder {
             fix: Pinned { ptr: std::ptr::null_mut(), bytes: 0 },
             tag: 0,
             last: None,
-            use_graphs: !std::env::var("DS4_CUDA_GRAPHS").is_ok_and(|v| v == "0"),
-            device_argmax: !std::env::var("DS4_CUDA_ARGMAX").is_ok_and(|v| v == "0"),
-            profile: std::env::var("DS4_DECODE_PROFILE").is_ok_and(|v| v == "1").then(KernelProfile::default),
-            resync_after_cut: std::env::var("DS4_DECODE_RESYNC").is_ok_and(|v| v == "1"),
-            side: if std::env::var("DS4_CUDA_FORK").is_ok_and(|v| v == "0") { None } else { Some(SideBranch::new()?) },
+            use_graphs,
+            device_argmax,
+            profile: profile.then(KernelProfile::default),
+            resync_after_cut,
+            side: if fork { Some(SideBranch::new()?) } else { None },
             prefetch_q_b,
             prefetch_branch,
             side_proj,

@@ -326,8 +326,8 @@ pub(super) fn prefetch_q_b(setting: Option<&str>) -> Result<bool> {
 
 /// An on/off setting of the decoder, `name` = `setting` (the environment's, read when a
 /// session makes its decoder): on when unset, empty or 1, off with 0, and anything else
-/// refused (the session then runs on the host, as for any decoder it cannot make) rather than
-/// read as either.
+/// refused (the session's first evaluation fails with the error, session.rs
+/// `ensure_decoder`) rather than read as either.
 pub(super) fn switch(name: &str, setting: Option<&str>) -> Result<bool> {
     match setting.map(str::trim) {
         None | Some("" | "1") => Ok(true),
