@@ -257,9 +257,22 @@ impl Generation {
         let mut history = session.tokens().to_vec();
         history.push(a);
         let t_draft = Instant::now();
-        let mut draft = sp.drafter.propose_in(session, &history, a, room)?;
+        // A drafter whose tokens cost a step each drafts the block the scheduler chooses, not
+        // the most it may (the choice reads nothing of the drafts: they carry no survival).
+        let (mut draft, l) = if sp.drafter.drafts_one_at_a_time() {
+            let want = sp.scheduler.block(room);
+            if want == 0 {
+                return self.plain_step(session, a);
+            }
+            let draft = sp.drafter.propose_in(session, &history, a, want)?;
+            let l = draft.tokens.len().min(want);
+            (draft, l)
+        } else {
+            let draft = sp.drafter.propose_in(session, &history, a, room)?;
+            let l = cycle_block(&mut sp.scheduler, &draft, room);
+            (draft, l)
+        };
         let draft_seconds = t_draft.elapsed().as_secs_f64();
-        let l = cycle_block(&mut sp.scheduler, &draft, room);
         draft.tokens.truncate(l);
         if let Some(q) = draft.dists.as_mut() {
             q.truncate(l);
@@ -630,6 +643,53 @@ mod tests {
             let e = g.step(&mut s).unwrap_err();
             assert!(e.to_string().contains("session changed"), "{e}");
             assert_eq!(s.digest(), digest);
+        }
+    }
+
+    /// The true continuation a token at a time (as MTP drafts), counting the tokens asked for.
+    struct Stepwise {
+        full: Vec<u32>,
+        asked: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl Drafter for Stepwise {
+        fn name(&self) -> &str {
+            "stepwise"
+        }
+
+        fn propose(&mut self, history: &[u32], max: usize) -> Result<Draft> {
+            self.asked.fetch_add(max, Ordering::Relaxed);
+            let n = history.len().min(self.full.len());
+            Ok(Draft::point(self.full[n..(n + max).min(self.full.len())].to_vec()))
+        }
+
+        fn drafts_one_at_a_time(&self) -> bool {
+            true
+        }
+    }
+
+    /// A drafter whose tokens cost a step each is asked for the block the scheduler chose,
+    /// so every token it drafts is verified (it once drafted the most and the scheduler then
+    /// verified a few), and the output is plain decoding's.
+    #[test]
+    fn a_stepwise_drafter_drafts_only_the_chosen_block() {
+        let greedy = SamplingParams::greedy();
+        let model = Arc::new(tiny_l());
+        let prompt: Vec<u32> = vec![3, 40, 77, 40];
+        let want = reference(&model, &prompt, 30, greedy);
+        let full = [prompt.clone(), want.clone()].concat();
+        for policy in [Policy::Adaptive { max: 8 }, Policy::Fixed(3)] {
+            let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let mut s = Session::new(Arc::clone(&model), 512, KvPrecision::F32).unwrap();
+            let tokenizer = Arc::new(Tokenizer::from_gguf(model.file()).unwrap());
+            let opts = GenerateOptions { max_tokens: 30, sampling: greedy, stop: Vec::new(), stop_tokens: Vec::new() };
+            let drafter = Stepwise { full: full.clone(), asked: Arc::clone(&asked) };
+            let mut g =
+                Generation::start(&mut s, tokenizer, &prompt, opts, speculation(Box::new(drafter), policy)).unwrap();
+            while g.step(&mut s).unwrap().is_some() {}
+            assert_eq!(g.tokens(), &want[..], "{policy:?}");
+            assert!(g.stats.num_draft_tokens > 0);
+            assert_eq!(asked.load(Ordering::Relaxed) as u64, g.stats.num_draft_tokens, "{policy:?}");
         }
     }
 

@@ -50,6 +50,14 @@ pub trait Drafter: Send {
 
     /// Resynchronizes with `history` (after a restore or a failed cycle).
     fn rewind(&mut self, _history: &[u32]) {}
+
+    /// Whether each token of a proposal costs a step of its own (MTP: one block and one
+    /// output head a token) and the proposal carries no survival estimates: a cycle then
+    /// chooses its block first and asks for that many tokens, rather than drafting the most
+    /// and verifying a few of them.
+    fn drafts_one_at_a_time(&self) -> bool {
+        false
+    }
 }
 
 /// The model's own drafter (MTP or DSpark), whose state lives in the session.
@@ -81,6 +89,10 @@ impl Drafter for ModelDrafter {
 
     fn propose(&mut self, _history: &[u32], _max: usize) -> Result<Draft> {
         Err(crate::Error::invalid("a model drafter proposes from a session"))
+    }
+
+    fn drafts_one_at_a_time(&self) -> bool {
+        self.method == "mtp"
     }
 
     fn propose_in(&mut self, session: &mut Session, _history: &[u32], anchor: u32, max: usize) -> Result<Draft> {
