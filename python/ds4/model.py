@@ -333,7 +333,9 @@ class Session:
         return self._native.snapshot()
 
     def restore(self, snapshot: Snapshot) -> None:
-        """Returns to ``snapshot``, bit for bit."""
+        """Returns to ``snapshot``, bit for bit. ``ValueError`` (and nothing changes) for a
+        snapshot of another model (one of another config, or with a drafter, loaded apart), of
+        another state precision (``kv``), or at a position past this session's context."""
         self._native.restore(snapshot)
 
     def reset(self) -> None:
@@ -389,7 +391,10 @@ class Session:
         context is full; ``ignore_eos`` generates through end-of-sequence tokens. The token
         that ends it is not evaluated, so the session holds the prompt and every generated
         token but the last. ``speculative`` drafts tokens and verifies them in batches; the
-        output is the same (token for token at temperature 0, in distribution above)."""
+        output is the same (token for token at temperature 0, in distribution above). A stream
+        that fails (a backend error) puts the session back as it was before that step and
+        cannot go on; one whose session changed between chunks (an eval, verify, restore or
+        reset) refuses to go on."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         stops = [stop] if isinstance(stop, str) else list(stop)
