@@ -227,6 +227,8 @@ def test_valid_settings_and_defaults() -> None:
         s.temperature = 2.0  # type: ignore[misc]
     g = Sampling.greedy()
     assert g.temperature == 0.0 and g.is_greedy and g == Sampling.greedy()
+    # The engine reads the temperature as a float32: one that rounds to 0 is greedy.
+    assert Sampling(temperature=1e-50).is_greedy and not Sampling(temperature=1e-30).is_greedy
     numpy_scalars = Sampling(2, np.int64(3), np.float32(0.5))  # type: ignore[arg-type]
     for ok in (Sampling(0.7, 40, 0.95, 0.05, 1), Sampling(1e-3, 1, 1e-3, 0.999, M64), numpy_scalars):
         ok.sampler()

@@ -83,8 +83,9 @@ class Sampling:
 
     @property
     def is_greedy(self) -> bool:
-        """Whether this is greedy decoding (temperature 0)."""
-        return self.temperature == 0.0
+        """Whether this is greedy decoding: a temperature of 0 as the engine reads it (a
+        float32, so ``1e-50`` is greedy too)."""
+        return float(np.float32(self.temperature)) == 0.0
 
     def sampler(self) -> Sampler:
         """A new sampler with these parameters; its random stream starts from ``seed``, so
