@@ -199,6 +199,7 @@ sampling_params = st.builds(
         ({"min_p": math.nan}, r"^min_p must be in \[0, 1\)"),
         ({"top_k": -1}, r"^top_k must be >= 0 \(0 disables it\), got -1$"),
         ({"top_k": 2.5}, r"^top_k must be an integer >= 0"),
+        ({"top_k": 2**63}, r"^top_k must be below 2\*\*32"),
         ({"seed": -1}, r"^seed must be None or an integer in \[0, 2\*\*64\), got -1$"),
         ({"seed": 1 << 64}, r"^seed must be None or an integer in \[0, 2\*\*64\)"),
         ({"temperature": "hot"}, r"^temperature must be a number, got 'hot'$"),

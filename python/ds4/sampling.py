@@ -29,6 +29,8 @@ SamplerState = tuple[int, int, int, int]
 """A sampler's random-stream state, from :meth:`Sampler.snapshot`."""
 
 _SEED_LIMIT = 1 << 64
+#: top_k's bound (any value past the vocabulary keeps every token).
+_TOP_K_LIMIT = 2**32
 
 
 def _native(params: Sampling) -> _ds4.Sampler:
@@ -61,6 +63,9 @@ class Sampling:
     def __post_init__(self) -> None:
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if int(self.top_k) >= _TOP_K_LIMIT:
+            raise ValueError(f"top_k must be below 2**32 (any value past the vocabulary keeps every token), "
+                             f"got {self.top_k!r}")
         if self.seed is None:
             object.__setattr__(self, "seed", secrets.randbits(64))
         elif (
