@@ -395,8 +395,8 @@ class Session:
         that fails (a backend error) puts the session back as it was before that step and
         cannot go on; one whose session changed between chunks (an eval, verify, restore or
         reset) refuses to go on."""
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        if not 1 <= max_tokens < 2**63:
+            raise ValueError(f"max_tokens must be in [1, 2**63), got {max_tokens}")
         stops = [stop] if isinstance(stop, str) else list(stop)
         s = Sampling.greedy() if sampling is None else sampling
         assert s.seed is not None
