@@ -579,7 +579,7 @@ mod tests {
             assert_eq!(want.1, Some(FinishReason::Length));
             let full = [prompt.clone(), want.0.clone()].concat();
             for k in [1, 2, 3, 4, 8, 16] {
-                // The oracle without errors, so that blocks reach the context's end accepted.
+                // The oracle (wrong at some depths), blocks reaching the context's end.
                 let oracle = Box::new(Oracle { full: full.clone(), calls: 2 });
                 let got = generate_in(&model, ctx, &prompt, 1000, speculation(oracle, Policy::Fixed(k)));
                 assert_eq!(got, want, "block {k}");
