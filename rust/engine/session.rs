@@ -1,10 +1,10 @@
 //! A session: one sequence being decoded, with its state.
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use crate::backend::{DeviceDecoder, Greedy};
 use crate::model::draft::DraftKind;
-use crate::model::{DraftModel, Logits, Model, Proposal};
+use crate::model::{DraftModel, Logits, Model, ModelConfig, Proposal};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::state::{BatchLog, KvPrecision, State};
 use crate::{Error, Result};
@@ -15,8 +15,11 @@ pub struct Snapshot {
     state: State,
     sampler: Option<Sampler>,
     last_greedy: Option<u32>,
-    /// The model of the session it was taken on: a state's shapes are its model's.
-    model: Arc<Model>,
+    /// The model of the session it was taken on, and its config: a state's shapes are its
+    /// model's. Weak, so that a snapshot does not keep the model (its GPU memory) alive; it
+    /// keeps the allocation, so no other model can take its address.
+    model: Weak<Model>,
+    config: ModelConfig,
 }
 
 impl Snapshot {
@@ -380,7 +383,8 @@ impl Session {
             state: self.state.clone(),
             sampler: self.sampler.clone(),
             last_greedy: self.last_greedy,
-            model: Arc::clone(&self.model),
+            model: Arc::downgrade(&self.model),
+            config: self.model.config.clone(),
         }
     }
 
@@ -389,8 +393,9 @@ impl Session {
     /// fits this session's context. Anything else is refused and changes nothing: its state's
     /// shapes would not be this model's.
     pub fn restore(&mut self, snap: &Snapshot) -> Result<()> {
-        let same_model = Arc::ptr_eq(&snap.model, &self.model)
-            || (snap.model.config == self.model.config && snap.model.draft.is_none() && self.model.draft.is_none());
+        // (A state has drafter state exactly when its model has a drafter.)
+        let same_model = Weak::ptr_eq(&snap.model, &Arc::downgrade(&self.model))
+            || (snap.config == self.model.config && snap.state.draft.is_none() && self.model.draft.is_none());
         if !same_model || snap.state.draft.is_some() != self.state.draft.is_some() {
             return Err(Error::invalid("the snapshot was taken on a session of another model"));
         }
@@ -835,7 +840,6 @@ pub(crate) mod tests {
         }
     }
 
-    /// The tiny-l golden model (llama.cpp's f32 file).
     /// The CPU backend whose device decoder cannot be made: with an invalid setting
     /// (`Error::InvalidArgument`) or for want of device memory (`Error::Backend`).
     struct NoDecoder(fn() -> Error);
@@ -912,6 +916,7 @@ pub(crate) mod tests {
         refused(&mut Session::new(Arc::clone(&model), 2, KvPrecision::F32).unwrap());
     }
 
+    /// The tiny-l golden model (llama.cpp's f32 file).
     pub(crate) fn tiny_l() -> Model {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/tiny-l");
         Model::load(dir.join("llamacpp-f32.gguf")).unwrap()
