@@ -8,22 +8,11 @@
 // timed back to back on one stream and as a CUDA graph of the same launches.
 //
 //   nvcc -O2 -arch=sm_90 -o /tmp/stream_lab scripts/kernel_lab/stream_lab.cu && /tmp/stream_lab
-#include <cuda_runtime.h>
+#include "lab_rt.h"
 
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
-
-#define CK(x)                                                                   \
-    do {                                                                        \
-        cudaError_t e_ = (x);                                                   \
-        if (e_ != cudaSuccess) {                                                \
-            printf("error in %s: %s\n", #x, cudaGetErrorString(e_));            \
-            exit(1);                                                            \
-        }                                                                       \
-    } while (0)
-
-typedef unsigned int u32;
 
 template <int U>
 __global__ void __launch_bounds__(256) ldg_sum(const uint4* __restrict__ p, long long n16, u32* out) {

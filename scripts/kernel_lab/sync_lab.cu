@@ -22,7 +22,7 @@
 // that read its input before it was written shows as a difference.
 //
 //   nvcc -O2 -arch=sm_90 -o /tmp/sync_lab scripts/kernel_lab/sync_lab.cu && /tmp/sync_lab [BLOCKS_PER_SM]
-#include <cuda_runtime.h>
+#include "lab_rt.h"
 
 #include <algorithm>
 #include <cmath>
@@ -30,17 +30,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <vector>
-
-#define CK(x)                                                                   \
-    do {                                                                        \
-        cudaError_t e_ = (x);                                                   \
-        if (e_ != cudaSuccess) {                                                \
-            printf("error in %s: %s\n", #x, cudaGetErrorString(e_));            \
-            exit(1);                                                            \
-        }                                                                       \
-    } while (0)
-
-typedef unsigned int u32;
 
 // Floats of every phase's input and output (a Flash row).
 #define X_LEN 4096
