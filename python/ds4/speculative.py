@@ -36,10 +36,10 @@ class Speculative:
     DSpark proposes its block at once, and its confidence head tells the adaptive scheduler
     how far each proposal is likely to survive. ``max_draft`` bounds the tokens verified per cycle
     (1..16; on the GPU a cycle drafts at most 15, so that its verify is one device step:
-    ``Session.max_verify``). ``adaptive`` lets a scheduler choose the block size from the measured cost of
-    verifying and the recent acceptance, falling back to plain decoding when drafts keep
-    failing; with ``adaptive=False`` every cycle verifies what the drafter offers, up to
-    ``max_draft``.
+    ``Session.max_verify``). ``adaptive`` lets a scheduler choose the block size from the
+    measured cost of verifying and the recent acceptance, falling back to plain decoding when
+    drafts keep failing; with ``adaptive=False`` every cycle verifies what the drafter offers,
+    up to ``max_draft``.
     """
 
     method: Union[Literal["ngram", "mtp", "dspark"], DrafterFn] = "ngram"
